@@ -1,0 +1,61 @@
+"""Speed and memory benchmarks, each measured as a ratio against a baseline run in the same process.
+
+    python scripts/benchmark.py --suite poet_layer          # one suite
+    python scripts/benchmark.py --suite all --out bench.json
+
+Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script only
+dispatches, prints a Markdown table per suite and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ("poet_layer", "pretrain_step", "oft_layer", "eco", "reflection")
+
+
+def machine_description() -> str:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def to_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row.get(c):.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats, for a smoke run")
+    parser.add_argument("--out", type=Path, help="write all rows as JSON here")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(ROOT))
+    results = {"machine": machine_description()}
+    print(f"machine: {results['machine']}")
+    for suite in SUITES if args.suite == "all" else (args.suite,):
+        rows = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick)
+        results[suite] = rows
+        print(f"\n## {suite}\n\n{to_markdown(rows)}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,24 @@
+"""Pure PyTorch orthogonal math: no Hugging Face imports. Every other module of poet_hf builds on it."""
+
+from .base_init import BASE_INIT_SCHEMES, init_base_weight
+from .cayley import (
+    cayley,
+    cayley_neumann,
+    check_neumann_terms,
+    neumann_error_bound,
+    num_skew_params,
+    orthogonal_from_vector,
+    orthogonality_error,
+    skew_from_vector,
+)
+from .spo import (
+    block_matmul_left,
+    block_matmul_right,
+    inverse_permutation,
+    sample_permutation,
+    sample_subset,
+    spo_generator,
+    subset_matmul_left,
+    subset_matmul_right,
+    subset_size,
+)
