@@ -1,6 +1,13 @@
 """poet_hf: orthogonal-equivalence training (POET, OFT, orthogonal layers) for the Hugging Face stack.
 
-Importing this package registers the POET, OFT and orthogonal tuners with stock PEFT.
+Importing this package registers the POET, OFT and orthogonal tuners with stock PEFT, so
+``peft.get_peft_model(model, PoetConfig(...))`` and ``PeftModel.from_pretrained`` work unchanged.
 """
 
+from .tuners.poet import PoetConfig, merge_and_reinit
+from .tuners.registry import register_tuners
+
+register_tuners()
+
 __version__ = "0.1.0"
+__all__ = ["PoetConfig", "merge_and_reinit"]

@@ -8,7 +8,7 @@ Convention (shared with PEFT OFTv2 and the POET-X kernel, so adapters interopera
   ``R = (I + Q)(I + Q + ... + Q^{k-2}) = I + 2Q + ... + 2Q^{k-2} + Q^{k-1}``.
 
 The truncation error has a closed form: ``R_exact - R_k = R_exact Q^{k-1}`` (Q commutes with
-``(I - Q)^{-1}``), so ``R_k = R_exact (I - Q^{k-1})`` and ``||R_k - R_exact||_2 = ||Q||_2^{k-1}``.
+``(I - Q)^{-1}``), so ``R_k = R_exact (I - Q^{k-1})`` and ``||R_k - R_exact||_2 = ||Q||_2^{k-1}``; see ``neumann_error_bound``.
 """
 
 from __future__ import annotations
@@ -92,16 +92,18 @@ def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> to
 
 
 def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:
-    """Largest deviation of any singular value of the Cayley–Neumann rotation from 1.
+    """Largest deviation from 1 of any singular value of the Cayley–Neumann rotation of ``Q``, per block.
 
     ``R_k = R_exact (I - Q^{k-1})`` with ``R_exact`` orthogonal and ``Q`` normal, so the singular values of
-    ``R_k`` are ``|1 - (i θ)^{k-1}|`` over the eigenvalues ``i θ`` of ``Q``; their distance from 1 is at most
-    ``||Q||_2^{k-1}``. Returns that bound per block (0 for the exact transform).
+    ``R_k`` are ``|1 - (iθ)^{k-1}|`` over the eigenvalues ``iθ`` of ``Q``. That distance from 1 grows with
+    ``|θ|``, so the largest is reached at ``θ = ||Q||_2``: ``θ^{k-1}`` for odd ``k`` and
+    ``sqrt(1 + θ^{2(k-1)}) - 1`` for even ``k``. Zero for the exact transform (``terms == 0``).
     """
     check_neumann_terms(terms)
     if terms == 0:
         return q.new_zeros(q.shape[:-2])
-    return torch.linalg.matrix_norm(q, ord=2) ** (terms - 1)
+    theta = torch.linalg.matrix_norm(q, ord=2).to(torch.complex128)
+    return ((1 - (1j * theta) ** (terms - 1)).abs() - 1).abs().to(q.dtype)
 
 
 def orthogonality_error(r: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,223 @@
+"""The other LipConvNet building blocks, in pure PyTorch: SOC convolution, MaxMin, last-layer normalisation.
+
+- :class:`SocConv2d`: skew orthogonal convolution (Singla & Feizi, ICML 2021), the baseline the ECO paper
+  compares against. The Jacobian of a conv with kernel ``L = M - M^T_conv`` (channels swapped, taps flipped) is
+  skew-symmetric, so ``exp(J_L)`` is orthogonal; it is applied as the Taylor series ``Σ_{i=0}^{T} L^{*i} x / i!``,
+  i.e. ``T`` sequential convolutions, in training *and* evaluation. We pad circularly (the ECO paper's setting;
+  the SOC release pads with zeros), which keeps the Jacobian block-circulant, so its exact singular values are
+  computable per frequency (:meth:`SocConv2d.singular_values`).
+- :class:`MaxMin`: GroupSort-2 (Anil et al. 2019); 1-Lipschitz and gradient-norm-preserving.
+- :class:`RowNormLinear`: last-layer normalisation (LLN), a linear layer with unit-norm rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .eco import as_pair, circular_conv_symbol
+
+__all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "matrix_taylor_exp"]
+
+
+def matrix_taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
+    """``Σ_{i=0}^{terms} A^i / i!`` for a batch of (complex) matrices, by explicit powers."""
+    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+    total, power = eye.expand_as(a).clone(), eye.expand_as(a)
+    for i in range(1, terms + 1):
+        power = power @ a / i
+        total = total + power
+    return total
+
+
+def _check_int(value: object, name: str, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class SocConv2d(nn.Module):
+    """Skew orthogonal convolution (SOC) with circular padding, for one fixed input size.
+
+    Args:
+        in_channels, out_channels: channel counts; channel changes and stride work as in
+            :class:`~poet_hf.orthogonal.eco.EcoConv2d` (zero-pad inputs to ``c = max(c_in·s², c_out)``, keep the
+            first ``c_out`` outputs, ``pixel_unshuffle`` for stride).
+        kernel_size: odd ``k`` (the circular conv-transpose is the adjoint only for centred, odd kernels).
+        stride: ``s``; must divide ``input_size``.
+        input_size: ``n`` or ``(n_h, n_w)``, fixed so the exact spectrum can be computed.
+        train_terms, eval_terms: Taylor terms ``T`` in training / evaluation (SOC: 5 and 10).
+        correction: ``L`` is scaled to spectral-norm bound ``correction`` (SOC uses 0.7) so the series converges
+            fast.
+        power_iterations: power-iteration steps per training forward for the bound.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int = 3,
+        stride: int = 1,
+        *,
+        input_size: int | tuple[int, int],
+        bias: bool = True,
+        train_terms: int = 5,
+        eval_terms: int = 10,
+        correction: float = 0.7,
+        power_iterations: int = 1,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_channels = _check_int(in_channels, "in_channels", 1)
+        self.out_channels = _check_int(out_channels, "out_channels", 1)
+        self.kernel_size = _check_int(kernel_size, "kernel_size", 1)
+        if kernel_size % 2 == 0:
+            raise ValueError(f"SocConv2d: `kernel_size` must be odd, got {kernel_size}")
+        self.stride = _check_int(stride, "stride", 1)
+        self.train_terms = _check_int(train_terms, "train_terms", 1)
+        self.eval_terms = _check_int(eval_terms, "eval_terms", 1)
+        self.power_iterations = _check_int(power_iterations, "power_iterations", 1)
+        if not 0 < correction <= 1:
+            raise ValueError(f"SocConv2d: `correction` must be in (0, 1], got {correction!r}")
+        self.correction = float(correction)
+        self.input_size = as_pair(input_size, "input_size")
+        nh, nw = self.input_size
+        if nh % self.stride or nw % self.stride:
+            raise ValueError(f"SocConv2d: stride={self.stride} must divide input_size={self.input_size} (pixel-unshuffle)")
+        self.conv_size = (nh // self.stride, nw // self.stride)
+        if kernel_size // 2 > min(self.conv_size):
+            raise ValueError(
+                f"SocConv2d: kernel_size={kernel_size} needs circular padding {kernel_size // 2}, larger than the "
+                f"{self.conv_size} map it convolves"
+            )
+        self.conv_in_channels = self.in_channels * self.stride**2
+        self.width = max(self.conv_in_channels, self.out_channels)
+        self.padding = (kernel_size // 2,) * 4
+        self.update_power_iteration = True
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(self.width, self.width, kernel_size, kernel_size, **factory))
+        self.register_buffer("u", torch.empty(self.width, **factory))
+        self.bias = nn.Parameter(torch.zeros(self.out_channels, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Kernel ~ N(0, 1/(c k²)), random unit ``u`` warmed up by 30 power iterations, zero bias."""
+        with torch.no_grad():
+            self.weight.normal_(0.0, 1.0 / math.sqrt(self.width * self.kernel_size**2), generator=generator)
+            self.u.normal_(generator=generator)
+            self.u.copy_(F.normalize(self.u, dim=0))
+            if self.u.device.type != "meta":
+                self.u.copy_(self._power_iteration(self._skew_kernel_raw(), self.u, 30))
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def _skew_kernel_raw(self) -> torch.Tensor:
+        # The adjoint of a centred circular cross-correlation swaps channels and flips taps.
+        return self.weight - self.weight.transpose(0, 1).flip(2, 3)
+
+    @staticmethod
+    @torch.no_grad()
+    def _power_iteration(kernel: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.Tensor:
+        r = kernel.detach().reshape(kernel.shape[0], -1)
+        for _ in range(iterations):
+            v = F.normalize(r.T @ u, dim=0)
+            u = F.normalize(r @ v, dim=0)
+        return u
+
+    def skew_kernel(self, update: bool = False) -> torch.Tensor:
+        """``L`` scaled so its conv operator has spectral norm at most ``correction`` (up to the power iteration).
+
+        ``||J_L|| <= sqrt(k_h k_w) · ||reshape(L, [c, c k²])||_2``: the conv is that matrix applied to the ``k²``
+        circularly shifted copies of ``x``, whose stack has norm ``k ||x||``.
+        """
+        raw = self._skew_kernel_raw()
+        if update:
+            self.u.copy_(self._power_iteration(raw, self.u, self.power_iterations))
+        sigma = (raw.reshape(raw.shape[0], -1).T @ self.u.to(raw.dtype)).norm()
+        bound = self.kernel_size * sigma.clamp_min(torch.finfo(raw.dtype).tiny)
+        return raw * (self.correction / bound)
+
+    @property
+    def terms(self) -> int:
+        return self.train_terms if self.training else self.eval_terms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[-2:]) != self.input_size:
+            raise ValueError(f"SocConv2d was built for input_size={self.input_size}, got a {tuple(x.shape[-2:])} input")
+        if self.stride > 1:
+            x = F.pixel_unshuffle(x, self.stride)
+        if x.shape[-3] < self.width:
+            x = F.pad(x, (0, 0, 0, 0, 0, self.width - x.shape[-3]))
+        kernel = self.skew_kernel(update=self.training and self.update_power_iteration).to(x.dtype)
+        out, term = x, x
+        for i in range(1, self.terms + 1):  # Σ_{i=0}^{T} L^{*i} x / i!: T sequential convolutions
+            term = F.conv2d(F.pad(term, self.padding, mode="circular"), kernel) / i
+            out = out + term
+        out = out[:, : self.out_channels]
+        return out if self.bias is None else out + self.bias.view(1, -1, 1, 1)
+
+    @torch.no_grad()
+    def singular_values(self) -> torch.Tensor:
+        """All singular values of the layer's Jacobian for the current mode's number of terms (float64).
+
+        The Jacobian is block-circulant, so per frequency it is ``S_T(L̂(f))``, sliced to ``[c_out, c_in·s²]``.
+        """
+        kernel = self.skew_kernel()
+        symbol = circular_conv_symbol(kernel, self.conv_size, (1, 1), self.padding)
+        series = matrix_taylor_exp(symbol, self.terms)[..., : self.out_channels, : self.conv_in_channels]
+        return torch.linalg.svdvals(series).flatten()
+
+    def lipschitz_constant(self) -> float:
+        """Exact ℓ2 Lipschitz constant of the map the current mode computes."""
+        return float(self.singular_values().max())
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"input_size={self.input_size}, terms=({self.train_terms}, {self.eval_terms})"
+        )
+
+
+class MaxMin(nn.Module):
+    """GroupSort-2 over channel halves: ``[max(a, b), min(a, b)]`` for ``a, b = x.chunk(2, dim=1)``.
+
+    It permutes each pair of entries, so it is 1-Lipschitz and preserves norms and gradient norms.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % 2:
+            raise ValueError(f"MaxMin needs an even number of channels, got {x.shape[1]}")
+        a, b = x.chunk(2, dim=1)
+        return torch.cat([torch.maximum(a, b), torch.minimum(a, b)], dim=1)
+
+
+class RowNormLinear(nn.Module):
+    """Last-layer normalisation (LLN): ``y = (W / ||W_i||) x + b``, every row of unit norm.
+
+    Each logit is 1-Lipschitz, and the margin ``y_i - y_j`` is ``||w_i - w_j||``-Lipschitz, which is what the
+    certificate for this head uses (not ``√2``: the rows are not orthogonal).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features = _check_int(in_features, "in_features", 1)
+        self.out_features = _check_int(out_features, "out_features", 1)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        with torch.no_grad():
+            self.weight.normal_(generator=generator)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def normalized_weight(self) -> torch.Tensor:
+        return F.normalize(self.weight, dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.normalized_weight().to(x.dtype), self.bias)

@@ -1,0 +1,113 @@
+"""`PoetConfig`: the PEFT config of POET (Reparameterized Training via Orthogonal Equivalence Transformation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from peft.config import PeftConfig
+
+from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
+from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
+
+POET_PEFT_TYPE = "POET"
+
+
+def check_choice(field_name: str, value: object, choices: tuple) -> None:
+    """Raise a ``ValueError`` naming the field and its allowed values."""
+    if value not in choices:
+        raise ValueError(f"`{field_name}` must be one of {choices}, got {value!r}")
+
+
+def check_positive_int(field_name: str, value: object, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
+
+
+def check_budget(value: object, field_name: str = "budget") -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ValueError(f"`{field_name}` must be a fraction in (0, 1], got {value!r}")
+
+
+@dataclass
+class PoetConfig(PeftConfig):
+    """Configuration of a POET adapter: every target weight becomes ``R·W0·P`` (torch: ``P^T W0 R^T``).
+
+    ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built by the Cayley–Neumann map from
+    skew-symmetric blocks that start at zero, so the wrapped model starts as the base model. Every
+    ``merge_every`` optimizer steps :func:`poet_hf.merge_and_reinit` folds them into ``W0`` and draws new
+    permutations / index sets.
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={
+            "help": "Module names or a regex to wrap. Default per model_type: every Linear inside the transformer "
+            "blocks, never embeddings or lm_head."
+        },
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex to leave out."}
+    )
+    spo: Literal["block", "full"] = field(
+        default="block",
+        metadata={"help": "'block': permuted block-diagonal rotations (POET-BS); 'full': one b×b block on a random "
+                  "index subset (POET-FS)."},
+    )
+    block_size: int = field(default=256, metadata={"help": "Block size b for spo='block'; must divide the dims."})
+    budget: float = field(default=0.5, metadata={"help": "Fraction of each dimension rotated, for spo='full'."})
+    sides: Literal["both", "input", "output"] = field(
+        default="both", metadata={"help": "'both' (R and P), 'input' (R only, OFT-like) or 'output' (P only)."}
+    )
+    neumann_terms: int = field(
+        default=5, metadata={"help": "Cayley–Neumann terms k (R = I + 2Q + … + 2Q^(k-2) + Q^(k-1)); 0 = exact Cayley."}
+    )
+    merge_every: int = field(default=200, metadata={"help": "Optimizer steps between merge-then-reinitialize."})
+    base_init: Optional[str] = field(
+        default=None,
+        metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
+    forward: Literal["auto", "weight", "activation"] = field(
+        default="auto",
+        metadata={"help": "'weight' materialises P^T W0 R^T; 'activation' rotates activations around the base op; "
+                  "'auto' picks the cheaper by a flop count (tokens vs dimensions)."},
+    )
+    train_other_params: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Keep non-targeted parameters (embeddings, norms, lm_head) trainable and save them. "
+                  "None means True when base_init is set (pretraining from scratch), else False."},
+    )
+    init_weights: bool = field(
+        default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
+    )
+    bias: Literal["none", "all", "poet_only"] = field(default="none", metadata={"help": "Which biases to train."})
+    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
+    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
+    modules_to_save: Optional[list[str]] = field(default=None)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = POET_PEFT_TYPE
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        check_choice("spo", self.spo, SPO_CHOICES)
+        check_positive_int("block_size", self.block_size, minimum=2)
+        check_budget(self.budget)
+        check_choice("sides", self.sides, SIDES_CHOICES)
+        check_neumann_terms(self.neumann_terms)
+        check_positive_int("merge_every", self.merge_every)
+        check_choice("base_init", self.base_init, (None, *BASE_INIT_SCHEMES))
+        check_choice("forward", self.forward, FORWARD_CHOICES)
+        check_choice("bias", self.bias, BIAS_CHOICES["poet"])
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    @property
+    def trains_other_params(self) -> bool:
+        """Whether non-targeted parameters stay trainable (pretraining)."""
+        return self.base_init is not None if self.train_other_params is None else self.train_other_params

@@ -1,0 +1,383 @@
+"""POET tuner layers for ``nn.Linear``, ``transformers`` ``Conv1D`` and ``nn.Conv2d``.
+
+Every base weight is handled as the torch matrix ``W_t`` (out × in): ``Linear.weight``, ``Conv1D.weight.T``
+(GPT-2 stores in × out), ``Conv2d.weight.view(out, in·kh·kw)``. The effective weight is ``P^T · W_t0 · R^T``:
+R (in×in) rotates inputs and P (out×out) rotates outputs, ``Y = ((X @ R) @ W_t0.T) @ P`` (POET eq. 3).
+The bias is not rotated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from ...orthogonal import (
+    block_matmul_left,
+    block_matmul_right,
+    init_base_weight,
+    neumann_error_bound,
+    num_skew_params,
+    orthogonal_from_vector,
+    orthogonality_error,
+    sample_permutation,
+    sample_subset,
+    skew_from_vector,
+    spo_generator,
+    subset_matmul_left,
+    subset_matmul_right,
+    subset_size,
+)
+
+SIDE_INPUT = "input"  # R, acts on the in dimension
+SIDE_OUTPUT = "output"  # P, acts on the out dimension
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """Static shape of one side's primitive: ``kind`` is 'block', 'contiguous' (unpermuted blocks) or 'full'."""
+
+    kind: str
+    dim: int
+    block: int
+
+    @property
+    def num_blocks(self) -> int:
+        return 1 if self.kind == "full" else self.dim // self.block
+
+    @property
+    def num_params(self) -> int:
+        return self.num_blocks * num_skew_params(self.block)
+
+    def sample_index(self, generator: torch.Generator) -> torch.Tensor:
+        """The permutation (block) or sorted index subset (full) for this side; empty for contiguous blocks."""
+        if self.kind == "block":
+            return sample_permutation(self.dim, generator)
+        if self.kind == "full":
+            return sample_subset(self.dim, self.block, generator)
+        return torch.empty(0, dtype=torch.long)
+
+    def matmul_right(self, x: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``x @ G`` on the last dimension."""
+        if self.kind == "full":
+            return subset_matmul_right(x, index, blocks[0])
+        return block_matmul_right(x, index if self.kind == "block" else None, blocks)
+
+    def matmul_left(self, x: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``G @ x`` on the first dimension."""
+        if self.kind == "full":
+            return subset_matmul_left(x, index, blocks[0])
+        return block_matmul_left(x, index if self.kind == "block" else None, blocks)
+
+    def apply_cost(self, other_dim: int) -> int:
+        """Multiply-adds of rotating ``other_dim`` vectors of length ``dim``."""
+        return other_dim * (self.block**2 if self.kind == "full" else self.dim * self.block)
+
+
+def make_side_spec(spo: str, dim: int, block_size: int, budget: float, layer_name: str, field: str) -> SideSpec:
+    """Validate and build one side's spec; errors name the config field, the layer and its size."""
+    if spo == "full":
+        return SideSpec("full", dim, subset_size(dim, budget))
+    if dim % block_size:
+        raise ValueError(
+            f"`{field}`={block_size} does not divide the {dim}-dimensional side of target module "
+            f"'{layer_name}'; choose a block size that divides every targeted dimension"
+        )
+    return SideSpec("contiguous" if spo == "contiguous" else "block", dim, block_size)
+
+
+class PoetLayer(BaseTunerLayer):
+    """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them."""
+
+    adapter_layer_names = ("poet_R", "poet_P")
+    other_param_names = ("poet_R_index", "poet_P_index", "poet_merge_count", "poet_specs", "poet_settings")
+
+    def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.poet_R = nn.ParameterDict({})
+        self.poet_P = nn.ParameterDict({})
+        self.poet_R_index = BufferDict({}, persistent=True)
+        self.poet_P_index = BufferDict({}, persistent=True)
+        self.poet_merge_count = BufferDict({}, persistent=True)
+        self.poet_specs: dict[str, dict[str, SideSpec]] = {}
+        self.poet_settings: dict[str, dict[str, Any]] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.kwargs = kwargs
+        out_dim, in_dim = self.weight_matrix().shape
+        self.in_features, self.out_features = in_dim, out_dim
+
+    # --- the base weight as an out × in matrix (overridden per module type) -----------------------------------
+    def weight_matrix(self) -> torch.Tensor:
+        return self.get_base_layer().weight
+
+    def set_weight_matrix(self, matrix: torch.Tensor) -> None:
+        weight = self.get_base_layer().weight
+        weight.data.copy_(matrix.reshape(weight.shape).to(weight.dtype))
+
+    def base_op(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        """The base computation without bias, for an out × in weight matrix."""
+        return F.linear(x, matrix)
+
+    supports_activation_forward = True
+
+    # --- adapter creation --------------------------------------------------------------------------------------
+    def update_layer(self, adapter_name: str, config: Any, layer_name: str, spo: Optional[str] = None) -> None:
+        """Add adapter ``adapter_name`` described by a ``PoetConfig``-like ``config`` (OFT passes ``spo``)."""
+        spo = spo or config.spo
+        if config.forward == "activation" and not self.supports_activation_forward:
+            raise ValueError(
+                f"`forward`='activation' is not supported for {type(self.get_base_layer()).__name__} target "
+                f"'{layer_name}'; use 'weight' or 'auto'"
+            )
+        specs = {}
+        if config.sides in ("both", "input"):
+            specs[SIDE_INPUT] = make_side_spec(spo, self.in_features, config.block_size, config.budget, layer_name,
+                                               "block_size")
+        if config.sides in ("both", "output"):
+            specs[SIDE_OUTPUT] = make_side_spec(spo, self.out_features, config.block_size, config.budget, layer_name,
+                                                "block_size")
+        self.poet_specs[adapter_name] = specs
+        self.poet_settings[adapter_name] = {
+            "neumann_terms": config.neumann_terms,
+            "forward": config.forward,
+            "seed": config.seed,
+            "layer_name": layer_name,
+        }
+        device = self.weight_matrix().device
+        self.poet_merge_count[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
+        for side, spec in specs.items():
+            params, indices = self._side_containers(side)
+            params[adapter_name] = nn.Parameter(torch.zeros(spec.num_blocks, num_skew_params(spec.block),
+                                                            device=device))
+            indices[adapter_name] = self._draw_index(adapter_name, side, merge_count=0).to(device)
+        if not config.init_weights:
+            self.randomize_skew(adapter_name, torch.Generator().manual_seed(config.seed))
+        if getattr(config, "base_init", None) is not None:
+            generator = spo_generator(config.seed, 0, layer_name, "base_init")
+            self.set_weight_matrix(init_base_weight(self.weight_matrix(), config.base_init, generator))
+        self.set_adapter(self.active_adapters)
+
+    def _side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
+        return (self.poet_R, self.poet_R_index) if side == SIDE_INPUT else (self.poet_P, self.poet_P_index)
+
+    def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
+        settings = self.poet_settings[adapter_name]
+        generator = spo_generator(settings["seed"], merge_count, settings["layer_name"], side)
+        return self.poet_specs[adapter_name][side].sample_index(generator)
+
+    @torch.no_grad()
+    def randomize_skew(self, adapter_name: str, generator: torch.Generator, op_norm: float = 0.1) -> None:
+        """Random skew parameters whose blocks have operator norm about ``op_norm`` (non-identity adapter)."""
+        for side, spec in self.poet_specs[adapter_name].items():
+            param = self._side_containers(side)[0][adapter_name]
+            # A b×b Gaussian skew matrix with entry std s has operator norm about 2·s·sqrt(b).
+            std = op_norm / (2 * math.sqrt(spec.block))
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    # --- rotations ---------------------------------------------------------------------------------------------
+    def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider)."""
+        spec = self.poet_specs[adapter_name][side]
+        param = self._side_containers(side)[0][adapter_name]
+        terms = self.poet_settings[adapter_name]["neumann_terms"]
+        return orthogonal_from_vector(param.to(dtype), spec.block, terms)
+
+    def _sides(self, adapter_name: str) -> dict[str, SideSpec]:
+        return self.poet_specs.get(adapter_name, {})
+
+    def rotate_weight(self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False) -> torch.Tensor:
+        """``P^T · matrix · R^T`` (or its exact inverse map ``P^{-T} · matrix · R^{-T}``)."""
+        for side, spec in self._sides(adapter_name).items():
+            index = self._side_containers(side)[1][adapter_name]
+            blocks = self.rotation_blocks(adapter_name, side, dtype=matrix.dtype)
+            if inverse:  # blockwise solve: exact even where a truncated Cayley–Neumann block is not orthogonal
+                blocks = torch.linalg.inv(blocks.double()).to(matrix.dtype)
+            blocks = blocks.transpose(-1, -2)
+            if side == SIDE_INPUT:
+                matrix = spec.matmul_right(matrix, index, blocks)
+            else:
+                matrix = spec.matmul_left(matrix, index, blocks)
+        return matrix
+
+    def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
+        matrix = self.weight_matrix().to(dtype)
+        for adapter_name in adapter_names if adapter_names is not None else self.active_adapters:
+            matrix = self.rotate_weight(matrix, adapter_name)
+        return matrix
+
+    def _use_activation_path(self, adapter_names: list[str], tokens: int) -> bool:
+        choices = {self.poet_settings[a]["forward"] for a in adapter_names}
+        if choices == {"activation"}:
+            return True
+        if "weight" in choices or not self.supports_activation_forward:
+            return False
+        weight_cost = activation_cost = 0
+        for a in adapter_names:
+            for side, spec in self._sides(a).items():
+                other = self.out_features if side == SIDE_INPUT else self.in_features
+                weight_cost += spec.apply_cost(other)
+                activation_cost += spec.apply_cost(tokens)
+        return activation_cost < weight_cost
+
+    def _poet_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+        base = self.get_base_layer()
+        bias = base.bias
+        tokens = x.numel() // self.in_features if self.supports_activation_forward else 0
+        if not self._use_activation_path(adapter_names, tokens):
+            matrix = self.effective_weight_matrix(adapter_names).to(self.weight_matrix().dtype)
+            out = self.base_op(x, matrix)
+            return out if bias is None else self._add_bias(out, bias)
+        # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        for a in reversed(adapter_names):
+            if SIDE_INPUT in self._sides(a):
+                h = self._sides(a)[SIDE_INPUT].matmul_right(h, self.poet_R_index[a], self.rotation_blocks(a, SIDE_INPUT))
+        h = self.base_op(h.to(x.dtype), self.weight_matrix()).to(compute)
+        for a in adapter_names:
+            if SIDE_OUTPUT in self._sides(a):
+                h = self._sides(a)[SIDE_OUTPUT].matmul_right(h, self.poet_P_index[a], self.rotation_blocks(a, SIDE_OUTPUT))
+        out = h.to(x.dtype)
+        return out if bias is None else self._add_bias(out, bias)
+
+    def _add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return out + bias.to(out.dtype)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.poet_specs]
+        if not active:
+            return self.base_layer(x, *args, **kwargs)
+        return self._poet_forward(x, active)
+
+    # --- PEFT merge / unmerge (inference-time folds; the adapter keeps its state) --------------------------------
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
+        from peft.tuners.tuners_utils import check_adapters_to_merge
+
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        for adapter_name in adapter_names:
+            if adapter_name not in self.poet_specs:
+                continue
+            merged = self.rotate_weight(self.weight_matrix().float(), adapter_name)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs or infs found while merging POET adapter '{adapter_name}'; it is broken")
+            self.set_weight_matrix(merged)
+            self.merged_adapters.append(adapter_name)
+
+    def unmerge(self) -> None:
+        """Restore the base weight by the exact inverse of each merged rotation, newest first."""
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            restored = self.rotate_weight(self.weight_matrix().double(), adapter_name, inverse=True)
+            self.set_weight_matrix(restored)
+
+    # --- POET training-time merge-then-reinitialize ----------------------------------------------------------------
+    @torch.no_grad()
+    def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
+        """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
+
+        Returns the pre-merge statistics: ``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest
+        ``||R R^T − I||_F/√b``) and ``neumann_bound`` (the bound on any singular value's relative change this
+        merge causes, from :func:`neumann_error_bound`).
+        """
+        if self.merged:
+            raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
+        stats = self.rotation_stats(adapter_name)
+        self.set_weight_matrix(self.rotate_weight(self.weight_matrix().float(), adapter_name))
+        count = int(self.poet_merge_count[adapter_name]) + 1
+        self.poet_merge_count[adapter_name].fill_(count)
+        for side in self._sides(adapter_name):
+            params, indices = self._side_containers(side)
+            params[adapter_name].zero_()
+            indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
+        return stats
+
+    @torch.no_grad()
+    def rotation_stats(self, adapter_name: str) -> dict[str, float]:
+        """``||Q||_2``, orthogonality error and the Neumann bound of the live primitives (max over blocks/sides)."""
+        stats = {"q_norm": 0.0, "orth_error": 0.0, "neumann_bound": 0.0}
+        bound = 1.0
+        for side, spec in self._sides(adapter_name).items():
+            param = self._side_containers(side)[0][adapter_name].double()
+            q = skew_from_vector(param, spec.block)
+            terms = self.poet_settings[adapter_name]["neumann_terms"]
+            blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+            stats["q_norm"] = max(stats["q_norm"], float(torch.linalg.matrix_norm(q, ord=2).max()))
+            stats["orth_error"] = max(stats["orth_error"], float(orthogonality_error(blocks).max()))
+            bound *= 1 + float(neumann_error_bound(q, terms).max())
+        stats["neumann_bound"] = bound - 1
+        return stats
+
+
+class Linear(nn.Module, PoetLayer):
+    """POET around an ``nn.Linear``."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        PoetLayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_name, spo=kwargs.get("spo"))
+
+    forward = PoetLayer.forward  # nn.Module precedes PoetLayer in the MRO, as in PEFT's own layers
+
+    def __repr__(self) -> str:
+        return "poet." + super().__repr__()
+
+
+class Conv1D(Linear):
+    """POET around a ``transformers`` ``Conv1D`` (GPT-2), whose weight is stored in × out."""
+
+    def weight_matrix(self) -> torch.Tensor:
+        return self.get_base_layer().weight.T
+
+    def set_weight_matrix(self, matrix: torch.Tensor) -> None:
+        weight = self.get_base_layer().weight
+        weight.data.copy_(matrix.T.to(weight.dtype))
+
+
+class Conv2d(Linear):
+    """POET around an ``nn.Conv2d``, whose weight is the matrix out × (in·kh·kw).
+
+    R rotates the ``in·kh·kw`` axis of the weight, which is not an activation-space rotation, so this layer
+    always materialises the weight (it is small) and calls the base convolution with it.
+    """
+
+    supports_activation_forward = False
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+        if base_layer.groups != 1:
+            raise ValueError(
+                f"target module '{layer_name}' is a grouped Conv2d (groups={base_layer.groups}); POET needs groups=1 "
+                "because P mixes output channels across groups"
+            )
+        super().__init__(base_layer, adapter_name, config, layer_name, **kwargs)
+
+    def weight_matrix(self) -> torch.Tensor:
+        weight = self.get_base_layer().weight
+        return weight.reshape(weight.shape[0], -1)
+
+    def base_op(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+        base = self.get_base_layer()
+        weight = matrix.reshape(base.weight.shape)
+        if base.padding_mode != "zeros":
+            x = F.pad(x, base._reversed_padding_repeated_twice, mode=base.padding_mode)
+            return F.conv2d(x, weight, None, base.stride, 0, base.dilation, base.groups)
+        return F.conv2d(x, weight, None, base.stride, base.padding, base.dilation, base.groups)
+
+    def _add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return out + bias.to(out.dtype).view(1, -1, 1, 1)

@@ -1,0 +1,123 @@
+"""`PoetModel`, the PEFT tuner that wraps target modules in POET layers, and `merge_and_reinit`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from torch import nn
+
+from ..constants import DEFAULT_TARGET_MODULES
+from .layer import Conv1D, Conv2d, Linear, PoetLayer
+
+
+def _tuner_layer_class(base_layer: nn.Module) -> type[PoetLayer] | None:
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    if isinstance(base_layer, nn.Linear):
+        return Linear
+    if isinstance(base_layer, HFConv1D):
+        return Conv1D
+    if isinstance(base_layer, nn.Conv2d):
+        return Conv2d
+    return None
+
+
+def create_poet_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str, **kwargs: Any) -> PoetLayer:
+    """Wrap ``target`` in the POET layer class for its type, or raise a ``ValueError`` naming the type."""
+    base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    layer_cls = _tuner_layer_class(base_layer)
+    if layer_cls is None:
+        raise ValueError(
+            f"`target_modules` matched '{layer_name}', a {type(base_layer).__name__}; supported module types are "
+            "torch.nn.Linear, transformers Conv1D and torch.nn.Conv2d"
+        )
+    return layer_cls(target, adapter_name, config=config, layer_name=layer_name, **kwargs)
+
+
+class PoetModel(BaseTuner):
+    """Turns a model into a POET model: every target weight ``W0`` is used as ``P^T W0 R^T``.
+
+    Use it through PEFT: ``get_peft_model(model, PoetConfig(...))``. Beyond PEFT's usual calls
+    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers :meth:`merge_and_reinit`, the
+    training-time POET step.
+    """
+
+    prefix: str = "poet_"
+    tuner_layer_cls = PoetLayer
+    target_module_mapping = DEFAULT_TARGET_MODULES
+    layer_factory = staticmethod(create_poet_module)
+
+    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
+                            **optional_kwargs) -> None:
+        if current_key is None:
+            raise ValueError("current_key must not be None")
+        if isinstance(target, PoetLayer):
+            target.update_layer(adapter_name, peft_config, layer_name=current_key)
+            return
+        new_module = self.layer_factory(peft_config, adapter_name, target, current_key)
+        if adapter_name not in self.active_adapters:
+            new_module.requires_grad_(False)
+        self._replace_module(parent, target_name, new_module, target)
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        super()._mark_only_adapters_as_trainable(model)
+        if any(getattr(self.peft_config[a], "trains_other_params", False) for a in self.active_adapters):
+            # Pretraining from scratch: embeddings, norms and lm_head train normally beside the POET layers.
+            inside_tuner_layers = {id(p) for m in model.modules() if isinstance(m, BaseTunerLayer)
+                                   for p in m.parameters()}
+            for param in model.parameters():
+                if id(param) not in inside_tuner_layers:
+                    param.requires_grad = True
+
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        """Adapter entries, plus the base weights POET changed (``W0`` moves at every merge), plus the
+        non-targeted parameters trained beside the adapter, so a saved model reloads exactly."""
+        to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        include_base = getattr(config, "base_init", None) is not None or any(
+            int(m.poet_merge_count[adapter_name]) > 0
+            for m in model.modules()
+            if isinstance(m, PoetLayer) and adapter_name in m.poet_merge_count
+        )
+        if include_base:
+            to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
+        if getattr(config, "trains_other_params", False):
+            # Pretraining: every non-adapter weight was trained or re-initialised, so the whole model is saved.
+            to_return.update(state_dict)
+        return to_return
+
+    def merge_and_reinit(self, adapter_name: Optional[str] = None) -> dict[str, Any]:
+        """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see :func:`merge_and_reinit`."""
+        return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
+
+
+def poet_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, PoetLayer]]:
+    """``(name, layer)`` for every POET layer of ``model`` (with ``adapter_name`` if given)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, PoetLayer) and (adapter_name is None or adapter_name in m.poet_specs)]
+
+
+@torch.no_grad()
+def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[str, Any]:
+    """The POET merge-then-reinitialize step (Algorithm 1, step 5) over every POET layer of ``model``.
+
+    Folds ``R`` and ``P`` into ``W0``, zeroes the skew parameters and draws fresh permutations / index sets from
+    generators seeded by (seed, merge count, layer name), so every process draws the same ones. Optimizer state
+    is not touched here (see ``poet_hf.training``).
+
+    Returns ``{"layers": n, "merge_count": c, "max_q_norm": …, "max_orth_error": …, "max_neumann_bound": …}``
+    computed just before the merge, for logging.
+    """
+    layers = poet_layers(model, adapter_name)
+    if not layers:
+        raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
+    stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
+    return {
+        "layers": len(layers),
+        "merge_count": int(layers[0][1].poet_merge_count[adapter_name]),
+        "max_q_norm": max(s["q_norm"] for s in stats),
+        "max_orth_error": max(s["orth_error"] for s in stats),
+        "max_neumann_bound": max(s["neumann_bound"] for s in stats),
+    }
