@@ -22,3 +22,20 @@ from .spo import (
     subset_matmul_right,
     subset_size,
 )
+from .householder import (
+    apply_householder_sequence,
+    householder_decompose,
+    householder_matrix,
+    householder_product_blocked,
+    householder_product_sequential,
+    householder_reflect,
+)
+from .reflection import (
+    AuxiliaryReflection,
+    NewtonConvergenceError,
+    auxiliary_reflection,
+    auxiliary_reflection_inverse,
+    auxiliary_reflection_jacobian,
+    auxiliary_reflection_logabsdet,
+    invertible_weight,
+)

@@ -40,6 +40,7 @@ __all__ = [
     "power_iteration",
     "normalize_skew",
     "eco_kernel",
+    "synthesis_matrix",
     "eco_geometry",
     "circular_conv_symbol",
     "as_pair",
@@ -63,6 +64,11 @@ def construct_index_map(kernel_size: int) -> tuple[torch.Tensor, int]:
     Real, even blocks ``P0[i, j] = Q[I[i, j]]`` make ``ifft2(P0)`` real (conjugate symmetry, §1.4 of the digest).
     ``-1`` marks "unset" (the paper's 0 sentinel only works because (0, 0) is its own mirror).
     """
+    index, count = _index_map_list(kernel_size)
+    return torch.tensor(index, dtype=torch.long, device="cpu"), count
+
+
+def _index_map_list(kernel_size: int) -> tuple[list[list[int]], int]:
     k = kernel_size
     index = [[-1] * k for _ in range(k)]
     count = 0
@@ -74,7 +80,7 @@ def construct_index_map(kernel_size: int) -> tuple[torch.Tensor, int]:
                 count += 1
             else:
                 index[i][j] = mirror
-    return torch.tensor(index, dtype=torch.long), count
+    return index, count
 
 
 def num_frequency_blocks(kernel_size: int) -> int:
@@ -85,10 +91,11 @@ def num_frequency_blocks(kernel_size: int) -> int:
 def taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
     """Truncated exponential ``Σ_{i=0}^{terms} A^i / i!`` (paper Eq. 15; ``terms + 1`` summands, as Table 8)."""
     eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    # Horner form I + A(I + A/2(I + A/3(...))): one matmul per term.
+    # Horner form I + A(I + A/2(I + A/3(...))): one fused multiply-add per term.
     series = eye.expand_as(a)
     for i in range(terms, 0, -1):
-        series = eye + (a @ series) / i
+        series = torch.baddbmm(eye, a.reshape(-1, *a.shape[-2:]), series.reshape(-1, *a.shape[-2:]), alpha=1.0 / i)
+        series = series.reshape(a.shape)
     return series
 
 
@@ -118,18 +125,28 @@ def normalize_skew(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return a / sigma.clamp_min(torch.finfo(a.dtype).tiny)[..., None, None]
 
 
-def eco_kernel(blocks: torch.Tensor, index_map: torch.Tensor) -> torch.Tensor:
-    """Torch conv weight ``[c, c, k, k]`` from orthogonal blocks ``[L, c, c]`` (paper Eq. 13–14).
+def synthesis_matrix(index_map: torch.Tensor | list[list[int]], num_blocks: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[k, k, L]`` real coefficients with ``W0[p, q] = Σ_l C[p, q, l] Q_l`` (paper Eq. 13–14).
 
-    ``ifft2`` with the default ``norm="backward"`` carries the ``1/k²`` the construction needs (``"ortho"``
-    would scale every singular value by ``k``). ``fftshift`` centres tap 0 in the kernel; with the padding of
-    :func:`eco_geometry` the layer is then exactly the cross-correlation with the expanded kernel
-    ``W̄[m·d] = W0[m]``.
+    It is ``ifft2`` (default ``norm="backward"``, i.e. with the ``1/k²`` the construction needs; ``"ortho"`` would
+    scale every singular value by ``k``) of the one-hot frequency pattern of each class ``l``, ``fftshift``'ed so
+    kernel index ``k // 2`` is tap 0. The imaginary part cancels exactly because ``I[f] == I[-f]``.
     """
-    p0 = blocks[index_map]  # [k, k, c, c]
-    w0 = torch.fft.ifft2(p0, dim=(0, 1)).real
-    w0 = torch.fft.fftshift(w0, dim=(0, 1))
-    return w0.permute(2, 3, 0, 1).contiguous()
+    index = torch.as_tensor(index_map, dtype=torch.long, device="cpu")
+    onehot = F.one_hot(index, num_blocks).to(torch.float64)  # [k, k, L]
+    coefficients = torch.fft.ifft2(onehot, dim=(0, 1)).real
+    return torch.fft.fftshift(coefficients, dim=(0, 1)).to(dtype)
+
+
+def eco_kernel(blocks: torch.Tensor, index_map: torch.Tensor | list[list[int]]) -> torch.Tensor:
+    """Torch conv weight ``[c, c, k, k]`` from orthogonal blocks ``[L, c, c]``: ``real(ifft2(P0))``, centred.
+
+    Equivalent to ``fftshift(ifft2(blocks[index_map], dim=(0, 1)).real)`` (tested), computed as one small real
+    matmul with :func:`synthesis_matrix` instead of ``c²`` strided length-``k`` complex FFTs.
+    """
+    coefficients = synthesis_matrix(index_map, blocks.shape[0], blocks.dtype).to(blocks.device)
+    w0 = torch.einsum("pql,lab->abpq", coefficients, blocks)
+    return w0.contiguous()
 
 
 def eco_geometry(spatial_size: tuple[int, int], kernel_size: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
@@ -253,8 +270,8 @@ class EcoConv2d(nn.Module):
         self.conv_in_channels = self.in_channels * self.stride**2
         self.width = max(self.conv_in_channels, self.out_channels)
         factory = {"device": device, "dtype": dtype}
-        index_map, num_blocks = construct_index_map(self.block_kernel_size)
-        self.register_buffer("index_map", index_map.to(device), persistent=False)
+        # A plain list, not a buffer: transformers materialises non-persistent buffers empty after meta init.
+        self.index_map, num_blocks = _index_map_list(self.block_kernel_size)
         self.num_blocks = num_blocks
         self.bias = nn.Parameter(torch.zeros(self.out_channels, **factory)) if bias else None
         self.baked = False

@@ -13,6 +13,8 @@ SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
 # (PEFT method name, module holding `<Name>Config` and `<Name>Model`, class-name stem)
 _TUNERS = [
     ("poet", "poet_hf.tuners.poet", "Poet"),
+    # PEFT owns "oft" (its OFTConfig keeps working beside ours): ours is "poet_oft", prefix "poet_oft_".
+    ("poet_oft", "poet_hf.tuners.oft", "Oft"),
 ]
 
 

@@ -8,6 +8,7 @@ The bias is not rotated.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -34,6 +35,8 @@ from ...orthogonal import (
     subset_matmul_right,
     subset_size,
 )
+
+logger = logging.getLogger(__name__)
 
 SIDE_INPUT = "input"  # R, acts on the in dimension
 SIDE_OUTPUT = "output"  # P, acts on the out dimension
@@ -92,6 +95,34 @@ def make_side_spec(spo: str, dim: int, block_size: int, budget: float, layer_nam
     return SideSpec("contiguous" if spo == "contiguous" else "block", dim, block_size)
 
 
+def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Inverse of a batch of (nearly) orthogonal float64 blocks, and how exactly it restores a merged weight.
+
+    Returns ``B^T`` or ``B^{-1}`` and a report ``{"method", "orth_error", "cond", "error_bound"}``.
+
+    The transpose is used where ``||B^T B − I||_2`` is below the unit roundoff ``u`` of ``weight_dtype`` (then it
+    is as exact as the stored weight can be), an exact inverse otherwise. The returned ``error_bound`` estimates
+    the relative error ``||W_restored − W0||_F / ||W0||_F`` of one merge/unmerge round trip: the weight is stored
+    rounded after the merge, an error the inverse amplifies by the condition number ``κ`` of the blocks
+    (``u·(1 + κ)``), plus the float32 merge matmul (``√b·u32·κ``, the usual probabilistic rounding growth), plus,
+    on the transpose path, the orthogonality error itself.
+    """
+    b = blocks.shape[-1]
+    eye = torch.eye(b, dtype=blocks.dtype, device=blocks.device)
+    gram_error = torch.linalg.matrix_norm(blocks.transpose(-1, -2) @ blocks - eye, ord=2)
+    orth_error = float(gram_error.max()) if blocks.numel() else 0.0
+    singular = torch.linalg.svdvals(blocks)
+    cond = float(singular.max() / singular.min())
+    u_store = torch.finfo(weight_dtype).eps / 2
+    u_merge = torch.finfo(torch.float32).eps / 2
+    bound = u_store * (1 + cond) + math.sqrt(b) * u_merge * cond
+    if orth_error <= u_store:
+        return blocks.transpose(-1, -2), {"method": "transpose", "orth_error": orth_error, "cond": cond,
+                        "error_bound": bound + orth_error}
+    return torch.linalg.inv(blocks), {"method": "solve", "orth_error": orth_error, "cond": cond,
+                                      "error_bound": bound}
+
+
 class PoetLayer(BaseTunerLayer):
     """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them."""
 
@@ -100,18 +131,36 @@ class PoetLayer(BaseTunerLayer):
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
         self.base_layer = base_layer
-        self.poet_R = nn.ParameterDict({})
-        self.poet_P = nn.ParameterDict({})
-        self.poet_R_index = BufferDict({}, persistent=True)
-        self.poet_P_index = BufferDict({}, persistent=True)
-        self.poet_merge_count = BufferDict({}, persistent=True)
+        self._init_adapter_state()
         self.poet_specs: dict[str, dict[str, SideSpec]] = {}
         self.poet_settings: dict[str, dict[str, Any]] = {}
+        self.unmerge_report: dict[str, dict[str, Any]] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self.kwargs = kwargs
         out_dim, in_dim = self.weight_matrix().shape
         self.in_features, self.out_features = in_dim, out_dim
+
+    def _init_adapter_state(self) -> None:
+        """Create the per-adapter parameter and buffer containers.
+
+        A hook: a subclass registered with PEFT under another prefix (OFT: ``poet_oft_``) stores them under names
+        that start with its prefix, and overrides :meth:`_side_containers` and :attr:`merge_counts` to match.
+        """
+        self.poet_R = nn.ParameterDict({})
+        self.poet_P = nn.ParameterDict({})
+        self.poet_R_index = BufferDict({}, persistent=True)
+        self.poet_P_index = BufferDict({}, persistent=True)
+        self.poet_merge_count = BufferDict({}, persistent=True)
+
+    @property
+    def merge_counts(self) -> BufferDict:
+        """Per adapter, how many merge-then-reinitialize steps have been folded into ``W0``."""
+        return self.poet_merge_count
+
+    def _num_param_rows(self, adapter_name: str, side: str, spec: SideSpec) -> int:
+        """Rows of the skew parameter of one side: one per block (a hook: OFT's ``block_share`` uses 1)."""
+        return spec.num_blocks
 
     # --- the base weight as an out × in matrix (overridden per module type) -----------------------------------
     def weight_matrix(self) -> torch.Tensor:
@@ -151,11 +200,11 @@ class PoetLayer(BaseTunerLayer):
             "layer_name": layer_name,
         }
         device = self.weight_matrix().device
-        self.poet_merge_count[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
+        self.merge_counts[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
         for side, spec in specs.items():
             params, indices = self._side_containers(side)
-            params[adapter_name] = nn.Parameter(torch.zeros(spec.num_blocks, num_skew_params(spec.block),
-                                                            device=device))
+            rows = self._num_param_rows(adapter_name, side, spec)
+            params[adapter_name] = nn.Parameter(torch.zeros(rows, num_skew_params(spec.block), device=device))
             indices[adapter_name] = self._draw_index(adapter_name, side, merge_count=0).to(device)
         if not config.init_weights:
             self.randomize_skew(adapter_name, torch.Generator().manual_seed(config.seed))
@@ -192,13 +241,24 @@ class PoetLayer(BaseTunerLayer):
     def _sides(self, adapter_name: str) -> dict[str, SideSpec]:
         return self.poet_specs.get(adapter_name, {})
 
-    def rotate_weight(self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False) -> torch.Tensor:
-        """``P^T · matrix · R^T`` (or its exact inverse map ``P^{-T} · matrix · R^{-T}``)."""
+    def rotate_weight(self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False,
+                      report: Optional[dict[str, Any]] = None) -> torch.Tensor:
+        """``P^T · matrix · R^T`` (or its inverse map ``P^{-T} · matrix · R^{-T}``).
+
+        The inverse uses each side's transpose where the blocks are orthogonal to the working precision of the
+        stored weight, and an exact blockwise inverse otherwise; ``report`` (if given) receives, per side, the
+        method, the orthogonality error and the estimated relative restoration error (see :func:`invert_blocks`).
+        """
         for side, spec in self._sides(adapter_name).items():
             index = self._side_containers(side)[1][adapter_name]
-            blocks = self.rotation_blocks(adapter_name, side, dtype=matrix.dtype)
-            if inverse:  # blockwise solve: exact even where a truncated Cayley–Neumann block is not orthogonal
-                blocks = torch.linalg.inv(blocks.double()).to(matrix.dtype)
+            if inverse:
+                blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+                blocks, side_report = invert_blocks(blocks, self.weight_matrix().dtype)
+                blocks = blocks.to(matrix.dtype)
+                if report is not None:
+                    report[side] = side_report
+            else:
+                blocks = self.rotation_blocks(adapter_name, side, dtype=matrix.dtype)
             blocks = blocks.transpose(-1, -2)
             if side == SIDE_INPUT:
                 matrix = spec.matmul_right(matrix, index, blocks)
@@ -214,7 +274,15 @@ class PoetLayer(BaseTunerLayer):
             matrix = self.rotate_weight(matrix, adapter_name)
         return matrix
 
-    def _use_activation_path(self, adapter_names: list[str], tokens: int) -> bool:
+    def _use_activation_path(self, adapter_names: list[str], tokens: int, needs_grad: bool = False,
+                             input_needs_grad: bool = False) -> bool:
+        """Pick the cheaper forward by multiply-adds.
+
+        Inference: rotating ``tokens`` activations vs rotating the weight. Training (``needs_grad``): every
+        rotation also costs about twice its forward in backward, and the weight path needs ``dL/dW_eff``
+        (``tokens·in·out``) on top of ``dL/dx`` when the input needs a gradient, while the activation path's
+        ``dL/d(xR)`` through the frozen ``W0`` is needed either way, so that path saves one full matmul.
+        """
         choices = {self.poet_settings[a]["forward"] for a in adapter_names}
         if choices == {"activation"}:
             return True
@@ -226,13 +294,18 @@ class PoetLayer(BaseTunerLayer):
                 other = self.out_features if side == SIDE_INPUT else self.in_features
                 weight_cost += spec.apply_cost(other)
                 activation_cost += spec.apply_cost(tokens)
+        if needs_grad and input_needs_grad:
+            weight_cost += tokens * self.in_features * self.out_features / 3  # the rotations count 3× each
         return activation_cost < weight_cost
 
     def _poet_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
         base = self.get_base_layer()
         bias = base.bias
         tokens = x.numel() // self.in_features if self.supports_activation_forward else 0
-        if not self._use_activation_path(adapter_names, tokens):
+        grad = torch.is_grad_enabled()
+        needs_grad = grad and any(self._side_containers(side)[0][a].requires_grad
+                                  for a in adapter_names for side in self._sides(a))
+        if not self._use_activation_path(adapter_names, tokens, needs_grad, grad and x.requires_grad):
             matrix = self.effective_weight_matrix(adapter_names).to(self.weight_matrix().dtype)
             out = self.base_op(x, matrix)
             return out if bias is None else self._add_bias(out, bias)
@@ -241,11 +314,13 @@ class PoetLayer(BaseTunerLayer):
         h = x.to(compute)
         for a in reversed(adapter_names):
             if SIDE_INPUT in self._sides(a):
-                h = self._sides(a)[SIDE_INPUT].matmul_right(h, self.poet_R_index[a], self.rotation_blocks(a, SIDE_INPUT))
+                index = self._side_containers(SIDE_INPUT)[1][a]
+                h = self._sides(a)[SIDE_INPUT].matmul_right(h, index, self.rotation_blocks(a, SIDE_INPUT))
         h = self.base_op(h.to(x.dtype), self.weight_matrix()).to(compute)
         for a in adapter_names:
             if SIDE_OUTPUT in self._sides(a):
-                h = self._sides(a)[SIDE_OUTPUT].matmul_right(h, self.poet_P_index[a], self.rotation_blocks(a, SIDE_OUTPUT))
+                index = self._side_containers(SIDE_OUTPUT)[1][a]
+                h = self._sides(a)[SIDE_OUTPUT].matmul_right(h, index, self.rotation_blocks(a, SIDE_OUTPUT))
         out = h.to(x.dtype)
         return out if bias is None else self._add_bias(out, bias)
 
@@ -280,11 +355,23 @@ class PoetLayer(BaseTunerLayer):
             self.merged_adapters.append(adapter_name)
 
     def unmerge(self) -> None:
-        """Restore the base weight by the exact inverse of each merged rotation, newest first."""
+        """Restore the base weight, newest merged adapter first.
+
+        Each rotation is undone by its transpose where it is orthogonal to the weight's working precision, and by
+        an exact blockwise inverse otherwise (a truncated Cayley–Neumann rotation with a large ``||Q||``).
+        ``self.unmerge_report[adapter]`` records, per side, the method, the orthogonality error and the estimated
+        relative error of the restored weight; a solve is also logged.
+        """
         while self.merged_adapters:
             adapter_name = self.merged_adapters.pop()
-            restored = self.rotate_weight(self.weight_matrix().double(), adapter_name, inverse=True)
+            report: dict[str, Any] = {}
+            restored = self.rotate_weight(self.weight_matrix().double(), adapter_name, inverse=True, report=report)
             self.set_weight_matrix(restored)
+            report["error_bound"] = sum(r["error_bound"] for r in report.values())
+            self.unmerge_report[adapter_name] = report
+            if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
+                logger.info("unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
+                            adapter_name, report)
 
     # --- POET training-time merge-then-reinitialize ----------------------------------------------------------------
     @torch.no_grad()
@@ -299,8 +386,8 @@ class PoetLayer(BaseTunerLayer):
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         stats = self.rotation_stats(adapter_name)
         self.set_weight_matrix(self.rotate_weight(self.weight_matrix().float(), adapter_name))
-        count = int(self.poet_merge_count[adapter_name]) + 1
-        self.poet_merge_count[adapter_name].fill_(count)
+        count = int(self.merge_counts[adapter_name]) + 1
+        self.merge_counts[adapter_name].fill_(count)
         for side in self._sides(adapter_name):
             params, indices = self._side_containers(side)
             params[adapter_name].zero_()

@@ -77,9 +77,9 @@ class PoetModel(BaseTuner):
         non-targeted parameters trained beside the adapter, so a saved model reloads exactly."""
         to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         include_base = getattr(config, "base_init", None) is not None or any(
-            int(m.poet_merge_count[adapter_name]) > 0
+            int(m.merge_counts[adapter_name]) > 0
             for m in model.modules()
-            if isinstance(m, PoetLayer) and adapter_name in m.poet_merge_count
+            if isinstance(m, PoetLayer) and adapter_name in m.merge_counts
         )
         if include_base:
             to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
@@ -116,7 +116,7 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
     stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
     return {
         "layers": len(layers),
-        "merge_count": int(layers[0][1].poet_merge_count[adapter_name]),
+        "merge_count": int(layers[0][1].merge_counts[adapter_name]),
         "max_q_norm": max(s["q_norm"] for s in stats),
         "max_orth_error": max(s["orth_error"] for s in stats),
         "max_neumann_bound": max(s["neumann_bound"] for s in stats),

@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Export a POET / OFT model as a plain Hugging Face checkpoint, and optionally push it to the Hub.
+
+    python scripts/export.py SOURCE OUTPUT_DIR [--push-to-hub REPO_ID] [--hub-private] [--hub-token TOKEN]
+                             [--dtype bf16|fp16|fp32] [--overwrite]
+
+SOURCE is a directory written by ``save_pretrained`` or a ``PoetTrainer`` checkpoint (``checkpoint-N/``).
+The Hub token may also come from ``HF_TOKEN`` (or ``hf auth login``); the endpoint from ``HF_ENDPOINT``.
+Exit codes: 0 success, 1 export refused or failed, 2 usage, 3 export written but the push failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
+    parser.add_argument("output_dir", help="folder to write the plain model into (must not exist or be empty)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                        help="dtype of the exported weights (folded in float32 first); default: the source's")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo")
+    parser.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument("--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
+    parser.add_argument("--license", default="other", help="license id for the model card (default: other)")
+    parser.add_argument("--dataset", action="append", default=None, help="dataset id for the card (repeatable)")
+    parser.add_argument("--no-spectrum", action="store_true", help="skip the per-layer SVDs of the card's spectrum")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
+
+    try:
+        path = export_merged(args.source, args.output_dir, dtype=args.dtype, overwrite=args.overwrite,
+                             repo_id=args.push_to_hub, license=args.license, datasets=args.dataset,
+                             spectrum=not args.no_spectrum)
+    except (ExportError, FileExistsError, FileNotFoundError) as error:
+        print(f"export.py: error: {error}", file=sys.stderr)
+        return 1
+    print(f"exported {args.source} -> {path}")
+    if not args.push_to_hub:
+        return 0
+    try:
+        url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private,
+                                 token=args.hub_token or os.environ.get("HF_TOKEN"))
+    except HubPushError as error:
+        print(f"export.py: error: push to the Hub failed: {error}\n"
+              f"The export in {path} is complete and untouched; retry the upload with "
+              f"`hf upload {args.push_to_hub} {path} .` or rerun this command with --overwrite.", file=sys.stderr)
+        return 3
+    print(f"pushed {path} -> {url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Diagnostics of orthogonal training: spectra, orthogonality error, ``||Q||`` and vector probing (POET §9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .orthogonal import spo_generator
+from .tuners.poet import PoetLayer, poet_layers
+
+PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
+
+
+def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+    """Effective out × in weights of every POET layer, or — for a plain model — of the Linear modules whose
+    names end with one of ``names`` (the same targets, for a baseline run)."""
+    layers = poet_layers(model)
+    if layers:
+        return {name: layer.effective_weight_matrix(dtype=torch.float32).detach() for name, layer in layers}
+    names = names or []
+    return {name: module.weight.detach().float() for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and any(name.endswith(n) for n in names)}
+
+
+@torch.no_grad()
+def singular_values(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+    """Singular values (descending, float64) of every target weight; see :func:`target_weight_matrices`."""
+    return {name: torch.linalg.svdvals(w.double().cpu()) for name, w in target_weight_matrices(model, names).items()}
+
+
+def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Spectrum drift between two :func:`singular_values` snapshots.
+
+    Per layer the drift is ``max_i |σ_i(after) − σ_i(before)| / σ_max(before)``; the report gives the largest
+    and mean drift and the largest relative change of ``σ_max``.
+    """
+    drifts, top = [], []
+    for name, s0 in before.items():
+        s1 = after[name]
+        drifts.append(float((s1 - s0).abs().max() / s0.max()))
+        top.append(float(s1.max() / s0.max() - 1))
+    if not drifts:
+        return {"layers": 0}
+    return {"layers": len(drifts), "max_drift": max(drifts), "mean_drift": sum(drifts) / len(drifts),
+            "max_sigma_max_change": max(top, key=abs)}
+
+
+def plot_spectra(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], path: Path, title: str,
+                 max_layers: int = 4) -> Path:
+    """A PNG of singular values before and after training for a few layers (like the POET paper's Figure 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(before)[:: max(1, len(before) // max_layers)][:max_layers]
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        ax.plot(before[name].numpy(), label="before", lw=2)
+        ax.plot(after[name].numpy(), label="after", lw=1.2, ls="--")
+        ax.set_title(name.removeprefix("base_model.model.").removeprefix("model."), fontsize=8)
+        ax.set_xlabel("index")
+        ax.set_ylabel("singular value")
+    axes[0][0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _probe_vector(layer: PoetLayer, adapter: str, side: str, dim: int) -> torch.Tensor:
+    settings = layer.poet_settings[adapter]
+    generator = spo_generator(settings["seed"], PROBE_MERGE_COUNT, settings["layer_name"], side)
+    v = torch.randn(dim, generator=generator, dtype=torch.float64)
+    return v / v.norm()
+
+
+@torch.no_grad()
+def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, float]:
+    """Live-primitive statistics for logging: largest ``||Q||_2`` and orthogonality error, and the mean
+    vector-probe cosine ``v^T R v`` / ``v^T P v`` with one fixed random unit vector per layer and side."""
+    q_norm, orth_error, cos = 0.0, 0.0, {"input": [], "output": []}
+    merge_count = 0
+    for _, layer in poet_layers(model, adapter):
+        stats = layer.rotation_stats(adapter)
+        q_norm, orth_error = max(q_norm, stats["q_norm"]), max(orth_error, stats["orth_error"])
+        merge_count = int(layer.poet_merge_count[adapter])
+        for side, spec in layer.poet_specs[adapter].items():
+            v = _probe_vector(layer, adapter, side, spec.dim)
+            index = (layer.poet_R_index if side == "input" else layer.poet_P_index)[adapter].cpu()
+            blocks = layer.rotation_blocks(adapter, side, dtype=torch.float64).cpu()
+            cos[side].append(float(spec.matmul_right(v[None], index, blocks)[0] @ v))
+    stats = {"poet/merge_count": merge_count, "poet/q_norm": q_norm, "poet/orth_error": orth_error}
+    for side, name in (("input", "R"), ("output", "P")):
+        if cos[side]:
+            stats[f"poet/probe_cos_{name}"] = sum(cos[side]) / len(cos[side])
+    return stats

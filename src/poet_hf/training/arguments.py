@@ -1,0 +1,34 @@
+"""`PoetTrainingArguments`: `transformers.TrainingArguments` plus the POET recipe's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class PoetTrainingArguments(TrainingArguments):
+    """Training arguments for POET (POET §5.3): two learning rates, merge interval and the post-merge clip ramp."""
+
+    poet_learning_rate: Optional[float] = field(
+        default=None, metadata={"help": "Learning rate of the POET skew parameters; None uses learning_rate."})
+    merge_every: Optional[int] = field(
+        default=None, metadata={"help": "Optimizer steps between merge-then-reinitialize; overrides the config."})
+    post_merge_clip_steps: int = field(
+        default=10, metadata={"help": "Steps after each merge over which the clip threshold ramps back to "
+                              "max_grad_norm; 0 disables the ramp."})
+    post_merge_clip_factor: float = field(
+        default=0.1, metadata={"help": "Clip threshold right after a merge, as a fraction of max_grad_norm."})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.merge_every is not None and (not isinstance(self.merge_every, int) or self.merge_every < 1):
+            raise ValueError(f"`merge_every` must be an integer >= 1 or None, got {self.merge_every!r}")
+        if self.poet_learning_rate is not None and self.poet_learning_rate < 0:
+            raise ValueError(f"`poet_learning_rate` must be >= 0, got {self.poet_learning_rate!r}")
+        if self.post_merge_clip_steps < 0:
+            raise ValueError(f"`post_merge_clip_steps` must be >= 0, got {self.post_merge_clip_steps!r}")
+        if not 0 < self.post_merge_clip_factor <= 1:
+            raise ValueError(f"`post_merge_clip_factor` must be in (0, 1], got {self.post_merge_clip_factor!r}")

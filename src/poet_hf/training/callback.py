@@ -1,0 +1,76 @@
+"""`MergeReinitCallback`: POET's merge-then-reinitialize inside any `transformers.Trainer`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..tuners.poet import merge_and_reinit, poet_layers
+from .optimizer import poet_parameters, reset_optimizer_state
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under DDP / compile wrappers."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> Optional[int]:
+    """``args.merge_every`` if set, else the POET config's ``merge_every``; ``None`` for a model without POET."""
+    if getattr(args, "merge_every", None):
+        return args.merge_every
+    config = getattr(model, "peft_config", {}).get(adapter)
+    return getattr(config, "merge_every", None) if poet_layers(model) else None
+
+
+def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, factor: float) -> float:
+    """Clip threshold for optimizer step ``step`` (1-based): after each merge it ramps linearly from
+    ``factor·base`` back to ``base`` over ``ramp_steps`` steps (the POET code's post-merge clipping)."""
+    since_merge = step - (step - 1) // merge_every * merge_every  # 1 … merge_every
+    if step <= merge_every or ramp_steps == 0 or since_merge > ramp_steps:
+        return base
+    return base * (factor + (1 - factor) * (since_merge - 1) / ramp_steps)
+
+
+class MergeReinitCallback(TrainerCallback):
+    """Every ``merge_every`` optimizer steps (by ``state.global_step``, so it survives resume and gradient
+    accumulation): fold R and P into W0, zero Q, resample permutations, and reset the optimizer state of the
+    POET parameters. Before each step it sets the post-merge clip threshold.
+
+    Works with a plain ``Trainer``; :class:`~poet_hf.PoetTrainer` adds it automatically.
+    """
+
+    def __init__(self, merge_every: Optional[int] = None, adapter_name: str = "default") -> None:
+        self.merge_every = merge_every
+        self.adapter_name = adapter_name
+        self.base_max_grad_norm: Optional[float] = None
+        self.history: list[dict] = []  # what each merge reported, with its step
+
+    def _interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
+        return self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
+
+    def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        self.base_max_grad_norm = args.max_grad_norm
+
+    def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+        interval = self._interval(args, model)
+        if interval and self.base_max_grad_norm and self.base_max_grad_norm > 0:
+            args.max_grad_norm = clip_threshold(state.global_step + 1, interval, self.base_max_grad_norm,
+                                                getattr(args, "post_merge_clip_steps", 10),
+                                                getattr(args, "post_merge_clip_factor", 0.1))
+
+    def on_step_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
+        interval = self._interval(args, model)
+        if not interval or state.global_step % interval:
+            return
+        model = unwrap(model)
+        self.history.append({**merge_and_reinit(model, self.adapter_name), "step": state.global_step})
+        if optimizer is not None:
+            reset_optimizer_state(optimizer, poet_parameters(model))
+
+    def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.base_max_grad_norm is not None:
+            args.max_grad_norm = self.base_max_grad_norm

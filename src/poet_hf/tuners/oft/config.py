@@ -1,0 +1,178 @@
+"""`OftConfig`: orthogonal fine-tuning (OFT), the one-sided form of POET (``P = I``), as a PEFT config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from peft.config import PeftConfig
+
+from ...orthogonal import check_neumann_terms
+from ..constants import BIAS_CHOICES, FORWARD_CHOICES
+from ..poet.config import check_choice, check_positive_int
+
+OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
+OFT_SPO_CHOICES = ("contiguous", "block")
+
+
+@dataclass
+class OftConfig(PeftConfig):
+    """Configuration of an OFT adapter: every target weight ``W0`` is used as ``W0 · R^T`` (torch orientation).
+
+    ``R`` (in×in) is block-diagonal with orthogonal ``b×b`` blocks from the Cayley–Neumann map of skew-symmetric
+    matrices that start at zero, so the wrapped model starts as the base model. ``R`` rotates every neuron (row
+    of the torch weight) alike, so the pairwise angles between neurons, and hence the hyperspherical energy of the
+    pretrained layer, are preserved (exactly for the exact Cayley transform, to the Neumann error otherwise).
+
+    The field names follow PEFT's ``OFTConfig`` where the meaning is the same (``r``, ``module_dropout``, ``coft``,
+    ``eps``, ``block_share``, ``bias``, …); ``block_size`` is PEFT's ``oft_block_size`` and ``neumann_terms`` its
+    ``num_cayley_neumann_terms`` (0 = exact Cayley, PEFT's ``use_cayley_neumann=False``). Use
+    :meth:`from_peft_config` to convert a PEFT config and :func:`poet_hf.tuners.oft.peft_oft_state_dict_to_ours`
+    to convert its weights.
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Module names or a regex to wrap. Default per model_type, the same as POET: every Linear "
+                  "inside the transformer blocks, never embeddings or lm_head."},
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(
+        default=None, metadata={"help": "Module names or a regex to leave out."}
+    )
+    r: int = field(default=0, metadata={"help": "Number of blocks per layer (block_size = in_features / r). Set "
+                                        "exactly one of `r` and `block_size`."})
+    block_size: int = field(default=32, metadata={"help": "Block size b; must divide the input dimension of every "
+                                                  "target (in·kh·kw for Conv2d). Set exactly one of `r` and "
+                                                  "`block_size`."})
+    neumann_terms: int = field(
+        default=5, metadata={"help": "Cayley–Neumann terms k (R = I + 2Q + … + 2Q^(k-2) + Q^(k-1)); 0 = exact Cayley."}
+    )
+    block_share: bool = field(default=False, metadata={"help": "One skew block shared by all blocks of a layer."})
+    coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep each skew block in a Frobenius ball."})
+    eps: float = field(default=6e-5, metadata={"help": "COFT radius, divided by sqrt(number of parameter blocks) "
+                                               "as in PEFT. Only used with coft=True."})
+    module_dropout: float = field(
+        default=0.0, metadata={"help": "Multiplicative dropout: in training, int(p·blocks) random blocks of R are "
+                               "replaced by the identity at each forward."}
+    )
+    spo: Literal["contiguous", "block"] = field(
+        default="contiguous",
+        metadata={"help": "'contiguous': the fixed contiguous blocks of PEFT's OFT. 'block': block-stochastic, "
+                  "the blocks act on a random permutation of the input dimension, resampled at every "
+                  "merge-then-reinitialize."},
+    )
+    merge_every: Optional[int] = field(
+        default=None, metadata={"help": "None: plain OFT, never merged during training. An int: optimizer steps "
+                                "between merge-then-reinitialize (fold R into W0, zero Q, resample)."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
+    forward: Literal["auto", "weight", "activation"] = field(
+        default="auto",
+        metadata={"help": "'activation' rotates the inputs before the base op (PEFT's way); 'weight' materialises "
+                  "W0·R^T; 'auto' picks the cheaper by a multiply-add count. Conv2d always uses 'weight'."},
+    )
+    init_weights: bool = field(
+        default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
+    )
+    bias: Literal["none", "all", "oft_only"] = field(default="none", metadata={"help": "Which biases to train."})
+    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
+    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
+    modules_to_save: Optional[list[str]] = field(default=None)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = OFT_PEFT_TYPE
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        check_positive_int("r", self.r, minimum=0)
+        check_positive_int("block_size", self.block_size, minimum=0)
+        if (self.r == 0) == (self.block_size == 0):
+            raise ValueError(
+                f"set exactly one of `r` (blocks per layer) and `block_size` to a non-zero value, got "
+                f"r={self.r}, block_size={self.block_size}; e.g. OftConfig(r=8, block_size=0)"
+            )
+        if self.block_size == 1:
+            raise ValueError("`block_size` must be 0 (use `r`) or an integer >= 2, got 1 (a 1×1 rotation is ±1)")
+        check_neumann_terms(self.neumann_terms)
+        for name in ("block_share", "coft", "init_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
+            raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
+        if (not isinstance(self.module_dropout, (int, float)) or isinstance(self.module_dropout, bool)
+                or not 0 <= self.module_dropout < 1):
+            raise ValueError(f"`module_dropout` must be a probability in [0, 1), got {self.module_dropout!r}")
+        if self.block_share and self.module_dropout > 0:
+            raise ValueError("`module_dropout` has no effect with `block_share`=True (one shared block); set it to 0")
+        check_choice("spo", self.spo, OFT_SPO_CHOICES)
+        if self.merge_every is not None:
+            check_positive_int("merge_every", self.merge_every)
+        check_choice("forward", self.forward, FORWARD_CHOICES)
+        check_choice("bias", self.bias, BIAS_CHOICES["oft"])
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    def resolve_block_size(self, dim: int, layer_name: str) -> int:
+        """The block size for a target whose rotated dimension is ``dim``; ``ValueError`` if it does not divide.
+
+        Unlike PEFT, which silently snaps a non-dividing size to a nearby divisor (with a warning), a size that
+        does not divide is an error here, raised when the model is built.
+        """
+        if self.r:
+            if dim % self.r:
+                raise ValueError(
+                    f"`r`={self.r} does not divide the {dim}-dimensional input side of target module '{layer_name}'; "
+                    "choose a number of blocks that divides every targeted input dimension"
+                )
+            block_size = dim // self.r
+            if block_size < 2:
+                raise ValueError(f"`r`={self.r} gives blocks of size {block_size} for target module '{layer_name}' "
+                                 f"(input dimension {dim}); use fewer blocks")
+            return block_size
+        if dim % self.block_size:
+            raise ValueError(
+                f"`block_size`={self.block_size} does not divide the {dim}-dimensional input side of target module "
+                f"'{layer_name}'; choose a block size that divides every targeted input dimension"
+            )
+        return self.block_size
+
+    @classmethod
+    def from_peft_config(cls, peft_config: "PeftConfig", **overrides: object) -> "OftConfig":
+        """The ``OftConfig`` that computes what PEFT's ``OFTConfig`` computes (for Linear / Conv1D targets).
+
+        Mapping: ``oft_block_size → block_size``, ``num_cayley_neumann_terms → neumann_terms`` (0 when
+        ``use_cayley_neumann=False``), the other fields by name. PEFT's 3-term series is really the 4-term polynomial
+        ``I + 2Q + 2Q² + Q³`` (its loop adds one term too many there), so 3 maps to 4; PEFT's 1 and 2 terms give
+        ``I`` and ``I + 2Q``, which are no Cayley–Neumann truncation and are refused. PEFT's default target modules
+        (q_proj, v_proj for LLaMA) differ from ours, so the targets are copied explicitly.
+        """
+        if peft_config.use_cayley_neumann:
+            terms = peft_config.num_cayley_neumann_terms
+            if terms < 3:
+                raise ValueError(
+                    f"PEFT `num_cayley_neumann_terms`={terms} computes {'I' if terms < 2 else 'I + 2Q'}, which is not "
+                    "a Cayley–Neumann rotation; OftConfig supports PEFT's 3 or more terms"
+                )
+            terms = max(terms, 4)
+        else:
+            terms = 0
+        module_dropout = 0.0 if peft_config.block_share else peft_config.module_dropout  # PEFT ignores it there
+        fields = dict(
+            target_modules=peft_config.target_modules, exclude_modules=peft_config.exclude_modules,
+            r=peft_config.r, block_size=peft_config.oft_block_size, neumann_terms=terms,
+            block_share=peft_config.block_share, coft=peft_config.coft, eps=peft_config.eps,
+            module_dropout=module_dropout, init_weights=peft_config.init_weights, bias=peft_config.bias,
+            layers_to_transform=peft_config.layers_to_transform, layers_pattern=peft_config.layers_pattern,
+            modules_to_save=peft_config.modules_to_save, task_type=peft_config.task_type,
+            base_model_name_or_path=peft_config.base_model_name_or_path, inference_mode=peft_config.inference_mode,
+        )
+        if isinstance(fields["target_modules"], set):
+            fields["target_modules"] = sorted(fields["target_modules"])
+        if isinstance(fields["exclude_modules"], set):
+            fields["exclude_modules"] = sorted(fields["exclude_modules"])
+        fields.update(overrides)
+        return cls(**fields)

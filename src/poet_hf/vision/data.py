@@ -1,0 +1,163 @@
+"""Image data for the vision models: HF datasets by name, local image folders or saved datasets, and the
+offline default (scikit-learn's 8x8 ``load_digits``, 1,797 images, resized to the model's input size).
+
+Every source is normalised to a ``DatasetDict`` with ``train`` / ``test`` splits and columns ``img`` (PIL image)
+and ``label`` (int), the CIFAR-10 layout on the Hub (``uoft-cs/cifar10``). :func:`image_to_tensor` turns an image
+into the ``[C, H, W]`` float tensor in ``[0, 1]`` the models take; normalisation happens inside the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_DATASET",
+    "load_digits_dataset",
+    "load_image_dataset",
+    "image_to_tensor",
+    "pixel_value_transform",
+    "collate_images",
+    "channel_stats",
+    "iterate_batches",
+]
+
+DEFAULT_DATASET = "digits"
+_IMAGE_COLUMNS = ("img", "image", "pixel_values")
+_LABEL_COLUMNS = ("label", "labels", "fine_label")
+
+
+def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's ``load_digits`` (offline, 8x8 grey, 10 classes) as a ``DatasetDict`` in the ``img``/``label``
+    layout, with a seeded stratified-by-shuffle ``train`` / ``test`` split."""
+    import datasets
+    from PIL import Image
+
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:  # scikit-learn is only in the `dev` extra
+        raise ImportError("the default 'digits' dataset needs scikit-learn: pip install scikit-learn") from err
+    digits = load_digits()
+    images = [Image.fromarray(np.round(im * (255.0 / 16.0)).astype(np.uint8), mode="L") for im in digits.images]
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
+    )
+    full = datasets.Dataset.from_dict({"img": images, "label": digits.target.tolist()}, features=features)
+    return full.train_test_split(test_size=test_fraction, seed=seed, stratify_by_column="label")
+
+
+def _standardise_columns(dataset):
+    """Rename the image / label columns to ``img`` / ``label``; ``ValueError`` naming the columns otherwise."""
+    columns = dataset.column_names
+    image = next((c for c in _IMAGE_COLUMNS if c in columns), None)
+    label = next((c for c in _LABEL_COLUMNS if c in columns), None)
+    if image is None or label is None:
+        raise ValueError(f"image dataset needs an image column {_IMAGE_COLUMNS} and a label column {_LABEL_COLUMNS}, got {columns}")
+    if image != "img":
+        dataset = dataset.rename_column(image, "img")
+    if label != "label":
+        dataset = dataset.rename_column(label, "label")
+    return dataset
+
+
+def load_image_dataset(name_or_path: str = DEFAULT_DATASET, test_fraction: float = 0.2, seed: int = 0):
+    """A ``DatasetDict`` with ``train`` and ``test`` splits and ``img`` / ``label`` columns.
+
+    ``name_or_path`` is ``"digits"`` (offline default), a directory written by ``save_to_disk``, a local image
+    folder (``datasets``' ``imagefolder``: one sub-folder per class), or a Hub dataset name such as
+    ``"uoft-cs/cifar10"``. A source without a ``test`` split is split with ``test_fraction`` and ``seed``.
+    """
+    import datasets
+
+    if name_or_path == DEFAULT_DATASET:
+        return load_digits_dataset(test_fraction, seed)
+    path = Path(name_or_path)
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        loaded = datasets.load_from_disk(str(path))
+    elif path.is_dir():
+        loaded = datasets.load_dataset("imagefolder", data_dir=str(path))
+    else:
+        loaded = datasets.load_dataset(name_or_path)
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({"train": loaded})
+    if "test" not in loaded:
+        split = loaded["train"].train_test_split(test_size=test_fraction, seed=seed)
+        loaded = datasets.DatasetDict({"train": split["train"], "test": split["test"]})
+    return datasets.DatasetDict({name: _standardise_columns(loaded[name]) for name in ("train", "test")})
+
+
+def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Tensor:
+    """``[C, H, W]`` float tensor in ``[0, 1]`` from a PIL image / array / tensor, resized (bilinear) to
+    ``image_size`` and converted to ``num_channels`` (1 = grey, 3 = RGB)."""
+    from PIL import Image
+
+    if isinstance(image, torch.Tensor):
+        tensor = image.float()
+        if tensor.dim() == 2:
+            tensor = tensor[None]
+    else:
+        if not isinstance(image, Image.Image):
+            image = Image.fromarray(np.asarray(image))
+        mode = {1: "L", 3: "RGB"}.get(num_channels)
+        if mode is None:
+            raise ValueError(f"image_to_tensor: `num_channels` must be 1 or 3 for PIL images, got {num_channels}")
+        image = image.convert(mode)
+        if image.size != (image_size, image_size):
+            image = image.resize((image_size, image_size), Image.BILINEAR)
+        array = np.asarray(image, dtype=np.float32) / 255.0
+        tensor = torch.from_numpy(array.reshape(image_size, image_size, num_channels)).permute(2, 0, 1)
+    if tuple(tensor.shape) != (num_channels, image_size, image_size):
+        raise ValueError(f"image tensor has shape {tuple(tensor.shape)}, expected {(num_channels, image_size, image_size)}")
+    return tensor.contiguous()
+
+
+def pixel_value_transform(num_channels: int, image_size: int):
+    """A ``Dataset.with_transform`` function: batches of ``img`` / ``label`` to ``pixel_values`` / ``labels``."""
+
+    def transform(batch: dict[str, list]) -> dict[str, Any]:
+        return {
+            "pixel_values": [image_to_tensor(im, num_channels, image_size) for im in batch["img"]],
+            "labels": list(batch["label"]),
+        }
+
+    return transform
+
+
+def collate_images(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack ``pixel_values`` and ``labels`` (the Trainer's ``data_collator``)."""
+    return {
+        "pixel_values": torch.stack([torch.as_tensor(e["pixel_values"]) for e in examples]),
+        "labels": torch.tensor([int(e["labels"]) for e in examples], dtype=torch.long),
+    }
+
+
+def iterate_batches(data: Any, num_channels: int, image_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(pixel_values, labels)`` batches from a ``(images, labels)`` tensor pair, or any sequence of examples
+    with ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are converted with :func:`image_to_tensor`)."""
+    if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):
+        images, labels = data
+        for start in range(0, len(labels), batch_size):
+            yield images[start : start + batch_size], torch.as_tensor(labels[start : start + batch_size])
+        return
+    for start in range(0, len(data), batch_size):
+        rows: Iterable[dict] = data[start : start + batch_size]
+        if isinstance(rows, dict):  # a datasets.Dataset slice is a dict of columns
+            keys = list(rows)
+            rows = [dict(zip(keys, values)) for values in zip(*rows.values())]
+        pixels, labels = [], []
+        for row in rows:
+            image = row.get("pixel_values", row.get("img", row.get("image")))
+            label = row.get("labels", row.get("label"))
+            pixels.append(image_to_tensor(image, num_channels, image_size) if not isinstance(image, torch.Tensor) else image)
+            labels.append(int(label))
+        yield torch.stack(pixels), torch.tensor(labels, dtype=torch.long)
+
+
+def channel_stats(dataset, num_channels: int, image_size: int, limit: int = 2000) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std of the first ``limit`` images (pixel space, ``[0, 1]``), for ``image_mean/std``."""
+    batches = [x for x, _ in iterate_batches(dataset.select(range(min(limit, len(dataset)))), num_channels, image_size, 256)]
+    pixels = torch.cat(batches).transpose(0, 1).reshape(num_channels, -1)
+    return pixels.mean(dim=1).tolist(), pixels.std(dim=1).tolist()

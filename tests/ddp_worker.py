@@ -1,0 +1,37 @@
+"""Run under `accelerate launch`: a short POET run, then write losses and a hash of every parameter and buffer
+per rank to OUT/rank<k>.json. Usage: ddp_worker.py OUT PER_DEVICE_BATCH."""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
+
+
+def state_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    out, batch = Path(sys.argv[1]), int(sys.argv[2])
+    dataset, tokenizer = tiny_dataset()
+    model = tiny_poet_model(len(tokenizer))
+    trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, max_steps=6)
+    trainer.train()
+    rank = trainer.args.process_index
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    merges = int(next(m for m in model.modules() if hasattr(m, "poet_merge_count")).poet_merge_count["default"])
+    (out / f"rank{rank}.json").write_text(json.dumps({"hash": state_hash(model), "losses": losses,
+                                                      "merges": merges, "world": trainer.args.world_size}))
+
+
+if __name__ == "__main__":
+    main()

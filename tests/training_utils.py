@@ -1,0 +1,35 @@
+"""Shared tiny training set-up for the training tests and the DDP worker."""
+
+from __future__ import annotations
+
+import torch
+from datasets import Dataset
+from peft import get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
+
+from poet_hf import PoetConfig, PoetTrainer, PoetTrainingArguments
+from poet_hf.data import load_embedded_corpus, load_tokenizer, pack_sequences
+
+
+def tiny_dataset(seq_len: int = 32, chars: int = 40_000):
+    tokenizer = load_tokenizer()
+    text = load_embedded_corpus()["train"][0]["text"][:chars]
+    return pack_sequences(Dataset.from_dict({"text": [text]}), tokenizer, seq_len), tokenizer
+
+
+def tiny_poet_model(vocab: int, seed: int = 0, **poet_kwargs):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    fields = {"block_size": 8, "merge_every": 2, "base_init": "normalized", **poet_kwargs}
+    return get_peft_model(LlamaForCausalLM(config), PoetConfig(**fields))
+
+
+def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
+    fields = dict(output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4, learning_rate=3e-3,
+                  poet_learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+                  data_seed=0, use_cpu=True, dataloader_drop_last=True, max_grad_norm=1.0,
+                  lr_scheduler_type="constant")
+    fields.update(arg_overrides)
+    return PoetTrainer(model=model, args=PoetTrainingArguments(**fields), train_dataset=dataset,
+                       data_collator=default_data_collator)
