@@ -6,7 +6,8 @@
 
 SOURCE is a directory written by ``save_pretrained`` or a ``PoetTrainer`` checkpoint (``checkpoint-N/``).
 The Hub token may also come from ``HF_TOKEN`` (or ``hf auth login``); the endpoint from ``HF_ENDPOINT``.
-Exit codes: 0 success, 1 export refused or failed, 2 usage, 3 export written but the push failed.
+Exit codes: 0 success; 1 export refused; 2 usage error or no Hub token (checked before exporting);
+3 export written, but the push failed (the export stays complete on disk).
 """
 
 from __future__ import annotations
@@ -32,8 +33,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def hub_token(args: argparse.Namespace) -> str | None:
+    """--hub-token, else HF_TOKEN, else the token saved by `hf auth login`."""
+    from huggingface_hub import get_token
+
+    return args.hub_token or os.environ.get("HF_TOKEN") or get_token()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    token = hub_token(args) if args.push_to_hub else None
+    if args.push_to_hub and not token:  # fail before the (possibly long) export, touching nothing on disk
+        print(f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub-token, set "
+              "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.", file=sys.stderr)
+        return 2
     from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
 
     try:
@@ -47,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.push_to_hub:
         return 0
     try:
-        url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private,
-                                 token=args.hub_token or os.environ.get("HF_TOKEN"))
+        url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private, token=token)
     except HubPushError as error:
         print(f"export.py: error: push to the Hub failed: {error}\n"
               f"The export in {path} is complete and untouched; retry the upload with "

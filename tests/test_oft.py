@@ -368,9 +368,9 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
     w0 = {n: m.weight.detach().clone() for n, m in pretrained.named_modules() if isinstance(m, nn.Linear)}
     model = get_peft_model(pretrained, OftConfig(block_size=16, neumann_terms=terms))
     model.train()
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
     data = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(10))
-    for step in range(15):
+    for step in range(8):
         batch = data[(step % 4) * 2:(step % 4) * 2 + 2]
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
@@ -379,26 +379,31 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
     # ε = max_i ||Q_i||_2^(k-1): R_k = R_exact (I − Q^(k-1)) distorts lengths by at most ε, so the normalised map
     # w ↦ R_k w / ||R_k w|| is L-Lipschitz on the sphere both ways with L = (1+ε)/(1−ε); chord lengths (and so
     # each 1/||ŵ_i − ŵ_j||) change by a factor in [1/L, L], and |HE'/HE − 1| <= L − 1 = 2ε/(1−ε).
-    eps = {}
+    eps, rotations = {}, {}
     for name, layer in oft_layers(model):
+        key = name.removeprefix("base_model.model.")
         thetas = [torch.linalg.matrix_norm(skew_dense(row.detach().double(), 16), ord=2)
                   for row in layer.poet_oft_R["default"]]
-        eps[name] = 0.0 if terms == 0 else float(max(thetas)) ** (terms - 1)
-    assert max(eps.values()) < 0.05 if terms else True  # the bound is informative
+        eps[key] = 0.0 if terms == 0 else float(max(thetas)) ** (terms - 1)
+        rotations[key] = dense_rotation(layer)
+    assert max(thetas) > 0.05  # training really rotated
     merged = model.merge_and_unload()
-    worst_control = math.inf
     for name, module in merged.named_modules():
-        if name not in w0 or name.endswith("lm_head"):
+        if name not in rotations:
             continue
         he0, he = hyperspherical_energy(w0[name]), hyperspherical_energy(module.weight.detach())
-        e = eps["base_model.model." + name]
+        e = eps[name]
         assert abs(he / he0 - 1) <= 2 * e / (1 - e) + 1e-6, (name, he / he0 - 1, e)
-        # Control: a non-orthogonal update of the same size moves the energy far more than the bound allows.
+        # The merged weight is W0 · R^T with the float64 reference R, to float32 precision ...
+        he_reference = hyperspherical_energy(w0[name].double() @ rotations[name].T)
+        assert abs(he / he_reference - 1) <= 1e-6, name
+        # ... a precision at which a LoRA-like (rank-1) update of the same size is far off.
         delta = module.weight.detach().double() - w0[name].double()
-        noise = torch.randn(delta.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
-        control = w0[name].double() + noise * delta.norm() / noise.norm()
-        worst_control = min(worst_control, abs(hyperspherical_energy(control) / he0 - 1) / (2 * e / (1 - e) + 1e-6))
-    assert worst_control > 3
+        g = torch.Generator().manual_seed(11)
+        low_rank = torch.randn(delta.shape[0], 1, generator=g, dtype=torch.float64) @ torch.randn(
+            1, delta.shape[1], generator=g, dtype=torch.float64)
+        control = w0[name].double() + low_rank * delta.norm() / low_rank.norm()
+        assert abs(hyperspherical_energy(control) / he0 - 1) > 1e-5, name
 
 
 # --- config validation --------------------------------------------------------------------------------------------------

@@ -436,7 +436,7 @@ def _base_dtype(model: Any) -> torch.dtype:
 
 
 def _config_dtype(config: Any) -> torch.dtype:
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    value = getattr(config, "dtype", None)
     if isinstance(value, torch.dtype):
         return value
     return DTYPES.get(str(value).removeprefix("torch."), torch.float32) if value else torch.float32

@@ -79,9 +79,11 @@ def cayley_neumann(q: torch.Tensor, terms: int) -> torch.Tensor:
     if terms == 0:
         return cayley(q)
     eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
-    # Horner form of (I + Q)(I + Q + ... + Q^{k-2}): one matmul per term.
-    series = eye.expand_as(q)
-    for _ in range(terms - 2):
+    # Horner form of (I + Q)(I + Q + ... + Q^{k-2}), starting from I + Q: k - 2 matmuls, as many as PEFT's loop.
+    series = eye + q
+    if terms == 2:
+        return series
+    for _ in range(terms - 3):
         series = eye + q @ series
     return series + q @ series
 

@@ -9,11 +9,12 @@ factors out half of the channels as latents (RealNVP multi-scale). Latents have 
 reported bits per dimension are ``(-log p(x) + D log num_bins) / (D log 2)``, the usual upper bound on the
 discrete negative log-likelihood.
 
-The reflection 1x1 convolutions follow the paper's two variants: ``invertible=False`` (default) is a free ``W``
-initialised at ``I - Q`` for a random orthogonal ``Q``, i.e. exactly Glow's init, the variant that tied with 48
-Householder reflections; ``invertible=True`` is ``W = I + V V^T / (2 sigma_max)`` with ``V = I`` and a fixed random
-orthogonal ``Q`` before it, which is provably invertible (Theorem 2). The inverse runs Newton per pixel with a
-residual check (``newton_on_fail``).
+The reflection 1x1 convolutions follow the paper's two variants. ``invertible=True`` (default) is
+``W = I + V V^T / (2 sigma_max)`` with ``V = I`` and a fixed random orthogonal ``Q`` before it, provably invertible
+(Theorem 2), so ``sample()`` and ``inverse`` always work. ``invertible=False`` is a free ``W`` initialised at
+``I - Q`` (exactly Glow's init; the variant that tied with 48 Householder reflections in the paper); it is not
+provably invertible, and after training on ``load_digits`` its Newton inverse did fail on some pixels (the
+residual check then raises, see ``newton_on_fail``). The inverse runs Newton per pixel.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class ReflectionFlowConfig(PretrainedConfig):
         num_levels: squeeze levels.
         steps_per_level: flow steps per level.
         hidden_channels: width of each coupling network.
-        invertible: use the provably invertible reflection parameterisation (see module docstring).
+        invertible: use the provably invertible reflection parameterisation (default; see module docstring).
         num_bins: quantisation levels of the data (256 for 8-bit images, 17 for ``load_digits``).
         newton_iters, newton_on_fail: Newton inverse cap and failure policy (``"raise"``, ``"warn"``, ``"ignore"``).
         seed: seed of the random orthogonal initialisations.
@@ -56,7 +57,7 @@ class ReflectionFlowConfig(PretrainedConfig):
         num_levels: int = 2,
         steps_per_level: int = 4,
         hidden_channels: int = 32,
-        invertible: bool = False,
+        invertible: bool = True,
         num_bins: int = 256,
         newton_iters: int = 30,
         newton_on_fail: str = "raise",
@@ -144,7 +145,7 @@ class ActNorm(nn.Module):
 
 
 class FixedRotation(nn.Module):
-    """A fixed random orthogonal 1x1 convolution (log-det 0), the paper's companion of the invertible reflection."""
+    """A fixed random orthogonal 1x1 convolution, the paper's companion of the invertible reflection (seed-002 §5.3)."""
 
     def __init__(self, channels: int, seed: int) -> None:
         super().__init__()
@@ -153,10 +154,12 @@ class FixedRotation(nn.Module):
         self.register_buffer("rotation", (q * torch.sign(torch.diagonal(r))).to(torch.get_default_dtype()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return F.conv2d(x, self.rotation[:, :, None, None]), x.new_zeros(x.shape[0])
+        # log|det| is 0 only up to the rounding of the stored matrix (e.g. float32 cast to float64): compute it.
+        logdet = torch.linalg.slogdet(self.rotation)[1] * x.shape[2] * x.shape[3]
+        return F.conv2d(x, self.rotation[:, :, None, None]), logdet.expand(x.shape[0])
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(y, self.rotation.T[:, :, None, None])
+        return F.conv2d(y, torch.linalg.inv(self.rotation)[:, :, None, None])
 
 
 class AffineCoupling(nn.Module):
