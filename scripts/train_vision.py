@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> VisionTrainArgs:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if isinstance(default, list):
-            parser.add_argument(flag, nargs=len(default), default=default)
+            parser.add_argument(flag, nargs=len(default), type=type(default[0]), default=default)
         elif f.name in ("num_channels", "max_train_examples", "max_eval_examples"):
             parser.add_argument(flag, type=int, default=default)
         else:

@@ -216,10 +216,11 @@ def test_wrong_input_size_at_forward_raises():
 @pytest.mark.parametrize("c_in, c_out, k, s, n", CONFIGS)
 def test_baked_layer_equals_training_forward(c_in, c_out, k, s, n):
     layer = make(c_in, c_out, k, s, n, orthogonal_map="matrix_exp").train()
+    layer.update_power_iteration = True  # the real flow: the training forward refreshes u, bake reuses it
     x = torch.randn(3, c_in, *spatial(n), dtype=F64)
-    y_train = layer(x)
+    y_train = layer(x).detach()
     layer.bake()
-    y_baked = layer(x)
+    y_baked = layer(x).detach()
     rel = float((y_baked - y_train).norm() / y_train.norm())
     assert rel <= 1e-6, rel
     assert set(layer.state_dict()) == {"weight", "bias"}
@@ -229,9 +230,9 @@ def test_baked_layer_equals_training_forward(c_in, c_out, k, s, n):
 def test_baked_taylor_layer_differs_from_training_forward_by_the_truncation_only():
     layer = make(4, 4, 3, 1, 6, orthogonal_map="taylor").train()
     x = torch.randn(3, 4, 6, 6, dtype=F64)
-    y_train = layer(x) - layer.bias.view(1, -1, 1, 1)
+    y_train = (layer(x) - layer.bias.view(1, -1, 1, 1)).detach()
     err = layer.truncation_error()
-    y_baked = layer.bake()(x) - layer.bias.view(1, -1, 1, 1)
+    y_baked = (layer.bake()(x) - layer.bias.view(1, -1, 1, 1)).detach()
     # y_train - y_baked = (S_T - exp) applied per frequency, so its norm is at most err·||x||.
     assert 0 < float((y_train - y_baked).norm()) <= err * float(x.norm()) * (1 + 1e-9)
 

@@ -38,6 +38,15 @@ LABELS = torch.tensor([1, 3])
 SUBPROCESS_TIMEOUT = 180
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """These models are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # --- building and training tiny POET models ------------------------------------------------------------------------
 def tiny_vit() -> ViTForImageClassification:
     """A ViT whose conv patch embedding (an nn.Conv2d) is a POET target, beside its Linear layers."""
@@ -153,6 +162,30 @@ def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo)
     assert poet_layers(model) and torch.equal(logits(model, kind), expected)
 
 
+# --- OFT and orthogonal-layer adapters fold through the same path -------------------------------------------------
+def test_export_oft_and_orthogonal_models(tmp_path):
+    from transformers import AutoModelForCausalLM as StockAuto
+
+    from poet_hf.tuners.oft import OftConfig
+    from poet_hf.tuners.orthogonal import OrthogonalConfig
+
+    oft = get_peft_model(tiny_llama(), OftConfig(block_size=16, init_weights=False))  # random, non-identity
+    expected = logits(oft, "llama")
+    assert (expected - logits(tiny_llama(), "llama")).abs().max() > 1e-3
+    path = export_merged(oft, tmp_path / "oft")
+    assert "**OFT**" in (path / "README.md").read_text()
+    check_in_fresh_process(path, "llama", expected, tmp_path)
+    orth = get_peft_model(tiny_llama(), OrthogonalConfig(target_modules=["q_proj", "v_proj"], init_weights=False))
+    expected = logits(orth, "llama")
+    plain = StockAuto.from_pretrained(export_merged(orth, tmp_path / "orth", spectrum=False), dtype=torch.float32)
+    assert (logits(plain, "llama") - expected).abs().max() <= 1e-5
+    reflection = get_peft_model(tiny_llama(), OrthogonalConfig(target_modules=["q_proj"],
+                                                                parameterization="reflection"))
+    with pytest.raises(ExportError, match="cannot be folded into plain weights.*reflection"):
+        export_merged(reflection, tmp_path / "reflection")
+    assert not (tmp_path / "reflection").exists()
+
+
 # --- acceptance 4: a save_pretrained adapter directory (sharded, with tokenizer) -----------------------------------
 def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -202,17 +235,19 @@ def test_export_from_poet_trainer_checkpoint(tmp_path):
 
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, base_init="normalized", merge_every=2))
     rows = [{"input_ids": IDS[i % 2], "labels": IDS[i % 2]} for i in range(8)]
-    args = PoetTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, save_steps=4,
+    args = PoetTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=5, save_steps=5,
                                  per_device_train_batch_size=2, learning_rate=1e-2, poet_learning_rate=5e-3,
                                  logging_steps=2, report_to=[], use_cpu=True, save_strategy="steps",
-                                 dataloader_num_workers=0, seed=0)
-    trainer = PoetTrainer(model=model, args=args, train_dataset=rows, processing_class=word_tokenizer())
+                                 eval_strategy="steps", eval_steps=5, dataloader_num_workers=0, seed=0)
+    trainer = PoetTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:2],
+                          processing_class=word_tokenizer())
     trainer.train()
     model.eval()
     expected = logits(model, "llama")
-    checkpoint = tmp_path / "run" / "checkpoint-4"
+    checkpoint = tmp_path / "run" / "checkpoint-5"
     assert {"adapter_config.json", "config.json", "trainer_state.json"} <= {p.name for p in checkpoint.iterdir()}
-    assert int(poet_layers(model)[0][1].poet_merge_count["default"]) >= 1
+    layer = poet_layers(model)[0][1]
+    assert int(layer.poet_merge_count["default"]) == 2 and layer.poet_R["default"].abs().max() > 0  # live factors
     path = export_merged(checkpoint, tmp_path / "export")
     assert_plain_export(path)
     assert (path / "tokenizer.json").is_file()
@@ -220,6 +255,13 @@ def test_export_from_poet_trainer_checkpoint(tmp_path):
     card = (path / "README.md").read_text()
     assert "| learning rate | 0.01 |" in card and "| POET learning rate | 0.005 |" in card
     assert "| merge_every | 2 |" in card and "| base_init | normalized |" in card
+    eval_loss = next(e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e)
+    assert f"| eval_loss | {eval_loss:.4g} |" in card and "| step | 5 |" in card
+    # the trainer itself is a source too (what scripts/pretrain.py --export-dir uses): same weights, same card facts
+    direct = export_merged(trainer, tmp_path / "from-trainer", spectrum=False)
+    ours, theirs = load_file(direct / "model.safetensors"), load_file(path / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    assert "| POET learning rate | 0.005 |" in (direct / "README.md").read_text()
 
 
 # --- lower dtypes fold in float32, then cast ------------------------------------------------------------------------

@@ -340,3 +340,22 @@ def test_works_with_trainer(tmp_path, route):
     assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, FeedbackGD)
     assert not torch.equal(start, model.hidden.weight)
     assert stiefel_deviation(model.hidden.weight) <= 1e-2
+
+
+def test_bfloat16_weight_keeps_float32_momentum():
+    start, target = _stiefel_setup()
+    deviations = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = nn.Parameter(start.to(dtype))
+        opt = FeedbackGD([w], lr=0.1)
+        trace = []
+        for _ in range(300):
+            w.grad = (w.detach().double() - target).to(dtype)
+            opt.step()
+            trace.append(stiefel_deviation(w))
+        deviations[dtype] = trace
+        assert opt.state[w]["momentum_buffer"].dtype == torch.float32 and w.dtype == dtype
+    # Same transient as float32; at the end bfloat16 sits at its rounding floor (2^-8 relative per entry).
+    assert abs(deviations[torch.bfloat16][19] - deviations[torch.float32][19]) <= 0.01
+    assert deviations[torch.float32][-1] <= 1e-6
+    assert deviations[torch.bfloat16][-1] <= 1e-2

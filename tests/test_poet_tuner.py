@@ -332,3 +332,29 @@ def test_two_adapters_compose_like_the_dense_product_and_disable_restores_base()
     with torch.no_grad(), model.disable_adapter():
         reference = outputs(tiny_llama(), "llama")
         assert (outputs(model, "llama") - reference).abs().max() <= 1e-6
+
+
+# --- dtypes and versions ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["weight", "activation"])
+def test_adapter_stays_float32_under_bfloat16_base(strategy):
+    base = tiny_llama().to(torch.bfloat16)
+    with torch.no_grad():
+        reference = outputs(base, "llama")
+    model = get_peft_model(base, PoetConfig(block_size=16, forward=strategy))
+    assert {p.dtype for n, p in model.named_parameters() if p.requires_grad} == {torch.float32}
+    with torch.no_grad():
+        assert torch.equal(outputs(model, "llama"), reference)  # identity at init, in bfloat16 too
+    randomize(model, op_norm=0.2)
+    out = outputs(model, "llama")
+    assert out.dtype == torch.bfloat16
+    out.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+def test_unsupported_peft_version_is_refused_with_install_hint():
+    from poet_hf.tuners.registry import check_peft_version
+
+    check_peft_version("0.21.2")
+    with pytest.raises(ImportError, match=r"peft>=0.21.0,<0.22.0"):
+        check_peft_version("0.20.0")

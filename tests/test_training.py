@@ -128,16 +128,27 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path):
 
 
 # --- the pretraining entry point -----------------------------------------------------------------------------------
-def small_args(tmp_path, method, **overrides):
+@pytest.fixture(scope="module")
+def local_corpus(tmp_path_factory):
+    """A small local .jsonl corpus (20 passages of the embedded plays): the local-file path users take."""
+    from poet_hf.data import load_embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "passages.jsonl"
+    texts = [play["text"][i * 3000:(i + 1) * 3000] for play in load_embedded_corpus()["train"] for i in range(2)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]))
+    return str(path)
+
+
+def small_args(tmp_path, method, corpus, **overrides):
     fields = dict(method=method, max_steps=4, batch_size=2, seq_len=64, merge_every=2, max_eval_sequences=8,
-                  logging_steps=1, output_dir=str(tmp_path / method), block_size=32)
+                  logging_steps=1, output_dir=str(tmp_path / method), block_size=32, dataset=corpus)
     fields.update(overrides)
     return PretrainArguments(**fields)
 
 
 @pytest.mark.parametrize("method", ["poet-bs", "poet-fs", "adamw", "lora"])
-def test_each_method_runs_and_reports(tmp_path, method):
-    results = run_pretraining(small_args(tmp_path, method))
+def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
+    results = run_pretraining(small_args(tmp_path, method, local_corpus))
     saved = json.loads((tmp_path / method / "results.json").read_text())
     assert saved["val_perplexity"] == pytest.approx(results["val_perplexity"])
     assert saved["tokens_seen"] == 4 * 2 * 64
@@ -147,20 +158,19 @@ def test_each_method_runs_and_reports(tmp_path, method):
     assert all(torch.isfinite(torch.tensor(saved["train_losses"])))
 
 
-def test_galore_without_package_says_how_to_install(tmp_path):
-    pytest.importorskip("peft")
+def test_galore_without_package_says_how_to_install(tmp_path, local_corpus):
     try:
         import galore_torch  # noqa: F401
         pytest.skip("galore-torch is installed here")
     except ImportError:
         pass
     with pytest.raises(SystemExit, match="pip install galore-torch"):
-        run_pretraining(small_args(tmp_path, "galore"))
+        run_pretraining(small_args(tmp_path, "galore", local_corpus))
 
 
-def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path):
-    poet = run_pretraining(small_args(tmp_path, "poet-bs", max_steps=8, neumann_terms=3))
-    adamw = run_pretraining(small_args(tmp_path, "adamw", max_steps=8))
+def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_corpus):
+    poet = run_pretraining(small_args(tmp_path, "poet-bs", local_corpus, max_steps=8, neumann_terms=3))
+    adamw = run_pretraining(small_args(tmp_path, "adamw", local_corpus, max_steps=8))
     bound = poet["spectrum_bound"]
     assert poet["merges"] == 4 and 1e-8 < bound < 0.05  # CNP with 3 terms is inexact, so the check is not vacuous
     assert poet["spectrum_drift"]["max_drift"] <= bound + 1e-5  # + float32 rounding of the folds
@@ -169,5 +179,32 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path):
 
 def test_pretraining_lowers_validation_perplexity_fivefold(tmp_path):
     # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset.
-    results = run_pretraining(PretrainArguments(max_steps=40, output_dir=str(tmp_path / "main")))
+    results = run_pretraining(PretrainArguments(max_steps=30, max_eval_sequences=32,
+                                                output_dir=str(tmp_path / "main")))
     assert results["val_perplexity"] * 5 <= results["initial_val_perplexity"]
+
+
+def test_tensorboard_logs_both_learning_rates_and_poet_statistics(tmp_path, data):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dataset, tokenizer = data
+    trainer = tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset, max_steps=3,
+                           report_to="tensorboard", learning_rate=1e-2, poet_learning_rate=2e-3)
+    trainer.train()
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/learning_rate", "train/poet_learning_rate", "train/poet/merge_count",
+                "train/poet/q_norm", "train/poet/orth_error", "train/poet/probe_cos_R", "train/poet/probe_cos_P"):
+        assert tag in tags, tags
+    assert [e.value for e in events.Scalars("train/poet/merge_count")] == [0, 1, 1]
+    assert events.Scalars("train/poet_learning_rate")[0].value == pytest.approx(2e-3)
+    assert events.Scalars("train/learning_rate")[0].value == pytest.approx(1e-2)
+
+
+@pytest.mark.parametrize("fsdp,deepspeed,name", [(True, False, "FSDP"), (False, True, "DeepSpeed")])
+def test_sharded_backends_are_refused_naming_ddp(fsdp, deepspeed, name):
+    from poet_hf.training.trainer import check_sharding
+
+    check_sharding(False, False)
+    with pytest.raises(ValueError, match=f"{name} shards.*Train with DDP"):
+        check_sharding(fsdp, deepspeed)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
@@ -15,14 +16,23 @@ PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge 
 
 
 def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
-    """Effective out × in weights of every POET layer, or — for a plain model — of the Linear modules whose
-    names end with one of ``names`` (the same targets, for a baseline run)."""
+    """Effective out × in weights of every POET layer, or — for a baseline — of the modules whose names end
+    with one of ``names`` (a plain Linear's weight, or a PEFT layer's base weight plus its delta, e.g. LoRA)."""
     layers = poet_layers(model)
     if layers:
         return {name: layer.effective_weight_matrix(dtype=torch.float32).detach() for name, layer in layers}
-    names = names or []
-    return {name: module.weight.detach().float() for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and any(name.endswith(n) for n in names)}
+    weights = {}
+    for name, module in model.named_modules():
+        if not any(name.endswith(n) for n in names or []):
+            continue
+        if isinstance(module, BaseTunerLayer):
+            weight = module.get_base_layer().weight.detach().float()
+            for adapter in module.active_adapters:
+                weight = weight + module.get_delta_weight(adapter).detach().float()
+            weights[name] = weight
+        elif isinstance(module, nn.Linear):
+            weights[name] = module.weight.detach().float()
+    return weights
 
 
 @torch.no_grad()
@@ -57,6 +67,8 @@ def plot_spectra(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
     import matplotlib.pyplot as plt
 
     names = list(before)[:: max(1, len(before) // max_layers)][:max_layers]
+    if not names:
+        raise ValueError("no target weights to plot")
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):
         ax.plot(before[name].numpy(), label="before", lw=2)

@@ -461,7 +461,10 @@ def _fold(model: Any, progress: Optional[bool]) -> nn.Module:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     with torch.no_grad():
-        plain = model.merge_and_unload(progressbar=_show_progress(progress))
+        try:
+            plain = model.merge_and_unload(progressbar=_show_progress(progress))
+        except ValueError as error:  # e.g. an input-dependent orthogonal layer, which has no single weight
+            raise ExportError(f"this model cannot be folded into plain weights: {error}") from error
     left = [name for name, m in plain.named_modules() if isinstance(m, BaseTunerLayer)]
     if left:
         raise ExportError(f"folding left {len(left)} adapter layers in place (e.g. {left[0]}); export_merged cannot "
@@ -496,11 +499,14 @@ def _show_progress(progress: Optional[bool]) -> bool:
 
 
 # --- model card ---------------------------------------------------------------------------------------------------
-_METHODS = {
+_METHODS = {  # peft_type family -> (title, summary, what the export folded)
     "POET": ("POET", "Reparameterized Training via Orthogonal Equivalence Transformation: each weight is trained "
-             "as R·W0·P with W0 fixed and R, P learned orthogonal matrices, merged and reinitialized periodically"),
-    "OFT": ("OFT", "Orthogonal Finetuning: a learned orthogonal rotation of each pretrained weight"),
-    "ORTHOGONAL": ("orthogonal layers", "layers constrained to be orthogonal"),
+             "as R·W0·P with W0 fixed and R, P learned orthogonal matrices, merged and reinitialized periodically",
+             "`W = R·W0·P`"),
+    "OFT": ("OFT", "Orthogonal Finetuning: each pretrained weight W0 is trained as R·W0, with R a learned "
+            "block-diagonal orthogonal matrix", "`W = R·W0`"),
+    "ORTHOGONAL": ("orthogonal layers", "target layers are replaced by orthogonal (Cayley, Householder or ECO) "
+                   "parameterizations", "the orthogonal weights"),
 }
 
 
@@ -529,7 +535,8 @@ def render_model_card(
 
     run = dict(run_info or {})
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
-    title, summary = _method_text(peft_type)
+    title, summary, formula = _METHODS.get(_method_family(peft_type),
+                                           (peft_type, f"the {peft_type} PEFT method", "the adapters"))
     base_model = peft_config.base_model_name_or_path
     dataset_refs = _as_list(datasets) or _as_list(run.pop("datasets", None) or run.pop("dataset", None))
     eval_rows = [(k, _fmt(v)) for k, v in {**(eval_results or {}), **(run.pop("eval", None) or {})}.items()
@@ -543,21 +550,22 @@ def render_model_card(
         data, template_path=str(card_template_path()),
         model_name=model_id.rstrip("/").rsplit("/", 1)[-1], model_id=model_id, architecture=type(model).__name__,
         auto_class=_auto_class_name(model), method_title=title, method_summary=summary, peft_type=peft_type,
+        fold_formula=formula,
         base_model_ref=base_model, from_scratch=from_scratch, dataset_refs=dataset_refs,
         export_dtype=str(export_dtype).removeprefix("torch."), folded_layers=folded_layers,
         hyperparameters=_hyperparameter_rows(peft_config, run),
-        training_rows=_training_rows(run, merge_count), eval_rows=eval_rows, spectrum_rows=spectrum_rows or [],
+        training_rows=_training_rows(run, merge_count, shown=set(peft_config.to_dict())), eval_rows=eval_rows,
+        spectrum_rows=spectrum_rows or [],
     )
 
 
-def _method_text(peft_type: str) -> tuple[str, str]:
-    key = "OFT" if "OFT" in peft_type else peft_type
-    return _METHODS.get(key, (peft_type, f"the {peft_type} PEFT method"))
+def _method_family(peft_type: str) -> str:
+    return "OFT" if "OFT" in peft_type else peft_type
 
 
 def _tags(peft_type: str) -> list[str]:
     tags = ["poet", "orthogonal", "peft", "poet_hf"]
-    method = peft_type.lower()
+    method = _method_family(peft_type).lower()
     return tags if method in tags else [*tags, method]
 
 
@@ -578,14 +586,20 @@ def _hyperparameter_rows(peft_config: Any, run: dict) -> list[tuple[str, str]]:
     return [(name, _fmt(value)) for name, value in fields.items()]
 
 
-def _training_rows(run: dict, merge_count: Optional[int]) -> list[tuple[str, str]]:
+def _training_rows(run: dict, merge_count: Optional[int], shown: set[str]) -> list[tuple[str, str]]:
+    """Learning rates, tokens seen, steps and merges first, then the run's other scalars not already ``shown``."""
     labels = {"learning_rate": "learning rate", "poet_learning_rate": "POET learning rate",
-              "num_input_tokens_seen": "tokens seen", "global_step": "optimizer steps"}
-    rows = [(labels[k], _fmt(run[k])) for k in labels if run.get(k) is not None]
+              "num_input_tokens_seen": "tokens seen", "tokens_seen": "tokens seen", "global_step": "optimizer steps",
+              "steps": "optimizer steps"}
+    rows: dict[str, str] = {}
+    for key, label in labels.items():
+        if run.get(key) and label not in rows:  # 0 tokens seen means "not tracked"
+            rows[label] = _fmt(run[key])
     if merge_count is not None:
-        rows.append(("merges (merge-then-reinitialize)", str(merge_count)))
-    rows += [(k, _fmt(v)) for k, v in run.items() if k not in labels and isinstance(v, (str, int, float, bool))]
-    return rows
+        rows["merges (merge-then-reinitialize)"] = str(merge_count)
+    rows.update({k: _fmt(v) for k, v in run.items()
+                 if k not in labels and k not in shown and isinstance(v, (str, int, float, bool))})
+    return list(rows.items())
 
 
 def _pipeline_tag(model: nn.Module) -> Optional[str]:

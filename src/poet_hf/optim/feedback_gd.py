@@ -240,17 +240,18 @@ class FeedbackGD(torch.optim.Optimizer):
             norm = float(torch.linalg.matrix_norm(b))
             if norm > clip:
                 b = b * (clip / norm)
-        state["momentum_buffer"] = self._untall(b, p).detach().clone()
+        # The buffer keeps the working precision (float32 for half-precision weights).
+        state["momentum_buffer"] = self._untall(b, p, dtype=work).detach().clone()
         state["lr"] = lr
         # Semi-implicit order: theta moves with the *new* b, unprojected, as in the reference code.
         p.copy_(self._untall(theta + b - beta * pull, p))
 
     @staticmethod
-    def _untall(mat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Inverse of :func:`_tall`: back to ``like``'s shape and dtype."""
+    def _untall(mat: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Inverse of :func:`_tall`: back to ``like``'s shape, and to ``dtype`` (default ``like``'s)."""
         rows = like.reshape(like.shape[0], -1)
         out = mat.T if rows.shape[0] <= rows.shape[1] else mat
-        return out.reshape(like.shape).to(like.dtype)
+        return out.reshape(like.shape).to(dtype or like.dtype)
 
     def stiefel_deviations(self) -> list[float]:
         """``||theta^T theta - I||_F`` of every constrained tensor, in group order (a training diagnostic)."""

@@ -39,3 +39,4 @@ from .reflection import (
     auxiliary_reflection_logabsdet,
     invertible_weight,
 )
+from .eco import EcoConv2d, construct_index_map, eco_kernel, taylor_exp

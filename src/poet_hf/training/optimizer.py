@@ -21,15 +21,16 @@ def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate: float, weight_decay: float,
                       decay_parameter_names: Iterable[str]) -> list[dict]:
-    """Three groups: POET parameters (``poet_learning_rate``, no weight decay, as the POET code), then the other
-    trainable parameters with and without decay (``learning_rate``). Empty groups are dropped."""
+    """Three groups: the non-POET trainable parameters with and without decay (``learning_rate``; first, so
+    Trainer logs it as ``learning_rate``), then the POET parameters (``poet_learning_rate``, no weight decay,
+    as the POET code). Empty groups are dropped."""
     poet = {id(p) for p in poet_parameters(model)}
     decay = set(decay_parameter_names)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in poet]
     groups = [
-        {"params": poet_parameters(model), "lr": poet_learning_rate, "weight_decay": 0.0, "poet": True},
         {"params": [p for n, p in named if n in decay], "lr": learning_rate, "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "lr": learning_rate, "weight_decay": 0.0},
+        {"params": poet_parameters(model), "lr": poet_learning_rate, "weight_decay": 0.0, "poet": True},
     ]
     return [g for g in groups if g["params"]]
 

@@ -17,6 +17,17 @@ from .optimizer import poet_param_groups
 RUN_INFO_NAME = "poet_run.json"
 
 
+def check_sharding(fsdp: bool, deepspeed: bool) -> None:
+    """Refuse FSDP and DeepSpeed for POET models: a merge folds full weights in place, which they shard."""
+    if fsdp or deepspeed:
+        backend = "FSDP" if fsdp else "DeepSpeed"
+        raise ValueError(
+            f"POET merge-then-reinitialize folds full weights in place, which {backend} shards; poet_hf does not "
+            "fold sharded weights yet. Train with DDP instead (`accelerate launch --multi_gpu --num_processes N` "
+            "without an FSDP/DeepSpeed config); POET's optimizer state is already small."
+        )
+
+
 class PoetTrainer(Trainer):
     """Trainer for POET models (works for any model; without POET layers it behaves like ``Trainer``).
 
@@ -36,13 +47,8 @@ class PoetTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(poet_layers(unwrap(self.model)))
-        if self.has_poet and (self.is_fsdp_enabled or self.is_deepspeed_enabled):
-            backend = "FSDP" if self.is_fsdp_enabled else "DeepSpeed"
-            raise ValueError(
-                f"POET merge-then-reinitialize folds full weights in place, which {backend} shards; poet_hf does "
-                f"not fold sharded weights yet. Train with DDP instead (`accelerate launch --multi_gpu`, or "
-                "`--num_processes N` without an FSDP/DeepSpeed config); POET's optimizer state is already small."
-            )
+        if self.has_poet:
+            check_sharding(self.is_fsdp_enabled, self.is_deepspeed_enabled)
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
 

@@ -9,8 +9,8 @@ and stores its state under the ``poet_oft_`` prefix it is registered with in PEF
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-from typing import Any, Optional
+from types import MappingProxyType, SimpleNamespace
+from typing import Any, Mapping, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -18,6 +18,9 @@ from torch import nn
 
 from ..poet import layer as poet_layer
 from ..poet.layer import SIDE_INPUT, PoetLayer, SideSpec
+
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def block_dropout(blocks: torch.Tensor, p: float) -> torch.Tensor:
@@ -53,6 +56,28 @@ class OftLayer(PoetLayer):
     @property
     def merge_counts(self) -> BufferDict:
         return self.poet_oft_merge_count
+
+    # Read-only views under PoetLayer's attribute names, so code written for POET layers (diagnostics, the
+    # trainer's parameter groups, export) handles OFT layers too. OFT has no output side: P views are empty.
+    @property
+    def poet_R(self) -> nn.ParameterDict:
+        return self.poet_oft_R
+
+    @property
+    def poet_R_index(self) -> BufferDict:
+        return self.poet_oft_R_index
+
+    @property
+    def poet_merge_count(self) -> BufferDict:
+        return self.poet_oft_merge_count
+
+    @property
+    def poet_P(self) -> Mapping[str, nn.Parameter]:
+        return _EMPTY
+
+    @property
+    def poet_P_index(self) -> Mapping[str, torch.Tensor]:
+        return _EMPTY
 
     def _side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         if side != SIDE_INPUT:

@@ -170,9 +170,9 @@ class PoetLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         weight.data.copy_(matrix.reshape(weight.shape).to(weight.dtype))
 
-    def base_op(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-        """The base computation without bias, for an out × in weight matrix."""
-        return F.linear(x, matrix)
+    def base_op(self, x: torch.Tensor, matrix: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The base computation for an out × in weight matrix (bias fused where given: one addmm)."""
+        return F.linear(x, matrix, None if bias is None else bias.to(x.dtype))
 
     supports_activation_forward = True
 
@@ -307,8 +307,7 @@ class PoetLayer(BaseTunerLayer):
                                   for a in adapter_names for side in self._sides(a))
         if not self._use_activation_path(adapter_names, tokens, needs_grad, grad and x.requires_grad):
             matrix = self.effective_weight_matrix(adapter_names).to(self.weight_matrix().dtype)
-            out = self.base_op(x, matrix)
-            return out if bias is None else self._add_bias(out, bias)
+            return self.base_op(x, matrix, bias)
         # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
         compute = torch.promote_types(x.dtype, torch.float32)
         h = x.to(compute)
@@ -316,13 +315,15 @@ class PoetLayer(BaseTunerLayer):
             if SIDE_INPUT in self._sides(a):
                 index = self._side_containers(SIDE_INPUT)[1][a]
                 h = self._sides(a)[SIDE_INPUT].matmul_right(h, index, self.rotation_blocks(a, SIDE_INPUT))
-        h = self.base_op(h.to(x.dtype), self.weight_matrix()).to(compute)
+        # The bias is not rotated: fuse it into the base op unless output rotations follow.
+        output_side = any(SIDE_OUTPUT in self._sides(a) for a in adapter_names)
+        h = self.base_op(h.to(x.dtype), self.weight_matrix(), None if output_side else bias).to(compute)
         for a in adapter_names:
             if SIDE_OUTPUT in self._sides(a):
                 index = self._side_containers(SIDE_OUTPUT)[1][a]
                 h = self._sides(a)[SIDE_OUTPUT].matmul_right(h, index, self.rotation_blocks(a, SIDE_OUTPUT))
         out = h.to(x.dtype)
-        return out if bias is None else self._add_bias(out, bias)
+        return out if bias is None or not output_side else self._add_bias(out, bias)
 
     def _add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return out + bias.to(out.dtype)
@@ -458,13 +459,14 @@ class Conv2d(Linear):
         weight = self.get_base_layer().weight
         return weight.reshape(weight.shape[0], -1)
 
-    def base_op(self, x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    def base_op(self, x: torch.Tensor, matrix: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         base = self.get_base_layer()
         weight = matrix.reshape(base.weight.shape)
+        bias = None if bias is None else bias.to(x.dtype)
         if base.padding_mode != "zeros":
             x = F.pad(x, base._reversed_padding_repeated_twice, mode=base.padding_mode)
-            return F.conv2d(x, weight, None, base.stride, 0, base.dilation, base.groups)
-        return F.conv2d(x, weight, None, base.stride, base.padding, base.dilation, base.groups)
+            return F.conv2d(x, weight, bias, base.stride, 0, base.dilation, base.groups)
+        return F.conv2d(x, weight, bias, base.stride, base.padding, base.dilation, base.groups)
 
     def _add_bias(self, out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return out + bias.to(out.dtype).view(1, -1, 1, 1)

@@ -1,0 +1,35 @@
+"""Fine-tune a pretrained model with POET, OFT or LoRA and report the evaluation metric before and after.
+
+    python scripts/finetune.py --model gpt2 --method oft --dataset embedded --max_steps 200
+    python scripts/finetune.py --model ./my-llama --method poet --block_size 64 --dataset ./corpus.txt \\
+        --export_dir outputs/merged
+    python scripts/finetune.py --model bert-base-uncased --task sequence-classification --method oft \\
+        --dataset glue --dataset_config sst2 --text_column sentence
+
+Every option: python scripts/finetune.py --help
+"""
+
+from __future__ import annotations
+
+import json
+
+from transformers import HfArgumentParser
+
+from poet_hf.training.finetune import FinetuneArguments, run_finetuning
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(args=argv)
+    results = run_finetuning(args)
+    summary = {k: results[k] for k in ("method", "model", "task", "before", "after", "steps", "trainable_params")}
+    if "export_dir" in results:
+        summary["export_dir"] = results["export_dir"]
+    print(json.dumps(summary, indent=2))
+    name = "perplexity" if args.task == "causal-lm" else "accuracy"
+    print(f"eval {name}: {results['before'][name]:.4g} -> {results['after'][name]:.4g} "
+          f"(eval loss {results['before']['loss']:.4f} -> {results['after']['loss']:.4f})")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Fine-tune a pretrained model with POET, OFT or LoRA (the POET paper's Table 6 setting, any HF model).
+
+``scripts/finetune.py`` is the command-line face of :func:`run_finetuning`. The steps, top to bottom:
+
+1. load the model by hub name or local path (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``)
+   and its tokenizer;
+2. load the data: a text corpus packed into sequences (causal LM) or a labelled text dataset (classification),
+   from an HF dataset name or local ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` files;
+3. wrap the model: ``PoetConfig`` (``W0`` is the pretrained weight, kept), ``OftConfig`` or PEFT's ``LoraConfig``;
+4. evaluate, train with ``PoetTrainer``, evaluate again, and report both;
+5. save the adapter and, optionally, export the merged plain model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
+
+from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
+from ..tuners.constants import DEFAULT_TARGET_MODULES
+from ..tuners.oft import OftConfig
+from ..tuners.poet import PoetConfig
+from .arguments import PoetTrainingArguments
+from .trainer import PoetTrainer
+
+METHODS = ("poet", "oft", "lora")
+TASKS = ("causal-lm", "sequence-classification")
+LOCAL_DATA_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+
+
+@dataclass
+class FinetuneArguments:
+    """Command-line options of ``scripts/finetune.py`` (parsed by ``transformers.HfArgumentParser``)."""
+
+    model: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
+    method: str = field(default="oft", metadata={"help": f"one of {', '.join(METHODS)}"})
+    task: str = field(default="causal-lm", metadata={"help": f"one of {', '.join(TASKS)}"})
+    dataset: str = field(default=EMBEDDED_CORPUS,
+                         metadata={"help": "'embedded' (causal LM only), an HF dataset name, or local files / a "
+                                   "folder of .txt/.jsonl/.json/.csv"})
+    dataset_config: Optional[str] = field(default=None, metadata={"help": "HF dataset config name"})
+    text_column: str = field(default="text")
+    label_column: str = field(default="label", metadata={"help": "integer label column (classification)"})
+    eval_split: str = field(default="validation", metadata={"help": "split to evaluate on if the dataset has it; "
+                            "otherwise 5% of train is held out"})
+    tokenizer: Optional[str] = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
+    seq_len: int = field(default=128, metadata={"help": "packed length (causal LM) / max length (classification)"})
+    block_size: int = field(default=32, metadata={"help": "POET / OFT block size (must divide the targeted dims)"})
+    neumann_terms: int = field(default=5, metadata={"help": "Cayley–Neumann terms (0 = exact Cayley)"})
+    spo: Optional[str] = field(default=None, metadata={"help": "POET: 'block' (default) or 'full'; OFT: "
+                               "'contiguous' (default, PEFT's blocks) or 'block' (permuted)"})
+    budget: float = field(default=0.5, metadata={"help": "POET spo='full': fraction of each dimension"})
+    merge_every: Optional[int] = field(default=None, metadata={"help": "merge-then-reinitialize interval (POET: "
+                                       "default 200; OFT: default never)"})
+    lora_rank: int = field(default=8)
+    lora_alpha: Optional[float] = field(default=None, metadata={"help": "default: 2 × lora_rank"})
+    target_modules: Optional[str] = field(default=None, metadata={"help": "comma-separated module names; default "
+                                          "per model type (every Linear in the blocks)"})
+    learning_rate: float = field(default=1e-3, metadata={"help": "learning rate of the adapter parameters"})
+    poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET/OFT skew parameters' learning "
+                                                "rate; default learning_rate"})
+    max_steps: int = field(default=200)
+    batch_size: int = field(default=8)
+    gradient_accumulation_steps: int = field(default=1)
+    warmup_steps: int = field(default=0)
+    weight_decay: float = field(default=0.0)
+    max_grad_norm: float = field(default=1.0)
+    max_train_samples: Optional[int] = field(default=None)
+    max_eval_samples: int = field(default=256)
+    output_dir: str = field(default="outputs/finetune")
+    export_dir: Optional[str] = field(default=None, metadata={"help": "export the merged plain model here"})
+    logging_steps: int = field(default=10)
+    report_to: str = field(default="none")
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bars"})
+    seed: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
+        allowed_spo = ("block", "full") if self.method == "poet" else ("contiguous", "block")
+        if self.spo is None:
+            self.spo = allowed_spo[0]
+        if self.method in ("poet", "oft") and self.spo not in allowed_spo:
+            raise ValueError(f"`spo` for --method {self.method} must be one of {allowed_spo}, got {self.spo!r}")
+        if self.task == "sequence-classification" and self.dataset == EMBEDDED_CORPUS:
+            raise ValueError("`dataset`='embedded' is an unlabelled corpus; sequence classification needs a "
+                             "labelled dataset (an HF name or local files with text and label columns)")
+        for name in ("max_steps", "batch_size", "seq_len", "gradient_accumulation_steps", "lora_rank",
+                     "max_eval_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
+
+
+# --- 1. model and tokenizer -------------------------------------------------------------------------------------------
+def load_model(args: FinetuneArguments, num_labels: Optional[int] = None) -> torch.nn.Module:
+    """The pretrained model for ``args.task`` (a hub name or a local path)."""
+    if args.task == "causal-lm":
+        return AutoModelForCausalLM.from_pretrained(args.model)
+    return AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels)
+
+
+def load_model_tokenizer(args: FinetuneArguments):
+    """``AutoTokenizer`` for ``args.tokenizer`` or the model; a pad token is set (EOS) where missing."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {args.tokenizer or args.model!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# --- 2. data ------------------------------------------------------------------------------------------------------------
+def _load_raw(args: FinetuneArguments):
+    """``DatasetDict`` with ``train`` and ``validation`` from an HF name or local files."""
+    from datasets import DatasetDict, load_dataset
+
+    if args.task == "causal-lm":
+        return load_corpus(args.dataset, args.dataset_config, seed=args.seed)
+    path = Path(args.dataset)
+    if path.exists():
+        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_DATA_KINDS) if path.is_dir() else [path]
+        kinds = {LOCAL_DATA_KINDS.get(p.suffix) for p in files}
+        if not files or None in kinds or len(kinds) != 1 or kinds == {"text"}:
+            raise ValueError(f"local classification data {args.dataset!r} must be .jsonl/.json or .csv files of "
+                             f"one kind with `{args.text_column}` and `{args.label_column}` columns")
+        raw = load_dataset(kinds.pop(), data_files=[str(p) for p in files])
+    else:
+        raw = load_dataset(args.dataset, args.dataset_config)
+    if args.eval_split in raw:
+        return DatasetDict({"train": raw["train"], "validation": raw[args.eval_split]})
+    split = raw["train"].train_test_split(test_size=0.05, seed=args.seed)
+    return DatasetDict({"train": split["train"], "validation": split["test"]})
+
+
+def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, Optional[int]]:
+    """Tokenized train and evaluation sets, and the number of labels (classification)."""
+    raw = _load_raw(args)
+    if args.task == "causal-lm":
+        train = pack_sequences(raw["train"], tokenizer, args.seq_len, args.text_column)
+        evaluation = pack_sequences(raw["validation"], tokenizer, args.seq_len, args.text_column)
+        num_labels = None
+    else:
+        for column in (args.text_column, args.label_column):
+            if column not in raw["train"].column_names:
+                raise ValueError(f"column {column!r} not in the dataset columns {raw['train'].column_names}")
+        labels = sorted(set(raw["train"][args.label_column]))
+        if labels != list(range(len(labels))):
+            raise ValueError(f"`{args.label_column}` must hold the integers 0..n-1, got {labels[:10]}")
+        num_labels = len(labels)
+
+        def tokenize(batch: dict) -> dict:
+            encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.seq_len,
+                                padding="max_length")
+            encoded["labels"] = batch[args.label_column]
+            return encoded
+
+        columns = raw["train"].column_names
+        train = raw["train"].map(tokenize, batched=True, remove_columns=columns)
+        evaluation = raw["validation"].map(tokenize, batched=True, remove_columns=columns)
+    if len(train) == 0 or len(evaluation) == 0:
+        raise ValueError(f"dataset {args.dataset!r} gives {len(train)} training and {len(evaluation)} evaluation "
+                         f"examples at seq_len={args.seq_len}; use more data or a shorter --seq_len")
+    if args.max_train_samples is not None:
+        train = train.select(range(min(args.max_train_samples, len(train))))
+    evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
+    return train, evaluation, num_labels
+
+
+# --- 3. the method --------------------------------------------------------------------------------------------------
+def target_modules(args: FinetuneArguments, model: torch.nn.Module):
+    """``--target_modules`` or the default per model type (every Linear in the blocks, as POET)."""
+    if args.target_modules:
+        return [name.strip() for name in args.target_modules.split(",") if name.strip()]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in DEFAULT_TARGET_MODULES:
+        raise ValueError(f"no default target modules for model_type {model_type!r}; pass --target_modules")
+    return DEFAULT_TARGET_MODULES[model_type]
+
+
+def method_config(args: FinetuneArguments, model: torch.nn.Module):
+    """The PEFT config of ``args.method``; classification heads are trained and saved beside the adapter."""
+    from peft import LoraConfig, TaskType
+
+    task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
+    targets = target_modules(args, model)
+    if args.method == "poet":
+        return PoetConfig(target_modules=targets, spo=args.spo, block_size=args.block_size, budget=args.budget,
+                          neumann_terms=args.neumann_terms, merge_every=args.merge_every or 200, seed=args.seed,
+                          task_type=task_type)
+    if args.method == "oft":
+        return OftConfig(target_modules=targets, block_size=args.block_size, neumann_terms=args.neumann_terms,
+                         spo=args.spo, merge_every=args.merge_every, seed=args.seed, task_type=task_type)
+    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, target_modules=targets,
+                      task_type=task_type)
+
+
+def apply_method(args: FinetuneArguments, model: torch.nn.Module) -> torch.nn.Module:
+    from peft import get_peft_model
+
+    return get_peft_model(model, method_config(args, model))
+
+
+# --- 4. training -------------------------------------------------------------------------------------------------------
+def training_arguments(args: FinetuneArguments) -> PoetTrainingArguments:
+    return PoetTrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, poet_learning_rate=args.poet_learning_rate,
+        merge_every=args.merge_every if args.method != "lora" else None, lr_scheduler_type="linear",
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        logging_steps=args.logging_steps, save_strategy="no", eval_strategy="no", report_to=args.report_to,
+        seed=args.seed, data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=args.disable_tqdm,
+    )
+
+
+def accuracy(eval_prediction) -> dict[str, float]:
+    """Classification accuracy, for ``Trainer(compute_metrics=...)``."""
+    logits, labels = eval_prediction
+    logits = logits[0] if isinstance(logits, tuple) else logits
+    return {"accuracy": float((np.argmax(logits, axis=-1) == labels).mean())}
+
+
+def _metrics(result: dict[str, float], task: str) -> dict[str, float]:
+    metrics = {"loss": result["eval_loss"]}
+    if task == "causal-lm":
+        metrics["perplexity"] = math.exp(min(result["eval_loss"], 50.0))
+    else:
+        metrics["accuracy"] = result["eval_accuracy"]
+    return metrics
+
+
+def run_finetuning(args: FinetuneArguments) -> dict[str, Any]:
+    """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
+    also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``."""
+    started = time.time()
+    torch.manual_seed(args.seed)
+    tokenizer = load_model_tokenizer(args)
+    train, evaluation, num_labels = load_finetune_data(args, tokenizer)
+    model = load_model(args, num_labels)
+    if args.task == "sequence-classification" and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
+    model = apply_method(args, model)
+    trainer = PoetTrainer(
+        model=model, args=training_arguments(args), train_dataset=train, eval_dataset=evaluation,
+        data_collator=default_data_collator, processing_class=tokenizer,
+        compute_metrics=accuracy if args.task == "sequence-classification" else None,
+        run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},
+    )
+    before = _metrics(trainer.evaluate(), args.task)
+    trainer.train()
+    after = _metrics(trainer.evaluate(), args.task)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    results: dict[str, Any] = {
+        "method": args.method, "model": args.model, "task": args.task, "dataset": args.dataset,
+        "before": before, "after": after, "steps": trainer.state.global_step, "trainable_params": trainable,
+        "train_examples": len(train), "eval_examples": len(evaluation), "wall_time_s": time.time() - started,
+        "arguments": asdict(args),
+    }
+    if trainer.is_world_process_zero():
+        output = Path(args.output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        trainer.save_model(str(output))
+        if args.export_dir:
+            results["export_dir"] = str(export_model(trainer, args.export_dir, tokenizer))
+        (output / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    results["trainer"] = trainer  # for callers in Python (not written to results.json)
+    return results
+
+
+def export_model(trainer: PoetTrainer, export_dir: str, tokenizer) -> Path:
+    """The merged plain model, loadable by stock ``transformers``.
+
+    POET / OFT go through ``poet_hf.export.export_merged`` (model card, dtype handling); LoRA, which it does not
+    handle, through PEFT's ``merge_and_unload`` on a copy, so the trained adapter model stays usable.
+    """
+    import copy
+
+    from ..export import export_merged
+
+    model = trainer.model
+    if getattr(model, "peft_type", None) == "LORA":
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(export_dir)
+        tokenizer.save_pretrained(export_dir)
+        return Path(export_dir)
+    return export_merged(trainer, export_dir, overwrite=True, tokenizer=tokenizer, inplace=False)

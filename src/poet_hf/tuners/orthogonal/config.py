@@ -1,0 +1,110 @@
+"""`OrthogonalConfig`: rewrite target Linear / Conv2d modules into orthogonal layers (PEFT tuner ``"orthogonal"``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional, Union
+
+from peft.config import PeftConfig
+
+from ...orthogonal import check_neumann_terms
+from ..constants import BIAS_CHOICES
+from ..poet.config import check_choice, check_positive_int
+
+ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
+PARAMETERIZATIONS = ("cayley", "householder", "reflection", "fgd")
+ECO_MAPS = ("matrix_exp", "taylor")
+
+
+@dataclass
+class OrthogonalConfig(PeftConfig):
+    """Configuration of an orthogonal-layers adapter.
+
+    Every target ``nn.Linear`` becomes an orthogonal (semi-orthogonal if rectangular) layer that starts at the
+    orthogonal polar factor ``O0 = U V^T`` of its weight ``W0 = U S V^T``, the orthogonal matrix nearest to ``W0``
+    in Frobenius norm. The relative change ``||O0 - W0||_F / ||W0||_F`` of every layer is recorded and printed by
+    ``OrthogonalModel.init_change_report()``. Every target ``nn.Conv2d`` becomes an ECO orthogonal convolution
+    (``poet_hf.orthogonal.eco.EcoConv2d``; circular padding, for the fixed ``conv_input_size``).
+
+    ``parameterization`` (Linear targets), with ``d = max(in, out)``:
+
+    - ``"cayley"``: ``O = O0 R`` (or ``R O0`` when ``out > in``), ``R`` the Cayley(–Neumann) map of a skew ``d x d``;
+    - ``"householder"``: ``R`` a product of ``num_reflections`` Householder reflections (compact-WY blocks);
+    - ``"reflection"``: ``y = -O0 H(W x) x`` with one auxiliary reflection on the input (``W = I`` at start, where
+      ``H(x) x = -x``). Input-dependent, so it cannot be merged into a plain weight;
+    - ``"fgd"``: a plain weight ``O0``, kept orthogonal by :class:`poet_hf.optim.FeedbackGD` (pass
+      ``OrthogonalModel.stiefel_parameters()`` as its ``stiefel_params``).
+    """
+
+    target_modules: Optional[Union[list[str], str]] = field(
+        default=None,
+        metadata={"help": "Module names or a regex to rewrite; default per model_type (the Linears of the blocks)."},
+    )
+    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules to leave out."})
+    parameterization: Literal["cayley", "householder", "reflection", "fgd"] = field(
+        default="cayley", metadata={"help": f"One of {PARAMETERIZATIONS}; see the class docstring."}
+    )
+    neumann_terms: int = field(
+        default=0, metadata={"help": "cayley: 0 = exact Cayley transform (orthogonal to rounding); k >= 2 = Neumann terms."}
+    )
+    num_reflections: Optional[int] = field(
+        default=None, metadata={"help": "householder: reflections per layer; None = the largest even number <= d."}
+    )
+    householder_block_size: int = field(default=32, metadata={"help": "householder: reflections per WY block."})
+    conv_input_size: Optional[Union[int, dict[str, int]]] = field(
+        default=None,
+        metadata={"help": "Spatial input size seen by the Conv2d targets (ECO builds the conv for one size): an int "
+                  "for all, or {module-name suffix: size}. Required when a Conv2d is targeted."},
+    )
+    eco_orthogonal_map: Literal["matrix_exp", "taylor"] = field(
+        default="matrix_exp",
+        metadata={"help": "ECO's training map: 'matrix_exp' (exactly orthogonal) or 'taylor' (5 terms, the paper's)."},
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of random (init_weights=False) adapters and ECO kernels."})
+    init_weights: bool = field(
+        default=True,
+        metadata={"help": "True: each layer starts at the polar factor of its weight. False: a random orthogonal "
+                  "perturbation of it, for tests."},
+    )
+    bias: Literal["none", "all", "orthogonal_only"] = field(default="none", metadata={"help": "Which biases to train."})
+    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
+    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
+    modules_to_save: Optional[list[str]] = field(default=None)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.peft_type = ORTHOGONAL_PEFT_TYPE
+        if isinstance(self.target_modules, list):
+            self.target_modules = set(self.target_modules)
+        if isinstance(self.exclude_modules, list):
+            self.exclude_modules = set(self.exclude_modules)
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        check_choice("parameterization", self.parameterization, PARAMETERIZATIONS)
+        check_neumann_terms(self.neumann_terms)
+        if self.num_reflections is not None:
+            check_positive_int("num_reflections", self.num_reflections)
+            if self.init_weights and self.num_reflections % 2:
+                raise ValueError(
+                    f"`num_reflections` must be even with init_weights=True (the identity start pairs equal "
+                    f"reflections, H(v) H(v) = I), got {self.num_reflections}"
+                )
+        check_positive_int("householder_block_size", self.householder_block_size)
+        if self.conv_input_size is not None and not isinstance(self.conv_input_size, dict):
+            check_positive_int("conv_input_size", self.conv_input_size)
+        if isinstance(self.conv_input_size, dict):
+            for key, value in self.conv_input_size.items():
+                check_positive_int(f"conv_input_size[{key!r}]", value)
+        check_choice("eco_orthogonal_map", self.eco_orthogonal_map, ECO_MAPS)
+        check_choice("bias", self.bias, BIAS_CHOICES["orthogonal"])
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    def input_size_for(self, layer_name: str) -> Optional[int]:
+        """The ``conv_input_size`` that applies to ``layer_name`` (exact name or dotted suffix), if any."""
+        if isinstance(self.conv_input_size, dict):
+            for key, value in self.conv_input_size.items():
+                if layer_name == key or layer_name.endswith("." + key):
+                    return value
+            return None
+        return self.conv_input_size
