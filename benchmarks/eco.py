@@ -20,8 +20,14 @@ import time
 import torch
 import torch.nn as nn
 
+from benchmarks.common import device as bench_device
 from poet_hf.orthogonal.eco import EcoConv2d
 from poet_hf.orthogonal.lipschitz_layers import SocConv2d
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _interleaved_medians(fns: dict[str, callable], repeats: int, warmup: int = 2) -> dict[str, float]:
@@ -29,11 +35,13 @@ def _interleaved_medians(fns: dict[str, callable], repeats: int, warmup: int = 2
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    _sync()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
+            _sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -63,10 +71,11 @@ def run(quick: bool = False) -> list[dict]:
     batch, channels = 128, (32 if quick else 128)
     depths = (5, 10) if quick else (5, 10, 20, 40)
     repeats = 3 if quick else 7
-    x = torch.randn(batch, channels, 6, 6)
+    dev = bench_device()
+    x = torch.randn(batch, channels, 6, 6, device=dev)
     rows: list[dict] = []
     for depth in depths:
-        blocks = {kind: _block(kind, depth, channels) for kind in ("eco_baked", "soc", "plain_dilated")}
+        blocks = {kind: _block(kind, depth, channels).to(dev) for kind in ("eco_baked", "soc", "plain_dilated")}
         with torch.inference_mode():
             timings = _interleaved_medians({k: (lambda b=b: b(x)) for k, b in blocks.items()}, repeats)
         for kind, seconds in timings.items():
@@ -79,11 +88,12 @@ def run(quick: bool = False) -> list[dict]:
             })
     # One training step of a single stride-1 layer: ECO builds its kernel (Taylor T=5), SOC runs 5 convs.
     layers = {
-        "eco_train": EcoConv2d(channels, channels, 3, input_size=6).train(),
-        "soc_train": SocConv2d(channels, channels, 3, input_size=6).train(),
+        "eco_train": EcoConv2d(channels, channels, 3, input_size=6).to(dev).train(),
+        "soc_train": SocConv2d(channels, channels, 3, input_size=6).to(dev).train(),
     }
     xg = x.clone().requires_grad_(True)
-    train_times = _interleaved_medians({k: (lambda m=m: m(xg).square().mean().backward()) for k, m in layers.items()}, repeats)
+    steps = {k: (lambda m=m: m(xg).square().mean().backward()) for k, m in layers.items()}
+    train_times = _interleaved_medians(steps, repeats)
     for kind, seconds in train_times.items():
         rows.append({
             "what": "train fwd+bwd, one stride-1 layer",

@@ -5,7 +5,8 @@ of 2048 tokens that requires a gradient (as inside a network). One timed step is
 ``y.backward(g)``, which computes the gradients of the skew parameters and of ``x``. The two implementations are
 timed alternately, so slow phases of a shared machine hit both. The table reports the best (least disturbed) and
 the median time of each, ``speedup = peft / ours`` from the best times and ``speedup_median`` from the medians
-(> 1: ours is faster). ``ours`` uses ``forward="auto"`` (in training it picks the activation path, like PEFT,
+(> 1: ours is faster). ``*_rotation_ms`` times, alone, the part the two differ in (rotation blocks from the
+skew parameters and ``x ↦ x·R``, forward and backward); the base matmul is the same call in both. ``ours`` uses ``forward="auto"`` (in training it picks the activation path, like PEFT,
 because the weight path would need an extra ``tokens·in·out`` matmul for ``dL/dW_eff``).
 """
 
@@ -55,6 +56,35 @@ def _step(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> None:
     model(x).backward(grad)
 
 
+def _adapter_op(model: nn.Module, kind: str):
+    """Only the part the two implementations differ in: rotation blocks (Cayley–Neumann) and ``x ↦ x·R``."""
+    layer = model.base_model.model.lin
+    if kind == "peft":
+        return layer.oft_R["default"]
+    spec = layer.poet_specs["default"]["input"]
+    return lambda x: spec.matmul_right(x, layer.poet_oft_R_index["default"], layer.rotation_blocks("default", "input"))
+
+
+def _time_alternating(ops: dict, x: torch.Tensor, grad: torch.Tensor, repeats: int, device: torch.device,
+                      step) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for k, op in ops.items():  # warm-up
+        step(op, x, grad)
+    for _ in range(repeats):
+        for k, op in ops.items():
+            _sync(device)
+            start = time.perf_counter()
+            step(op, x, grad)
+            _sync(device)
+            times[k].append(time.perf_counter() - start)
+    return times
+
+
+def _rotation_step(op, x: torch.Tensor, grad: torch.Tensor) -> None:
+    x.grad = None
+    op(x).backward(grad)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -75,16 +105,10 @@ def run(quick: bool) -> list[dict]:
             grad = torch.randn(tokens, dim, generator=generator).to(device)
             with torch.no_grad():
                 diff = float((models["peft"](x) - models["ours"](x)).abs().max())
-            times: dict[str, list[float]] = {k: [] for k in kinds}
-            for k in kinds:  # warm-up
-                _step(models[k], x, grad)
-            for _ in range(repeats):
-                for k in kinds:
-                    _sync(device)
-                    start = time.perf_counter()
-                    _step(models[k], x, grad)
-                    _sync(device)
-                    times[k].append(time.perf_counter() - start)
+            times = _time_alternating(models, x, grad, repeats, device, _step)
+            rotation = _time_alternating({k: _adapter_op(models[k], k) for k in ("peft", "ours")}, x, grad,
+                                         2 * repeats, device, _rotation_step)
+            rotation_best = {k: 1e3 * min(v) for k, v in rotation.items()}
             best = {k: 1e3 * min(v) for k, v in times.items()}
             median = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             rows.append({
@@ -93,6 +117,8 @@ def run(quick: bool) -> list[dict]:
                 "peft_median_ms": median["peft"], "ours_median_ms": median["ours"],
                 "speedup_median": median["peft"] / median["ours"],
                 "speedup_forced_activation": best["peft"] / best["ours_activation"],
+                "peft_rotation_ms": rotation_best["peft"], "ours_rotation_ms": rotation_best["ours"],
+                "speedup_rotation": rotation_best["peft"] / rotation_best["ours"],
                 "max_abs_diff": diff,
             })
             del models

@@ -19,7 +19,10 @@ from poet_hf.vision.lipconvnet import LIPCONVNET_DEPTHS
 F64 = torch.float64
 SMALL = dict(init_channels=4, num_labels=10)
 # A 12x12 layout (12 -> 6 -> 3 -> 1 -> 1 -> 1) for the tests that need many forwards.
-TINY = dict(image_size=12, strides=[2, 2, 3, 1, 1], kernel_sizes=[3, 3, 3, 1, 1], num_channels=1, image_mean=[0.3], image_std=[0.3], **SMALL)
+TINY = dict(
+    image_size=12, strides=[2, 2, 3, 1, 1], kernel_sizes=[3, 3, 3, 1, 1],
+    num_channels=1, image_mean=[0.3], image_std=[0.3], **SMALL,
+)
 
 
 def small_model(**overrides) -> LipConvNetForImageClassification:
@@ -168,7 +171,9 @@ def test_lln_head_margins_are_bounded_by_pairwise_row_distances():
 
 # ------------------------------------------------------------------------------- acceptance 5: certification
 def test_certified_radius_on_hand_made_logits():
-    model = SimpleNamespace(config=SimpleNamespace(last_layer="orthogonal"), lipschitz_constant=lambda include_head=True: 2.0)
+    model = SimpleNamespace(
+        config=SimpleNamespace(last_layer="orthogonal"), lipschitz_constant=lambda include_head=True: 2.0
+    )
     logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [1.0, 1.0, 0.0]])
     radius = certified_radius(model, logits, torch.tensor([0, 0, 2]))
     # margin 2 -> 2/(√2·2); misclassified -> 0; wrong label on a tie -> 0
@@ -185,7 +190,9 @@ def test_lln_certified_radius_matches_brute_force():
     L_feat, w = model.lipschitz_constant(include_head=False), model.head_weight().double()
     for n in range(16):
         y = int(labels[n])
-        expected = min(float(logits[n, y] - logits[n, j]) / (float((w[y] - w[j]).norm()) * L_feat) for j in range(10) if j != y)
+        expected = min(
+            float(logits[n, y] - logits[n, j]) / (float((w[y] - w[j]).norm()) * L_feat) for j in range(10) if j != y
+        )
         assert float(radius[n]) == pytest.approx(expected, rel=1e-12)
 
 
@@ -241,16 +248,25 @@ def test_certified_accuracy_agrees_with_a_direct_check(digits, digits_model, rec
     result = certified_accuracy(digits_model, data["test"], eps=eps, return_radii=True)  # the HF img/label path
     with torch.no_grad():
         logits = digits_model(x).logits.double()
+    # Independent L: 1/std times each layer's spectral norm from its materialised Jacobian.
     L = 1 / 0.3
     for layer in digits_model.conv_layers() + [digits_model.head]:
-        L *= float(torch.linalg.matrix_norm(jacrev(layer)(torch.rand(1, layer.in_channels, *layer.input_size)).reshape(-1, layer.in_channels * math.prod(layer.input_size)).detach().double(), ord=2))
+        x0 = torch.rand(1, layer.in_channels, *layer.input_size)
+        jac = jacrev(layer)(x0).reshape(-1, x0.numel()).detach().double()
+        L *= float(torch.linalg.matrix_norm(jac, ord=2))
     assert result["lipschitz_constant"] == pytest.approx(L, rel=1e-6)
     top2 = logits.topk(2, dim=1)
     correct = top2.indices[:, 0] == y
-    certified = correct & ((top2.values[:, 0] - top2.values[:, 1]) / (math.sqrt(2) * L) >= eps)
+    radius = (top2.values[:, 0] - top2.values[:, 1]) / (math.sqrt(2) * L)
+    certified = correct & (radius >= eps)
     assert result["num_examples"] == len(y)
+    assert torch.equal(result["correct"], correct)
+    # Batching differs (256 vs all), so float32 logits may differ in the last bits: only a point whose radius is
+    # that close to eps may disagree.
+    disagree = certified != (result["correct"] & (result["radii"] >= eps))
+    assert bool(((radius - eps).abs()[disagree] < 1e-5 * eps).all())
+    torch.testing.assert_close(result["radii"], torch.where(correct, radius, torch.zeros_like(radius)), rtol=1e-5, atol=1e-6)
     assert result["clean_accuracy"] == pytest.approx(float(correct.double().mean()), abs=1e-12)
-    assert result["certified_accuracy"] == pytest.approx(float(certified.double().mean()), abs=1.5 / len(y))
     record_property("clean_accuracy", result["clean_accuracy"])
     record_property("certified_accuracy", result["certified_accuracy"])
     assert result["clean_accuracy"] > 0.5 and result["certified_accuracy"] > 0.2  # well above chance (0.1)

@@ -58,6 +58,21 @@ def test_identity_at_init(kind, spo):
         assert (outputs(model, kind) - reference).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("kind", ["vit", "gpt_neox"])
+def test_default_targets_of_other_architectures(kind):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, ViTConfig, ViTModel
+
+    if kind == "vit":
+        base = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  image_size=16, patch_size=8))
+    else:
+        base = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                intermediate_size=64, vocab_size=64))
+    names = [n for n, _ in poet_layers(get_peft_model(base, PoetConfig(block_size=16)))]
+    assert len(names) == 2 * (6 if kind == "vit" else 4)
+    assert not any("pooler" in n or "lm_head" in n or "embed" in n for n in names)
+
+
 def test_default_targets_cover_block_linears_only():
     names = {n.rsplit(".", 1)[-1] for n, _ in poet_layers(poet("llama"))}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}

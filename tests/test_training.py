@@ -148,7 +148,8 @@ def small_args(tmp_path, method, corpus, **overrides):
 
 @pytest.mark.parametrize("method", ["poet-bs", "poet-fs", "adamw", "lora"])
 def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
-    results = run_pretraining(small_args(tmp_path, method, local_corpus))
+    export = {"export_dir": str(tmp_path / "export")} if method == "poet-bs" else {}
+    results = run_pretraining(small_args(tmp_path, method, local_corpus, **export))
     saved = json.loads((tmp_path / method / "results.json").read_text())
     assert saved["val_perplexity"] == pytest.approx(results["val_perplexity"])
     assert saved["tokens_seen"] == 4 * 2 * 64
@@ -156,6 +157,12 @@ def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
     assert saved["merges"] == (2 if method.startswith("poet") else 0)
     assert saved["trainable_params"] > 0 and saved["wall_time_s"] > 0
     assert all(torch.isfinite(torch.tensor(saved["train_losses"])))
+    if export:  # --export-dir leaves a plain model that stock transformers loads, with a model card
+        from transformers import AutoModelForCausalLM
+
+        plain = AutoModelForCausalLM.from_pretrained(export["export_dir"])
+        assert not any("poet" in n for n, _ in plain.named_parameters())
+        assert "POET" in (Path(export["export_dir"]) / "README.md").read_text()
 
 
 def test_galore_without_package_says_how_to_install(tmp_path, local_corpus):

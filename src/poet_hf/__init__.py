@@ -8,8 +8,11 @@ from .tuners.registry import register_tuners
 
 register_tuners()
 
+from .export import export_merged, push_merged_to_hub  # noqa: E402
 from .training import MergeReinitCallback, PoetTrainer, PoetTrainingArguments  # noqa: E402
+from .tuners.orthogonal import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["PoetConfig", "PoetTrainer", "PoetTrainingArguments", "MergeReinitCallback", "merge_and_reinit"]
+__all__ = ["PoetConfig", "OrthogonalConfig", "PoetTrainer", "PoetTrainingArguments", "MergeReinitCallback", "merge_and_reinit",
+           "export_merged", "push_merged_to_hub"]

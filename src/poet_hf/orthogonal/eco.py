@@ -125,7 +125,9 @@ def normalize_skew(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return a / sigma.clamp_min(torch.finfo(a.dtype).tiny)[..., None, None]
 
 
-def synthesis_matrix(index_map: torch.Tensor | list[list[int]], num_blocks: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def synthesis_matrix(
+    index_map: torch.Tensor | list[list[int]], num_blocks: int, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """``[k, k, L]`` real coefficients with ``W0[p, q] = Σ_l C[p, q, l] Q_l`` (paper Eq. 13–14).
 
     It is ``ifft2`` (default ``norm="backward"``, i.e. with the ``1/k²`` the construction needs; ``"ortho"`` would
@@ -149,7 +151,9 @@ def eco_kernel(blocks: torch.Tensor, index_map: torch.Tensor | list[list[int]]) 
     return w0.contiguous()
 
 
-def eco_geometry(spatial_size: tuple[int, int], kernel_size: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
+def eco_geometry(
+    spatial_size: tuple[int, int], kernel_size: int
+) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int, int, int]]:
     """Effective kernel size, dilation and circular padding ``(left, right, top, bottom)`` for one map size.
 
     Per axis: ``n == 1`` collapses the kernel to one tap (all taps wrap onto the pixel); else ``d = n / k``

@@ -221,5 +221,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         if args.export_dir:
             from ..export import export_merged
 
-            results["export_dir"] = str(export_merged(trainer.model, args.export_dir, overwrite=True))
+            evaluation = {"eval_loss": final_loss, "eval_perplexity": results["val_perplexity"]}
+            results["export_dir"] = str(export_merged(trainer, args.export_dir, overwrite=True,
+                                                      run_info={"eval": evaluation}))
     return results

@@ -88,7 +88,9 @@ class PoetTrainer(Trainer):
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
-        info = {**self.run_info, "global_step": self.state.global_step,
+        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
+        merge_every = callback._interval(self.args, self.model) if callback else None
+        info = {**self.run_info, "merge_every": merge_every, "global_step": self.state.global_step,
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,
                 "learning_rate": self.args.learning_rate, "poet_learning_rate": self.poet_learning_rate}
         with open(os.path.join(output_dir, RUN_INFO_NAME), "w") as handle:

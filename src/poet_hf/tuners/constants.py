@@ -11,6 +11,8 @@ _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # BERT-like encoders name their block linears `dense` too, like the pooler and heads outside the blocks,
 # so they are matched by a regex anchored in `encoder.layer.<i>`.
 _ENCODER_BLOCKS = r".*encoder\.layer\.\d+\.(attention\.(self|attention)\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+# ViT in transformers 5 names its block linears like LLaMA's attention plus fc1/fc2; the pooler is outside.
+_VIT_BLOCKS = r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))"
 
 # Every Linear inside the transformer blocks, never embeddings or lm_head (POET §3.3).
 DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
@@ -26,7 +28,7 @@ DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "bert": _ENCODER_BLOCKS,
     "roberta": _ENCODER_BLOCKS,
-    "vit": _ENCODER_BLOCKS,
+    "vit": _VIT_BLOCKS,
     "bart": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
     "t5": ["q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1"],
 }

@@ -55,7 +55,9 @@ def _standardise_columns(dataset):
     image = next((c for c in _IMAGE_COLUMNS if c in columns), None)
     label = next((c for c in _LABEL_COLUMNS if c in columns), None)
     if image is None or label is None:
-        raise ValueError(f"image dataset needs an image column {_IMAGE_COLUMNS} and a label column {_LABEL_COLUMNS}, got {columns}")
+        raise ValueError(
+            f"image dataset needs an image column {_IMAGE_COLUMNS} and a label column {_LABEL_COLUMNS}, got {columns}"
+        )
     if image != "img":
         dataset = dataset.rename_column(image, "img")
     if label != "label":
@@ -134,7 +136,9 @@ def collate_images(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     }
 
 
-def iterate_batches(data: Any, num_channels: int, image_size: int, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def iterate_batches(
+    data: Any, num_channels: int, image_size: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(pixel_values, labels)`` batches from a ``(images, labels)`` tensor pair, or any sequence of examples
     with ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are converted with :func:`image_to_tensor`)."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):

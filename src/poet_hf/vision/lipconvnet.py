@@ -77,7 +77,9 @@ class LipConvNetConfig(PretrainedConfig):
         if depth not in LIPCONVNET_DEPTHS:
             raise ValueError(f"LipConvNetConfig: `depth` must be one of {LIPCONVNET_DEPTHS}, got {depth!r}")
         if not isinstance(init_channels, int) or init_channels < 2 or init_channels % 2:
-            raise ValueError(f"LipConvNetConfig: `init_channels` must be an even int >= 2 (MaxMin pairs channels), got {init_channels!r}")
+            raise ValueError(
+                f"LipConvNetConfig: `init_channels` must be an even int >= 2 (MaxMin pairs channels), got {init_channels!r}"
+            )
         for name, value in (("kernel_sizes", kernel_sizes), ("strides", strides), ("conv_types", conv_types)):
             if len(value) != 5:
                 raise ValueError(f"LipConvNetConfig: `{name}` needs one entry per block (5), got {list(value)!r}")
@@ -176,7 +178,8 @@ class LipConvNetForImageClassification(PreTrainedModel):
         """Logits for ``pixel_values`` ``[B, C, H, W]`` in pixel space; cross-entropy ``loss`` if ``labels``."""
         expected = (self.config.num_channels, self.config.image_size, self.config.image_size)
         if tuple(pixel_values.shape[1:]) != expected:
-            raise ValueError(f"LipConvNet expects pixel_values of shape [B, {', '.join(map(str, expected))}], got {list(pixel_values.shape)}")
+            shape = ", ".join(map(str, expected))
+            raise ValueError(f"LipConvNet expects pixel_values of shape [B, {shape}], got {list(pixel_values.shape)}")
         # Normalisation from the config (not a buffer), so L = Π σ_max / min(std) always matches what runs.
         mean = pixel_values.new_tensor(self.config.image_mean).view(1, -1, 1, 1)
         std = pixel_values.new_tensor(self.config.image_std).view(1, -1, 1, 1)

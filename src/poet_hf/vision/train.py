@@ -170,7 +170,9 @@ def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str
     return str(card)
 
 
-def export_lipconvnet(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs, output_dir: str | Path) -> Path:
+def export_lipconvnet(
+    model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs, output_dir: str | Path
+) -> Path:
     """Bake the ECO layers, ``save_pretrained`` (safetensors), write ``README.md`` (model card) and metrics.
 
     Baking replaces the eval kernel by the stored one computed identically, so the exported logits are those
