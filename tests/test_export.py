@@ -38,13 +38,6 @@ LABELS = torch.tensor([1, 3])
 SUBPROCESS_TIMEOUT = 180
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """These models are tiny: one thread avoids OpenMP spin-waits on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 # --- building and training tiny POET models ------------------------------------------------------------------------

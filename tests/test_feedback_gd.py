@@ -11,13 +11,6 @@ from torch import nn
 from poet_hf.optim import FeedbackGD, stiefel_deviation
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Small ops: a second OpenMP thread only adds spin-wait on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 F64 = torch.float64
 

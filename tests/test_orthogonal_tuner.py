@@ -15,12 +15,6 @@ from poet_hf.tuners.orthogonal.layer import Conv2d as OrthConv2d
 from poet_hf.tuners.orthogonal.layer import Linear as OrthLinear
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 F64 = torch.float64

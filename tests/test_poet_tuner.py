@@ -1,6 +1,5 @@
 """Issue 2 acceptance: the POET tuner against dense float64 references and the base models."""
 
-import copy
 import subprocess
 import sys
 import textwrap
