@@ -15,7 +15,6 @@ The model takes ``pixel_values`` in pixel space (``[0, 1]``) and normalises insi
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

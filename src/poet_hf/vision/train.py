@@ -19,7 +19,7 @@ from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
 
 __all__ = ["VisionTrainArgs", "train_lipconvnet", "export_lipconvnet", "render_model_card"]
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[3] / "model_cards" / "lipconvnet.md"
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "lipconvnet.md"
 
 
 @dataclass
@@ -134,7 +134,7 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
 
 
 def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
-    """The model card text from ``model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
+    """The model card text from ``poet_hf/model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     config = model.config

@@ -9,7 +9,7 @@ from peft.config import PeftConfig
 
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES
-from ..poet.config import check_choice, check_positive_int
+from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
 PARAMETERIZATIONS = ("cayley", "householder", "reflection", "fgd")
@@ -74,12 +74,7 @@ class OrthogonalConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = ORTHOGONAL_PEFT_TYPE
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        normalize_peft_target_fields(self)
         check_choice("parameterization", self.parameterization, PARAMETERIZATIONS)
         check_neumann_terms(self.neumann_terms)
         if self.num_reflections is not None:

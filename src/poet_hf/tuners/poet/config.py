@@ -8,25 +8,10 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
+from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 
 POET_PEFT_TYPE = "POET"
-
-
-def check_choice(field_name: str, value: object, choices: tuple) -> None:
-    """Raise a ``ValueError`` naming the field and its allowed values."""
-    if value not in choices:
-        raise ValueError(f"`{field_name}` must be one of {choices}, got {value!r}")
-
-
-def check_positive_int(field_name: str, value: object, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
-
-
-def check_budget(value: object, field_name: str = "budget") -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        raise ValueError(f"`{field_name}` must be a fraction in (0, 1], got {value!r}")
 
 
 @dataclass
@@ -89,12 +74,7 @@ class PoetConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = POET_PEFT_TYPE
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        normalize_peft_target_fields(self)
         check_choice("spo", self.spo, SPO_CHOICES)
         check_positive_int("block_size", self.block_size, minimum=2)
         check_budget(self.budget)
