@@ -46,7 +46,8 @@ def run(quick: bool = False) -> list[dict]:
                 model = get_peft_model(OneLinear(dim).to(dev), PoetConfig(target_modules=["proj"], block_size=block,
                                                                          forward=strategy, init_weights=False))
                 times[strategy] = time_call(step_fn(model, x))
-            layer = poet_layers(model)[0][1]
+            auto = get_peft_model(OneLinear(dim), PoetConfig(target_modules=["proj"], block_size=block))
+            layer = poet_layers(auto)[0][1]
             activation = layer._use_activation_path(["default"], tokens, needs_grad=True, input_needs_grad=True)
             pick = "activation" if activation else "weight"
             fastest = min(times, key=times.get)

@@ -320,6 +320,23 @@ def test_merge_and_reinit_keeps_logits_and_resamples_only_for_block(spo):
             assert not torch.equal(index, before_index[name]), name
 
 
+def test_save_reload_is_exact_after_block_stochastic_merges(tmp_path):
+    model = get_peft_model(tiny_llama(), OftConfig(block_size=16, spo="block", merge_every=5, seed=2))
+    for seed in range(2):
+        set_random_skew(model, std=0.05, seed=seed)
+        merge_and_reinit(model)
+    set_random_skew(model, std=0.05, seed=7)  # a live rotation too
+    with torch.no_grad():
+        expected = model(input_ids=IDS).logits
+    model.save_pretrained(tmp_path)
+    reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected, rtol=0, atol=0)
+    for (name, a), (_, b) in zip(oft_layers(model), oft_layers(reloaded)):
+        assert torch.equal(a.poet_oft_R_index["default"], b.poet_oft_R_index["default"]), name
+        assert int(b.poet_oft_merge_count["default"]) == 2
+
+
 # --- module dropout ----------------------------------------------------------------------------------------------------
 def test_module_dropout_replaces_exactly_int_p_blocks_by_identity_in_training_only():
     model = get_peft_model(OneLinear(), OftConfig(block_size=16, target_modules=["lin"], module_dropout=0.5))

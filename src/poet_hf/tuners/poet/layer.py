@@ -38,6 +38,10 @@ from ...orthogonal import (
 
 logger = logging.getLogger(__name__)
 
+# Per multiply-add, a blockwise rotation (gathers + batched b×b matmuls) runs this much slower than a dense
+# matmul; measured by `scripts/benchmark.py --suite poet_layer` (CPU, torch 2.13: 3.4 on both paths).
+ROTATION_SLOWDOWN = 3.4
+
 SIDE_INPUT = "input"  # R, acts on the in dimension
 SIDE_OUTPUT = "output"  # P, acts on the out dimension
 
@@ -95,6 +99,7 @@ def make_side_spec(spo: str, dim: int, block_size: int, budget: float, layer_nam
     return SideSpec("contiguous" if spo == "contiguous" else "block", dim, block_size)
 
 
+@torch.no_grad()
 def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
     """Inverse of a batch of (nearly) orthogonal float64 blocks, and how exactly it restores a merged weight.
 
@@ -295,7 +300,9 @@ class PoetLayer(BaseTunerLayer):
                 weight_cost += spec.apply_cost(other)
                 activation_cost += spec.apply_cost(tokens)
         if needs_grad and input_needs_grad:
-            weight_cost += tokens * self.in_features * self.out_features / 3  # the rotations count 3× each
+            # Rotations count about 3× their forward (forward + two backward products) and run ROTATION_SLOWDOWN×
+            # slower per multiply-add than the dense matmul the weight path adds.
+            weight_cost += tokens * self.in_features * self.out_features / (3 * ROTATION_SLOWDOWN)
         return activation_cost < weight_cost
 
     def _poet_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
@@ -341,6 +348,7 @@ class PoetLayer(BaseTunerLayer):
         return self._poet_forward(x, active)
 
     # --- PEFT merge / unmerge (inference-time folds; the adapter keeps its state) --------------------------------
+    @torch.no_grad()
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
         from peft.tuners.tuners_utils import check_adapters_to_merge
@@ -355,6 +363,7 @@ class PoetLayer(BaseTunerLayer):
             self.set_weight_matrix(merged)
             self.merged_adapters.append(adapter_name)
 
+    @torch.no_grad()
     def unmerge(self) -> None:
         """Restore the base weight, newest merged adapter first.
 
