@@ -244,10 +244,20 @@ def test_peft_oft_conv2d_fails_the_same_check_for_kernels_above_one(kernel, stri
         assert init_error > 1e-1 and merge_error > 1e-1, (init_error, merge_error)
 
 
-def test_grouped_conv_is_rejected_with_the_reason():
-    model = nn.Sequential(nn.Conv2d(4, 4, 3, groups=2))
-    with pytest.raises(ValueError, match="groups=2"):
-        get_peft_model(model, OftConfig(block_size=2, target_modules=["0"]))
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_conv_is_exact_too(groups):
+    """R rotates each filter (in/groups·kh·kw); grouped and depthwise convs stay exact, unlike POET's P would."""
+    torch.manual_seed(0)
+    base = nn.Conv2d(4, 8, 3, padding=1, groups=groups)
+    x = torch.randn(2, 4, 9, 9, generator=torch.Generator().manual_seed(8))
+    model = get_peft_model(nn.Sequential(base), OftConfig(r=3, block_size=0, target_modules=["0"]))
+    set_random_skew(model, std=0.05)
+    layer = model.base_model.model[0]
+    w = layer.get_base_layer().weight.detach().double()
+    merged = (w.reshape(w.shape[0], -1) @ dense_rotation(layer).T).reshape(w.shape)
+    expected = F.conv2d(x.double(), merged, layer.get_base_layer().bias.double(), padding=1, groups=groups)
+    with torch.no_grad():
+        assert (model(x).double() - expected).abs().max() <= 1e-5
 
 
 # --- 3. merge / unmerge ---------------------------------------------------------------------------------------------

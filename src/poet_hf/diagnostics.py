@@ -100,10 +100,10 @@ def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, flo
     for _, layer in poet_layers(model, adapter):
         stats = layer.rotation_stats(adapter)
         q_norm, orth_error = max(q_norm, stats["q_norm"]), max(orth_error, stats["orth_error"])
-        merge_count = int(layer.poet_merge_count[adapter])
+        merge_count = int(layer.merge_counts[adapter])
         for side, spec in layer.poet_specs[adapter].items():
             v = _probe_vector(layer, adapter, side, spec.dim)
-            index = (layer.poet_R_index if side == "input" else layer.poet_P_index)[adapter].cpu()
+            index = layer.index_buffer(adapter, side).cpu()
             blocks = layer.rotation_blocks(adapter, side, dtype=torch.float64).cpu()
             cos[side].append(float(spec.matmul_right(v[None], index, blocks)[0] @ v))
     stats = {"poet/merge_count": merge_count, "poet/q_norm": q_norm, "poet/orth_error": orth_error}

@@ -23,6 +23,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .tuners.poet import PoetLayer
+
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 RUN_INFO_NAME = "poet_run.json"  # written by PoetTrainer beside each checkpoint
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -451,8 +453,7 @@ def _tuner_layer_names(model: Any) -> list[str]:
 
 
 def _merge_count(model: Any) -> Optional[int]:
-    counts = [int(m.poet_merge_count[a]) for m in model.modules() if hasattr(m, "poet_merge_count")
-              for a in m.poet_merge_count.keys()]
+    counts = [int(count) for m in model.modules() if isinstance(m, PoetLayer) for count in m.merge_counts.values()]
     return max(counts) if counts else None
 
 

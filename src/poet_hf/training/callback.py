@@ -49,21 +49,22 @@ class MergeReinitCallback(TrainerCallback):
         self.base_max_grad_norm: Optional[float] = None
         self.history: list[dict] = []  # what each merge reported, with its step
 
-    def _interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
+    def interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
+        """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's."""
         return self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         self.base_max_grad_norm = args.max_grad_norm
 
     def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
-        interval = self._interval(args, model)
+        interval = self.interval(args, model)
         if interval and self.base_max_grad_norm and self.base_max_grad_norm > 0:
             args.max_grad_norm = clip_threshold(state.global_step + 1, interval, self.base_max_grad_norm,
                                                 getattr(args, "post_merge_clip_steps", 10),
                                                 getattr(args, "post_merge_clip_factor", 0.1))
 
     def on_step_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
-        interval = self._interval(args, model)
+        interval = self.interval(args, model)
         if not interval or state.global_step % interval:
             return
         model = unwrap(model)

@@ -12,11 +12,8 @@ from ..tuners.poet import PoetLayer
 
 def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable skew parameters of every POET layer (found structurally, not by name)."""
-    params = []
-    for module in model.modules():
-        if isinstance(module, PoetLayer):
-            params += [p for d in (module.poet_R, module.poet_P) for p in d.values() if p.requires_grad]
-    return params
+    return [p for module in model.modules() if isinstance(module, PoetLayer)
+            for p in module.skew_parameters() if p.requires_grad]
 
 
 def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate: float, weight_decay: float,

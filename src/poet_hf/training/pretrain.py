@@ -207,7 +207,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         "initial_val_loss": initial_loss, "initial_val_perplexity": _perplexity(initial_loss),
         "tokens_seen": int(trainer.state.num_input_tokens_seen), "steps": trainer.state.global_step,
         **count_trainable(model), "wall_time_s": time.time() - started,
-        "merges": max((int(layer.poet_merge_count["default"]) for _, layer in poet_layers(model)), default=0),
+        "merges": max((int(layer.merge_counts["default"]) for _, layer in poet_layers(model)), default=0),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
         "spectrum_bound": neumann_drift_bound(trainer, model),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],

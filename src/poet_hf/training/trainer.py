@@ -89,7 +89,7 @@ class PoetTrainer(Trainer):
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
         callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
-        merge_every = callback._interval(self.args, self.model) if callback else None
+        merge_every = callback.interval(self.args, self.model) if callback else None
         info = {**self.run_info, "merge_every": merge_every, "global_step": self.state.global_step,
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,
                 "learning_rate": self.args.learning_rate, "poet_learning_rate": self.poet_learning_rate}

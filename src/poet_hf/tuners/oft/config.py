@@ -9,7 +9,7 @@ from peft.config import PeftConfig
 
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..poet.config import check_choice, check_positive_int
+from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
@@ -82,12 +82,7 @@ class OftConfig(PeftConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = OFT_PEFT_TYPE
-        if isinstance(self.target_modules, list):
-            self.target_modules = set(self.target_modules)
-        if isinstance(self.exclude_modules, list):
-            self.exclude_modules = set(self.exclude_modules)
-        if self.layers_pattern and self.layers_to_transform is None:
-            raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+        normalize_peft_target_fields(self)
         check_positive_int("r", self.r, minimum=0)
         check_positive_int("block_size", self.block_size, minimum=0)
         if (self.r == 0) == (self.block_size == 0):

@@ -9,8 +9,8 @@ and stores its state under the ``poet_oft_`` prefix it is registered with in PEF
 from __future__ import annotations
 
 import math
-from types import MappingProxyType, SimpleNamespace
-from typing import Any, Mapping, Optional
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -18,9 +18,6 @@ from torch import nn
 
 from ..poet import layer as poet_layer
 from ..poet.layer import SIDE_INPUT, PoetLayer, SideSpec
-
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 def block_dropout(blocks: torch.Tensor, p: float) -> torch.Tensor:
@@ -56,28 +53,6 @@ class OftLayer(PoetLayer):
     @property
     def merge_counts(self) -> BufferDict:
         return self.poet_oft_merge_count
-
-    # Read-only views under PoetLayer's attribute names, so code written for POET layers (diagnostics, the
-    # trainer's parameter groups, export) handles OFT layers too. OFT has no output side: P views are empty.
-    @property
-    def poet_R(self) -> nn.ParameterDict:
-        return self.poet_oft_R
-
-    @property
-    def poet_R_index(self) -> BufferDict:
-        return self.poet_oft_R_index
-
-    @property
-    def poet_merge_count(self) -> BufferDict:
-        return self.poet_oft_merge_count
-
-    @property
-    def poet_P(self) -> Mapping[str, nn.Parameter]:
-        return _EMPTY
-
-    @property
-    def poet_P_index(self) -> Mapping[str, torch.Tensor]:
-        return _EMPTY
 
     def _side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         if side != SIDE_INPUT:
@@ -156,12 +131,17 @@ class Conv1D(poet_layer.Conv1D, OftLayer):
 
 
 class Conv2d(poet_layer.Conv2d, OftLayer):
-    """OFT around an ``nn.Conv2d``: ``R`` rotates the ``in·kh·kw`` axis of the weight.
+    """OFT around an ``nn.Conv2d``: ``R`` rotates the ``in·kh·kw`` axis of the weight (``in/groups·kh·kw``).
 
     The layer calls the base convolution with ``W_flat · R^T``, so it is exactly the base conv at init and exactly
-    its merged form later, for every kernel size, stride, padding and dilation. (PEFT's OFT instead rotates
-    unfolded input patches and folds them back by summation, which is neither.)
+    its merged form later, for every kernel size, stride, padding, dilation and grouping. (PEFT's OFT instead
+    rotates unfolded input patches and folds them back by summation, which is neither.)
     """
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+        # Grouped convolutions are fine here, unlike in POET: R rotates each filter alone; only POET's output-side
+        # P would mix channels across groups. So skip poet's Conv2d check and initialise as the Linear does.
+        poet_layer.Linear.__init__(self, base_layer, adapter_name, config, layer_name, **kwargs)
 
     forward = OftLayer.forward
 

@@ -221,6 +221,18 @@ class PoetLayer(BaseTunerLayer):
     def _side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         return (self.poet_R, self.poet_R_index) if side == SIDE_INPUT else (self.poet_P, self.poet_P_index)
 
+    def skew_parameter(self, adapter_name: str, side: str) -> nn.Parameter:
+        """The skew parameter ``(rows, b(b-1)/2)`` of one adapter and side."""
+        return self._side_containers(side)[0][adapter_name]
+
+    def index_buffer(self, adapter_name: str, side: str) -> torch.Tensor:
+        """The permutation (block), index subset (full) or empty tensor (contiguous) of one adapter and side."""
+        return self._side_containers(side)[1][adapter_name]
+
+    def skew_parameters(self) -> list[nn.Parameter]:
+        """Every adapter's skew parameters, whatever the subclass names its containers."""
+        return [self.skew_parameter(a, side) for a, specs in self.poet_specs.items() for side in specs]
+
     def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
         settings = self.poet_settings[adapter_name]
         generator = spo_generator(settings["seed"], merge_count, settings["layer_name"], side)

@@ -12,28 +12,20 @@ from ..constants import DEFAULT_TARGET_MODULES
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 
-def _tuner_layer_class(base_layer: nn.Module) -> type[PoetLayer] | None:
+def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str,
+                        layer_classes: tuple[type, type, type]) -> PoetLayer:
+    """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
+    a ``ValueError`` naming the type."""
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
-    if isinstance(base_layer, nn.Linear):
-        return Linear
-    if isinstance(base_layer, HFConv1D):
-        return Conv1D
-    if isinstance(base_layer, nn.Conv2d):
-        return Conv2d
-    return None
-
-
-def create_poet_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str, **kwargs: Any) -> PoetLayer:
-    """Wrap ``target`` in the POET layer class for its type, or raise a ``ValueError`` naming the type."""
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
-    layer_cls = _tuner_layer_class(base_layer)
-    if layer_cls is None:
-        raise ValueError(
-            f"`target_modules` matched '{layer_name}', a {type(base_layer).__name__}; supported module types are "
-            "torch.nn.Linear, transformers Conv1D and torch.nn.Conv2d"
-        )
-    return layer_cls(target, adapter_name, config=config, layer_name=layer_name, **kwargs)
+    for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes):
+        if isinstance(base_layer, base_type):
+            return layer_cls(target, adapter_name, config=config, layer_name=layer_name)
+    raise ValueError(
+        f"`target_modules` matched '{layer_name}', a {type(base_layer).__name__}; supported module types are "
+        "torch.nn.Linear, transformers Conv1D and torch.nn.Conv2d"
+    )
 
 
 class PoetModel(BaseTuner):
@@ -47,7 +39,7 @@ class PoetModel(BaseTuner):
     prefix: str = "poet_"
     tuner_layer_cls = PoetLayer
     target_module_mapping = DEFAULT_TARGET_MODULES
-    layer_factory = staticmethod(create_poet_module)
+    layer_classes = (Linear, Conv1D, Conv2d)
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
                             **optional_kwargs) -> None:
@@ -56,7 +48,7 @@ class PoetModel(BaseTuner):
         if isinstance(target, PoetLayer):
             target.update_layer(adapter_name, peft_config, layer_name=current_key)
             return
-        new_module = self.layer_factory(peft_config, adapter_name, target, current_key)
+        new_module = create_tuner_module(peft_config, adapter_name, target, current_key, self.layer_classes)
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)
