@@ -364,7 +364,8 @@ class EcoConv2d(nn.Module):
         """
         if self.baked:
             return self
-        weight = self.fold_kernel(self.full_kernel("matrix_exp")).detach().clone()
+        # Contiguous, as a reloaded checkpoint is: the same strides give the same conv kernel, bit for bit.
+        weight = self.fold_kernel(self.full_kernel("matrix_exp")).detach().clone(memory_format=torch.contiguous_format)
         del self.skew
         del self.u
         self._cache = None

@@ -16,6 +16,8 @@ The model takes ``pixel_values`` in pixel space (``[0, 1]``) and normalises insi
 from __future__ import annotations
 
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -162,6 +164,20 @@ class LipConvNetForImageClassification(PreTrainedModel):
         else:
             self.head = RowNormLinear(self.feature_dim, config.num_labels)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """``PreTrainedModel.from_pretrained``, then baked kernels are copied out of the memory-mapped file.
+
+        oneDNN's CPU convolutions sum in another order for weights at an unaligned address, and a reloaded model
+        should give bit-identical logits.
+        """
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        for module in model.modules():
+            if isinstance(module, EcoConv2d) and module.baked:
+                module.weight = module.weight.clone()
+        return loaded
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (EcoConv2d, SocConv2d, RowNormLinear)):
