@@ -10,26 +10,16 @@ Prints clean and certified accuracy (ℓ2, eps = 36/255 by default) and writes a
 
 from __future__ import annotations
 
-import argparse
 import json
-from dataclasses import fields
+
+from transformers import HfArgumentParser
 
 from poet_hf.vision.train import VisionTrainArgs, export_lipconvnet, train_lipconvnet
 
 
 def parse_args(argv: list[str] | None = None) -> VisionTrainArgs:
-    defaults = VisionTrainArgs()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(VisionTrainArgs):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, list):
-            parser.add_argument(flag, nargs=len(default), type=type(default[0]), default=default)
-        elif f.name in ("num_channels", "max_train_examples", "max_eval_examples"):
-            parser.add_argument(flag, type=int, default=default)
-        else:
-            parser.add_argument(flag, type=type(default), default=default)
-    return VisionTrainArgs(**vars(parser.parse_args(argv)))
+    (args,) = HfArgumentParser(VisionTrainArgs).parse_args_into_dataclasses(args=argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .eco import as_pair, circular_conv_symbol
+from .eco import _check_int, as_pair, circular_conv_symbol
 
 __all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "matrix_taylor_exp"]
 
@@ -31,12 +31,6 @@ def matrix_taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
         power = power @ a / i
         total = total + power
     return total
-
-
-def _check_int(value: object, name: str, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class SocConv2d(nn.Module):
