@@ -100,8 +100,8 @@ class OrthogonalLayer(BaseTunerLayer):
                 setattr(base, key, value)
 
 
-class Linear(nn.Module, OrthogonalLayer):
-    """An ``nn.Linear`` whose weight is replaced by an orthogonal one (see ``OrthogonalConfig.parameterization``)."""
+class _OrthogonalModule(nn.Module, OrthogonalLayer):
+    """What the Linear and Conv2d layers share: construction, forward and repr."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
         super().__init__()
@@ -111,6 +111,13 @@ class Linear(nn.Module, OrthogonalLayer):
 
     forward = OrthogonalLayer.forward  # nn.Module precedes OrthogonalLayer in the MRO, as in PEFT's own layers
     extra_repr = OrthogonalLayer.extra_repr
+
+    def __repr__(self) -> str:
+        return "orthogonal." + super().__repr__()
+
+
+class Linear(_OrthogonalModule):
+    """An ``nn.Linear`` whose weight is replaced by an orthogonal one (see ``OrthogonalConfig.parameterization``)."""
 
     @property
     def rotation_dim(self) -> int:
@@ -216,21 +223,9 @@ class Linear(nn.Module, OrthogonalLayer):
             base.weight.data = matrix.to(base.weight.dtype).clone()
             self.merged_adapters.append(adapter_name)
 
-    def __repr__(self) -> str:
-        return "orthogonal." + super().__repr__()
 
-
-class Conv2d(nn.Module, OrthogonalLayer):
+class Conv2d(_OrthogonalModule):
     """An ``nn.Conv2d`` replaced by an ECO orthogonal convolution (circular padding, fixed input size)."""
-
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
-        super().__init__()
-        OrthogonalLayer.__init__(self, base_layer, **kwargs)
-        self._active_adapter = adapter_name
-        self.update_layer(adapter_name, config, layer_name)
-
-    forward = OrthogonalLayer.forward
-    extra_repr = OrthogonalLayer.extra_repr
 
     def _check_geometry(self, layer_name: str, size: Optional[int]) -> tuple[int, int]:
         base = self.get_base_layer()
