@@ -19,7 +19,7 @@ EMBEDDED_CORPUS = "embedded"
 EMBEDDED_TRAIN_PLAYS = ("hamlet", "macbeth", "lear", "othello", "romeo_and_juliet", "julius_caesar", "tempest",
                         "midsummer_nights_dream", "twelfth_night", "much_ado_about_nothing", "merchant_of_venice")
 EMBEDDED_VALIDATION_PLAYS = ("as_you_like_it",)
-LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json"}
+LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 AnyDatasetDict = Union[DatasetDict, IterableDatasetDict]
 
@@ -35,12 +35,14 @@ def load_embedded_corpus() -> DatasetDict:
 
 
 def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None, streaming: bool = False,
-                validation_fraction: float = 0.05, seed: int = 0) -> AnyDatasetDict:
-    """A text corpus with ``train`` and ``validation`` splits.
+                validation_fraction: float = 0.05, seed: int = 0,
+                validation_split: str = "validation") -> AnyDatasetDict:
+    """A dataset with ``train`` and ``validation`` splits.
 
-    ``source`` is ``"embedded"``, a local ``.txt`` / ``.jsonl`` / ``.json`` file or a directory of them, or any
-    dataset name ``datasets.load_dataset`` accepts (e.g. ``"allenai/c4"`` with ``config_name="en"``,
-    ``streaming=True``). Without a validation split, ``validation_fraction`` of the documents is held out.
+    ``source`` is ``"embedded"``, a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` file or a directory of
+    them, or any dataset name ``datasets.load_dataset`` accepts (e.g. ``"allenai/c4"`` with
+    ``config_name="en"``, ``streaming=True``). The dataset's ``validation_split`` becomes ``validation``; without
+    one, ``validation_fraction`` of the rows is held out.
     """
     if source == EMBEDDED_CORPUS:
         return load_embedded_corpus()
@@ -49,18 +51,19 @@ def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None
         files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_SUFFIXES) if path.is_dir() else [path]
         kinds = {LOCAL_SUFFIXES.get(p.suffix) for p in files}
         if not files or None in kinds or len(kinds) != 1:
-            raise ValueError(f"local corpus {source!r} must be .txt, .jsonl or .json files of one kind, got "
+            raise ValueError(f"local corpus {source!r} must be .txt, .jsonl, .json or .csv files of one kind, got "
                              f"{[p.name for p in files]}")
         # `sample_by="paragraph"` keeps blank-line separated documents together for local text files.
         extra = {"sample_by": "paragraph"} if kinds == {"text"} else {}
         corpus = load_dataset(kinds.pop(), data_files=[str(p) for p in files], streaming=streaming, **extra)
     else:
         corpus = load_dataset(source, config_name, streaming=streaming)
-    if "validation" in corpus:
-        return corpus
+    if validation_split in corpus:
+        splits = {"train": corpus["train"], "validation": corpus[validation_split]}
+        return IterableDatasetDict(splits) if streaming else DatasetDict(splits)
     if streaming:
-        raise ValueError(f"streaming dataset {source!r} has no 'validation' split; pass a non-streaming corpus "
-                         "or one with a validation split")
+        raise ValueError(f"streaming dataset {source!r} has no {validation_split!r} split; pass a non-streaming "
+                         "corpus or one with that split")
     split = corpus["train"].train_test_split(test_size=validation_fraction, seed=seed)
     return DatasetDict({"train": split["train"], "validation": split["test"]})
 

@@ -33,7 +33,6 @@ from .trainer import PoetTrainer
 
 METHODS = ("poet", "oft", "lora")
 TASKS = ("causal-lm", "sequence-classification")
-LOCAL_DATA_KINDS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
 
 @dataclass
@@ -122,31 +121,9 @@ def load_model_tokenizer(args: FinetuneArguments):
 
 
 # --- 2. data ------------------------------------------------------------------------------------------------------------
-def _load_raw(args: FinetuneArguments):
-    """``DatasetDict`` with ``train`` and ``validation`` from an HF name or local files."""
-    from datasets import DatasetDict, load_dataset
-
-    if args.task == "causal-lm":
-        return load_corpus(args.dataset, args.dataset_config, seed=args.seed)
-    path = Path(args.dataset)
-    if path.exists():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_DATA_KINDS) if path.is_dir() else [path]
-        kinds = {LOCAL_DATA_KINDS.get(p.suffix) for p in files}
-        if not files or None in kinds or len(kinds) != 1 or kinds == {"text"}:
-            raise ValueError(f"local classification data {args.dataset!r} must be .jsonl/.json or .csv files of "
-                             f"one kind with `{args.text_column}` and `{args.label_column}` columns")
-        raw = load_dataset(kinds.pop(), data_files=[str(p) for p in files])
-    else:
-        raw = load_dataset(args.dataset, args.dataset_config)
-    if args.eval_split in raw:
-        return DatasetDict({"train": raw["train"], "validation": raw[args.eval_split]})
-    split = raw["train"].train_test_split(test_size=0.05, seed=args.seed)
-    return DatasetDict({"train": split["train"], "validation": split["test"]})
-
-
 def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, Optional[int]]:
     """Tokenized train and evaluation sets, and the number of labels (classification)."""
-    raw = _load_raw(args)
+    raw = load_corpus(args.dataset, args.dataset_config, seed=args.seed, validation_split=args.eval_split)
     if args.task == "causal-lm":
         train = pack_sequences(raw["train"], tokenizer, args.seq_len, args.text_column)
         evaluation = pack_sequences(raw["validation"], tokenizer, args.seq_len, args.text_column)
