@@ -85,7 +85,7 @@ def test_default_targets_cover_block_linears_only():
 def dense_effective_weight(layer: PoetLayer, adapter="default"):
     """P^T W0 R^T in float64 from explicit permutation / selection / block-diagonal matrices."""
     w = layer.weight_matrix().detach().double()
-    terms = layer.poet_settings[adapter]["neumann_terms"]
+    terms = layer.poet_settings[adapter].neumann_terms
     rotations = {}
     for side, spec in layer.poet_specs[adapter].items():
         param = (layer.poet_R if side == "input" else layer.poet_P)[adapter].detach().double()
@@ -206,8 +206,8 @@ def test_weight_and_activation_strategies_agree_in_forward_and_gradients(kind, s
 def test_cost_model_picks_activation_for_few_tokens_and_weight_for_many():
     model = poet("llama", block_size=16)
     layer = poet_layers(model)[0][1]
-    assert layer._use_activation_path(["default"], tokens=4)
-    assert not layer._use_activation_path(["default"], tokens=4096)
+    assert layer.choose_strategy("default", tokens=4, training=False) == "activation"
+    assert layer.choose_strategy("default", tokens=4096, training=False) == "weight"
 
 
 # --- 6. save / reload after merges ------------------------------------------------------------------------------------

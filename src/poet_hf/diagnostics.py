@@ -10,7 +10,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
-from .tuners.poet import PoetLayer, poet_layers
+from .tuners.poet import poet_layers
+from .tuners.rotation_layer import RotationLayer
 
 PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
 
@@ -84,9 +85,9 @@ def plot_spectra(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
     return path
 
 
-def _probe_vector(layer: PoetLayer, adapter: str, side: str, dim: int) -> torch.Tensor:
+def _probe_vector(layer: RotationLayer, adapter: str, side: str, dim: int) -> torch.Tensor:
     settings = layer.poet_settings[adapter]
-    generator = spo_generator(settings["seed"], PROBE_MERGE_COUNT, settings["layer_name"], side)
+    generator = spo_generator(settings.seed, PROBE_MERGE_COUNT, settings.layer_name, side)
     v = torch.randn(dim, generator=generator, dtype=torch.float64)
     return v / v.norm()
 

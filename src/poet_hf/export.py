@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .tuners.poet import PoetLayer
+from .tuners.rotation_layer import RotationLayer
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 RUN_INFO_NAME = "poet_run.json"  # written by PoetTrainer beside each checkpoint
@@ -453,7 +453,7 @@ def _tuner_layer_names(model: Any) -> list[str]:
 
 
 def _merge_count(model: Any) -> Optional[int]:
-    counts = [int(count) for m in model.modules() if isinstance(m, PoetLayer) for count in m.merge_counts.values()]
+    counts = [int(count) for m in model.modules() if isinstance(m, RotationLayer) for count in m.merge_counts.values()]
     return max(counts) if counts else None
 
 

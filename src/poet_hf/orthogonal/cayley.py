@@ -13,13 +13,20 @@ The truncation error has a closed form: ``R_exact - R_k = R_exact Q^{k-1}`` (Q c
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 import torch
 
 __all__ = [
     "num_skew_params",
     "skew_from_vector",
+    "vector_from_skew",
     "cayley",
     "cayley_neumann",
+    "rotation_from_skew",
+    "SkewRotation",
+    "OrthogonalFromVector",
     "orthogonal_from_vector",
     "neumann_error_bound",
     "orthogonality_error",
@@ -41,9 +48,28 @@ def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)
 def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=device)
     return rows, cols
+
+
+@functools.lru_cache(maxsize=None)
+def _skew_gather_index(block_size: int, device: torch.device) -> torch.Tensor:
+    """Where each entry of a flattened ``b × b`` skew matrix is read from ``[0, vec, −vec]``."""
+    rows, cols = _triu_indices(block_size, torch.device("cpu"))
+    num = rows.numel()
+    index = torch.zeros(block_size, block_size, dtype=torch.long)
+    index[rows, cols] = torch.arange(1, num + 1)
+    index[cols, rows] = torch.arange(num + 1, 2 * num + 1)
+    return index.flatten().to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _triangle_flat_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions of the strict upper triangle and of its mirror image."""
+    rows, cols = _triu_indices(block_size, torch.device("cpu"))
+    return (rows * block_size + cols).to(device), (cols * block_size + rows).to(device)
 
 
 def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -60,10 +86,24 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
     expected = num_skew_params(block_size)
     if vec.shape[-1] != expected:
         raise ValueError(f"skew vector has {vec.shape[-1]} entries, expected {expected} for block size {block_size}")
-    rows, cols = _triu_indices(block_size, vec.device)
-    upper = vec.new_zeros(*vec.shape[:-1], block_size, block_size)
-    upper[..., rows, cols] = vec
-    return upper - upper.transpose(-1, -2)
+    # One gather from [0, vec, −vec]: no zero fill, no scatter, no transpose-subtract.
+    padded = torch.cat([vec.new_zeros(*vec.shape[:-1], 1), vec, -vec], dim=-1)
+    return padded.index_select(-1, _skew_gather_index(block_size, vec.device)).reshape(
+        *vec.shape[:-1], block_size, block_size)
+
+
+def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``dL/dvec`` of :func:`skew_from_vector` from ``dL/dQ``: ``Q = U − Uᵀ`` gives ``dL/dU = dQ − dQᵀ``, read on the
+    strict upper triangle. Only the skew part of ``grad_q`` contributes."""
+    upper, lower = _triangle_flat_indices(block_size, grad_q.device)
+    flat = grad_q.reshape(*grad_q.shape[:-2], block_size * block_size)
+    return flat.index_select(-1, upper) - flat.index_select(-1, lower)
+
+
+@functools.lru_cache(maxsize=None)
+def _identity(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A shared identity matrix (read-only by convention: never written in place)."""
+    return torch.eye(size, dtype=dtype, device=device)
 
 
 def cayley(q: torch.Tensor) -> torch.Tensor:
@@ -88,9 +128,129 @@ def cayley_neumann(q: torch.Tensor, terms: int) -> torch.Tensor:
     return series + q @ series
 
 
+# --- fused evaluation: the same polynomial, fewer products, and a backward that keeps nothing ------------------------
+# R_k = Σ_i c_i Q^i with c = (1, 2, …, 2, 1) is evaluated by Horner's rule in Z = Q², with coefficients linear in Q:
+# R = C_0 + Z(C_1 + Z(C_2 + …)), C_j = c_{2j} I + c_{2j+1} Q. That costs ⌈(k−1)/2⌉ products (2 at k = 5, where the
+# plain Horner rule in Q costs 3). The backward recomputes Z and the partial sums H_j instead of storing every power,
+# and uses dL/dQ only through its skew part (the parameter is skew), which folds the two products of Z's adjoint
+# (dZ·Qᵀ + Qᵀ·dZ) into one.
+
+
+def _neumann_pairs(terms: int) -> list[tuple[float, float]]:
+    coefficients = [1.0] + [2.0] * (terms - 2) + [1.0]
+    if len(coefficients) % 2:
+        coefficients.append(0.0)
+    return [(coefficients[i], coefficients[i + 1]) for i in range(0, len(coefficients), 2)]
+
+
+def _linear_in_q(a: float, b: float, q: torch.Tensor) -> torch.Tensor:
+    """``a I + b Q`` as a new tensor."""
+    out = q * b if b else torch.zeros_like(q)
+    out.diagonal(dim1=-2, dim2=-1).add_(a)
+    return out
+
+
+def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
+    """``R``, ``Z = Q²`` and the partial sums ``[H_1, …, H_m]`` of Horner's rule in ``Z`` (``H_0 = R``); an ``H_m``
+    that is a multiple of the identity is ``None``. Works on ``(n, b, b)`` batches."""
+    pairs = _neumann_pairs(terms)
+    if len(pairs) == 1:
+        return _linear_in_q(*pairs[0], q), None, []
+    z = torch.bmm(q, q)
+    last_a, last_b = pairs[-1]
+    h = None if last_b == 0 else _linear_in_q(last_a, last_b, q)
+    sums = [h]
+    for j in range(len(pairs) - 2, -1, -1):
+        a, b = pairs[j]
+        h = torch.add(q * b, z, alpha=last_a) if h is None else torch.baddbmm(q * b, z, h)  # C_j + Z H_{j+1}
+        h.diagonal(dim1=-2, dim2=-1).add_(a)
+        if j:
+            sums.append(h)
+    return h, z, sums[::-1]
+
+
+class SkewRotation:
+    """``R = cayley_neumann(Q, terms)`` evaluated once, keeping what one vector-Jacobian product needs.
+
+    The fused backward of a rotated layer builds ``R`` (it needs it to recompute the rotated weight or activations),
+    then calls :meth:`vjp` with ``dL/dR``; nothing is kept between the forward and the backward pass.
+    """
+
+    def __init__(self, q: torch.Tensor, terms: int) -> None:
+        check_neumann_terms(terms)
+        self.terms, self._shape = terms, q.shape
+        b = q.shape[-1]
+        self.q = q.reshape(-1, b, b)
+        if terms == 0:
+            eye = _identity(b, q.dtype, q.device)
+            self._lu = torch.linalg.lu_factor(eye - self.q)
+            rotation = torch.linalg.lu_solve(*self._lu, eye + self.q, left=False)
+        else:
+            rotation, self._z, self._sums = _neumann_partial_sums(self.q, terms)
+        self.rotation = rotation.reshape(q.shape)
+
+    def vjp(self, grad_r: torch.Tensor) -> torch.Tensor:
+        """``dL/dQ`` for ``dL/dR = grad_r`` (only its skew part is meaningful: feed it to :func:`vector_from_skew`)."""
+        b = self._shape[-1]
+        grad = grad_r.reshape(-1, b, b)
+        rotation = self.rotation.reshape(-1, b, b)
+        if self.terms == 0:
+            # dR = (I + R) dQ (I − Q)^{-1}, so dL/dQ = (I + R)ᵀ Γ (I − Q)^{-T}: one more solve with the same LU.
+            scaled = torch.linalg.lu_solve(*self._lu, grad, left=False, adjoint=True)
+            return torch.baddbmm(scaled, rotation.transpose(-1, -2), scaled).reshape(self._shape)
+        pairs = _neumann_pairs(self.terms)
+        if len(pairs) == 1:
+            return (pairs[0][1] * grad).reshape(self._shape)
+        through_q = grad * pairs[0][1]
+        grad_h, grad_z = grad, None
+        for j, h_next in enumerate(self._sums):  # H_j = C_j + Z H_{j+1}
+            if h_next is None:  # H_m = c I: Z H_m costs no product
+                grad_z = grad_h * pairs[-1][0] if grad_z is None else grad_z.add_(grad_h, alpha=pairs[-1][0])
+                break
+            grad_z = (torch.bmm(grad_h, h_next.transpose(-1, -2)) if grad_z is None
+                      else torch.baddbmm(grad_z, grad_h, h_next.transpose(-1, -2)))
+            grad_h = torch.bmm(self._z, grad_h)  # Zᵀ = Z
+            through_q.add_(grad_h, alpha=pairs[j + 1][1])
+        # Z = QQ contributes −(dZ Q + Q dZ), whose skew part is the skew part of −(dZ + dZᵀ)Q.
+        return torch.baddbmm(through_q, grad_z + grad_z.transpose(-1, -2), self.q, alpha=-1).reshape(self._shape)
+
+
+def rotation_from_skew(q: torch.Tensor, terms: int) -> torch.Tensor:
+    """``cayley_neumann(q, terms)`` by the fused evaluation (no autograd graph; same polynomial, fewer products)."""
+    check_neumann_terms(terms)
+    if terms == 0:
+        return cayley(q)
+    b = q.shape[-1]
+    return _neumann_partial_sums(q.reshape(-1, b, b), terms)[0].reshape(q.shape)
+
+
+class OrthogonalFromVector(torch.autograd.Function):
+    """Rotation blocks from skew vectors, saving only the vectors: the backward recomputes the polynomial."""
+
+    @staticmethod
+    def forward(ctx, vec: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
+        ctx.save_for_backward(vec)
+        ctx.block_size, ctx.terms = block_size, terms
+        return rotation_from_skew(skew_from_vector(vec, block_size), terms)
+
+    @staticmethod
+    def backward(ctx, grad_r: torch.Tensor):
+        (vec,) = ctx.saved_tensors
+        grad_q = SkewRotation(skew_from_vector(vec, ctx.block_size), ctx.terms).vjp(grad_r)
+        return vector_from_skew(grad_q, ctx.block_size), None, None
+
+
 def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
-    """Rotation blocks ``(..., b, b)`` from skew parameter vectors ``(..., b(b-1)/2)``."""
-    return cayley_neumann(skew_from_vector(vec, block_size), terms)
+    """Rotation blocks ``(..., b, b)`` from skew parameter vectors ``(..., b(b-1)/2)``.
+
+    Evaluated by :func:`rotation_from_skew`; under autograd through :class:`OrthogonalFromVector`, which keeps only
+    ``vec`` for the backward (the plain composition :func:`cayley_neumann` ∘ :func:`skew_from_vector` is the
+    reference it is tested against).
+    """
+    check_neumann_terms(terms)
+    if torch.is_grad_enabled() and vec.requires_grad:
+        return OrthogonalFromVector.apply(vec, block_size, terms)
+    return rotation_from_skew(skew_from_vector(vec, block_size), terms)
 
 
 def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:

@@ -12,10 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
 
 import torch
 
+from .cayley import num_skew_params
+
 __all__ = [
+    "SideSpec",
+    "make_side_spec",
+    "blockdiag_right",
+    "blockdiag_left",
+    "blockdiag_grad_right",
+    "blockdiag_grad_left",
     "inverse_permutation",
     "block_matmul_right",
     "block_matmul_left",
@@ -92,3 +101,103 @@ def subset_size(dim: int, budget: float) -> int:
 def sample_subset(dim: int, size: int, generator: torch.Generator) -> torch.Tensor:
     """A uniformly random index subset of ``range(dim)`` of the given size, sorted."""
     return torch.randperm(dim, generator=generator)[:size].sort().values
+
+
+# --- one side of a rotated layer ------------------------------------------------------------------------------------
+BLOCK, CONTIGUOUS, FULL = "block", "contiguous", "full"
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """Static shape of one side's primitive.
+
+    ``kind`` is ``"block"`` (eq. 5: blocks on a random permutation), ``"contiguous"`` (the same blocks without the
+    permutation, PEFT's OFT) or ``"full"`` (eq. 4: one ``block × block`` rotation on a random index subset).
+    """
+
+    kind: str
+    dim: int
+    block: int
+
+    @property
+    def num_blocks(self) -> int:
+        return 1 if self.kind == FULL else self.dim // self.block
+
+    @property
+    def num_params(self) -> int:
+        return self.num_blocks * num_skew_params(self.block)
+
+    def sample_index(self, generator: torch.Generator) -> torch.Tensor:
+        """The permutation (block) or sorted index subset (full) for this side; empty for contiguous blocks."""
+        if self.kind == BLOCK:
+            return sample_permutation(self.dim, generator)
+        if self.kind == FULL:
+            return sample_subset(self.dim, self.block, generator)
+        return torch.empty(0, dtype=torch.long)
+
+    def matmul_right(self, x: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``x @ G`` on the last dimension."""
+        if self.kind == FULL:
+            return subset_matmul_right(x, index, blocks[0])
+        return block_matmul_right(x, index if self.kind == BLOCK else None, blocks)
+
+    def matmul_left(self, x: torch.Tensor, index: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """``G @ x`` on the first dimension."""
+        if self.kind == FULL:
+            return subset_matmul_left(x, index, blocks[0])
+        return block_matmul_left(x, index if self.kind == BLOCK else None, blocks)
+
+    def apply_cost(self, other_dim: int) -> int:
+        """Multiply-adds of rotating ``other_dim`` vectors of length ``dim``."""
+        return other_dim * (self.block**2 if self.kind == FULL else self.dim * self.block)
+
+
+def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name: str, field: str) -> SideSpec:
+    """Validate and build one side's spec; errors name the config field, the layer and its size.
+
+    ``block_size`` is used by the block kinds, ``subset`` (the index-set size) by ``spo="full"``.
+    """
+    if spo == FULL:
+        if not 2 <= subset <= dim:
+            raise ValueError(f"`{field}` gives an index set of {subset} on the {dim}-dimensional side of target module "
+                             f"'{layer_name}'; it must lie in [2, {dim}]")
+        return SideSpec(FULL, dim, subset)
+    if dim % block_size:
+        raise ValueError(
+            f"`{field}`={block_size} does not divide the {dim}-dimensional side of target module "
+            f"'{layer_name}'; choose a block size that divides every targeted dimension"
+        )
+    return SideSpec(CONTIGUOUS if spo == CONTIGUOUS else BLOCK, dim, block_size)
+
+
+# --- block-diagonal products in permuted coordinates (the fused layers' kernels) ------------------------------------
+# ``x`` already holds its coordinates in block order (gathered by the permutation, or contiguous blocks), so each
+# product is one batched matmul. The layouts are the ones that ran fastest on CPU for small blocks (b = 32): the
+# tokens as the long (N) dimension of every block product.
+
+
+def blockdiag_right(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``x @ Diag(blocks)`` on the last dimension of ``x`` (``(..., nb·b)``)."""
+    num_blocks, b, _ = blocks.shape
+    z = x.reshape(-1, num_blocks, b)
+    y = torch.bmm(blocks.transpose(1, 2), z.permute(1, 2, 0))  # (nb, b, T): y[n, c, t] = Σ_j z[t, n, j] D[n, j, c]
+    return y.permute(2, 0, 1).reshape(x.shape)
+
+
+def blockdiag_left(m: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``Diag(blocks) @ m`` on the first dimension of a matrix ``m`` (``(nb·b, n)``)."""
+    num_blocks, b, _ = blocks.shape
+    return torch.bmm(blocks, m.reshape(num_blocks, b, -1)).reshape(m.shape)
+
+
+def blockdiag_grad_right(x: torch.Tensor, grad_y: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``dL/dD_j = x_jᵀ g_j`` for ``y = x @ Diag(D)`` (both ``(..., nb·b)``): ``(nb, b, b)``."""
+    b = x.shape[-1] // num_blocks
+    x3, g3 = x.reshape(-1, num_blocks, b), grad_y.reshape(-1, num_blocks, b)
+    return torch.bmm(x3.permute(1, 2, 0), g3.transpose(0, 1))
+
+
+def blockdiag_grad_left(grad_y: torch.Tensor, m: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``dL/dD_j = g_j m_jᵀ`` for ``y = Diag(D) @ m`` (both ``(nb·b, n)``): ``(nb, b, b)``."""
+    b = m.shape[0] // num_blocks
+    return torch.bmm(grad_y.reshape(num_blocks, b, -1), m.reshape(num_blocks, b, -1).transpose(1, 2))

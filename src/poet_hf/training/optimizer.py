@@ -7,12 +7,12 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..tuners.poet import PoetLayer
+from ..tuners.rotation_layer import RotationLayer
 
 
 def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The trainable skew parameters of every POET layer (found structurally, not by name)."""
-    return [p for module in model.modules() if isinstance(module, PoetLayer)
+    return [p for module in model.modules() if isinstance(module, RotationLayer)
             for p in module.skew_parameters() if p.requires_grad]
 
 

@@ -1,81 +1,82 @@
-"""OFT layers: the POET layers with the input side only (``W_eff = W0 · R^T``) plus OFT's own options.
+"""OFT layers: the input side alone, ``W_eff = W0 · R^T``, with OFT's own options.
 
-All the math (skew parameters, Cayley–Neumann, block application, weight-side Conv2d, merge, unmerge,
-merge-then-reinitialize) is :class:`poet_hf.tuners.poet.PoetLayer`'s. This module adds what OFT has and POET has
-not: a block size given per layer by ``r``, ``block_share``, the COFT projection and multiplicative block dropout,
-and stores its state under the ``poet_oft_`` prefix it is registered with in PEFT.
+R is block-diagonal (PEFT's contiguous blocks, or block-stochastic with a permutation resampled at each
+merge-then-reinitialize); beyond POET, OFT offers a block size given per layer by ``r``, ``block_share`` (one skew
+block for all), the COFT projection and multiplicative block dropout. State lives under the ``poet_oft_`` prefix it
+is registered with in PEFT. The forward (:meth:`OftLayer.adapter_forward`) is all on this page.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
-from ..poet import layer as poet_layer
-from ..poet.layer import SIDE_INPUT, PoetLayer, SideSpec
+from ...orthogonal.spo import make_side_spec
+from ..rotation_layer import SIDE_INPUT, RotationLayer, RotationSettings
 
 
-def block_dropout(blocks: torch.Tensor, p: float) -> torch.Tensor:
-    """Replace ``int(p · num_blocks)`` randomly chosen blocks by the identity (PEFT's multiplicative dropout).
+@dataclass(frozen=True)
+class OftOptions:
+    """OFT's options beyond the rotation itself (see :class:`~poet_hf.tuners.oft.OftConfig`)."""
 
-    Uses the global RNG of the blocks' device, so activation checkpointing (which restores the RNG state) draws
-    the same blocks again when it recomputes the forward.
+    block_share: bool
+    coft: bool
+    eps: float
+    module_dropout: float
+
+
+def dropout_keep_mask(num_blocks: int, p: float, device: torch.device) -> Optional[torch.Tensor]:
+    """Flags of the blocks kept when ``int(p · num_blocks)`` random blocks become the identity (PEFT's
+    multiplicative dropout); ``None`` when none is dropped.
+
+    Uses the global RNG of ``device``, so activation checkpointing (which restores the RNG state) draws the same
+    blocks again when it recomputes the forward.
     """
-    num_blocks, b, _ = blocks.shape
     dropped = int(p * num_blocks)
     if dropped == 0:
-        return blocks
-    mask = torch.zeros(num_blocks, dtype=torch.bool, device=blocks.device)
-    mask[torch.randperm(num_blocks, device=blocks.device)[:dropped]] = True
-    eye = torch.eye(b, dtype=blocks.dtype, device=blocks.device)
-    return torch.where(mask[:, None, None], eye, blocks)
+        return None
+    keep = torch.ones(num_blocks, dtype=torch.bool, device=device)
+    keep[torch.randperm(num_blocks, device=device)[:dropped]] = False
+    return keep
 
 
-class OftLayer(PoetLayer):
-    """Adapter state of one OFT-wrapped module: one input-side rotation ``R`` per adapter."""
+class OftLayer(RotationLayer):
+    """OFT state of one wrapped module: one input-side rotation ``poet_oft_R`` per adapter."""
 
     adapter_layer_names = ("poet_oft_R",)
-    other_param_names = ("poet_oft_R_index", "poet_oft_merge_count", "poet_specs", "poet_settings", "oft_settings")
+    other_param_names = ("poet_oft_R_index", "poet_oft_merge_count", "poet_specs", "poet_settings", "oft_options")
 
-    def _init_adapter_state(self) -> None:
+    def _init_containers(self) -> None:
         # Names start with the PEFT prefix "poet_oft_", so PEFT's prefix-based code paths find them.
         self.poet_oft_R = nn.ParameterDict({})
         self.poet_oft_R_index = BufferDict({}, persistent=True)  # empty for contiguous blocks
         self.poet_oft_merge_count = BufferDict({}, persistent=True)
-        self.oft_settings: dict[str, dict[str, Any]] = {}
-        self._oft_in_forward = False
+        self.oft_options: dict[str, OftOptions] = {}
+
+    def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
+        if side != SIDE_INPUT:
+            raise ValueError(f"OFT rotates the input side only, asked for side {side!r}")
+        return self.poet_oft_R, self.poet_oft_R_index
 
     @property
     def merge_counts(self) -> BufferDict:
         return self.poet_oft_merge_count
 
-    def _side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
-        if side != SIDE_INPUT:
-            raise ValueError(f"OFT rotates the input side only, asked for side {side!r}")
-        return self.poet_oft_R, self.poet_oft_R_index
-
-    def _num_param_rows(self, adapter_name: str, side: str, spec: SideSpec) -> int:
-        return 1 if self.oft_settings[adapter_name]["block_share"] else spec.num_blocks
-
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str, spo: Optional[str] = None) -> None:
+    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
         """Add adapter ``adapter_name`` described by an ``OftConfig``."""
         block_size = config.resolve_block_size(self.in_features, layer_name)
-        self.oft_settings[adapter_name] = {
-            "block_share": config.block_share,
-            "coft": config.coft,
-            "eps": config.eps,
-            "module_dropout": config.module_dropout,
-        }
-        # The POET core reads a PoetConfig-like object: OFT is its input side only.
-        core = SimpleNamespace(spo=config.spo, sides="input", block_size=block_size, budget=1.0,
-                               neumann_terms=config.neumann_terms, forward=config.forward, seed=config.seed,
-                               init_weights=config.init_weights, base_init=None)
-        super().update_layer(adapter_name, core, layer_name, spo=config.spo)
+        spec = make_side_spec(config.spo, self.in_features, block_size, 0, layer_name, "block_size")
+        self.oft_options[adapter_name] = OftOptions(block_share=config.block_share, coft=config.coft, eps=config.eps,
+                                                    module_dropout=config.module_dropout)
+        settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
+                                    forward=config.forward)
+        rows = 1 if config.block_share else spec.num_blocks
+        self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows}, config.init_weights)
 
     @torch.no_grad()
     def project_coft(self, adapter_name: str) -> None:
@@ -85,65 +86,56 @@ class OftLayer(PoetLayer):
         not bump the parameter's version under an existing graph.
         """
         param = self.poet_oft_R[adapter_name]
-        radius = self.oft_settings[adapter_name]["eps"] / math.sqrt(param.shape[0])
+        radius = self.oft_options[adapter_name].eps / math.sqrt(param.shape[0])
         norm = param.norm(dim=-1, keepdim=True) * math.sqrt(2)  # ||Q||_F: each entry appears twice in Q
         outside = norm > radius
         if bool(outside.any()):
             param.copy_(torch.where(outside, param * (radius / norm), param))
 
-    def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        settings = self.oft_settings[adapter_name]
-        if settings["coft"]:
-            self.project_coft(adapter_name)
-        blocks = super().rotation_blocks(adapter_name, side, dtype)
-        num_blocks = self.poet_specs[adapter_name][side].num_blocks
-        if blocks.shape[0] != num_blocks:  # block_share: one block for all
-            blocks = blocks.expand(num_blocks, -1, -1)
-        elif settings["module_dropout"] > 0 and self.training and self._oft_in_forward:
-            blocks = block_dropout(blocks, settings["module_dropout"])
-        return blocks
+    def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+        """``base(x, W0 · R^T)``: COFT projects the skew blocks first; in training, module dropout replaces random
+        blocks by the identity (the forward only: merges never drop blocks)."""
+        keep = {}
+        for a in adapter_names:
+            options = self.oft_options[a]
+            if options.coft:
+                self.project_coft(a)
+            if self.training and options.module_dropout > 0:
+                keep[a] = dropout_keep_mask(self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout,
+                                            self.weight_matrix().device)
+        if self.fused_enabled() and len(adapter_names) == 1:
+            return self.fused_forward(x, adapter_names[0], keep.get(adapter_names[0]))
+        return self.reference_forward(x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)
 
-    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # Module dropout applies to the forward only, never to merge / unmerge.
-        self._oft_in_forward = True
-        try:
-            return PoetLayer.forward(self, x, *args, **kwargs)
-        finally:
-            self._oft_in_forward = False
+    def _all_activation(self, x: torch.Tensor, adapter_names: list[str]) -> bool:
+        tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
+        return all(self.choose_strategy(a, tokens, torch.is_grad_enabled()) != "weight" for a in adapter_names)
 
 
-class Linear(poet_layer.Linear, OftLayer):
-    """OFT around an ``nn.Linear``."""
+class Linear(nn.Module, OftLayer):
+    """OFT around an ``nn.Linear`` (and, through the subclasses, ``Conv1D`` and ``nn.Conv2d``)."""
+
+    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+        super().__init__()
+        OftLayer.__init__(self, base_layer, **kwargs)
+        self._active_adapter = adapter_name
+        self.update_layer(adapter_name, config, layer_name)
 
     forward = OftLayer.forward
 
     def __repr__(self) -> str:
-        return "poet_oft." + nn.Module.__repr__(self)
+        return "poet_oft." + super().__repr__()
 
 
-class Conv1D(poet_layer.Conv1D, OftLayer):
+class Conv1D(Linear):
     """OFT around a ``transformers`` ``Conv1D`` (GPT-2), whose weight is stored in × out."""
 
-    forward = OftLayer.forward
 
-    def __repr__(self) -> str:
-        return "poet_oft." + nn.Module.__repr__(self)
-
-
-class Conv2d(poet_layer.Conv2d, OftLayer):
+class Conv2d(Linear):
     """OFT around an ``nn.Conv2d``: ``R`` rotates the ``in·kh·kw`` axis of the weight (``in/groups·kh·kw``).
 
     The layer calls the base convolution with ``W_flat · R^T``, so it is exactly the base conv at init and exactly
-    its merged form later, for every kernel size, stride, padding, dilation and grouping. (PEFT's OFT instead
-    rotates unfolded input patches and folds them back by summation, which is neither.)
+    its merged form later, for every kernel size, stride, padding, dilation and grouping (only POET's output-side P
+    would mix channels across groups). PEFT's OFT instead rotates unfolded input patches and folds them back by
+    summation, which is neither.
     """
-
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
-        # Grouped convolutions are fine here, unlike in POET: R rotates each filter alone; only POET's output-side
-        # P would mix channels across groups. So skip poet's Conv2d check and initialise as the Linear does.
-        poet_layer.Linear.__init__(self, base_layer, adapter_name, config, layer_name, **kwargs)
-
-    forward = OftLayer.forward
-
-    def __repr__(self) -> str:
-        return "poet_oft." + nn.Module.__repr__(self)

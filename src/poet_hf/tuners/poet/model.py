@@ -9,11 +9,12 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
 from ..constants import DEFAULT_TARGET_MODULES
+from ..rotation_layer import RotationLayer, rotation_layers
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 
 def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str,
-                        layer_classes: tuple[type, type, type]) -> PoetLayer:
+                        layer_classes: tuple[type, type, type]) -> RotationLayer:
     """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
     a ``ValueError`` naming the type."""
     from transformers.pytorch_utils import Conv1D as HFConv1D
@@ -45,7 +46,7 @@ class PoetModel(BaseTuner):
                             **optional_kwargs) -> None:
         if current_key is None:
             raise ValueError("current_key must not be None")
-        if isinstance(target, PoetLayer):
+        if isinstance(target, RotationLayer):
             target.update_layer(adapter_name, peft_config, layer_name=current_key)
             return
         new_module = create_tuner_module(peft_config, adapter_name, target, current_key, self.layer_classes)
@@ -71,7 +72,7 @@ class PoetModel(BaseTuner):
         include_base = getattr(config, "base_init", None) is not None or any(
             int(m.merge_counts[adapter_name]) > 0
             for m in model.modules()
-            if isinstance(m, PoetLayer) and adapter_name in m.merge_counts
+            if isinstance(m, RotationLayer) and adapter_name in m.merge_counts
         )
         if include_base:
             to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
@@ -85,10 +86,9 @@ class PoetModel(BaseTuner):
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
 
-def poet_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, PoetLayer]]:
-    """``(name, layer)`` for every POET layer of ``model`` (with ``adapter_name`` if given)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, PoetLayer) and (adapter_name is None or adapter_name in m.poet_specs)]
+def poet_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:
+    """``(name, layer)`` for every layer merge-then-reinitialize applies to: POET's, and OFT's (one-sided POET)."""
+    return rotation_layers(model, adapter_name)
 
 
 @torch.no_grad()

@@ -1,0 +1,379 @@
+"""Fused forward and backward of a layer whose weight is used as ``Pᵀ · W0 · Rᵀ`` (POET eq. 3, torch orientation).
+
+``R`` (input side) and ``P`` (output side) are each a block-stochastic, contiguous-block or fully stochastic
+primitive (:class:`~poet_hf.orthogonal.spo.SideSpec`) built by the Cayley–Neumann map from a skew vector; either may
+be absent (OFT is the input side alone). Two strategies compute the same function:
+
+- **weight**: ``W_eff = Pᵀ W0 Rᵀ`` is built, then the base op runs with it. Between forward and backward only the
+  layer input and the skew vectors are kept; the backward rebuilds ``W_eff`` and takes the gradients of both
+  rotations from ``∂L/∂W_eff = gᵀx``. Multiply-adds (training): ``3·T·N + 7·b·N`` for ``N = d_in·d_out``.
+- **activation**: ``y = ((x R) W0ᵀ) P``. Kept: the input and, with an output side, the pre-rotation output ``h``
+  (``T × d_out``), which the gradient of ``P`` needs; ``x R`` is recomputed. Multiply-adds:
+  ``2·T·N + T·b·(3·d_in + 3·d_out)``; it skips ``∂L/∂W_eff`` entirely.
+
+Both rebuild the rotation blocks in the backward (:class:`~poet_hf.orthogonal.cayley.SkewRotation`) instead of
+keeping them. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
+product runs on contiguous blocks and activations are gathered at most once per side.
+
+These functions are the fast path of the POET and OFT layers; the plain autograd composition of
+:mod:`~poet_hf.orthogonal.spo` and :mod:`~poet_hf.orthogonal.cayley` is the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .cayley import SkewRotation, skew_from_vector, vector_from_skew
+from .spo import (BLOCK, CONTIGUOUS, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
+                  blockdiag_right, inverse_permutation)
+
+__all__ = ["SideRotation", "LinearOp", "Conv2dOp", "rotated_forward", "strategy_costs", "compute_dtypes"]
+
+WEIGHT, ACTIVATION = "weight", "activation"
+ACTIVATION_RECOMPUTE = "activation-recompute"  # the activation strategy recomputing h: keeps the input only
+STRATEGIES = (WEIGHT, ACTIVATION, ACTIVATION_RECOMPUTE)
+
+
+@dataclass(frozen=True)
+class SideRotation:
+    """One side of a layer's rotation, as the fused functions see it (the skew vector is passed beside it).
+
+    ``index`` is the permutation (block), the sorted index subset (full) or empty (contiguous). ``keep`` (optional,
+    one flag per block) replaces the blocks flagged ``False`` by the identity (OFT's multiplicative dropout). A skew
+    vector with one row and ``spec.num_blocks > 1`` is shared by every block (OFT's ``block_share``).
+    """
+
+    spec: SideSpec
+    index: torch.Tensor
+    terms: int
+    keep: Optional[torch.Tensor] = None
+
+    def blocks(self, vec: torch.Tensor) -> tuple[torch.Tensor, SkewRotation]:
+        """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP."""
+        polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
+        evaluation = SkewRotation(skew_from_vector(vec.to(polynomial_dtype), self.spec.block), self.terms)
+        blocks = evaluation.rotation
+        if blocks.shape[0] != self.spec.num_blocks:
+            blocks = blocks.expand(self.spec.num_blocks, -1, -1)
+        if self.keep is not None:
+            eye = torch.eye(self.spec.block, dtype=blocks.dtype, device=blocks.device)
+            blocks = torch.where(self.keep[:, None, None], blocks, eye)
+        return blocks, evaluation
+
+    def vector_grad(self, evaluation: SkewRotation, grad_blocks: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        """``dL/dvec`` from ``dL/dblocks``."""
+        grad_blocks = grad_blocks.to(evaluation.rotation.dtype)
+        if self.keep is not None:
+            grad_blocks = grad_blocks * self.keep[:, None, None]
+        if evaluation.rotation.shape[0] != grad_blocks.shape[0]:
+            grad_blocks = grad_blocks.sum(0, keepdim=True)
+        return vector_from_skew(evaluation.vjp(grad_blocks), self.spec.block).to(vec.dtype)
+
+
+# --- coordinates: a block side works in permuted coordinates, folded into W0 --------------------------------------
+def _permutation(side: Optional[SideRotation]) -> Optional[torch.Tensor]:
+    return side.index if side is not None and side.spec.kind == BLOCK else None
+
+
+def weight_in_block_coordinates(weight: torch.Tensor, input_side: Optional[SideRotation],
+                                output_side: Optional[SideRotation]) -> torch.Tensor:
+    """``Ψ_P · W · Ψ_Rᵀ``: rows gathered by the output permutation, columns by the input one (where block)."""
+    rows, cols = _permutation(output_side), _permutation(input_side)
+    if rows is not None:
+        weight = weight.index_select(0, rows)
+    if cols is not None:
+        weight = weight.index_select(1, cols)
+    return weight
+
+
+def weight_from_block_coordinates(weight: torch.Tensor, input_side: Optional[SideRotation],
+                                  output_side: Optional[SideRotation]) -> torch.Tensor:
+    """The inverse of :func:`weight_in_block_coordinates`."""
+    rows, cols = _permutation(output_side), _permutation(input_side)
+    if rows is not None:
+        weight = weight.index_select(0, inverse_permutation(rows))
+    if cols is not None:
+        weight = weight.index_select(1, inverse_permutation(cols))
+    return weight
+
+
+def _right(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
+    """``x @ G`` on the last dimension, ``x`` in the side's coordinates (natural ones for FS)."""
+    if side.spec.kind == FULL:
+        return x.index_copy(-1, side.index, x.index_select(-1, side.index) @ blocks[0])
+    return blockdiag_right(x, blocks)
+
+
+def _left(m: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
+    """``G @ m`` on the first dimension."""
+    if side.spec.kind == FULL:
+        return m.index_copy(0, side.index, blocks[0] @ m.index_select(0, side.index))
+    return blockdiag_left(m, blocks)
+
+
+def _grad_right(x: torch.Tensor, grad_y: torch.Tensor, side: SideRotation) -> torch.Tensor:
+    """``dL/dblocks`` for ``y = x @ G`` (both ``(T, d)``, in the side's coordinates)."""
+    if side.spec.kind == FULL:
+        return (x.index_select(-1, side.index).T @ grad_y.index_select(-1, side.index))[None]
+    return blockdiag_grad_right(x, grad_y, side.spec.num_blocks)
+
+
+def _grad_left(grad_y: torch.Tensor, m: torch.Tensor, side: SideRotation) -> torch.Tensor:
+    """``dL/dblocks`` for ``y = G @ m``."""
+    if side.spec.kind == FULL:
+        return (grad_y.index_select(0, side.index) @ m.index_select(0, side.index).T)[None]
+    return blockdiag_grad_left(grad_y, m, side.spec.num_blocks)
+
+
+def _transpose(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.transpose(-1, -2)
+
+
+# --- base operations -------------------------------------------------------------------------------------------------
+class LinearOp:
+    """``y = x Wᵀ + b`` on the last dimension (``nn.Linear``, and ``Conv1D`` through its transposed weight)."""
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool,
+                 weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        grad_x = grad_y @ weight if input_grad else None
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if weight_grad else None
+        return grad_x, grad_w
+
+    def bias_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
+        return grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
+
+
+@dataclass(frozen=True)
+class Conv2dOp:
+    """``nn.Conv2d``'s operation with the weight given as the matrix ``out × (in/groups·kh·kw)``."""
+
+    weight_shape: tuple[int, ...]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.conv2d(x, weight.reshape(self.weight_shape), bias, self.stride, self.padding, self.dilation,
+                        self.groups)
+
+    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool,
+                 weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
+            grad_y, x, weight.reshape(self.weight_shape), None, self.stride, self.padding, self.dilation, False,
+            [0, 0], self.groups, [input_grad, weight_grad, False])
+        return grad_x, None if grad_w is None else grad_w.reshape(weight.shape)
+
+    def bias_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
+        return grad_y.sum((0, 2, 3))
+
+
+# --- the weight strategy ----------------------------------------------------------------------------------------------
+def _effective_weight(weight: torch.Tensor, input_side: Optional[SideRotation], r_blocks: Optional[torch.Tensor],
+                      output_side: Optional[SideRotation], p_blocks: Optional[torch.Tensor]) -> tuple:
+    """``Pᵀ W Rᵀ`` and the intermediates its backward needs: ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and
+    ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
+    gathered = weight_in_block_coordinates(weight, input_side, output_side)
+    rotated_in = gathered if input_side is None else _right(gathered, input_side, _transpose(r_blocks))
+    rotated = rotated_in if output_side is None else _left(rotated_in, output_side, _transpose(p_blocks))
+    return weight_from_block_coordinates(rotated, input_side, output_side), gathered, rotated_in
+
+
+class _WeightStrategy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
+                keep_output=False):
+        with torch.autocast(x.device.type, enabled=False):
+            r_blocks = None if input_side is None else input_side.blocks(r_vec)[0].to(rotation_dtype)
+            p_blocks = None if output_side is None else output_side.blocks(p_vec)[0].to(rotation_dtype)
+            effective = _effective_weight(weight.to(rotation_dtype), input_side, r_blocks, output_side, p_blocks)[0]
+            y = op.forward(x.to(base_dtype), effective.to(base_dtype), None if bias is None else bias.to(base_dtype))
+        ctx.save_for_backward(x, weight, bias, r_vec, p_vec)
+        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, bias, r_vec, p_vec = ctx.saved_tensors
+        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
+        grads: list[Any] = [None] * 11
+        with torch.autocast(grad_y.device.type, enabled=False):
+            r_blocks = r_eval = p_blocks = p_eval = None
+            if input_side is not None:
+                r_blocks, r_eval = input_side.blocks(r_vec)
+            if output_side is not None:
+                p_blocks, p_eval = output_side.blocks(p_vec)
+            cast = (lambda t: None if t is None else t.to(rotation_dtype))
+            effective, gathered, rotated_in = _effective_weight(weight.to(rotation_dtype), input_side,
+                                                                cast(r_blocks), output_side, cast(p_blocks))
+            need_skew = r_vec is not None and ctx.needs_input_grad[3] or p_vec is not None and ctx.needs_input_grad[4]
+            grad_y = grad_y.to(base_dtype)
+            grad_x, grad_w = op.backward(grad_y, x.to(base_dtype), effective.to(base_dtype), ctx.needs_input_grad[0],
+                                         need_skew)
+            grads[0] = None if grad_x is None else grad_x.to(x.dtype)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grads[2] = op.bias_grad(grad_y).to(bias.dtype)
+            if need_skew:
+                grad_w = weight_in_block_coordinates(grad_w.to(rotation_dtype), input_side, output_side)
+                if output_side is not None:  # W_eff' = Diag(P)ᵀ A'
+                    grads[4] = output_side.vector_grad(p_eval, _transpose(_grad_left(grad_w, rotated_in, output_side)),
+                                                       p_vec)
+                    grad_w = _left(grad_w, output_side, cast(p_blocks))
+                if input_side is not None:  # A' = W' Diag(R)ᵀ
+                    grads[3] = input_side.vector_grad(r_eval, _transpose(_grad_right(gathered, grad_w, input_side)),
+                                                      r_vec)
+        return tuple(grads)
+
+
+# --- the activation strategy ------------------------------------------------------------------------------------------
+def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
+    """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
+    if side.spec.kind == BLOCK:
+        x = x.index_select(-1, side.index)
+    return _right(x, side, blocks)
+
+
+def _pre_rotation_output(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         input_side: Optional[SideRotation], r_blocks: Optional[torch.Tensor],
+                         output_side: Optional[SideRotation], op: LinearOp, rotation_dtype: torch.dtype,
+                         base_dtype: torch.dtype) -> torch.Tensor:
+    """``h = (x R) W0ᵀ (+ bias)`` in P's coordinates (``H Ψ_Pᵀ`` for a block output side)."""
+    u = x2.to(base_dtype) if input_side is None else \
+        _rotate_input(x2.to(rotation_dtype), input_side, r_blocks.to(rotation_dtype)).to(base_dtype)
+    gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
+    return op.forward(u, gathered, None if bias is None else bias.to(base_dtype))
+
+
+class _ActivationStrategy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
+                keep_output):
+        with torch.autocast(x.device.type, enabled=False):
+            r_blocks = None if input_side is None else input_side.blocks(r_vec)[0]
+            # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
+            h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), weight, bias if output_side is None else None,
+                                     input_side, r_blocks, output_side, op, rotation_dtype, base_dtype)
+            y = h
+            if output_side is not None:
+                y = _right(h.to(rotation_dtype), output_side, output_side.blocks(p_vec)[0].to(rotation_dtype))
+                if output_side.spec.kind == BLOCK:
+                    y = y.index_select(-1, inverse_permutation(output_side.index))
+                y = y.to(base_dtype)
+                if bias is not None:
+                    y = y + bias.to(base_dtype)
+        ctx.save_for_backward(x, weight, bias, r_vec, p_vec, h if output_side is not None and keep_output else None)
+        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
+        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
+        grads: list[Any] = [None] * 11
+        with torch.autocast(grad_y.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])
+            g = grad_y.reshape(-1, grad_y.shape[-1])
+            r_blocks = r_eval = None
+            if input_side is not None:
+                r_blocks, r_eval = input_side.blocks(r_vec)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grads[2] = op.bias_grad(g.to(base_dtype)).to(bias.dtype)
+            if output_side is not None:  # y = (h Diag(P)) Ψ_P, h = H Ψ_Pᵀ
+                p_blocks, p_eval = output_side.blocks(p_vec)
+                g = g.to(rotation_dtype)
+                if output_side.spec.kind == BLOCK:
+                    g = g.index_select(-1, output_side.index)
+                if ctx.needs_input_grad[4]:
+                    if h is None:  # not kept: recompute it
+                        h = _pre_rotation_output(x2, weight, None, input_side, r_blocks, output_side, op,
+                                                 rotation_dtype, base_dtype)
+                    grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side),
+                                                       p_vec)
+                g = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
+            gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
+            grad_u = g.to(base_dtype) @ gathered  # in R's coordinates
+            if input_side is not None:
+                grad_u = grad_u.to(rotation_dtype)
+                if ctx.needs_input_grad[3]:
+                    x_r = x2.to(rotation_dtype)
+                    if input_side.spec.kind == BLOCK:
+                        x_r = x_r.index_select(-1, input_side.index)
+                    grads[3] = input_side.vector_grad(r_eval, _grad_right(x_r, grad_u, input_side), r_vec)
+                grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
+                if input_side.spec.kind == BLOCK:
+                    grad_u = grad_u.index_select(-1, inverse_permutation(input_side.index))
+            if ctx.needs_input_grad[0]:
+                grads[0] = grad_u.reshape(x.shape).to(x.dtype)
+        return tuple(grads)
+
+
+# --- entry points -----------------------------------------------------------------------------------------------------
+def compute_dtypes(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """``(rotation_dtype, base_dtype)``: under ``torch.autocast`` both are the autocast dtype; otherwise the base op
+    runs in the weight's dtype and the rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return dtype, dtype
+    return torch.promote_types(weight.dtype, torch.float32), weight.dtype
+
+
+def rotated_forward(strategy: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                    input_side: Optional[SideRotation], r_vec: Optional[torch.Tensor],
+                    output_side: Optional[SideRotation], p_vec: Optional[torch.Tensor], op: Any = None) -> torch.Tensor:
+    """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of :data:`STRATEGIES`.
+
+    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight); ``r_vec`` / ``p_vec`` are the skew
+    vectors of the input / output side (``None`` with the side). ``op`` defaults to :class:`LinearOp`; the
+    activation strategies support it only.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
+    op = op or LinearOp()
+    if strategy != WEIGHT and not isinstance(op, LinearOp):
+        raise ValueError(f"the {strategy} strategy needs a linear base op, got {type(op).__name__}")
+    rotation_dtype, base_dtype = compute_dtypes(x, weight)
+    function = _WeightStrategy if strategy == WEIGHT else _ActivationStrategy
+    return function.apply(x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
+                          strategy == ACTIVATION)
+
+
+def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
+                   output_side: Optional[SideSpec], training: bool) -> dict[str, dict[str, float]]:
+    """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
+    strategy, for one call with ``tokens`` rows (the Cayley–Neumann polynomial costs the same in all, and is left out).
+
+    With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
+    a fully stochastic one) and ``ρ_T`` its rotation of ``T`` rows (``b·T·d`` or ``b²·T``), in training:
+
+    - ``weight``: ``3·T·N`` (``y``, ``∂L/∂x``, ``∂L/∂W_eff = gᵀx``) + ``3·ρ_W(R) + (3 or 4)·ρ_W(P)`` (forward, rebuild,
+      block gradient; P's side also carries the gradient through to R's). Keeps nothing.
+    - ``activation``: ``2·T·N`` + ``3·ρ_T`` per side. Keeps ``h`` (``T × d_out``) when there is an output side.
+    - ``activation-recompute``: as ``activation`` plus ``T·N + ρ_T(R)`` to recompute ``h``. Keeps nothing.
+
+    Inference is ``T·N`` plus one rotation per side (of the weight, or of the rows).
+    """
+    n = d_in * d_out
+    rotate_weight = {side: spec.apply_cost(other) for side, spec, other in
+                     (("R", input_side, d_out), ("P", output_side, d_in)) if spec is not None}
+    rotate_rows = {side: spec.apply_cost(tokens) for side, spec in (("R", input_side), ("P", output_side))
+                   if spec is not None}
+    if not training:
+        row_cost = tokens * n + sum(rotate_rows.values())
+        return {WEIGHT: {"macs": tokens * n + sum(rotate_weight.values()), "kept": 0.0},
+                ACTIVATION: {"macs": row_cost, "kept": 0.0}, ACTIVATION_RECOMPUTE: {"macs": row_cost, "kept": 0.0}}
+    weight = 3 * tokens * n + 3 * rotate_weight.get("R", 0) + (4 if "R" in rotate_weight else 3) * rotate_weight.get("P", 0)
+    activation = 2 * tokens * n + 3 * sum(rotate_rows.values())
+    if "P" not in rotate_rows:  # nothing to keep: the two activation strategies are the same
+        return {WEIGHT: {"macs": weight, "kept": 0.0}, ACTIVATION: {"macs": activation, "kept": 0.0},
+                ACTIVATION_RECOMPUTE: {"macs": activation, "kept": 0.0}}
+    return {WEIGHT: {"macs": weight, "kept": 0.0},
+            ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
+            ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0}}

@@ -1,0 +1,427 @@
+"""The PEFT layer plumbing shared by the POET and OFT tuners: adapters made of orthogonal side rotations.
+
+A :class:`RotationLayer` wraps an ``nn.Linear``, a ``transformers`` ``Conv1D`` or an ``nn.Conv2d`` and holds, per
+adapter, up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × out). Each side is a skew
+parameter (one row per block) and an index buffer (permutation or subset) placing it. The effective weight is
+``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation); every base weight is handled as the torch matrix ``W_t``
+(out × in): ``Linear.weight``, ``Conv1D.weight.T`` (GPT-2 stores in × out) and ``Conv2d.weight`` viewed as
+out × (in/groups·kh·kw). The bias is not rotated.
+
+Subclasses (POET, OFT) declare where their tensors live (PEFT finds adapter state by the tuner's prefix), how a
+config becomes sides, and their forward; everything else (merge, unmerge, merge-then-reinitialize, the reference
+forward, statistics) is here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from torch import nn
+
+from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
+                          orthogonality_error, skew_from_vector, spo_generator)
+from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation, rotated_forward,
+                                         strategy_costs)
+from ..orthogonal.spo import SideSpec
+
+logger = logging.getLogger(__name__)
+
+SIDE_INPUT = "input"  # R, acts on the in dimension
+SIDE_OUTPUT = "output"  # P, acts on the out dimension
+SIDES = (SIDE_INPUT, SIDE_OUTPUT)
+
+_FUSED = True
+
+
+@contextlib.contextmanager
+def plain_autograd() -> Iterator[None]:
+    """Run rotation layers through the plain autograd composition of the orthogonal primitives (the reference the
+    fused forward/backward is tested against; slower, and it keeps every intermediate for the backward)."""
+    global _FUSED
+    previous, _FUSED = _FUSED, False
+    try:
+        yield
+    finally:
+        _FUSED = previous
+
+
+@dataclass(frozen=True)
+class RotationSettings:
+    """What a layer keeps of an adapter's config: how to build its rotations and draw its indices."""
+
+    layer_name: str
+    seed: int
+    neumann_terms: int
+    forward: str  # "auto", "weight" or "activation"
+
+
+@torch.no_grad()
+def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Inverse of a batch of (nearly) orthogonal float64 blocks, and how exactly it restores a merged weight.
+
+    Returns ``B^T`` or ``B^{-1}`` and a report ``{"method", "orth_error", "cond", "error_bound"}``.
+
+    The transpose is used where ``||B^T B − I||_2`` is below the unit roundoff ``u`` of ``weight_dtype`` (then it
+    is as exact as the stored weight can be), an exact inverse otherwise. The returned ``error_bound`` estimates
+    the relative error ``||W_restored − W0||_F / ||W0||_F`` of one merge/unmerge round trip: the weight is stored
+    rounded after the merge, an error the inverse amplifies by the condition number ``κ`` of the blocks
+    (``u·(1 + κ)``), plus the float32 merge matmul (``√b·u32·κ``, the usual probabilistic rounding growth), plus,
+    on the transpose path, the orthogonality error itself.
+    """
+    b = blocks.shape[-1]
+    eye = torch.eye(b, dtype=blocks.dtype, device=blocks.device)
+    gram_error = torch.linalg.matrix_norm(blocks.transpose(-1, -2) @ blocks - eye, ord=2)
+    orth_error = float(gram_error.max()) if blocks.numel() else 0.0
+    singular = torch.linalg.svdvals(blocks)
+    cond = float(singular.max() / singular.min())
+    u_store = torch.finfo(weight_dtype).eps / 2
+    u_merge = torch.finfo(torch.float32).eps / 2
+    bound = u_store * (1 + cond) + math.sqrt(b) * u_merge * cond
+    if orth_error <= u_store:
+        return blocks.transpose(-1, -2), {"method": "transpose", "orth_error": orth_error, "cond": cond,
+                                          "error_bound": bound + orth_error}
+    return torch.linalg.inv(blocks), {"method": "solve", "orth_error": orth_error, "cond": cond,
+                                      "error_bound": bound}
+
+
+class RotationLayer(BaseTunerLayer):
+    """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them.
+
+    A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
+    :meth:`_init_containers`, maps a side to them in :meth:`side_containers`, and adds adapters with
+    :meth:`add_rotation_adapter`.
+    """
+
+    def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
+        self.base_layer = base_layer
+        self.poet_specs: dict[str, dict[str, SideSpec]] = {}
+        self.poet_settings: dict[str, RotationSettings] = {}
+        self.unmerge_report: dict[str, dict[str, Any]] = {}
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.kwargs = kwargs
+        self._weight_transposed = _is_conv1d(base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer)
+                                             else base_layer)
+        self._init_containers()
+        out_dim, in_dim = self.weight_matrix().shape
+        self.in_features, self.out_features = in_dim, out_dim
+
+    # --- where the tensors live (the tuner's PEFT prefix) --------------------------------------------------------
+    def _init_containers(self) -> None:
+        raise NotImplementedError
+
+    def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
+        """The skew parameters and index buffers of ``side``, keyed by adapter name."""
+        raise NotImplementedError
+
+    @property
+    def merge_counts(self) -> BufferDict:
+        """Per adapter, how many merge-then-reinitialize steps have been folded into ``W0``."""
+        raise NotImplementedError
+
+    def skew_parameter(self, adapter_name: str, side: str) -> nn.Parameter:
+        """The skew parameter ``(rows, b(b-1)/2)`` of one adapter and side."""
+        return self.side_containers(side)[0][adapter_name]
+
+    def index_buffer(self, adapter_name: str, side: str) -> torch.Tensor:
+        """The permutation (block), index subset (full) or empty tensor (contiguous) of one adapter and side."""
+        return self.side_containers(side)[1][adapter_name]
+
+    def skew_parameters(self) -> list[nn.Parameter]:
+        """Every adapter's skew parameters."""
+        return [self.skew_parameter(a, side) for a, specs in self.poet_specs.items() for side in specs]
+
+    def sides(self, adapter_name: str) -> dict[str, SideSpec]:
+        return self.poet_specs.get(adapter_name, {})
+
+    # --- the base weight as an out × in matrix, and the base operation -------------------------------------------
+    def weight_matrix(self) -> torch.Tensor:
+        weight = self.get_base_layer().weight
+        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+
+    def set_weight_matrix(self, matrix: torch.Tensor) -> None:
+        weight = self.get_base_layer().weight
+        matrix = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
+        weight.data.copy_(matrix.to(weight.dtype))
+
+    @property
+    def is_conv2d(self) -> bool:
+        return isinstance(self.get_base_layer(), nn.Conv2d)
+
+    def base_operation(self) -> LinearOp | Conv2dOp:
+        """The base layer's operation with its weight given as the out × in matrix."""
+        base = self.get_base_layer()
+        if not self.is_conv2d:
+            return LinearOp()
+        padding = (0, 0) if base.padding_mode != "zeros" else base.padding
+        return Conv2dOp(tuple(base.weight.shape), base.stride, padding, base.dilation, base.groups)
+
+    def _pad_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``padding_mode`` other than zeros is applied before the (unpadded) convolution, as ``nn.Conv2d`` does."""
+        base = self.get_base_layer()
+        if self.is_conv2d and base.padding_mode != "zeros":
+            return F.pad(x, base._reversed_padding_repeated_twice, mode=base.padding_mode)
+        return x
+
+    # --- adapters ----------------------------------------------------------------------------------------------------
+    def add_rotation_adapter(self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec],
+                             rows: dict[str, int], init_weights: bool) -> None:
+        """Create the skew parameters (``rows[side]`` rows, zero: the identity) and draw the index buffers."""
+        self.poet_specs[adapter_name] = specs
+        self.poet_settings[adapter_name] = settings
+        device = self.weight_matrix().device
+        self.merge_counts[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
+        for side, spec in specs.items():
+            params, indices = self.side_containers(side)
+            params[adapter_name] = nn.Parameter(torch.zeros(rows[side], num_skew_params(spec.block), device=device))
+            indices[adapter_name] = self._draw_index(adapter_name, side, merge_count=0).to(device)
+        if not init_weights:
+            self.randomize_skew(adapter_name, torch.Generator().manual_seed(settings.seed))
+        self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
+        self.set_adapter(self.active_adapters)
+
+    def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
+        settings = self.poet_settings[adapter_name]
+        generator = spo_generator(settings.seed, merge_count, settings.layer_name, side)
+        return self.poet_specs[adapter_name][side].sample_index(generator)
+
+    @torch.no_grad()
+    def randomize_skew(self, adapter_name: str, generator: torch.Generator, op_norm: float = 0.1) -> None:
+        """Random skew parameters whose blocks have operator norm about ``op_norm`` (non-identity adapter)."""
+        for side, spec in self.sides(adapter_name).items():
+            param = self.skew_parameter(adapter_name, side)
+            # A b×b Gaussian skew matrix with entry std s has operator norm about 2·s·sqrt(b).
+            std = op_norm / (2 * math.sqrt(spec.block))
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    # --- rotations (reference path: merge, unmerge, statistics, the plain-autograd forward) --------------------------
+    def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32,
+                        keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider);
+        blocks flagged ``False`` in ``keep`` are the identity."""
+        spec = self.sides(adapter_name)[side]
+        param = self.skew_parameter(adapter_name, side).to(dtype)
+        terms = self.poet_settings[adapter_name].neumann_terms
+        blocks = (orthogonal_from_vector(param, spec.block, terms) if _FUSED
+                  else cayley_neumann(skew_from_vector(param, spec.block), terms))
+        if blocks.shape[0] != spec.num_blocks:  # one block shared by all
+            blocks = blocks.expand(spec.num_blocks, -1, -1)
+        if keep is not None:
+            blocks = torch.where(keep[:, None, None], blocks, torch.eye(spec.block, dtype=dtype, device=blocks.device))
+        return blocks
+
+    def rotate_weight(self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False,
+                      report: Optional[dict[str, Any]] = None) -> torch.Tensor:
+        """``P^T · matrix · R^T`` (or its inverse map ``P^{-T} · matrix · R^{-T}``).
+
+        The inverse uses each side's transpose where the blocks are orthogonal to the working precision of the
+        stored weight, and an exact blockwise inverse otherwise; ``report`` (if given) receives, per side, the
+        method, the orthogonality error and the estimated relative restoration error (see :func:`invert_blocks`).
+        """
+        for side, spec in self.sides(adapter_name).items():
+            index = self.index_buffer(adapter_name, side)
+            if inverse:
+                blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+                blocks, side_report = invert_blocks(blocks, self.weight_matrix().dtype)
+                blocks = blocks.to(matrix.dtype)
+                if report is not None:
+                    report[side] = side_report
+            else:
+                blocks = self.rotation_blocks(adapter_name, side, dtype=matrix.dtype)
+            blocks = blocks.transpose(-1, -2)
+            matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
+                spec.matmul_left(matrix, index, blocks)
+        return matrix
+
+    def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
+                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
+        matrix = self.weight_matrix().to(dtype)
+        for adapter_name in adapter_names if adapter_names is not None else self.active_adapters:
+            matrix = self.rotate_weight(matrix, adapter_name)
+        return matrix
+
+    def reference_forward(self, x: torch.Tensor, adapter_names: list[str], activation: bool,
+                          keep: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """The forward as a plain autograd composition (several adapters compose in order); ``keep`` maps an
+        adapter to the input-side blocks it keeps (OFT's module dropout)."""
+        bias = self.get_base_layer().bias
+        op = self.base_operation()
+        x = self._pad_input(x)
+        keep = keep or {}
+        if not activation:
+            matrix = self.weight_matrix().float()
+            for a in adapter_names:
+                for side, spec in self.sides(a).items():
+                    blocks = self.rotation_blocks(a, side, keep=keep.get(a) if side == SIDE_INPUT else None).mT
+                    index = self.index_buffer(a, side)
+                    matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
+                        spec.matmul_left(matrix, index, blocks)
+            return op.forward(x, matrix.to(self.weight_matrix().dtype), None if bias is None else bias.to(x.dtype))
+        # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
+        compute = torch.promote_types(x.dtype, torch.float32)
+        h = x.to(compute)
+        for a in reversed(adapter_names):
+            if SIDE_INPUT in self.sides(a):
+                h = self.sides(a)[SIDE_INPUT].matmul_right(h, self.index_buffer(a, SIDE_INPUT),
+                                                          self.rotation_blocks(a, SIDE_INPUT, keep=keep.get(a)))
+        output_side = any(SIDE_OUTPUT in self.sides(a) for a in adapter_names)
+        h = op.forward(h.to(x.dtype), self.weight_matrix(), None if bias is None or output_side else
+                       bias.to(x.dtype)).to(compute)
+        for a in adapter_names:
+            if SIDE_OUTPUT in self.sides(a):
+                h = self.sides(a)[SIDE_OUTPUT].matmul_right(h, self.index_buffer(a, SIDE_OUTPUT),
+                                                           self.rotation_blocks(a, SIDE_OUTPUT))
+        out = h.to(x.dtype)
+        return out if bias is None or not output_side else out + bias.to(out.dtype)
+
+    # --- the fused forward -------------------------------------------------------------------------------------------
+    def side_rotation(self, adapter_name: str, side: str, keep: Optional[torch.Tensor] = None) -> SideRotation:
+        return SideRotation(self.sides(adapter_name)[side], self.index_buffer(adapter_name, side),
+                            self.poet_settings[adapter_name].neumann_terms, keep)
+
+    def choose_strategy(self, adapter_name: str, tokens: int, training: bool) -> str:
+        """The fused strategy for one call (:data:`~poet_hf.orthogonal.rotated_linear.STRATEGIES`).
+
+        ``forward="weight"`` / ``"activation"`` are taken as given; ``"auto"`` takes the fewest multiply-adds by
+        :func:`~poet_hf.orthogonal.rotated_linear.strategy_costs` among the strategies that keep nothing but the
+        layer input for the backward, so that ``auto`` never costs more memory than the frozen layer would.
+        Conv2d always uses the weight strategy.
+        """
+        choice = self.poet_settings[adapter_name].forward
+        if self.is_conv2d:
+            return WEIGHT
+        if choice != "auto":
+            return choice
+        sides = self.sides(adapter_name)
+        costs = strategy_costs(tokens, self.in_features, self.out_features, sides.get(SIDE_INPUT),
+                               sides.get(SIDE_OUTPUT), training)
+        affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
+        return min(affordable, key=affordable.get)
+
+    def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``base(x, P^T W0 R^T)`` through the fused functions of :mod:`poet_hf.orthogonal.rotated_linear`."""
+        sides = self.sides(adapter_name)
+        training = torch.is_grad_enabled() and any(self.skew_parameter(adapter_name, s).requires_grad for s in sides)
+        tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
+        strategy = self.choose_strategy(adapter_name, tokens, training)
+        rotations = {side: (self.side_rotation(adapter_name, side, keep if side == SIDE_INPUT else None),
+                            self.skew_parameter(adapter_name, side)) for side in sides}
+        r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
+        p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
+        return rotated_forward(strategy, self._pad_input(x), self.weight_matrix(), self.get_base_layer().bias,
+                               r_side, r_vec, p_side, p_vec, op=self.base_operation())
+
+    @staticmethod
+    def fused_enabled() -> bool:
+        return _FUSED
+
+    def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+        """The forward with the given active adapters (a subclass adds its own options around it)."""
+        if _FUSED and len(adapter_names) == 1:
+            return self.fused_forward(x, adapter_names[0])
+        tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
+        strategies = {self.choose_strategy(a, tokens, torch.is_grad_enabled()) for a in adapter_names}
+        return self.reference_forward(x, adapter_names, activation=strategies <= {ACTIVATION, ACTIVATION_RECOMPUTE})
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.disable_adapters:
+            if self.merged:
+                self.unmerge()
+            return self.base_layer(x, *args, **kwargs)
+        if self.merged:
+            return self.base_layer(x, *args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.poet_specs]
+        if not active:
+            return self.base_layer(x, *args, **kwargs)
+        return self.adapter_forward(x, active)
+
+    # --- PEFT merge / unmerge (inference-time folds; the adapter keeps its state) ------------------------------------
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+        """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        for adapter_name in adapter_names:
+            if adapter_name not in self.poet_specs:
+                continue
+            merged = self.rotate_weight(self.weight_matrix().float(), adapter_name)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs or infs found while merging adapter '{adapter_name}'; it is broken")
+            self.set_weight_matrix(merged)
+            self.merged_adapters.append(adapter_name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restore the base weight, newest merged adapter first.
+
+        Each rotation is undone by its transpose where it is orthogonal to the weight's working precision, and by
+        an exact blockwise inverse otherwise (a truncated Cayley–Neumann rotation with a large ``||Q||``).
+        ``self.unmerge_report[adapter]`` records, per side, the method, the orthogonality error and the estimated
+        relative error of the restored weight; a solve is also logged.
+        """
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            report: dict[str, Any] = {}
+            restored = self.rotate_weight(self.weight_matrix().double(), adapter_name, inverse=True, report=report)
+            self.set_weight_matrix(restored)
+            report["error_bound"] = sum(r["error_bound"] for r in report.values())
+            self.unmerge_report[adapter_name] = report
+            if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
+                logger.info("unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
+                            adapter_name, report)
+
+    # --- POET training-time merge-then-reinitialize --------------------------------------------------------------------
+    @torch.no_grad()
+    def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
+        """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
+
+        Returns the pre-merge statistics of :meth:`rotation_stats`.
+        """
+        if self.merged:
+            raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
+        stats = self.rotation_stats(adapter_name)
+        self.set_weight_matrix(self.rotate_weight(self.weight_matrix().float(), adapter_name))
+        count = int(self.merge_counts[adapter_name]) + 1
+        self.merge_counts[adapter_name].fill_(count)
+        for side in self.sides(adapter_name):
+            params, indices = self.side_containers(side)
+            params[adapter_name].zero_()
+            indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
+        return stats
+
+    @torch.no_grad()
+    def rotation_stats(self, adapter_name: str) -> dict[str, float]:
+        """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||R R^T − I||_F/√b``) and ``neumann_bound``
+        (the bound on any singular value's relative change the live rotations cause, from
+        :func:`~poet_hf.orthogonal.neumann_error_bound`), over blocks and sides."""
+        stats = {"q_norm": 0.0, "orth_error": 0.0, "neumann_bound": 0.0}
+        bound = 1.0
+        terms = self.poet_settings[adapter_name].neumann_terms
+        for side, spec in self.sides(adapter_name).items():
+            q = skew_from_vector(self.skew_parameter(adapter_name, side).double(), spec.block)
+            blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+            stats["q_norm"] = max(stats["q_norm"], float(torch.linalg.matrix_norm(q, ord=2).max()))
+            stats["orth_error"] = max(stats["orth_error"], float(orthogonality_error(blocks).max()))
+            bound *= 1 + float(neumann_error_bound(q, terms).max())
+        stats["neumann_bound"] = bound - 1
+        return stats
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def rotation_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:
+    """``(name, layer)`` for every POET or OFT layer of ``model`` (with ``adapter_name`` if given)."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, RotationLayer) and (adapter_name is None or adapter_name in m.poet_specs)]
