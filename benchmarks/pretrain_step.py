@@ -1,14 +1,28 @@
-"""One training step (forward, backward, AdamW) of the llama-60m preset at batch 8 × 256: POET-BS (b=256)
-against AdamW, plus the cost of one merge_and_reinit as a fraction of ``merge_every`` steps (issue 3).
+"""One pretraining step (forward, backward, AdamW) of the paper's LLaMA shapes: POET against AdamW on every weight.
 
-Each method runs in a fresh subprocess so that its peak memory (``ru_maxrss`` on CPU, the CUDA allocator's
-peak on GPU) is its own.
+Each (configuration, method) runs in a fresh subprocess, so its peak memory is its own: peak RSS minus the RSS
+after imports on CPU (the CUDA allocator's peak on GPU). fp32 (bf16 autocast on GPU), ``tie_word_embeddings=False``,
+vocabulary 32000, POET with ``base_init="normalized"`` and trainable embeddings, norms and ``lm_head`` as in the
+paper.
+
+Besides the measured ratios, every row carries what the arithmetic allows:
+
+- ``analytic MB``: the issue's floor, AdamW's peak minus what AdamW keeps and POET does not: 12 bytes per frozen
+  ``W0`` entry (gradient and two Adam states) less 16 bytes per skew parameter (parameter, gradient, two states).
+- ``at-peak MB``: the same without the gradients. AdamW peaks in the loss / ``lm_head`` backward, before the
+  gradients of the blocks exist, so at that moment only ``8 B·W0 − 12 B·skew`` can be saved.
+- ``flop floor``: POET's multiply-adds over AdamW's for the whole step, counting everything the fused layers must
+  compute when they keep nothing but the layer inputs: the base products, the rotations of the weight (forward,
+  rebuilt and differentiated in the backward: 14·b·N flops per layer for two block sides) and the Cayley–Neumann
+  polynomial (forward, rebuilt, and its vector-Jacobian product). The ``lm_head``, embeddings and attention cost
+  the same in both.
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -17,69 +31,135 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+VOCAB, SEQ = 32000, 256
 
-BATCH, SEQ = 8, 256
+# (preset, micro-batch, steps timed)
+CONFIGS = [("llama-60m", 4, 5), ("llama-130m", 4, 5), ("llama-130m", 16, 3), ("llama-350m", 2, 3)]
+QUICK_CONFIGS = [("tiny", 4, 2)]
+METHODS = ("adamw", "poet-bs", "poet-fs")
 
 
-def measure(method: str, preset_name: str, steps: int) -> dict:
-    """Run in the child process: build, then time ``steps`` optimizer steps (after one warm-up step)."""
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 2**20
+
+
+def measure(method: str, preset_name: str, batch: int, steps: int) -> dict:
+    """In the child process: build, warm up one step, then time ``steps`` steps; report memory and its parts."""
     from peft import get_peft_model
 
     import poet_hf  # noqa: F401
-    from poet_hf import PoetConfig, merge_and_reinit
-    from poet_hf.training.pretrain import PRESETS, build_llama
+    from poet_hf import PoetConfig
     from poet_hf.training import poet_param_groups
+    from poet_hf.training.pretrain import PRESETS, build_llama
 
+    after_imports = _rss_mb()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
-    model = build_llama(preset, "poet-bs" if method == "poet" else "adamw", 32000, SEQ, seed=0)
-    if method == "poet":
-        model = get_peft_model(model, PoetConfig(block_size=preset.block_size, base_init="normalized"))
+    model = build_llama(preset, "poet-bs" if method == "poet-bs" else "adamw", VOCAB, SEQ, seed=0)
+    if method != "adamw":
+        spo = {"spo": "block", "block_size": preset.block_size} if method == "poet-bs" else {"spo": "full"}
+        model = get_peft_model(model, PoetConfig(**spo, base_init="normalized"))
     model.to(dev)
-    groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
-    optimizer = torch.optim.AdamW(groups)
-    ids = torch.randint(0, 32000, (BATCH, SEQ), device=dev)
+    optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))
+    ids = torch.randint(0, VOCAB, (batch, SEQ), device=dev)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+    def step() -> None:
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     sync()
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
-        step()
-    sync()
-    result = {"step_s": (time.perf_counter() - start) / steps,
-              "optimizer_state_mb": sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                                        for t in s.values() if torch.is_tensor(t)) / 2**20}
-    if method == "poet":
         start = time.perf_counter()
-        merge_and_reinit(model)
+        step()
         sync()
-        result["merge_s"] = time.perf_counter() - start
-    result["peak_mb"] = (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
-                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    return result
+        times.append(time.perf_counter() - start)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    skew = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "poet_" in n)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports)
+    params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {
+        "step_s": statistics.median(times),
+        "peak_mb": peak,
+        "params_mb": params_mb,
+        "grads_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20,
+        "states_mb": sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                         if torch.is_tensor(t) and t.dim() > 0) / 2**20,
+        "frozen": frozen, "skew": skew,
+    }
 
 
-def run(quick: bool = False) -> list[dict]:
-    preset, steps = ("tiny", 3) if quick else ("llama-60m", 3)
-    results = {}
-    for method in ("adamw", "poet"):
-        code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_step import measure; "
-                f"print(json.dumps(measure({method!r}, {preset!r}, {steps})))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        results[method] = json.loads(out.strip().splitlines()[-1])
-    poet, adamw = results["poet"], results["adamw"]
-    merge_every = 200
-    return [{
-        "preset": preset, "batch": f"{BATCH}x{SEQ}",
-        "adamw step s": adamw["step_s"], "poet step s": poet["step_s"], "time poet/adamw": poet["step_s"] / adamw["step_s"],
-        "peak MB adamw": adamw["peak_mb"], "peak MB poet": poet["peak_mb"],
-        "peak poet/adamw": poet["peak_mb"] / adamw["peak_mb"],
-        "optimizer state MB adamw": adamw["optimizer_state_mb"], "optimizer state MB poet": poet["optimizer_state_mb"],
-        "merge s": poet["merge_s"], f"merge / ({merge_every} steps)": poet["merge_s"] / (merge_every * poet["step_s"]),
-    }]
+def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5) -> float:
+    """Multiply-adds ×2 of one training step, counted from the shapes (see the module docstring)."""
+    from poet_hf.orthogonal.cayley import neumann_product_count
+    from poet_hf.orthogonal.spo import SideSpec, subset_size
+    from poet_hf.training.pretrain import PRESETS
+
+    preset = PRESETS[preset_name]
+    tokens, d = batch * SEQ, preset.hidden
+    ffn = preset.intermediate_bs if method == "poet-bs" else preset.intermediate
+    shapes = [(d, d)] * 4 + [(d, ffn), (d, ffn), (ffn, d)]  # (in, out) of q, k, v, o, gate, up, down
+    forward_products, vjp_products = neumann_product_count(terms)
+    polynomial_products = 2 * forward_products + vjp_products  # forward, rebuilt in the backward, VJP
+    total = 0.0
+    for d_in, d_out in shapes:
+        n = d_in * d_out
+        total += 6 * tokens * n  # y, ∂L/∂x, ∂L/∂W (AdamW) or ∂L/∂W_eff (POET)
+        if method == "adamw":
+            continue
+        sides = []
+        for dim in (d_in, d_out):
+            sides.append(SideSpec("block", dim, preset.block_size) if method == "poet-bs"
+                         else SideSpec("full", dim, subset_size(dim, 0.5)))
+        r, p = sides
+        total += 2 * (3 * r.apply_cost(d_out) + 4 * p.apply_cost(d_in))  # forward, rebuild, block gradients
+        total += 2 * polynomial_products * sum(s.num_blocks * s.block**3 for s in sides)
+    total *= preset.layers
+    total += 6 * tokens * d * VOCAB  # lm_head (trained in both)
+    total += preset.layers * 3 * 2 * 2 * batch * SEQ * SEQ * d  # attention scores and values, fwd + bwd
+    return total
+
+
+def _child(method: str, preset: str, batch: int, steps: int) -> dict:
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_step import measure; "
+            f"print(json.dumps(measure({method!r}, {preset!r}, {batch}, {steps})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, repeats: int = 1) -> list[dict]:
+    rows = []
+    for preset, batch, steps in QUICK_CONFIGS if quick else CONFIGS:
+        runs = {m: [_child(m, preset, batch, steps) for _ in range(repeats)] for m in METHODS}
+        result = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in runs.items()}
+        adamw = result["adamw"]
+        for method in METHODS[1:]:
+            poet = result[method]
+            frozen, skew = poet["frozen"], poet["skew"]  # frozen: exactly the W0 entries (the rest trains)
+            analytic = (12 * frozen - 16 * skew) / 2**20
+            at_peak = (8 * frozen - 12 * skew) / 2**20
+            saved = adamw["peak_mb"] - poet["peak_mb"]
+            rows.append({
+                "preset": preset, "batch": f"{batch}x{SEQ}", "method": method,
+                "AdamW peak MB": adamw["peak_mb"], "POET peak MB": poet["peak_mb"],
+                "memory ratio": poet["peak_mb"] / adamw["peak_mb"],
+                "analytic floor ratio": (adamw["peak_mb"] - analytic) / adamw["peak_mb"],
+                "saving / analytic": saved / analytic,
+                "saving / at-peak": saved / at_peak,
+                "POET params MB": poet["params_mb"], "POET grads MB": poet["grads_mb"],
+                "POET states MB": poet["states_mb"],
+                "POET other MB": poet["peak_mb"] - poet["params_mb"] - poet["grads_mb"] - poet["states_mb"],
+                "AdamW step s": adamw["step_s"], "POET step s": poet["step_s"],
+                "time ratio": poet["step_s"] / adamw["step_s"],
+                "flop floor": flops_per_step(preset, batch, method) / flops_per_step(preset, batch, "adamw"),
+            })
+    return rows

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("poet_layer", "pretrain_step", "oft_layer", "eco", "reflection")
+SUITES = ("poet_layer", "pretrain_step", "finetune_step", "oft_layer", "eco", "reflection")
 
 
 def machine_description() -> str:
@@ -38,12 +38,16 @@ def to_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which suite to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats, for a smoke run")
     parser.add_argument("--out", type=Path, help="write all rows as JSON here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
     results = {"machine": machine_description()}

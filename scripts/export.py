@@ -17,7 +17,7 @@ import os
 import sys
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
     parser.add_argument("output_dir", help="folder to write the plain model into (must not exist or be empty)")
@@ -30,7 +30,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--license", default="other", help="license id for the model card (default: other)")
     parser.add_argument("--dataset", action="append", default=None, help="dataset id for the card (repeatable)")
     parser.add_argument("--no-spectrum", action="store_true", help="skip the per-layer SVDs of the card's spectrum")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def hub_token(args: argparse.Namespace) -> str | None:

@@ -18,8 +18,12 @@ from transformers import HfArgumentParser
 from poet_hf.training.finetune import FinetuneArguments, run_finetuning
 
 
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser(FinetuneArguments)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
     results = run_finetuning(args)
     summary = {k: results[k] for k in ("method", "model", "task", "before", "after", "steps", "trainable_params")}
     if "export_dir" in results:

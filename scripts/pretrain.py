@@ -18,8 +18,12 @@ from transformers import HfArgumentParser
 from poet_hf.training.pretrain import PretrainArguments, run_pretraining
 
 
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser(PretrainArguments)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = HfArgumentParser(PretrainArguments).parse_args_into_dataclasses(args=argv)
+    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
     results = run_pretraining(args)
     summary = {k: results[k] for k in ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen",
                                        "trainable_params", "merges", "wall_time_s")}

@@ -17,8 +17,12 @@ from transformers import HfArgumentParser
 from poet_hf.vision.train import VisionTrainArgs, export_lipconvnet, train_lipconvnet
 
 
+def build_parser() -> HfArgumentParser:
+    return HfArgumentParser(VisionTrainArgs)
+
+
 def parse_args(argv: list[str] | None = None) -> VisionTrainArgs:
-    (args,) = HfArgumentParser(VisionTrainArgs).parse_args_into_dataclasses(args=argv)
+    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
     return args
 
 

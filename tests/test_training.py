@@ -90,14 +90,31 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, data):
         if max_steps < 8:
             trainer.add_callback(StopAt(max_steps))
         trainer.train(resume_from_checkpoint=resume)
-        return {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+        losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+        return losses, trainer.merge_callback.history
 
-    full = run(tmp_path / "full", 8)
+    full, full_history = run(tmp_path / "full", 8)
     run(tmp_path / "part", 4)
-    resumed = run(tmp_path / "part", 8, resume=str(tmp_path / "part" / "checkpoint-4"))
+    resumed, resumed_history = run(tmp_path / "part", 8, resume=str(tmp_path / "part" / "checkpoint-4"))
     assert sorted(resumed) == list(range(1, 9))  # steps 1-4 come from the checkpoint's log history
     for step in range(5, 9):
         assert abs(resumed[step] - full[step]) <= 1e-6, (step, resumed[step], full[step])
+    # The merge at step 3 happened before the checkpoint; the resumed run still knows it (spectrum bound, logs).
+    assert [m["step"] for m in resumed_history] == [m["step"] for m in full_history] == [3, 6]
+    for before, after in zip(full_history, resumed_history):
+        assert after["max_neumann_bound"] == pytest.approx(before["max_neumann_bound"], rel=1e-5)
+
+
+def test_logged_rotation_statistics_at_a_merge_step_are_those_before_the_fold(tmp_path, data):
+    dataset, tokenizer = data
+    trainer = tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer), merge_every=3), dataset, max_steps=4)
+    trainer.train()
+    logs = {log["step"]: log for log in trainer.state.log_history if "loss" in log}
+    merge = trainer.merge_callback.history[0]
+    assert merge["step"] == 3 and merge["max_q_norm"] > 1e-3
+    assert logs[3]["poet/q_norm"] == pytest.approx(merge["max_q_norm"], rel=1e-12)  # not the zero after the fold
+    assert logs[3]["poet/merge_count"] == 1
+    assert logs[4]["poet/q_norm"] < logs[3]["poet/q_norm"]  # one step after the fold: a fresh primitive
 
 
 class StopAt(TrainerCallback):

@@ -14,9 +14,15 @@ The truncation error has a closed form: ``R_exact - R_k = R_exact Q^{k-1}`` (Q c
 from __future__ import annotations
 
 import functools
+import logging
+import math
 from typing import Optional
 
 import torch
+
+from .linalg import power_iteration, spectral_norm_estimate
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "num_skew_params",
@@ -169,12 +175,89 @@ def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, Op
     return h, z, sums[::-1]
 
 
+# The truncated series only approximates (I − Q)^{-1} for ||Q||_2 < 1; at ||Q||_2 = 1 the k = 5 polynomial is
+# singular (its singular values are |1 − (iθ)^4|), and beyond it the polynomial grows like ||Q||^(k−1), so one large
+# optimizer step can push a model to inf/NaN. The Cayley–Neumann path therefore rescales any block whose spectral norm
+# exceeds this cap back onto it (the exact transform needs no cap). At the cap the k = 5 rotation's singular values
+# lie within [1 − 0.75⁴, 1] = [0.68, 1]; below it nothing changes, bit for bit.
+MAX_SKEW_NORM = 0.75
+_POWER_ITERATIONS = 48
+_cap_warned = False
+
+
+def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) -> Optional[torch.Tensor]:
+    """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
+    (always for the exact transform, ``terms == 0``).
+
+    ``||Q||_F`` bounds ``||Q||_2`` from above, so blocks below the cap in Frobenius norm are left alone without
+    further work; the others get ``||Q||_2`` by power iteration on ``QᵀQ`` (a lower estimate that converges from
+    below, from a fixed start vector, so every process computes the same factor). The factor carries no gradient:
+    beyond the cap the rotation is that of the rescaled block, like a norm clip.
+    """
+    global _cap_warned
+    cap = MAX_SKEW_NORM if cap is None else cap
+    if terms == 0 or math.isinf(cap):
+        return None
+    with torch.no_grad():
+        frobenius = torch.linalg.matrix_norm(q.detach())
+        if not bool((frobenius > cap).any()):
+            return None
+        q3 = q.detach().reshape(-1, q.shape[-2], q.shape[-1])
+        start = torch.ones(q3.shape[0], q3.shape[-1], dtype=q3.dtype, device=q3.device)
+        start[:, ::2] = -0.5  # fixed, and not an eigenvector of the structured matrices a test might use
+        u = power_iteration(q3, start, _POWER_ITERATIONS)
+        spectral = spectral_norm_estimate(q3, u).reshape(frobenius.shape)
+        scale = torch.where(spectral > cap, cap / spectral, torch.ones_like(spectral))
+        if not bool((scale < 1).any()):
+            return None
+    if not _cap_warned:
+        _cap_warned = True
+        logger.warning(
+            "a skew block reached ||Q||_2 = %.3g > %.3g, outside the Cayley–Neumann series' domain; it is rescaled to "
+            "the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. (Logged once.)",
+            float(spectral.max()), cap)
+    return scale[..., None, None]
+
+
+def neumann_product_count(terms: int) -> tuple[int, int]:
+    """Batched ``b × b`` products of the fused evaluation: ``(forward, vector-Jacobian product)``.
+
+    The exact transform (``terms == 0``) is counted as three products each way (an LU factorisation and two
+    triangular solves are about that much work).
+    """
+    check_neumann_terms(terms)
+    if terms == 0:
+        return 3, 3
+    pairs = _neumann_pairs(terms)
+    if len(pairs) == 1:
+        return 0, 0
+    scalar_last = pairs[-1][1] == 0  # H_m = c I: multiplying by it costs nothing
+    full_sums = len(pairs) - 1 - scalar_last  # partial sums H_1 … H_m that need a product each way
+    return 1 + full_sums, 2 * full_sums + 1
+
+
 class SkewRotation:
     """``R = cayley_neumann(Q, terms)`` evaluated once, keeping what one vector-Jacobian product needs.
 
     The fused backward of a rotated layer builds ``R`` (it needs it to recompute the rotated weight or activations),
     then calls :meth:`vjp` with ``dL/dR``; nothing is kept between the forward and the backward pass.
     """
+
+    @classmethod
+    def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> "SkewRotation":
+        """The rotation of the skew vectors ``vec``, with the norm cap of :func:`skew_norm_scale` applied."""
+        q = skew_from_vector(vec, block_size)
+        scale = skew_norm_scale(q, terms)
+        evaluation = cls(q if scale is None else q * scale, terms)
+        evaluation.scale = scale
+        return evaluation
+
+    def vector_vjp(self, grad_r: torch.Tensor) -> torch.Tensor:
+        """``dL/dvec`` for an evaluation built by :meth:`from_vector`."""
+        grad_q = self.vjp(grad_r)
+        return vector_from_skew(grad_q if self.scale is None else grad_q * self.scale, self._shape[-1])
+
+    scale: Optional[torch.Tensor] = None
 
     def __init__(self, q: torch.Tensor, terms: int) -> None:
         check_neumann_terms(terms)
@@ -231,13 +314,12 @@ class OrthogonalFromVector(torch.autograd.Function):
     def forward(ctx, vec: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
         ctx.save_for_backward(vec)
         ctx.block_size, ctx.terms = block_size, terms
-        return rotation_from_skew(skew_from_vector(vec, block_size), terms)
+        return SkewRotation.from_vector(vec, block_size, terms).rotation
 
     @staticmethod
     def backward(ctx, grad_r: torch.Tensor):
         (vec,) = ctx.saved_tensors
-        grad_q = SkewRotation(skew_from_vector(vec, ctx.block_size), ctx.terms).vjp(grad_r)
-        return vector_from_skew(grad_q, ctx.block_size), None, None
+        return SkewRotation.from_vector(vec, ctx.block_size, ctx.terms).vector_vjp(grad_r), None, None
 
 
 def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
@@ -245,12 +327,13 @@ def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> to
 
     Evaluated by :func:`rotation_from_skew`; under autograd through :class:`OrthogonalFromVector`, which keeps only
     ``vec`` for the backward (the plain composition :func:`cayley_neumann` ∘ :func:`skew_from_vector` is the
-    reference it is tested against).
+    reference it is tested against). Blocks beyond :data:`MAX_SKEW_NORM` are rescaled onto it
+    (:func:`skew_norm_scale`).
     """
     check_neumann_terms(terms)
     if torch.is_grad_enabled() and vec.requires_grad:
         return OrthogonalFromVector.apply(vec, block_size, terms)
-    return rotation_from_skew(skew_from_vector(vec, block_size), terms)
+    return SkewRotation.from_vector(vec, block_size, terms).rotation
 
 
 def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cayley import num_skew_params, skew_from_vector
+from .linalg import power_iteration, spectral_norm_estimate
 
 __all__ = [
     "EcoConv2d",
@@ -105,23 +106,13 @@ def taylor_exp_error(a: torch.Tensor, terms: int) -> torch.Tensor:
     return torch.linalg.matrix_norm(torch.matrix_exp(a64) - taylor_exp(a64, terms), ord=2)
 
 
-@torch.no_grad()
-def power_iteration(a: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.Tensor:
-    """``iterations`` steps of ``u <- normalize(A A^T u)`` per block; returns the new left vectors (no grad)."""
-    a = a.detach()
-    for _ in range(iterations):
-        v = F.normalize(torch.einsum("...ij,...i->...j", a, u), dim=-1)
-        u = F.normalize(torch.einsum("...ij,...j->...i", a, v), dim=-1)
-    return u
-
-
 def normalize_skew(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``A / σ̂`` with ``σ̂ = ||A^T u||`` (= ``u^T A v`` for ``v = A^T u/||A^T u||``); gradient flows through A only.
 
     Spectral normalisation keeps the Taylor series accurate (paper Eq. 15); ``exp(A/σ̂)`` is orthogonal for any
     ``σ̂ > 0``, so orthogonality never depends on the power-iteration estimate. A zero ``A`` maps to ``I``.
     """
-    sigma = torch.einsum("...ij,...i->...j", a, u.to(a.dtype)).norm(dim=-1)
+    sigma = spectral_norm_estimate(a, u)
     return a / sigma.clamp_min(torch.finfo(a.dtype).tiny)[..., None, None]
 
 
@@ -306,8 +297,8 @@ class EcoConv2d(nn.Module):
             nn.init.zeros_(self.bias)
 
     def skew_matrices(self) -> torch.Tensor:
-        """The ``[L, c, c]`` skew-symmetric matrices ``A_l`` (before normalisation)."""
-        return skew_from_vector(self.skew, self.width)
+        """The ``[L, c, c]`` skew-symmetric matrices ``A_l`` (before normalisation), in float32 or wider."""
+        return skew_from_vector(self.skew.to(torch.promote_types(self.skew.dtype, torch.float32)), self.width)
 
     def normalized_skew(self, update: bool) -> torch.Tensor:
         """``A_l / σ̂_l``; ``update`` runs the power iteration and stores ``u`` (training forward only)."""

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .cayley import SkewRotation, skew_from_vector, vector_from_skew
+from .cayley import SkewRotation
 from .spo import (BLOCK, CONTIGUOUS, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
                   blockdiag_right, inverse_permutation)
 
@@ -55,7 +55,7 @@ class SideRotation:
     def blocks(self, vec: torch.Tensor) -> tuple[torch.Tensor, SkewRotation]:
         """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP."""
         polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
-        evaluation = SkewRotation(skew_from_vector(vec.to(polynomial_dtype), self.spec.block), self.terms)
+        evaluation = SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
         blocks = evaluation.rotation
         if blocks.shape[0] != self.spec.num_blocks:
             blocks = blocks.expand(self.spec.num_blocks, -1, -1)
@@ -71,7 +71,7 @@ class SideRotation:
             grad_blocks = grad_blocks * self.keep[:, None, None]
         if evaluation.rotation.shape[0] != grad_blocks.shape[0]:
             grad_blocks = grad_blocks.sum(0, keepdim=True)
-        return vector_from_skew(evaluation.vjp(grad_blocks), self.spec.block).to(vec.dtype)
+        return evaluation.vector_vjp(grad_blocks).to(vec.dtype)
 
 
 # --- coordinates: a block side works in permuted coordinates, folded into W0 --------------------------------------

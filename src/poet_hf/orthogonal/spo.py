@@ -76,13 +76,16 @@ def subset_matmul_left(x: torch.Tensor, index: torch.Tensor, block: torch.Tensor
     return x.index_copy(0, index, block @ x.index_select(0, index))
 
 
-def spo_generator(seed: int, merge_count: int, layer_name: str, side: str) -> torch.Generator:
-    """A CPU generator seeded by (seed, merge count, layer name, side).
+def spo_generator(seed: int, merge_count: int, layer_name: str, side: str,
+                  adapter_name: str = "default") -> torch.Generator:
+    """A CPU generator seeded by (seed, adapter name, merge count, layer name, side).
 
-    The seed is a stable hash (not Python's salted ``hash``), so every process and every resumed run draws
-    the same permutations without communication.
+    The seed is a stable hash (not Python's salted ``hash``), so every process and every resumed run draws the same
+    permutations without communication, and two adapters of one model draw different ones. The ``"default"`` adapter
+    keeps the key it had before adapter names were part of it, so earlier runs resume with the same draws.
     """
-    key = f"{seed}|{merge_count}|{layer_name}|{side}".encode()
+    adapter = "" if adapter_name == "default" else f"{adapter_name}|"
+    key = f"{seed}|{adapter}{merge_count}|{layer_name}|{side}".encode()
     generator = torch.Generator(device="cpu")
     generator.manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1))
     return generator

@@ -6,7 +6,9 @@ from typing import Optional
 
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import ExportableState
 
+from ..diagnostics import poet_statistics
 from ..tuners.poet import merge_and_reinit, poet_layers
 from .optimizer import poet_parameters, reset_optimizer_state
 
@@ -35,10 +37,14 @@ def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, fa
     return base * (factor + (1 - factor) * (since_merge - 1) / ramp_steps)
 
 
-class MergeReinitCallback(TrainerCallback):
+class MergeReinitCallback(TrainerCallback, ExportableState):
     """Every ``merge_every`` optimizer steps (by ``state.global_step``, so it survives resume and gradient
     accumulation): fold R and P into W0, zero Q, resample permutations, and reset the optimizer state of the
     POET parameters. Before each step it sets the post-merge clip threshold.
+
+    ``history`` (what each merge reported, with its step) is saved in every checkpoint's ``trainer_state.json`` and
+    restored on resume, so a resumed run knows the merges before it. On a merge step that is also a logging step,
+    the POET statistics are taken just before the fold (``statistics_before_merge``), since the fold resets them.
 
     Works with a plain ``Trainer``; :class:`~poet_hf.PoetTrainer` adds it automatically.
     """
@@ -47,7 +53,12 @@ class MergeReinitCallback(TrainerCallback):
         self.merge_every = merge_every
         self.adapter_name = adapter_name
         self.base_max_grad_norm: Optional[float] = None
-        self.history: list[dict] = []  # what each merge reported, with its step
+        self.history: list[dict] = []
+        self.statistics_before_merge: Optional[tuple[int, dict[str, float]]] = None  # (step, statistics)
+
+    def state(self) -> dict:
+        return {"args": {"merge_every": self.merge_every, "adapter_name": self.adapter_name},
+                "attributes": {"history": self.history}}
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
         """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's."""
@@ -55,6 +66,10 @@ class MergeReinitCallback(TrainerCallback):
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         self.base_max_grad_norm = args.max_grad_norm
+        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if state.global_step and not self.history and saved:  # resumed: the merges before the checkpoint
+            saved = saved[0] if isinstance(saved, list) else saved
+            self.history = [m for m in saved.get("attributes", {}).get("history", []) if m["step"] <= state.global_step]
 
     def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         interval = self.interval(args, model)
@@ -68,6 +83,8 @@ class MergeReinitCallback(TrainerCallback):
         if not interval or state.global_step % interval:
             return
         model = unwrap(model)
+        if control.should_log:  # DefaultFlowCallback, which runs first, decided this step logs
+            self.statistics_before_merge = (state.global_step, poet_statistics(model, self.adapter_name))
         self.history.append({**merge_and_reinit(model, self.adapter_name), "step": state.global_step})
         if optimizer is not None:
             reset_optimizer_state(optimizer, poet_parameters(model))

@@ -46,10 +46,10 @@ class FinetuneArguments:
                          metadata={"help": "'embedded' (causal LM only), an HF dataset name, or local files / a "
                                    "folder of .txt/.jsonl/.json/.csv"})
     dataset_config: Optional[str] = field(default=None, metadata={"help": "HF dataset config name"})
-    text_column: str = field(default="text")
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
     label_column: str = field(default="label", metadata={"help": "integer label column (classification)"})
     eval_split: str = field(default="validation", metadata={"help": "split to evaluate on if the dataset has it; "
-                            "otherwise 5% of train is held out"})
+                            "otherwise a twentieth of train is held out"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
     seq_len: int = field(default=128, metadata={"help": "packed length (causal LM) / max length (classification)"})
     block_size: int = field(default=32, metadata={"help": "POET / OFT block size (must divide the targeted dims)"})
@@ -59,27 +59,29 @@ class FinetuneArguments:
     budget: float = field(default=0.5, metadata={"help": "POET spo='full': fraction of each dimension"})
     merge_every: Optional[int] = field(default=None, metadata={"help": "merge-then-reinitialize interval (POET: "
                                        "default 200; OFT: default never)"})
-    lora_rank: int = field(default=8)
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r (--method lora)"})
     lora_alpha: Optional[float] = field(default=None, metadata={"help": "default: 2 × lora_rank"})
     target_modules: Optional[str] = field(default=None, metadata={"help": "comma-separated module names; default "
                                           "per model type (every Linear in the blocks)"})
     learning_rate: float = field(default=1e-3, metadata={"help": "learning rate of the adapter parameters"})
     poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET/OFT skew parameters' learning "
                                                 "rate; default learning_rate"})
-    max_steps: int = field(default=200)
-    batch_size: int = field(default=8)
-    gradient_accumulation_steps: int = field(default=1)
-    warmup_steps: int = field(default=0)
-    weight_decay: float = field(default=0.0)
-    max_grad_norm: float = field(default=1.0)
-    max_train_samples: Optional[int] = field(default=None)
-    max_eval_samples: int = field(default=256)
-    output_dir: str = field(default="outputs/finetune")
+    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per device per micro-batch"})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay of the non-rotation parameters"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping threshold"})
+    max_train_samples: Optional[int] = field(default=None, metadata={"help": "use at most this many training "
+                                             "sequences / examples"})
+    max_eval_samples: int = field(default=256, metadata={"help": "evaluate on at most this many"})
+    output_dir: str = field(default="outputs/finetune", metadata={"help": "where the adapter and results.json "
+                            "go"})
     export_dir: Optional[str] = field(default=None, metadata={"help": "export the merged plain model here"})
-    logging_steps: int = field(default=10)
-    report_to: str = field(default="none")
+    logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
+    report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bars"})
-    seed: int = field(default=0)
+    seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

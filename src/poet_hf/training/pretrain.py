@@ -21,7 +21,6 @@ from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
-from .callback import MergeReinitCallback
 from .trainer import PoetTrainer
 
 METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
@@ -66,26 +65,28 @@ class PretrainArguments:
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank for --method lora"})
     max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "sequences per device per micro-batch"})
-    gradient_accumulation_steps: int = field(default=1)
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     seq_len: int = field(default=256, metadata={"help": "packed sequence length"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (paper: 0.1)"})
-    weight_decay: float = field(default=0.0)
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay of the non-rotation parameters"})
     min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
-    warmup_steps: int = field(default=0)
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     dataset: str = field(default=EMBEDDED_CORPUS,
                          metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"})
     dataset_config: Optional[str] = field(default=None, metadata={"help": "HF dataset config, e.g. 'en' for C4"})
     streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
-    text_column: str = field(default="text")
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "AutoTokenizer name/path; default embedded"})
     max_eval_sequences: int = field(default=128, metadata={"help": "validation sequences evaluated"})
-    output_dir: str = field(default="outputs/pretrain")
-    logging_steps: int = field(default=10)
+    output_dir: str = field(default="outputs/pretrain", metadata={"help": "where checkpoints, results.json and "
+                            "spectra.png go"})
+    logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
     save_steps: int = field(default=0, metadata={"help": "checkpoint interval (0 = no intermediate checkpoints)"})
     report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
-    resume_from_checkpoint: Optional[str] = field(default=None)
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoint folder to resume "
+                                                  "from"})
     export_dir: Optional[str] = field(default=None, metadata={"help": "export a plain merged model here at the end"})
-    seed: int = field(default=0)
+    seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -173,7 +174,7 @@ def neumann_drift_bound(trainer: PoetTrainer, model: torch.nn.Module) -> Optiona
     layers = poet_layers(model)
     if not layers:
         return None
-    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, MergeReinitCallback))
+    callback = trainer.merge_callback
     live = max(layer.rotation_stats("default")["neumann_bound"] for _, layer in layers)
     return math.prod(1 + m["max_neumann_bound"] for m in callback.history) * (1 + live) - 1
 

@@ -76,8 +76,23 @@ class PoetTrainer(Trainer):
         if self.has_poet and "loss" in logs and self.optimizer is not None:
             logs["poet_learning_rate"] = next(
                 (g["lr"] for g in self.optimizer.param_groups if g.get("poet")), self.poet_learning_rate)
-            logs.update(poet_statistics(unwrap(self.model)))
+            logs.update(self._poet_statistics())
         super().log(logs, *args, **kwargs)
+
+    def _poet_statistics(self) -> dict[str, float]:
+        """The statistics to log now: on a merge step, those taken just before the fold reset them."""
+        callback = self.merge_callback
+        if callback is not None and callback.statistics_before_merge is not None:
+            step, statistics = callback.statistics_before_merge
+            if step == self.state.global_step:
+                merge_count = max((int(m.merge_counts[callback.adapter_name]) for _, m in poet_layers(
+                    unwrap(self.model), callback.adapter_name)), default=0)
+                return {**statistics, "poet/merge_count": merge_count}
+        return poet_statistics(unwrap(self.model))
+
+    @property
+    def merge_callback(self) -> Optional[MergeReinitCallback]:
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
 
     def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
         super()._save(output_dir, state_dict)
@@ -88,7 +103,7 @@ class PoetTrainer(Trainer):
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
-        callback = next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
+        callback = self.merge_callback
         merge_every = callback.interval(self.args, self.model) if callback else None
         info = {**self.run_info, "merge_every": merge_every, "global_step": self.state.global_step,
                 "num_input_tokens_seen": self.state.num_input_tokens_seen,

@@ -29,6 +29,18 @@ def check_peft_version(version: str = peft.__version__) -> None:
         )
 
 
+def peft_type_member(name: str) -> "enum.Enum":
+    """``PeftType[name.upper()]``, added to PEFT's ``PeftType`` str-enum first if needed.
+
+    A config's ``peft_type`` must be the enum member (PEFT's code reads ``.value``); as a ``str`` enum it is written
+    to ``adapter_config.json`` as the plain string and pickles by value.
+    """
+    from peft.utils.peft_types import PeftType
+
+    _add_peft_type(name)
+    return PeftType(name.upper())
+
+
 def _add_peft_type(name: str) -> None:
     """Add ``name.upper()`` to PEFT's ``PeftType`` str-enum, which ``register_peft_method`` requires."""
     from peft.utils.peft_types import PeftType

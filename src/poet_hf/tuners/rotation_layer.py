@@ -28,6 +28,7 @@ from torch import nn
 
 from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
                           orthogonality_error, skew_from_vector, spo_generator)
+from ..orthogonal.cayley import skew_norm_scale
 from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation, rotated_forward,
                                          strategy_costs)
 from ..orthogonal.spo import SideSpec
@@ -184,13 +185,13 @@ class RotationLayer(BaseTunerLayer):
             params[adapter_name] = nn.Parameter(torch.zeros(rows[side], num_skew_params(spec.block), device=device))
             indices[adapter_name] = self._draw_index(adapter_name, side, merge_count=0).to(device)
         if not init_weights:
-            self.randomize_skew(adapter_name, torch.Generator().manual_seed(settings.seed))
+            self.randomize_skew(adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name))
         self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
         self.set_adapter(self.active_adapters)
 
     def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
         settings = self.poet_settings[adapter_name]
-        generator = spo_generator(settings.seed, merge_count, settings.layer_name, side)
+        generator = spo_generator(settings.seed, merge_count, settings.layer_name, side, adapter_name)
         return self.poet_specs[adapter_name][side].sample_index(generator)
 
     @torch.no_grad()
@@ -210,8 +211,12 @@ class RotationLayer(BaseTunerLayer):
         spec = self.sides(adapter_name)[side]
         param = self.skew_parameter(adapter_name, side).to(dtype)
         terms = self.poet_settings[adapter_name].neumann_terms
-        blocks = (orthogonal_from_vector(param, spec.block, terms) if _FUSED
-                  else cayley_neumann(skew_from_vector(param, spec.block), terms))
+        if _FUSED:
+            blocks = orthogonal_from_vector(param, spec.block, terms)
+        else:
+            q = skew_from_vector(param, spec.block)
+            scale = skew_norm_scale(q, terms)
+            blocks = cayley_neumann(q if scale is None else q * scale, terms)
         if blocks.shape[0] != spec.num_blocks:  # one block shared by all
             blocks = blocks.expand(spec.num_blocks, -1, -1)
         if keep is not None:
@@ -241,6 +246,10 @@ class RotationLayer(BaseTunerLayer):
                 spec.matmul_left(matrix, index, blocks)
         return matrix
 
+    def _weight_for_folding(self) -> torch.Tensor:
+        """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base)."""
+        return self.weight_matrix().to(_at_least_float32(self.weight_matrix().dtype))
+
     def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
@@ -258,28 +267,29 @@ class RotationLayer(BaseTunerLayer):
         x = self._pad_input(x)
         keep = keep or {}
         if not activation:
-            matrix = self.weight_matrix().float()
+            matrix = self.weight_matrix().to(_at_least_float32(self.weight_matrix().dtype))
             for a in adapter_names:
                 for side, spec in self.sides(a).items():
-                    blocks = self.rotation_blocks(a, side, keep=keep.get(a) if side == SIDE_INPUT else None).mT
+                    blocks = self.rotation_blocks(a, side, dtype=matrix.dtype,
+                                                  keep=keep.get(a) if side == SIDE_INPUT else None).mT
                     index = self.index_buffer(a, side)
                     matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
                         spec.matmul_left(matrix, index, blocks)
             return op.forward(x, matrix.to(self.weight_matrix().dtype), None if bias is None else bias.to(x.dtype))
         # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
-        compute = torch.promote_types(x.dtype, torch.float32)
+        compute = _at_least_float32(x.dtype)
         h = x.to(compute)
         for a in reversed(adapter_names):
             if SIDE_INPUT in self.sides(a):
-                h = self.sides(a)[SIDE_INPUT].matmul_right(h, self.index_buffer(a, SIDE_INPUT),
-                                                          self.rotation_blocks(a, SIDE_INPUT, keep=keep.get(a)))
+                blocks = self.rotation_blocks(a, SIDE_INPUT, dtype=compute, keep=keep.get(a))
+                h = self.sides(a)[SIDE_INPUT].matmul_right(h, self.index_buffer(a, SIDE_INPUT), blocks)
         output_side = any(SIDE_OUTPUT in self.sides(a) for a in adapter_names)
         h = op.forward(h.to(x.dtype), self.weight_matrix(), None if bias is None or output_side else
                        bias.to(x.dtype)).to(compute)
         for a in adapter_names:
             if SIDE_OUTPUT in self.sides(a):
-                h = self.sides(a)[SIDE_OUTPUT].matmul_right(h, self.index_buffer(a, SIDE_OUTPUT),
-                                                           self.rotation_blocks(a, SIDE_OUTPUT))
+                blocks = self.rotation_blocks(a, SIDE_OUTPUT, dtype=compute)
+                h = self.sides(a)[SIDE_OUTPUT].matmul_right(h, self.index_buffer(a, SIDE_OUTPUT), blocks)
         out = h.to(x.dtype)
         return out if bias is None or not output_side else out + bias.to(out.dtype)
 
@@ -352,7 +362,7 @@ class RotationLayer(BaseTunerLayer):
         for adapter_name in adapter_names:
             if adapter_name not in self.poet_specs:
                 continue
-            merged = self.rotate_weight(self.weight_matrix().float(), adapter_name)
+            merged = self.rotate_weight(self._weight_for_folding(), adapter_name)
             if safe_merge and not torch.isfinite(merged).all():
                 raise ValueError(f"NaNs or infs found while merging adapter '{adapter_name}'; it is broken")
             self.set_weight_matrix(merged)
@@ -388,7 +398,7 @@ class RotationLayer(BaseTunerLayer):
         if self.merged:
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         stats = self.rotation_stats(adapter_name)
-        self.set_weight_matrix(self.rotate_weight(self.weight_matrix().float(), adapter_name))
+        self.set_weight_matrix(self.rotate_weight(self._weight_for_folding(), adapter_name))
         count = int(self.merge_counts[adapter_name]) + 1
         self.merge_counts[adapter_name].fill_(count)
         for side in self.sides(adapter_name):
@@ -413,6 +423,10 @@ class RotationLayer(BaseTunerLayer):
             bound *= 1 + float(neumann_error_bound(q, terms).max())
         stats["neumann_bound"] = bound - 1
         return stats
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _is_conv1d(module: nn.Module) -> bool:

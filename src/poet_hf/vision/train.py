@@ -26,29 +26,37 @@ MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "lip
 class VisionTrainArgs:
     """What :func:`train_lipconvnet` trains; the defaults train LipConvNet-5 on the offline digits in minutes."""
 
-    dataset: str = DEFAULT_DATASET
-    output_dir: str = "outputs/lipconvnet"
-    depth: int = 5
-    init_channels: int = 8
-    image_size: int = 24
-    num_channels: int | None = None  # None: 1 for grey-scale sources, else 3
-    conv_types: list[str] = field(default_factory=lambda: ["soc", "soc", "eco", "eco", "eco"])
-    kernel_sizes: list[int] = field(default_factory=lambda: [3, 3, 3, 3, 1])
-    strides: list[int] = field(default_factory=lambda: [2, 2, 2, 3, 1])
-    last_layer: str = "orthogonal"
-    epochs: float = 4.0
-    batch_size: int = 64
-    learning_rate: float = 5e-3
-    weight_decay: float = 0.0
-    optim: str = "adamw_torch"
-    eps: float = 36 / 255
-    seed: int = 0
-    max_train_examples: int | None = None
-    max_eval_examples: int | None = None
-    logging_steps: int = 50
-    # Intra-op threads; 0 keeps torch's default. 1 is fastest for this small model on a shared 2-core machine
-    # (measured: 2 threads were ~4x slower per step under load, from thread contention).
-    torch_threads: int = 1
+    dataset: str = field(default=DEFAULT_DATASET, metadata={"help": "image dataset: 'digits' (offline default, "
+                         "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"})
+    output_dir: str = field(default="outputs/lipconvnet", metadata={"help": "where the baked model, its card and "
+                            "metrics.json are written"})
+    depth: int = field(default=5, metadata={"help": "LipConvNet depth (a multiple of 5: 5 blocks of depth/5 layers)"})
+    init_channels: int = field(default=8, metadata={"help": "channels of the first block (doubled by each strided "
+                               "layer)"})
+    image_size: int = field(default=24, metadata={"help": "square input size the images are resized to"})
+    num_channels: int | None = field(default=None, metadata={"help": "input channels; default: 1 for grey-scale "
+                                     "sources, else 3"})
+    conv_types: list[str] = field(default_factory=lambda: ["soc", "soc", "eco", "eco", "eco"],
+                                  metadata={"help": "orthogonal convolution per block: 'eco' or 'soc'"})
+    kernel_sizes: list[int] = field(default_factory=lambda: [3, 3, 3, 3, 1],
+                                    metadata={"help": "kernel size per block"})
+    strides: list[int] = field(default_factory=lambda: [2, 2, 2, 3, 1],
+                               metadata={"help": "stride of each block's last layer"})
+    last_layer: str = field(default="orthogonal", metadata={"help": "classifier: 'orthogonal' (1-Lipschitz linear) "
+                            "or 'linear'"})
+    epochs: float = field(default=4.0, metadata={"help": "training epochs"})
+    batch_size: int = field(default=64, metadata={"help": "images per optimizer step"})
+    learning_rate: float = field(default=5e-3, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
+    optim: str = field(default="adamw_torch", metadata={"help": "transformers optimizer name (e.g. 'adamw_torch', "
+                       "'sgd')"})
+    eps: float = field(default=36 / 255, metadata={"help": "ℓ2 radius of the certified accuracy (default 36/255)"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and augmentation"})
+    max_train_examples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
+    max_eval_examples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
+    logging_steps: int = field(default=50, metadata={"help": "log the loss every this many steps"})
+    # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
+    torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
 
 
 def _infer_channels(dataset) -> int:

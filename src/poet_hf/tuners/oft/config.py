@@ -7,6 +7,8 @@ from typing import Literal, Optional, Union
 
 from peft.config import PeftConfig
 
+from ..registry import peft_type_member
+
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
@@ -81,7 +83,7 @@ class OftConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = OFT_PEFT_TYPE
+        self.peft_type = peft_type_member(OFT_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
         normalize_peft_target_fields(self)
         check_positive_int("r", self.r, minimum=0)
         check_positive_int("block_size", self.block_size, minimum=0)

@@ -7,6 +7,8 @@ from typing import Literal, Optional, Union
 
 from peft.config import PeftConfig
 
+from ..registry import peft_type_member
+
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES
 from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
@@ -73,7 +75,7 @@ class OrthogonalConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = ORTHOGONAL_PEFT_TYPE
+        self.peft_type = peft_type_member(ORTHOGONAL_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
         normalize_peft_target_fields(self)
         check_choice("parameterization", self.parameterization, PARAMETERIZATIONS)
         check_neumann_terms(self.neumann_terms)

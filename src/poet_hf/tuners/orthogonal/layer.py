@@ -130,7 +130,7 @@ class Linear(_OrthogonalModule):
         polar = polar_factor(weight.detach())
         kind = config.parameterization
         d = self.rotation_dim
-        generator = spo_generator(config.seed, 0, layer_name, "orthogonal")
+        generator = spo_generator(config.seed, 0, layer_name, "orthogonal", adapter_name)
         settings: dict[str, Any] = {"parameterization": kind, "layer_name": layer_name}
         if kind == "cayley":
             param = torch.zeros(num_skew_params(d), dtype=torch.float64)
@@ -160,6 +160,7 @@ class Linear(_OrthogonalModule):
         self.orthogonal_init_change[adapter_name] = torch.tensor(0.0, device=device)
         start = self._initial_map_matrix(adapter_name)
         self.orthogonal_init_change[adapter_name].fill_(_relative_change(start, weight.detach()))
+        self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
         self.set_adapter(self.active_adapters)
 
     def _initial_map_matrix(self, adapter_name: str) -> torch.Tensor:
@@ -171,12 +172,14 @@ class Linear(_OrthogonalModule):
 
     def _rotate(self, polar: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         # Rotate on the larger side, where O0 R (or R O0) covers every matrix with orthonormal rows (columns).
+        polar = polar.to(rotation.dtype)
         return polar @ rotation if self.in_features >= self.out_features else rotation @ polar
 
     def rotation(self, adapter_name: str) -> torch.Tensor:
         """The ``d x d`` rotation ``R`` of the cayley / householder parameterisations (float32)."""
         settings = self.orthogonal_settings[adapter_name]
         param = self.orthogonal_weight[adapter_name]
+        param = param.to(torch.promote_types(param.dtype, torch.float32))  # half-precision adapters: float32 math
         if settings["parameterization"] == "cayley":
             return cayley_neumann(skew_from_vector(param, self.rotation_dim), settings["neumann_terms"])
         if settings["parameterization"] == "householder":
@@ -261,7 +264,7 @@ class Conv2d(_OrthogonalModule):
         kernel, stride = self._check_geometry(layer_name, size)
         eco = EcoConv2d(base.in_channels, base.out_channels, kernel, stride, input_size=size, bias=False,
                         orthogonal_map=config.eco_orthogonal_map, device=base.weight.device)
-        eco.reset_parameters(spo_generator(config.seed, 0, layer_name, "eco"))
+        eco.reset_parameters(spo_generator(config.seed, 0, layer_name, "eco", adapter_name))
         self.orthogonal_settings[adapter_name] = {"parameterization": "eco", "layer_name": layer_name}
         self.orthogonal_eco[adapter_name] = eco
         with torch.no_grad():
@@ -272,6 +275,7 @@ class Conv2d(_OrthogonalModule):
         # ECO kernel); record how far it is from the old kernel where the shapes agree.
         change = _relative_change(kernel_now, base.weight.detach()) if kernel_now.shape == base.weight.shape else math.nan
         self.orthogonal_init_change[adapter_name] = torch.tensor(change, device=base.weight.device)
+        self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
         self.set_adapter(self.active_adapters)
 
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:

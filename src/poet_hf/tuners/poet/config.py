@@ -7,6 +7,8 @@ from typing import Literal, Optional, Union
 
 from peft.config import PeftConfig
 
+from ..registry import peft_type_member
+
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
 from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
@@ -73,7 +75,7 @@ class PoetConfig(PeftConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self.peft_type = POET_PEFT_TYPE
+        self.peft_type = peft_type_member(POET_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
         normalize_peft_target_fields(self)
         check_choice("spo", self.spo, SPO_CHOICES)
         check_positive_int("block_size", self.block_size, minimum=2)

@@ -52,7 +52,7 @@ class PoetLayer(RotationLayer):
         self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()},
                                   config.init_weights)
         if config.base_init is not None:
-            generator = spo_generator(config.seed, 0, layer_name, "base_init")
+            generator = spo_generator(config.seed, 0, layer_name, "base_init", adapter_name)
             self.set_weight_matrix(init_base_weight(self.weight_matrix(), config.base_init, generator))
 
 

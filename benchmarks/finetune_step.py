@@ -1,0 +1,87 @@
+"""One fine-tuning step of a small pretrained-shaped LLaMA: POET (both sides) against OFT and LoRA.
+
+The model has SmolLM-135M's shape (hidden 576, 30 layers, FFN 1536, 9 heads and 3 key-value heads, vocabulary
+49152, tied embeddings); step time and memory do not depend on the weights' values, so it is built randomly, the
+way ``scripts/finetune.py`` would load a checkpoint of that shape. Batch 8 × 128 and block 32 are
+``scripts/finetune.py``'s defaults; every method wraps every Linear of the blocks and trains only its adapter.
+Each method runs in a fresh subprocess (peak RSS minus the RSS after imports); ratios are against OFT at the same
+block size.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("oft", "poet", "lora")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 2**20
+
+
+def measure(method: str, quick: bool, steps: int) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import poet_hf  # noqa: F401
+    from poet_hf import OftConfig, PoetConfig
+
+    after_imports = _rss_mb()
+    torch.manual_seed(0)
+    layers, batch, seq = (4, 2, 64) if quick else (30, 8, 128)
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    adapter = {"poet": PoetConfig(block_size=32, target_modules=TARGETS),
+               "oft": OftConfig(block_size=32, target_modules=TARGETS),
+               "lora": LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)}[method]
+    model = get_peft_model(model, adapter)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 49152, (batch, seq))
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times),
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
+            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+
+
+def _child(method: str, quick: bool, steps: int) -> dict:
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_step import measure; "
+            f"print(json.dumps(measure({method!r}, {quick}, {steps})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(quick: bool = False, repeats: int = 3) -> list[dict]:
+    steps = 2 if quick else 5
+    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
+    for _ in range(1 if quick else repeats):  # interleaved repeats: noise hits every method alike
+        for method in METHODS:
+            runs[method].append(_child(method, quick, steps))
+    result = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    oft = result["oft"]
+    return [{"method": m, "trainable (M)": r["trainable"] / 1e6, "step s": r["step_s"],
+             "peak MB": r["peak_mb"], "time / OFT": r["step_s"] / oft["step_s"],
+             "memory / OFT": r["peak_mb"] / oft["peak_mb"]} for m, r in result.items()]

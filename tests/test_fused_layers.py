@@ -1,0 +1,283 @@
+"""The fused POET/OFT forward and backward against numerical Jacobians and the plain autograd composition, and what
+they keep for the backward."""
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import poet_hf  # noqa: F401
+from poet_hf import OftConfig, PoetConfig, merge_and_reinit
+from poet_hf.orthogonal import num_skew_params, orthogonal_from_vector
+from poet_hf.orthogonal.rotated_linear import (STRATEGIES, Conv2dOp, SideRotation, rotated_forward,
+                                               strategy_costs)
+from poet_hf.orthogonal.spo import SideSpec
+from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import plain_autograd
+from models import TinyCNN, tiny_llama
+from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
+
+
+def make_side(kind: str, dim: int, block: int, terms: int, seed: int, shared: bool = False, keep=None):
+    spec = SideSpec(kind, dim, block)
+    index = spec.sample_index(torch.Generator().manual_seed(seed))
+    rows = 1 if shared else spec.num_blocks
+    # ||Q||_2 ≈ 2·std·√b ≈ 0.4: well inside the Cayley–Neumann domain (MAX_SKEW_NORM), where the math is exact.
+    vec = torch.randn(rows, num_skew_params(block), dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(seed + 1)) * (0.2 / block**0.5)
+    return SideRotation(spec, index, terms, keep), vec.requires_grad_()
+
+
+def dense_rotation(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
+    """The side's d × d rotation in float64 from explicit loops, powers / inverses and selection matrices."""
+    blocks = torch.stack([cayley_inverse(q) if side.terms == 0 else neumann_series(q, side.terms)
+                          for q in (skew_dense(row, side.spec.block) for row in vec.detach())])
+    if blocks.shape[0] != side.spec.num_blocks:
+        blocks = blocks.expand(side.spec.num_blocks, -1, -1)
+    if side.keep is not None:
+        blocks = torch.where(side.keep[:, None, None], blocks, torch.eye(side.spec.block, dtype=torch.float64))
+    if side.spec.kind == "full":
+        return subset_rotation_dense(side.index, blocks[0], side.spec.dim)
+    return block_rotation_dense(side.index if side.spec.kind == "block" else None, blocks)
+
+
+CASES = list(itertools.product(["block", "contiguous", "full"], STRATEGIES, ["both", "input", "output"], [0, 5]))
+
+
+@pytest.mark.parametrize("kind,strategy,sides,terms", CASES)
+def test_fused_function_matches_dense_reference_and_passes_gradcheck(kind, strategy, sides, terms):
+    d_in, d_out = 12, 8
+    blocks = (4, 4) if kind != "full" else (5, 3)
+    r_side, r_vec = make_side(kind, d_in, blocks[0], terms, 1) if sides in ("both", "input") else (None, None)
+    p_side, p_vec = make_side(kind, d_out, blocks[1], terms, 2) if sides in ("both", "output") else (None, None)
+    x = torch.randn(2, 3, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    weight = torch.randn(d_out, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(d_out, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+
+    y = rotated_forward(strategy, x, weight, bias, r_side, r_vec, p_side, p_vec)
+    r = dense_rotation(r_side, r_vec) if r_side else torch.eye(d_in, dtype=torch.float64)
+    p = dense_rotation(p_side, p_vec) if p_side else torch.eye(d_out, dtype=torch.float64)
+    torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p + bias.detach(), rtol=0, atol=1e-12)
+
+    inputs = tuple(t for t in (x, bias, r_vec, p_vec) if t is not None)
+
+    def f(*args):
+        x_, b_ = args[0], args[1]
+        rv = args[2] if r_side else None
+        pv = args[-1] if p_side else None
+        return rotated_forward(strategy, x_, weight, b_, r_side, rv, p_side, pv)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_shared_and_dropped_blocks_have_exact_gradients(strategy):
+    keep = torch.tensor([True, False, True])
+    side, vec = make_side("contiguous", 12, 4, 5, 7, shared=True)
+    side_masked, vec_masked = make_side("block", 12, 4, 5, 8, keep=keep)
+    x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 12, dtype=torch.float64)
+    for s, v in ((side, vec), (side_masked, vec_masked)):
+        y = rotated_forward(strategy, x, weight, None, s, v, None, None)
+        torch.testing.assert_close(y, x.detach() @ dense_rotation(s, v) @ weight.T, rtol=0, atol=1e-12)
+        assert torch.autograd.gradcheck(lambda x_, v_: rotated_forward(strategy, x_, weight, None, s, v_, None, None),
+                                        (x, v))
+    # A dropped block's parameters get no gradient.
+    y = rotated_forward(strategy, x, weight, None, side_masked, vec_masked, None, None)
+    (grad,) = torch.autograd.grad(y.square().sum(), vec_masked)
+    assert grad[1].abs().max() == 0 and grad[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("kind", ["block", "full"])
+def test_conv2d_weight_strategy_matches_conv_with_dense_rotated_weight(kind):
+    import torch.nn.functional as F
+
+    conv = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1).double()
+    flat = conv.weight.detach().reshape(6, -1)  # 6 × 36
+    r_side, r_vec = make_side(kind, 36, 12 if kind == "block" else 7, 5, 9)
+    p_side, p_vec = make_side(kind, 6, 3 if kind == "block" else 4, 5, 10)
+    op = Conv2dOp(tuple(conv.weight.shape), conv.stride, conv.padding, conv.dilation, conv.groups)
+    x = torch.randn(2, 4, 7, 7, dtype=torch.float64, requires_grad=True)
+    y = rotated_forward("weight", x, flat, conv.bias, r_side, r_vec, p_side, p_vec, op=op)
+    dense = dense_rotation(p_side, p_vec).T @ flat @ dense_rotation(r_side, r_vec).T
+    torch.testing.assert_close(y, F.conv2d(x.detach(), dense.reshape(conv.weight.shape), conv.bias.detach(), 2, 1),
+                               rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda x_, rv, pv: rotated_forward("weight", x_, flat, conv.bias.detach(), r_side, rv, p_side, pv, op=op),
+        (x, r_vec, p_vec))
+
+
+@pytest.mark.parametrize("terms", [0, 3, 5, 6, 8])
+def test_fused_cayley_neumann_equals_the_series_of_eq_6_with_its_gradient(terms):
+    vec = torch.randn(3, num_skew_params(6), dtype=torch.float64, requires_grad=True)
+    fused = orthogonal_from_vector(vec * 0.1, 6, terms)  # ||Q||_2 ≈ 0.5: inside the series' domain
+    reference = torch.stack([cayley_inverse(q) if terms == 0 else neumann_series(q, terms)
+                             for q in (skew_dense(row, 6) for row in (vec * 0.1))])
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-13)
+    assert torch.autograd.gradcheck(lambda v: orthogonal_from_vector(v * 0.1, 6, terms), (vec,))
+
+
+# --- whole models: the fused path against the plain autograd path ---------------------------------------------------
+def _train(model, steps: int, merge_every: int, lr: float) -> tuple[list[float], dict]:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    data = torch.randint(0, 128, (4, 4, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for step in range(steps):
+        batch = data[step % 4]
+        logits = model(input_ids=batch).logits  # the loss in the model's dtype (HF's own loss casts to float32)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), batch[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        if (step + 1) % merge_every == 0:
+            merge_and_reinit(model)
+            for p in [p for _, layer in poet_layers(model) for p in layer.skew_parameters()]:
+                optimizer.state.pop(p, None)
+    return losses, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _both_paths(config, dtype, lr):
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = get_peft_model(tiny_llama().to(dtype), config)
+        model.train()
+        with (contextlib.nullcontext() if fused else plain_autograd()):
+            results.append(_train(model, 20, 8, lr))
+    return results
+
+
+CONFIGS = [PoetConfig(block_size=16, base_init="normalized"),
+           PoetConfig(spo="full", budget=0.5, base_init="normalized", forward="activation"),
+           PoetConfig(block_size=16, sides="output", forward="activation"),
+           OftConfig(block_size=16, spo="block", merge_every=8)]
+CONFIG_IDS = ["poet-bs", "poet-fs-activation", "poet-output-activation", "oft-block"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_twenty_steps_with_two_merges_match_the_plain_autograd_path(config):
+    (fused, _), (plain, _) = _both_paths(config, torch.float32, lr=1e-3)  # the paper's POET learning rate
+    assert fused[0] != fused[-1]
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
+def test_in_float64_the_two_paths_agree_to_rounding_even_at_a_large_learning_rate(config):
+    # At lr 2e-2 float32 rounding differences (~5e-7) are amplified step after step; in float64 nothing is left
+    # to amplify, so any real difference between the paths would show here.
+    (_, fused), (_, plain) = _both_paths(config, torch.float64, lr=2e-2)
+    assert max(float((fused[k].double() - plain[k].double()).abs().max()) for k in fused) <= 1e-9
+
+
+def _targets_trainable(adapter_model):
+    """The base model with exactly the adapter's target Linears trainable (what full training of them keeps)."""
+    plain = tiny_llama().train().requires_grad_(False)
+    targets = {name.removeprefix("base_model.model.") for name, _ in poet_layers(adapter_model)}
+    for name, module in plain.named_modules():
+        if name in targets:
+            module.weight.requires_grad_(True)
+    return plain
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of the distinct non-parameter tensors autograd keeps for the backward of one forward."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids).logits.sum()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("config", [PoetConfig(block_size=16), PoetConfig(spo="full"), OftConfig(block_size=16),
+                                    PoetConfig(block_size=16, forward="weight"), OftConfig(block_size=16, forward="weight")],
+                         ids=["poet-auto", "poet-fs", "oft", "poet-weight", "oft-weight"])
+def test_backward_keeps_no_more_than_training_the_targeted_weights_would(config):
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    model = get_peft_model(tiny_llama(), config).train()
+    plain_bytes = _saved_bytes(_targets_trainable(model), ids)
+    assert _saved_bytes(model, ids) == plain_bytes
+    with plain_autograd():  # the reference path keeps rotated weights or activations: the check can fail
+        assert _saved_bytes(model, ids) > plain_bytes
+
+
+def test_activation_strategy_keeps_exactly_the_pre_rotation_outputs():
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, forward="activation")).train()
+    plain_bytes = _saved_bytes(_targets_trainable(model), ids)
+    outputs = sum(48 * layer.out_features * 4 for _, layer in poet_layers(model))  # 48 tokens, float32
+    assert _saved_bytes(model, ids) == plain_bytes + outputs
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    results = []
+    for checkpointing in (False, True):
+        model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, init_weights=False))
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b
+    for name in grads_a:
+        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [PoetConfig(block_size=16, init_weights=False),
+                                    OftConfig(block_size=16, init_weights=False)], ids=["poet", "oft"])
+def test_bfloat16_autocast_runs_products_in_bfloat16_and_keeps_float32_gradients(config):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    model = get_peft_model(tiny_llama(), config)
+    reference = model(input_ids=ids).logits.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids).logits
+    assert logits.dtype in (torch.bfloat16, torch.float32)  # the model upcasts its logits itself
+    # bfloat16 keeps 8 significant bits: ~0.4% per rounding, a few roundings deep per layer.
+    assert (logits.float() - reference).abs().max() <= 0.05 * reference.abs().max()
+    assert (logits.float() - reference).abs().max() > 0  # the products really ran in bfloat16
+    logits.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+# --- the cost model ---------------------------------------------------------------------------------------------------
+def test_auto_never_keeps_more_than_the_input_and_counts_match_by_hand():
+    block = SideSpec("block", 768, 256)
+    costs = strategy_costs(1024, 768, 768, block, block, training=True)
+    n, rotation_w, rotation_t = 768 * 768, 768 * 768 * 256, 1024 * 768 * 256
+    assert costs["weight"] == {"macs": 3 * 1024 * n + 7 * rotation_w, "kept": 0.0}
+    assert costs["activation"] == {"macs": 2 * 1024 * n + 6 * rotation_t, "kept": 1024 * 768}
+    assert costs["activation-recompute"]["macs"] == 3 * 1024 * n + 7 * rotation_t
+    layer = poet_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]
+    assert layer.choose_strategy("default", tokens=4096, training=True) == "weight"
+    assert layer.choose_strategy("default", tokens=4, training=True) == "activation-recompute"
+    oft = poet_layers(get_peft_model(tiny_llama(), OftConfig(block_size=16)))[0][1]
+    assert oft.choose_strategy("default", tokens=4096, training=True) == "activation"  # one side: keeps nothing
+
+
+def test_conv2d_model_trains_through_the_fused_weight_strategy():
+    model = get_peft_model(TinyCNN(), PoetConfig(block_size=4, target_modules=["conv1", "conv2", "head"],
+                                                 init_weights=False))
+    images = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    fused = model(images)
+    fused.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    with plain_autograd():
+        plain = model(images)
+        plain.square().mean().backward()
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-7)
