@@ -110,3 +110,45 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
 def test_bad_arguments_are_named(fields, named):
     with pytest.raises(ValueError, match=named):
         FinetuneArguments(model="x", **fields)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """The tiny preset pretrained with AdamW on five of the bundled plays (400 steps of 8 × 128 tokens): a small
+    model that has learned something, for the fine-tuning defaults to improve on without destroying it."""
+    from poet_hf.data import load_embedded_corpus
+    from poet_hf.training.pretrain import PretrainArguments, run_pretraining
+
+    root = tmp_path_factory.mktemp("pretrained")
+    plays = root / "plays"
+    plays.mkdir()
+    for row in load_embedded_corpus()["train"].select(range(5)):
+        (plays / f"{row['title']}.txt").write_text(row["text"])
+    results = run_pretraining(PretrainArguments(method="adamw", dataset=str(plays), max_steps=400, batch_size=8,
+                                                seq_len=128, output_dir=str(root / "model"), logging_steps=1000))
+    assert results["val_perplexity"] < results["initial_val_perplexity"] / 10
+    return root / "model"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["poet", "oft", "lora"])
+def test_default_learning_rates_improve_a_pretrained_model_without_an_angle_warning(pretrained, tmp_path, caplog,
+                                                                                     method):
+    with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
+        results = finetune_main(["--model", str(pretrained), "--method", method, "--max_steps", "60",
+                                 "--output_dir", str(tmp_path), "--logging_steps", "1000", "--disable_tqdm", "true"])
+    assert results["trainer"].args.learning_rate == {"poet": 2e-4, "oft": 1e-3, "lora": 1e-3}[method]
+    assert results["after"]["perplexity"] < 0.9 * results["before"]["perplexity"]
+    assert not [r for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
+
+
+@pytest.mark.slow
+def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(pretrained, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
+        results = finetune_main(["--model", str(pretrained), "--method", "poet", "--learning_rate", "1e-2",
+                                 "--max_steps", "20", "--output_dir", str(tmp_path), "--logging_steps", "1000",
+                                 "--disable_tqdm", "true"])
+    warnings = [r.getMessage() for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
+    assert len(warnings) == 1 and "0.01" in warnings[0]
+    layers = [layer for _, layer in __import__("poet_hf").tuners.poet.poet_layers(results["trainer"].model)]
+    assert max(layer.rotation_angle("default") for layer in layers) > 45

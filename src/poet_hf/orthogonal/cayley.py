@@ -185,6 +185,16 @@ _POWER_ITERATIONS = 48
 _cap_warned = False
 
 
+@torch.no_grad()
+def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
+    """``||Q||_2`` per block of ``(..., b, b)`` by power iteration on ``QᵀQ`` from a fixed start vector: a lower
+    estimate, within 2% for blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
+    q3 = q.detach().reshape(-1, q.shape[-2], q.shape[-1])
+    start = torch.ones(q3.shape[0], q3.shape[-1], dtype=q3.dtype, device=q3.device)
+    start[:, ::2] = -0.5  # fixed, and not an eigenvector of the structured matrices a test might use
+    return spectral_norm_estimate(q3, power_iteration(q3, start, _POWER_ITERATIONS)).reshape(q.shape[:-2])
+
+
 def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) -> Optional[torch.Tensor]:
     """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
     (always for the exact transform, ``terms == 0``).
@@ -202,11 +212,7 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) ->
         frobenius = torch.linalg.matrix_norm(q.detach())
         if not bool((frobenius > cap).any()):
             return None
-        q3 = q.detach().reshape(-1, q.shape[-2], q.shape[-1])
-        start = torch.ones(q3.shape[0], q3.shape[-1], dtype=q3.dtype, device=q3.device)
-        start[:, ::2] = -0.5  # fixed, and not an eigenvector of the structured matrices a test might use
-        u = power_iteration(q3, start, _POWER_ITERATIONS)
-        spectral = spectral_norm_estimate(q3, u).reshape(frobenius.shape)
+        spectral = skew_spectral_norm(q)
         scale = torch.where(spectral > cap, cap / spectral, torch.ones_like(spectral))
         if not bool((scale < 1).any()):
             return None

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
                           orthogonality_error, skew_from_vector, spo_generator)
-from ..orthogonal.cayley import skew_norm_scale
+from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
 from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation, rotated_forward,
                                          strategy_costs)
 from ..orthogonal.spo import SideSpec
@@ -406,6 +406,15 @@ class RotationLayer(BaseTunerLayer):
             params[adapter_name].zero_()
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
         return stats
+
+    @torch.no_grad()
+    def rotation_angle(self, adapter_name: str) -> float:
+        """How far, in degrees, the live rotations can turn the layer: the sum over sides of the largest angle one
+        side turns a vector by, ``2·atan(||Q||_2)`` (exact for the Cayley transform, whose eigenvalues are
+        ``e^{±2i·atan θ}``; ``||Q||_2`` by power iteration). POET's two sides add up; OFT has one."""
+        return sum(math.degrees(2 * math.atan(float(skew_spectral_norm(skew_from_vector(
+            self.skew_parameter(adapter_name, side).float(), spec.block)).max())))
+            for side, spec in self.sides(adapter_name).items())
 
     @torch.no_grad()
     def rotation_stats(self, adapter_name: str) -> dict[str, float]:
