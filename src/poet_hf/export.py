@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from .distributed import barrier, is_sharded, unsharded_replica
 from .tuners.rotation_layer import RotationLayer
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -116,7 +117,11 @@ def export_merged(
     export_dtype = None if dtype is None else parse_dtype(dtype)
     source_dir = Path(source) if isinstance(source, (str, os.PathLike)) else None
     _check_output_dir(output, overwrite, source_dir)  # before the (possibly long) load
+    sharded = _sharded(source)
     loaded = _load_source(source, inplace=inplace)
+    if loaded is None:  # a model FSDP2 shards, on a rank other than 0: rank 0 gathered it and writes once
+        barrier()
+        return output
     tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
     run = {**loaded.run_info, **(run_info or {})}
     peft_config = _active_config(loaded.model)
@@ -139,6 +144,8 @@ def export_merged(
         card.save(folder / "README.md")
 
     _write_atomically(output, write)
+    if sharded:
+        barrier()
     return output
 
 
@@ -206,12 +213,15 @@ def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 
 
 # --- loading the source -------------------------------------------------------------------------------------------
-def _load_source(source: Any, inplace: bool) -> _Source:
-    """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) plus its training facts."""
+def _load_source(source: Any, inplace: bool) -> Optional[_Source]:
+    """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) plus its training facts;
+    ``None`` on the ranks other than 0 for a model FSDP2 shards (rank 0 folds an unsharded copy)."""
     if isinstance(source, (str, os.PathLike)):
         return _load_directory(Path(source))
     if _is_trainer(source):
         loaded = _load_model(source.model, inplace)
+        if loaded is None:
+            return None
         loaded.tokenizer = getattr(source, "processing_class", None)
         loaded.run_info = _trainer_run_info(source)
         loaded.eval_results = _latest_eval(source.state.log_history)
@@ -227,9 +237,19 @@ def _is_trainer(obj: Any) -> bool:
     return isinstance(obj, Trainer)
 
 
-def _load_model(model: Any, inplace: bool) -> _Source:
+def _sharded(source: Any) -> bool:
+    model = source.model if _is_trainer(source) else source
+    return isinstance(model, nn.Module) and is_sharded(model)
+
+
+def _load_model(model: Any, inplace: bool) -> Optional[_Source]:
     from peft import PeftModel
 
+    if isinstance(model, nn.Module) and is_sharded(model):  # FSDP2: fold an unsharded copy gathered on rank 0
+        model = unsharded_replica(model)
+        if model is None:
+            return None
+        inplace = True
     if not isinstance(model, PeftModel):
         raise ExportError(f"export_merged needs a POET/OFT model (a peft.PeftModel with a POET, OFT or orthogonal "
                           f"adapter), a trainer holding one, or a directory; found a {type(model).__name__} "

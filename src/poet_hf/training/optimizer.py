@@ -32,16 +32,22 @@ def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate
     return [g for g in groups if g["params"]]
 
 
+@torch.no_grad()
 def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> int:
-    """Forget the state (moments, step count) of ``params``; Adam re-initialises it lazily at the next step.
+    """Reset the state (moments, step count) of ``params`` to a fresh one; returns how many states were reset.
 
-    After a merge the skew parameters are zero and the coordinates are re-permuted, so old moments refer to
-    other directions (POET code's ``POETAdamW`` does the same). Returns how many entries were dropped.
+    After a merge the skew parameters are zero and the coordinates are re-permuted, so old moments refer to other
+    directions (the POET code's ``POETAdamW`` does the same). The tensors are zeroed in place rather than dropped:
+    for Adam-family optimizers step 0 with zero moments *is* the fresh state, and keeping the entries keeps one state
+    layout, so a sharded checkpoint taken right after a merge resumes exactly (``torch.distributed.checkpoint``
+    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2).
     """
     state = optimizer.state
-    dropped = 0
+    reset = 0
     for p in params:
         if p in state:
-            del state[p]
-            dropped += 1
-    return dropped
+            for value in state[p].values():
+                if torch.is_tensor(value):
+                    value.zero_()
+            reset += 1
+    return reset

@@ -18,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
+from ..distributed import is_sharded
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
@@ -213,16 +214,16 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         "spectrum_bound": neumann_drift_bound(trainer, model),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
     }
+    output = Path(args.output_dir)
+    trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
+    if args.export_dir and (is_sharded(model) or trainer.is_world_process_zero()):  # a sharded fold gathers on all
+        from ..export import export_merged
+
+        evaluation = {"eval_loss": final_loss, "eval_perplexity": results["val_perplexity"]}
+        results["export_dir"] = str(export_merged(trainer, args.export_dir, overwrite=True,
+                                                  run_info={"eval": evaluation}))
     if trainer.is_world_process_zero():
-        output = Path(args.output_dir)
         output.mkdir(parents=True, exist_ok=True)
-        trainer.save_model(str(output))
         plot_spectra(spectra_before, spectra_after, output / "spectra.png", f"{args.method} on {args.preset}")
         (output / "results.json").write_text(json.dumps(results, indent=2))
-        if args.export_dir:
-            from ..export import export_merged
-
-            evaluation = {"eval_loss": final_loss, "eval_perplexity": results["val_perplexity"]}
-            results["export_dir"] = str(export_merged(trainer, args.export_dir, overwrite=True,
-                                                      run_info={"eval": evaluation}))
     return results

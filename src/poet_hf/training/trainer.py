@@ -17,15 +17,27 @@ from .optimizer import poet_param_groups
 RUN_INFO_NAME = "poet_run.json"
 
 
-def check_sharding(fsdp: bool, deepspeed: bool) -> None:
-    """Refuse FSDP and DeepSpeed for POET models: a merge folds full weights in place, which they shard."""
-    if fsdp or deepspeed:
-        backend = "FSDP" if fsdp else "DeepSpeed"
-        raise ValueError(
-            f"POET merge-then-reinitialize folds full weights in place, which {backend} shards; poet_hf does not "
-            "fold sharded weights yet. Train with DDP instead (`accelerate launch --multi_gpu --num_processes N` "
-            "without an FSDP/DeepSpeed config); POET's optimizer state is already small."
-        )
+def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = None,
+                   fsdp_requested: bool = False) -> None:
+    """Which sharded engines a POET model trains under: FSDP2, not FSDP1 nor DeepSpeed, and never a silent fallback.
+
+    FSDP2 shards parameters as ``DTensor``s, which merge-then-reinitialize gathers one layer at a time; FSDP1 flattens
+    them into ``FlatParameter``s and DeepSpeed ZeRO partitions them its own way, which a merge cannot fold. Accelerate
+    enables FSDP only on accelerators: on a CPU, ``--use_fsdp`` quietly becomes plain data parallelism (or
+    independent single-process runs), with every process holding the whole model.
+    """
+    if deepspeed:
+        raise ValueError("POET merge-then-reinitialize cannot fold weights DeepSpeed partitions; shard with FSDP2 "
+                         "instead (an Accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`, see "
+                         "`configs/accelerate_fsdp2.yaml`), or use DDP")
+    if fsdp and fsdp_version != 2:
+        raise ValueError(f"POET needs FSDP2 (`fsdp_version: 2`), got FSDP version {fsdp_version}: FSDP1's flat "
+                         "parameters cannot be folded one layer at a time")
+    if fsdp_requested and not fsdp:
+        raise ValueError("FSDP was requested (ACCELERATE_USE_FSDP) but is not enabled: Accelerate only enables FSDP on "
+                         "accelerators, so on this machine every process would hold the whole model. On a CPU, use "
+                         "DDP (`accelerate launch --multi_gpu`) or shard in your own loop with "
+                         "`poet_hf.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)")
 
 
 class PoetTrainer(Trainer):
@@ -40,7 +52,8 @@ class PoetTrainer(Trainer):
       from scratch can be rebuilt and exported without a hub id.
 
     POET merges fold weights in place on every process, which is exact under DDP (every rank draws the same
-    permutations). Under FSDP or DeepSpeed the weights are sharded; that is refused with a clear error.
+    permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
+    own shard (:mod:`poet_hf.distributed`). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
     """
 
     def __init__(self, *args: Any, run_info: Optional[dict] = None, **kwargs: Any) -> None:
@@ -48,7 +61,9 @@ class PoetTrainer(Trainer):
         self.run_info = dict(run_info or {})
         self.has_poet = bool(poet_layers(unwrap(self.model)))
         if self.has_poet:
-            check_sharding(self.is_fsdp_enabled, self.is_deepspeed_enabled)
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            check_sharding(self.is_fsdp_enabled, self.is_deepspeed_enabled, getattr(plugin, "fsdp_version", None),
+                           os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"))
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
 

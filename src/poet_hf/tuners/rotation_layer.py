@@ -148,10 +148,16 @@ class RotationLayer(BaseTunerLayer):
         weight = self.get_base_layer().weight
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
+    def full_weight_matrix(self) -> torch.Tensor:
+        """The whole out × in matrix, gathered when FSDP2 has sharded the weight (then a collective: every rank
+        calls it). Only this layer's weight is gathered, never the model's."""
+        weight = full_tensor(self.get_base_layer().weight)
+        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+
     def set_weight_matrix(self, matrix: torch.Tensor) -> None:
+        """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard."""
         weight = self.get_base_layer().weight
-        matrix = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
-        weight.data.copy_(matrix.to(weight.dtype))
+        write_full(weight, matrix.T if self._weight_transposed else matrix.reshape(weight.shape))
 
     @property
     def is_conv2d(self) -> bool:
@@ -209,7 +215,7 @@ class RotationLayer(BaseTunerLayer):
         """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider);
         blocks flagged ``False`` in ``keep`` are the identity."""
         spec = self.sides(adapter_name)[side]
-        param = self.skew_parameter(adapter_name, side).to(dtype)
+        param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
         terms = self.poet_settings[adapter_name].neumann_terms
         if _FUSED:
             blocks = orthogonal_from_vector(param, spec.block, terms)
@@ -248,12 +254,13 @@ class RotationLayer(BaseTunerLayer):
 
     def _weight_for_folding(self) -> torch.Tensor:
         """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base)."""
-        return self.weight_matrix().to(_at_least_float32(self.weight_matrix().dtype))
+        matrix = self.full_weight_matrix()
+        return matrix.to(_at_least_float32(matrix.dtype))
 
     def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
-        matrix = self.weight_matrix().to(dtype)
+        matrix = self.full_weight_matrix().to(dtype)
         for adapter_name in adapter_names if adapter_names is not None else self.active_adapters:
             matrix = self.rotate_weight(matrix, adapter_name)
         return matrix
@@ -380,7 +387,7 @@ class RotationLayer(BaseTunerLayer):
         while self.merged_adapters:
             adapter_name = self.merged_adapters.pop()
             report: dict[str, Any] = {}
-            restored = self.rotate_weight(self.weight_matrix().double(), adapter_name, inverse=True, report=report)
+            restored = self.rotate_weight(self.full_weight_matrix().double(), adapter_name, inverse=True, report=report)
             self.set_weight_matrix(restored)
             report["error_bound"] = sum(r["error_bound"] for r in report.values())
             self.unmerge_report[adapter_name] = report
@@ -413,7 +420,7 @@ class RotationLayer(BaseTunerLayer):
         side turns a vector by, ``2·atan(||Q||_2)`` (exact for the Cayley transform, whose eigenvalues are
         ``e^{±2i·atan θ}``; ``||Q||_2`` by power iteration). POET's two sides add up; OFT has one."""
         return sum(math.degrees(2 * math.atan(float(skew_spectral_norm(skew_from_vector(
-            self.skew_parameter(adapter_name, side).float(), spec.block)).max())))
+            full_tensor(self.skew_parameter(adapter_name, side)).float(), spec.block)).max())))
             for side, spec in self.sides(adapter_name).items())
 
     @torch.no_grad()
@@ -425,13 +432,33 @@ class RotationLayer(BaseTunerLayer):
         bound = 1.0
         terms = self.poet_settings[adapter_name].neumann_terms
         for side, spec in self.sides(adapter_name).items():
-            q = skew_from_vector(self.skew_parameter(adapter_name, side).double(), spec.block)
+            q = skew_from_vector(full_tensor(self.skew_parameter(adapter_name, side)).double(), spec.block)
             blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
             stats["q_norm"] = max(stats["q_norm"], float(torch.linalg.matrix_norm(q, ord=2).max()))
             stats["orth_error"] = max(stats["orth_error"], float(orthogonality_error(blocks).max()))
             bound *= 1 + float(neumann_error_bound(q, terms).max())
         stats["neumann_bound"] = bound - 1
         return stats
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a tensor FSDP2 may have sharded into a ``DTensor`` (then a collective: every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write the whole tensor ``full`` into ``param``; for a sharded ``DTensor`` each rank copies its own shard of
+    ``full`` (which every rank computed identically, so no communication is needed)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full = full.to(param.dtype)
+    if isinstance(param, DTensor):
+        param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
+    else:
+        param.data.copy_(full)
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:

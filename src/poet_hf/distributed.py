@@ -1,0 +1,127 @@
+"""POET under FSDP2 (``torch.distributed.fsdp.fully_shard``): sharding a model, and gathering what must be whole.
+
+POET trains under FSDP2 as it is: every parameter (the frozen ``W0`` included) is a sharded ``DTensor``, FSDP2
+all-gathers one decoder layer's parameters for its forward and backward, and the fused POET layers see ordinary
+tensors there. Merge-then-reinitialize runs outside the forward on the sharded weights: each layer gathers its own
+``W0`` and skew vectors, folds, writes back only its shard and draws the same permutations on every rank
+(:meth:`~poet_hf.tuners.rotation_layer.RotationLayer.merge_and_reinit`), so a merge never holds more than one
+layer's full weight. This module adds what a sharded run needs around that: sharding per decoder layer (what
+Accelerate's ``fsdp_version: 2`` does inside ``Trainer``), and the gathers that end a run: an unsharded copy on
+rank 0 to export or save, written once.
+
+Every function here that gathers is a collective: call it on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["shard_model", "is_sharded", "gather_full_state_dict", "unsharded_replica", "save_pretrained_unsharded"]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 has sharded it)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The transformer block classes to shard one by one: transformers' ``_no_split_modules``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"{type(base).__name__} declares no `_no_split_modules` (its transformer block class); "
+                         "shard it yourself with torch.distributed.fsdp.fully_shard, one call per block")
+    return tuple(classes)
+
+
+def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
+    """``fully_shard`` every transformer block of ``model``, then the root (in place; returns ``model``).
+
+    ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
+    ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, …).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+    blocks = _block_classes(model)
+    for module in [m for m in model.modules() if isinstance(m, blocks)]:
+        fully_shard(module, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    return model
+
+
+def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state dict on rank 0's CPU (an empty dict on the other ranks), gathered one tensor at a time."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not is_sharded(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _unwrapped_class(module: nn.Module) -> type:
+    """The model class under FSDP2's generated ``FSDP<Name>`` subclass."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
+
+
+def unsharded_replica(model: nn.Module) -> Optional[nn.Module]:
+    """On rank 0, an unsharded CPU copy of ``model`` (a ``PeftModel`` keeps its adapters); ``None`` elsewhere.
+
+    The base model is rebuilt from its class and config, the adapters from their configs, and the gathered state
+    dict (buffers included: permutations, merge counts) is loaded into it, so the copy computes what the sharded
+    model computes.
+    """
+    state = gather_full_state_dict(model)
+    if _rank() != 0:
+        return None
+    from peft import PeftModel, get_peft_model
+
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    replica = _unwrapped_class(base)(copy.deepcopy(base.config))
+    if isinstance(model, PeftModel):
+        names = list(model.peft_config)
+        replica = get_peft_model(replica, copy.deepcopy(model.peft_config[names[0]]), adapter_name=names[0])
+        for name in names[1:]:
+            replica.add_adapter(name, copy.deepcopy(model.peft_config[name]))
+        replica.base_model.set_adapter(model.active_adapters if len(model.active_adapters) > 1
+                                       else model.active_adapters[0])
+    missing, unexpected = replica.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
+        raise RuntimeError(f"the gathered state dict does not fit the rebuilt {type(replica).__name__}: missing "
+                           f"{missing[:5]}, unexpected {unexpected[:5]}")
+    return replica.eval() if not model.training else replica
+
+
+def save_pretrained_unsharded(model: nn.Module, output_dir: Union[str, Path], **kwargs: Any) -> None:
+    """``model.save_pretrained(output_dir)`` for a sharded model: gathered on rank 0 and written once.
+
+    A ``PeftModel`` writes its adapter folder as usual (plus the base weights POET changed, as unsharded
+    ``save_pretrained`` does); every rank returns when the folder is complete.
+    """
+    state = gather_full_state_dict(model)
+    if _rank() == 0:
+        model.save_pretrained(output_dir, state_dict=state, is_main_process=True, **kwargs)
+    barrier()

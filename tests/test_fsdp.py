@@ -1,0 +1,127 @@
+"""POET under FSDP2: two CPU processes (gloo) shard a small POET LLaMA with torch's ``fully_shard`` and train it with
+poet_hf's merge, optimizer reset, checkpoint and export code (tests/fsdp_worker.py); the Trainer/Accelerate path needs
+an accelerator and runs where CUDA is available."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import poet_hf  # noqa: F401
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "fsdp_worker.py")
+PORTS = iter(range(29551, 29600))
+
+
+def torchrun(out: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(next(PORTS)), WORKER, str(out), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    results = {}
+    for engine in ("ddp", "fsdp2"):
+        for spo in ("block", "full"):
+            extra = ["--save-at", "14"] if engine == "fsdp2" else []  # two steps after the first merge
+            results[engine, spo] = (root / f"{engine}-{spo}", torchrun(root / f"{engine}-{spo}", engine, spo, *extra))
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spo", ["block", "full"])
+def test_fsdp2_trains_like_ddp_with_two_merges_and_identical_draws_on_every_rank(runs, spo):
+    (_, ddp), (_, fsdp) = runs["ddp", spo], runs["fsdp2", spo]
+    for ranks in (ddp, fsdp):
+        assert ranks[0]["world"] == 2 and ranks[0]["merges"] == [1, 2]
+        assert ranks[0]["buffers"] == ranks[1]["buffers"]  # the same permutations / index sets, drawn apart
+    losses_ddp, losses_fsdp = ddp[0]["losses"], fsdp[0]["losses"]
+    assert sorted(map(int, losses_fsdp)) == list(range(1, 31))
+    assert max(abs(losses_ddp[k] - losses_fsdp[k]) for k in losses_ddp) <= 1e-5
+    assert losses_fsdp["30"] < losses_fsdp["1"] - 0.01  # it trained
+
+
+@pytest.mark.slow
+def test_a_merge_gathers_one_layer_at_a_time(runs):
+    _, fsdp = runs["fsdp2", "block"]
+    report = fsdp[0]
+    # The most gathered bytes alive at once: one layer's W0, at most with one skew vector beside it.
+    assert 0 < report["peak_gathered_bytes"] <= report["largest_weight_bytes"] + report["largest_skew_bytes"]
+    _, ddp = runs["ddp", "block"]
+    assert ddp[0]["peak_gathered_bytes"] == 0  # unsharded weights need no gather
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spo", ["block", "full"])
+def test_sharded_checkpoint_after_a_merge_resumes_with_identical_losses(runs, tmp_path, spo):
+    directory, fsdp = runs["fsdp2", spo]
+    resumed = torchrun(tmp_path / "resumed", "fsdp2", spo, "--resume-from", str(directory / "ckpt"))
+    assert sorted(map(int, resumed[0]["losses"])) == list(range(15, 31))
+    assert resumed[0]["merges"] == [2]  # the merge at 12 is in the checkpoint, the one at 24 happens again
+    for step, loss in resumed[0]["losses"].items():
+        assert abs(loss - fsdp[0]["losses"][step]) <= 1e-5, step
+    assert resumed[0]["buffers"] == fsdp[0]["buffers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spo", ["block", "full"])
+def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logits(runs, spo):
+    directory, _ = runs["fsdp2", spo]
+    from training_utils import tiny_dataset, tiny_poet_model
+
+    expected = torch.load(directory / "logits0.pt")
+    dataset, tokenizer = tiny_dataset()
+    ids = torch.tensor(dataset["input_ids"][:2])[:, :12]
+    plain = AutoModelForCausalLM.from_pretrained(directory / "export").eval()
+    assert not any("poet" in name or "base_layer" in name for name, _ in plain.named_parameters())
+    base = tiny_poet_model(len(tokenizer), spo=spo, budget=0.5).get_base_model()  # any base: the adapter holds it all
+    reloaded = PeftModel.from_pretrained(base, directory / "adapter").eval()
+    with torch.no_grad():
+        assert (plain(input_ids=ids).logits - expected).abs().max() <= 1e-5
+        assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-6
+    assert sorted(p.name for p in (directory / "export").iterdir() if p.suffix == ".safetensors") == \
+        ["model.safetensors"]  # written once, by rank 0
+
+
+def test_trainer_refuses_deepspeed_and_fsdp1_and_an_fsdp_request_it_cannot_honour(monkeypatch, tmp_path):
+    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
+
+    from poet_hf.training.trainer import check_sharding
+
+    with pytest.raises(ValueError, match="FSDP2"):
+        check_sharding(fsdp=False, deepspeed=True)
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        check_sharding(fsdp=True, deepspeed=False, fsdp_version=1)
+    check_sharding(fsdp=True, deepspeed=False, fsdp_version=2)  # FSDP2 is welcome
+    dataset, tokenizer = tiny_dataset()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --use_fsdp` sets, CPU or not
+    with pytest.raises(ValueError, match="only enables FSDP on accelerators"):
+        tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate enables FSDP only on accelerators; the CPU "
+                    "tests above drive fully_shard directly")
+def test_accelerate_fsdp2_config_trains_pretrain_script_with_merges(tmp_path):
+    env = {**os.environ}
+    config = HERE.parent / "configs" / "accelerate_fsdp2.yaml"
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+               str(min(2, torch.cuda.device_count())), str(HERE.parent / "scripts" / "pretrain.py"), "--max_steps",
+               "8", "--merge_every", "4", "--batch_size", "2", "--seq_len", "64", "--output_dir", str(tmp_path),
+               "--max_eval_sequences", "8", "--export_dir", str(tmp_path / "export")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["merges"] == 2 and results["val_loss"] < results["initial_val_loss"]
+    assert (tmp_path / "export" / "model.safetensors").exists()
