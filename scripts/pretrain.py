@@ -4,7 +4,7 @@
     python scripts/pretrain.py --method adamw                    # the same run with the full-rank baseline
     accelerate launch --num_processes 2 scripts/pretrain.py --preset tiny
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
-        --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --max_steps 300000
+        --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --steps paper
 
 Every option: python scripts/pretrain.py --help
 """
@@ -15,7 +15,8 @@ import json
 
 from transformers import HfArgumentParser
 
-from poet_hf.training.pretrain import PretrainArguments, run_pretraining
+from poet_hf.data import load_tokenizer
+from poet_hf.training.pretrain import PretrainArguments, resolve_recipe, run_pretraining
 
 
 def build_parser() -> HfArgumentParser:
@@ -24,6 +25,10 @@ def build_parser() -> HfArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     (args,) = build_parser().parse_args_into_dataclasses(args=argv)
+    if args.print_recipe:
+        recipe = resolve_recipe(args, vocab_size=len(load_tokenizer(args.tokenizer)))
+        print(json.dumps(recipe, indent=2))
+        return recipe
     results = run_pretraining(args)
     summary = {k: results[k] for k in ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen",
                                        "trainable_params", "merges", "wall_time_s")}

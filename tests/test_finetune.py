@@ -124,7 +124,7 @@ def pretrained(tmp_path_factory):
     plays.mkdir()
     for row in load_embedded_corpus()["train"].select(range(5)):
         (plays / f"{row['title']}.txt").write_text(row["text"])
-    results = run_pretraining(PretrainArguments(method="adamw", dataset=str(plays), max_steps=400, batch_size=8,
+    results = run_pretraining(PretrainArguments(method="adamw", dataset=str(plays), steps=400, batch_size=8,
                                                 seq_len=128, output_dir=str(root / "model"), logging_steps=1000))
     assert results["val_perplexity"] < results["initial_val_perplexity"] / 10
     return root / "model"

@@ -117,7 +117,7 @@ def test_accelerate_fsdp2_config_trains_pretrain_script_with_merges(tmp_path):
     env = {**os.environ}
     config = HERE.parent / "configs" / "accelerate_fsdp2.yaml"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               str(min(2, torch.cuda.device_count())), str(HERE.parent / "scripts" / "pretrain.py"), "--max_steps",
+               str(min(2, torch.cuda.device_count())), str(HERE.parent / "scripts" / "pretrain.py"), "--steps",
                "8", "--merge_every", "4", "--batch_size", "2", "--seq_len", "64", "--output_dir", str(tmp_path),
                "--max_eval_sequences", "8", "--export_dir", str(tmp_path / "export")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)

@@ -163,7 +163,8 @@ def local_corpus(tmp_path_factory):
 
 
 def small_args(tmp_path, method, corpus, **overrides):
-    fields = dict(method=method, max_steps=4, batch_size=2, seq_len=64, merge_every=2, max_eval_sequences=8,
+    fields = dict(method=method, steps=4, batch_size=2, global_batch_size=2, seq_len=64, merge_every=2,
+                  max_eval_sequences=8,
                   logging_steps=1, output_dir=str(tmp_path / method), block_size=32, dataset=corpus)
     fields.update(overrides)
     return PretrainArguments(**fields)
@@ -199,8 +200,8 @@ def test_galore_without_package_says_how_to_install(tmp_path, local_corpus):
 
 
 def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_corpus):
-    poet = run_pretraining(small_args(tmp_path, "poet-bs", local_corpus, max_steps=8, neumann_terms=3))
-    adamw = run_pretraining(small_args(tmp_path, "adamw", local_corpus, max_steps=8))
+    poet = run_pretraining(small_args(tmp_path, "poet-bs", local_corpus, steps=8, neumann_terms=3))
+    adamw = run_pretraining(small_args(tmp_path, "adamw", local_corpus, steps=8))
     bound = poet["spectrum_bound"]
     assert poet["merges"] == 4 and 1e-8 < bound < 0.05  # CNP with 3 terms is inexact, so the check is not vacuous
     assert poet["spectrum_drift"]["max_drift"] <= bound + 1e-5  # + float32 rounding of the folds
@@ -209,7 +210,7 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_co
 
 def test_pretraining_lowers_validation_perplexity_fivefold(tmp_path):
     # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset.
-    results = run_pretraining(PretrainArguments(max_steps=30, max_eval_sequences=32,
+    results = run_pretraining(PretrainArguments(steps=30, max_eval_sequences=32,
                                                 output_dir=str(tmp_path / "main")))
     assert results["val_perplexity"] * 5 <= results["initial_val_perplexity"]
     losses = results["train_losses"]
@@ -226,7 +227,9 @@ def test_tensorboard_logs_both_learning_rates_and_poet_statistics(tmp_path, data
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
     tags = set(events.Tags()["scalars"])
     for tag in ("train/loss", "train/learning_rate", "train/poet_learning_rate", "train/poet/merge_count",
-                "train/poet/q_norm", "train/poet/orth_error", "train/poet/probe_cos_R", "train/poet/probe_cos_P"):
+                "train/poet/q_norm", "train/poet/block_orth_error", "train/poet/e_orth_R", "train/poet/e_orth_P",
+                "train/poet/trace_R", "train/poet/trace_P", "train/poet/e_orth_R/q_proj", "train/poet/trace_P/down_proj",
+                "train/poet/probe_cos_R", "train/poet/probe_cos_P"):
         assert tag in tags, tags
     assert [e.value for e in events.Scalars("train/poet/merge_count")] == [0, 1, 1]
     assert events.Scalars("train/poet_learning_rate")[0].value == pytest.approx(2e-3)

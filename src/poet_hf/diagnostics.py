@@ -94,21 +94,37 @@ def _probe_vector(layer: RotationLayer, adapter: str, side: str, dim: int) -> to
 
 @torch.no_grad()
 def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, float]:
-    """Live-primitive statistics for logging: largest ``||Q||_2`` and orthogonality error, and the mean
-    vector-probe cosine ``v^T R v`` / ``v^T P v`` with one fixed random unit vector per layer and side."""
-    q_norm, orth_error, cos = 0.0, 0.0, {"input": [], "output": []}
-    merge_count = 0
-    for _, layer in poet_layers(model, adapter):
+    """Live-primitive statistics for logging.
+
+    - ``poet/q_norm``: the largest ``||Q||_2`` of any block; ``poet/block_orth_error``: the largest
+      ``||B Bᵀ − I||_F / √b`` of any block;
+    - ``poet/e_orth_{R,P}`` and ``poet/trace_{R,P}``: the paper's ``||R Rᵀ − I||_F / ||I||_F`` and ``Tr(R)/m`` of the
+      whole rotation (:meth:`~poet_hf.tuners.rotation_layer.RotationLayer.paper_metrics`), averaged over layers and,
+      under ``poet/<metric>/<layer type>`` (``q_proj``, ``up_proj`` …), over the layers of each type;
+    - ``poet/probe_cos_{R,P}``: the mean vector-probe cosine ``vᵀ R v`` with one fixed random unit vector per layer
+      and side (the paper's Fig. 2).
+    """
+    q_norm, block_error, merge_count = 0.0, 0.0, 0
+    per_type: dict[str, list[float]] = {}
+    for name, layer in poet_layers(model, adapter):
         stats = layer.rotation_stats(adapter)
-        q_norm, orth_error = max(q_norm, stats["q_norm"]), max(orth_error, stats["orth_error"])
+        q_norm, block_error = max(q_norm, stats["q_norm"]), max(block_error, stats["orth_error"])
         merge_count = int(layer.merge_counts[adapter])
-        for side, spec in layer.poet_specs[adapter].items():
+        layer_type = name.rsplit(".", 1)[-1]
+        for side, metrics in layer.paper_metrics(adapter).items():
+            letter = "R" if side == "input" else "P"
+            for metric, value in metrics.items():
+                per_type.setdefault(f"{metric}_{letter}/{layer_type}", []).append(value)
+            spec = layer.poet_specs[adapter][side]
             v = _probe_vector(layer, adapter, side, spec.dim)
-            index = layer.index_buffer(adapter, side).cpu()
             blocks = layer.rotation_blocks(adapter, side, dtype=torch.float64).cpu()
-            cos[side].append(float(spec.matmul_right(v[None], index, blocks)[0] @ v))
-    stats = {"poet/merge_count": merge_count, "poet/q_norm": q_norm, "poet/orth_error": orth_error}
-    for side, name in (("input", "R"), ("output", "P")):
-        if cos[side]:
-            stats[f"poet/probe_cos_{name}"] = sum(cos[side]) / len(cos[side])
+            cosine = float(spec.matmul_right(v[None], layer.index_buffer(adapter, side).cpu(), blocks)[0] @ v)
+            per_type.setdefault(f"probe_cos_{letter}", []).append(cosine)
+    stats = {"poet/merge_count": merge_count, "poet/q_norm": q_norm, "poet/block_orth_error": block_error}
+    averages: dict[str, list[float]] = {}
+    for key, values in per_type.items():
+        stats[f"poet/{key}"] = sum(values) / len(values)
+        if "/" in key:
+            averages.setdefault(key.split("/")[0], []).extend(values)
+    stats.update({f"poet/{key}": sum(values) / len(values) for key, values in averages.items()})
     return stats

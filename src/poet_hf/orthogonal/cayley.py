@@ -4,11 +4,14 @@ Convention (shared with PEFT OFTv2 and the POET-X kernel, so adapters interopera
 
 - ``Q = M - M^T`` where ``M`` holds the parameter vector on its strict upper triangle.
 - Exact Cayley (``terms == 0``): ``R = (I + Q)(I - Q)^{-1}``.
-- Cayley–Neumann with ``k`` terms (POET eq. 6 with the inverse replaced by its Neumann series):
-  ``R = (I + Q)(I + Q + ... + Q^{k-2}) = I + 2Q + ... + 2Q^{k-2} + Q^{k-1}``.
+- Cayley–Neumann with ``n`` *terms*, counted as PEFT counts them (``num_cayley_neumann_terms``) so OFT checkpoints
+  interoperate: ``R = (I + Q)(I + Q + ... + Q^{n-2}) = I + 2Q + ... + 2Q^{n-2} + Q^{n-1}``.
+  The POET paper's eq. 6, ``R ≈ (I + Q)(I + Σ_{i=1..k} Q^i)``, counts the Neumann terms after the identity: its
+  ``k`` is ``n − 2``. The paper's recipe (appendix J) is ``k = 4``, i.e. ``n = 6``; its ``k = 1`` (``n = 3``)
+  diverged (Table 5).
 
-The truncation error has a closed form: ``R_exact - R_k = R_exact Q^{k-1}`` (Q commutes with
-``(I - Q)^{-1}``), so ``R_k = R_exact (I - Q^{k-1})`` and ``||R_k - R_exact||_2 = ||Q||_2^{k-1}``; see ``neumann_error_bound``.
+The truncation error has a closed form: ``R_exact - R_n = R_exact Q^{n-1}`` (Q commutes with
+``(I - Q)^{-1}``), so ``R_n = R_exact (I - Q^{n-1})`` and ``||R_n - R_exact||_2 = ||Q||_2^{n-1}``; see ``neumann_error_bound``.
 """
 
 from __future__ import annotations
@@ -45,12 +48,20 @@ def num_skew_params(block_size: int) -> int:
     return block_size * (block_size - 1) // 2
 
 
+def paper_neumann_k(terms: int) -> Optional[int]:
+    """The POET paper's ``k`` (eq. 6: Neumann terms after the identity) for PEFT's term count ``terms``; ``None`` for
+    the exact transform."""
+    return None if terms == 0 else terms - 2
+
+
 def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
-    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2."""
+    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms − 2)."""
     if not isinstance(terms, int) or isinstance(terms, bool) or terms < 0 or terms == 1:
         raise ValueError(
-            f"`{field}` must be 0 (exact Cayley transform) or an integer >= 2, got {terms!r}; "
-            "1 term gives R = 2I, which is not a rotation."
+            f"`{field}` must be 0 (the exact Cayley transform) or an integer >= 2, got {terms!r}. It counts the terms "
+            "of R = I + 2Q + … + 2Q^(n−2) + Q^(n−1) as PEFT does; the POET paper's eq. 6 counts k = n − 2 Neumann "
+            "terms after the identity, so the paper's recipe k = 4 is neumann_terms=6 and its diverging k = 1 is "
+            "neumann_terms=3. n = 1 would be R = 2I, not a rotation."
         )
 
 

@@ -9,17 +9,18 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 
-from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences
+from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..distributed import is_sharded
 from ..tuners.constants import DEFAULT_TARGET_MODULES
+from ..orthogonal.cayley import paper_neumann_k
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
 from .trainer import PoetTrainer
@@ -29,47 +30,95 @@ METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
 
 @dataclass(frozen=True)
 class Preset:
-    """A LLaMA shape (Table 7) and the recipe that goes with it (Tables 8–9)."""
+    """A LLaMA shape (Table 7) and the training recipe that goes with it (Tables 8–9, appendix E).
+
+    ``intermediate_bs`` is the FFN size of the POET-BS column of Table 7 (divisible by the block sizes);
+    ``intermediate_fs`` the one the POET-FS rows of Table 2 imply; ``intermediate`` GaLore's, for the baselines.
+    """
 
     hidden: int
-    intermediate_bs: int  # divisible by the block sizes (Table 7's POET-BS column)
-    intermediate: int  # GaLore's sizes, used by POET-FS and the baselines
+    intermediate_bs: int
+    intermediate_fs: int
+    intermediate: int
     heads: int
     layers: int
+    learning_rate: float  # lr (base), Tables 8–9
+    paper_steps: int  # Tables 8–9
+    steps: int = 1000  # the default length: a short run of the paper's recipe
+    batch_size: int = 32  # sequences per micro-batch per process (the official 60M script's)
+    global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
     block_size: int = 256
-    learning_rate: float = 1e-2
-    poet_learning_rate: float = 1e-3
+    budget: float = 0.5
+    merge_every: int = 400  # §5.2
+    max_grad_norm: float = 0.1  # appendix E
+    weight_decay: float = 0.01  # appendix E
+    poet_learning_rate: Optional[float] = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
 
 
 PRESETS = {
-    "tiny": Preset(128, 256, 256, 4, 4, block_size=32, learning_rate=5e-3, poet_learning_rate=4e-3),
-    "llama-60m": Preset(512, 1280, 1376, 8, 8, learning_rate=1e-2),
-    "llama-130m": Preset(768, 2048, 2048, 12, 12, learning_rate=5e-3),
-    "llama-350m": Preset(1024, 2816, 2736, 16, 24, learning_rate=5e-3),
-    "llama-1.3b": Preset(2048, 5376, 5461, 32, 24, learning_rate=1e-3),
+    # Not the paper's: a shape and recipe that train meaningfully in minutes on 2 CPU cores (the README's main job).
+    "tiny": Preset(128, 256, 256, 256, 4, 4, learning_rate=5e-3, paper_steps=0, steps=200, batch_size=8,
+                   global_batch_size=8, block_size=32, merge_every=50, max_grad_norm=1.0, weight_decay=0.0,
+                   poet_learning_rate=4e-3),
+    "llama-60m": Preset(512, 1280, 1376, 1376, 8, 8, learning_rate=1e-2, paper_steps=300_000),
+    "llama-130m": Preset(768, 2048, 2048, 2048, 12, 12, learning_rate=5e-3, paper_steps=400_000),
+    "llama-350m": Preset(1024, 2816, 2736, 2736, 16, 24, learning_rate=5e-3, paper_steps=400_000),
+    # 1.3B: Table 2's FS counts (25.39/101.66/406.88M) need an FFN of 5464; GaLore's 5461 (the AdamW row, 1.21B)
+    # misses them. Its BS-256 count, 118.26M, fits no FFN divisible by 256 (5376 gives 118.29M), so BS keeps Table 7.
+    "llama-1.3b": Preset(2048, 5376, 5464, 5461, 32, 24, learning_rate=1e-3, paper_steps=500_000),
 }
+
+
+def tied_poet_learning_rate(method: str, size: float) -> float:
+    """Tables 8–9 tie the POET learning rate to the rotation size: 1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64
+    and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and ``1e-3 · ½/budget`` (the same rule between those sizes);
+    ``size`` is the block size (BS) or the budget fraction (FS)."""
+    return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
 
 
 @dataclass
 class PretrainArguments:
-    """Command-line options of ``scripts/pretrain.py`` (parsed by ``transformers.HfArgumentParser``)."""
+    """Command-line options of ``scripts/pretrain.py`` (parsed by ``transformers.HfArgumentParser``).
 
-    preset: str = field(default="tiny", metadata={"help": f"model size: {', '.join(PRESETS)}"})
+    Every recipe value left ``None`` comes from the preset (:func:`resolve_recipe`): for the paper's presets, the
+    paper's run except its length (``--steps paper`` for that too).
+    """
+
+    preset: str = field(default="tiny", metadata={"help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
+                        "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"})
     method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)}"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "POET-BS block size (default per preset)"})
-    budget: float = field(default=0.5, metadata={"help": "POET-FS fraction of each dimension"})
-    neumann_terms: int = field(default=5, metadata={"help": "Cayley–Neumann terms (0 = exact Cayley)"})
-    merge_every: int = field(default=50, metadata={"help": "optimizer steps between merges (paper: 200-400)"})
+    block_size: Optional[int] = field(default=None, metadata={"help": "POET-BS block size (default per preset: 256)"})
+    block_size_input: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of R only"})
+    block_size_output: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of P only"})
+    budget: Optional[float] = field(default=None, metadata={"help": "POET-FS index-set size per side: a fraction of "
+                                    "the dimension (<= 1, default 0.5) or an absolute size (> 1)"})
+    budget_input: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
+    budget_output: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of P only"})
+    neumann_terms: Optional[int] = field(default=None, metadata={"help": "Cayley–Neumann terms n, PEFT's count "
+                                         "(the paper's k = n − 2); default 6, the paper's k = 4; 0 = exact Cayley"})
+    merge_every: Optional[int] = field(default=None, metadata={"help": "optimizer steps between merges (default per "
+                                       "preset: the paper's 400)"})
     base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
-    learning_rate: Optional[float] = field(default=None, metadata={"help": "base learning rate (default per preset)"})
-    poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET learning rate"})
+    learning_rate: Optional[float] = field(default=None, metadata={"help": "base learning rate (default per preset, "
+                                           "Tables 8–9)"})
+    poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET learning rate (default: tied "
+                                                "to the rotation size as Tables 8–9: 1e-3·256/b or 1e-3·½/budget)"})
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank for --method lora"})
-    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "sequences per device per micro-batch"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    seq_len: int = field(default=256, metadata={"help": "packed sequence length"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping (paper: 0.1)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "weight decay of the non-rotation parameters"})
+    steps: Optional[str] = field(default=None, metadata={"help": "optimizer steps: an integer, or 'paper' for Tables "
+                                 "8–9's count (default per preset: 200 for tiny, 1000 for the paper's presets)"})
+    batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per process per micro-batch "
+                                      "(default per preset)"})
+    global_batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per optimizer step (the "
+                                             "paper's 512), reached by gradient accumulation over processes"})
+    gradient_accumulation_steps: Optional[int] = field(default=None, metadata={"help": "micro-batches per optimizer "
+                                                       "step (default: global_batch_size / (batch_size·processes))"})
+    seq_len: int = field(default=256, metadata={"help": "sequence length"})
+    packing: bool = field(default=True, metadata={"help": "pack documents into seq_len-token rows (true) or truncate "
+                          "/ pad each document to seq_len as GaLore and the paper do (false)"})
+    max_grad_norm: Optional[float] = field(default=None, metadata={"help": "gradient clipping (default per preset: "
+                                           "the paper's 0.1)"})
+    weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay of the non-rotation "
+                                          "parameters (default per preset: the paper's 0.01)"})
     min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     dataset: str = field(default=EMBEDDED_CORPUS,
@@ -87,6 +136,7 @@ class PretrainArguments:
     resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoint folder to resume "
                                                   "from"})
     export_dir: Optional[str] = field(default=None, metadata={"help": "export a plain merged model here at the end"})
+    print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
     seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
 
     def __post_init__(self) -> None:
@@ -94,39 +144,137 @@ class PretrainArguments:
             raise ValueError(f"`preset` must be one of {tuple(PRESETS)}, got {self.preset!r}")
         if self.method not in METHODS:
             raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}")
-        for name in ("max_steps", "batch_size", "seq_len", "merge_every", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
+        if self.steps is not None and str(self.steps) != "paper" and not str(self.steps).isdigit():
+            raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
+        for name in ("batch_size", "global_batch_size", "gradient_accumulation_steps", "merge_every", "seq_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value!r}")
+        if self.preset == "tiny" and str(self.steps) == "paper":
+            raise ValueError("`steps`='paper' needs one of the paper's presets; 'tiny' is not in the paper")
+
+
+def _budget(value: float) -> float | int:
+    """A budget from the command line: a fraction (<= 1) stays a float, an absolute size (> 1) becomes an int."""
+    if value > 1:
+        if value != int(value):
+            raise ValueError(f"`budget` above 1 is an absolute index-set size and must be whole, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def resolve_recipe(args: PretrainArguments, world_size: Optional[int] = None,
+                   vocab_size: Optional[int] = None) -> dict[str, Any]:
+    """Every value of the run: the arguments given, else the preset's (the paper's Tables 7–9 and appendix E).
+
+    ``world_size`` defaults to the ``WORLD_SIZE`` the launcher set (1 without one). The result is what
+    ``--print_recipe`` prints and what ``results.json`` records under ``"recipe"``; with ``vocab_size`` it also
+    counts the method's trainable parameters (Table 2's convention: the Linear layers of the blocks).
+    """
+    import os
+
+    from ..tuners.poet.config import PoetConfig
+
+    preset = PRESETS[args.preset]
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    steps = preset.paper_steps if str(args.steps) == "paper" else int(args.steps) if args.steps else preset.steps
+    micro = args.batch_size or preset.batch_size
+    if args.gradient_accumulation_steps is not None:
+        accumulation = args.gradient_accumulation_steps
+        global_batch = micro * accumulation * world
+    else:
+        global_batch = args.global_batch_size or preset.global_batch_size
+        micro = min(micro, max(1, global_batch // world))
+        if global_batch % (micro * world):
+            raise ValueError(f"`global_batch_size`={global_batch} is not a multiple of `batch_size`={micro} × "
+                             f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`")
+        accumulation = global_batch // (micro * world)
+    block = args.block_size or preset.block_size
+    budget = _budget(args.budget) if args.budget is not None else preset.budget
+    recipe: dict[str, Any] = {
+        "preset": args.preset, "method": args.method,
+        "model": {"hidden": preset.hidden, "intermediate": _intermediate(preset, args.method), "heads": preset.heads,
+                  "layers": preset.layers, "seq_len": args.seq_len, "vocab": vocab_size},
+        "learning_rate": args.learning_rate or preset.learning_rate,
+        "max_grad_norm": preset.max_grad_norm if args.max_grad_norm is None else args.max_grad_norm,
+        "weight_decay": preset.weight_decay if args.weight_decay is None else args.weight_decay,
+        "optimizer": "AdamW", "schedule": "cosine", "min_lr_ratio": args.min_lr_ratio, "warmup_steps": args.warmup_steps,
+        "steps": steps, "sequences_per_step": global_batch, "batch_size": micro,
+        "gradient_accumulation_steps": accumulation, "processes": world, "packing": args.packing,
+        "tokens_per_step": global_batch * args.seq_len, "total_tokens": global_batch * args.seq_len * steps,
+    }
+    if args.method.startswith("poet"):
+        terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
+        sides = {"block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
+                 "budget": {"input": _budget(args.budget_input) if args.budget_input else budget,
+                            "output": _budget(args.budget_output) if args.budget_output else budget}}
+        rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
+        mean_size = sum(rotation.values()) / 2
+        if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
+            mean_size = mean_size / preset.hidden
+        recipe.update({
+            "spo": "block" if args.method == "poet-bs" else "full",
+            **({"block_size": _collapse(sides["block_size"])} if args.method == "poet-bs"
+               else {"budget": _collapse(sides["budget"])}),
+            "neumann_terms": terms, "paper_neumann_k": paper_neumann_k(terms),
+            "merge_every": args.merge_every or preset.merge_every, "base_init": args.base_init,
+            "poet_learning_rate": args.poet_learning_rate or preset.poet_learning_rate or tied_poet_learning_rate(
+                args.method, mean_size),
+            "post_merge_clip_steps": 10, "post_merge_clip_factor": 0.1,
+        })
+    elif args.method == "lora":
+        recipe["lora_rank"] = args.lora_rank
+    if vocab_size is not None:
+        recipe.update(_parameter_counts(args, recipe, vocab_size))
+    return recipe
+
+
+def _collapse(per_side: dict[str, Any]) -> Any:
+    return per_side["input"] if per_side["input"] == per_side["output"] else per_side
+
+
+def _intermediate(preset: Preset, method: str) -> int:
+    return {"poet-bs": preset.intermediate_bs, "poet-fs": preset.intermediate_fs}.get(method, preset.intermediate)
+
+
+def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
+    """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = apply_recipe(build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed),
+                             recipe, base_init=None)
+    return count_trainable(model)
 
 
 def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int) -> LlamaForCausalLM:
-    """A randomly initialised LLaMA of the preset's shape (POET-BS uses Table 7's divisible FFN size)."""
+    """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=preset.hidden, num_hidden_layers=preset.layers,
-                         intermediate_size=preset.intermediate_bs if method == "poet-bs" else preset.intermediate,
-                         num_attention_heads=preset.heads, num_key_value_heads=preset.heads,
-                         max_position_embeddings=seq_len, tie_word_embeddings=False)
+                         intermediate_size=_intermediate(preset, method), num_attention_heads=preset.heads,
+                         num_key_value_heads=preset.heads, max_position_embeddings=seq_len, tie_word_embeddings=False)
     return LlamaForCausalLM(config)
 
 
-def apply_method(model: LlamaForCausalLM, args: PretrainArguments, preset: Preset) -> torch.nn.Module:
-    """Wrap the model for ``args.method``: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
+def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Optional[str] = "recipe",
+                 seed: int = 0) -> torch.nn.Module:
+    """Wrap the model for the recipe's method: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
     from peft import LoraConfig, get_peft_model
 
     targets = DEFAULT_TARGET_MODULES["llama"]
-    if args.method in ("poet-bs", "poet-fs"):
-        config = PoetConfig(spo="block" if args.method == "poet-bs" else "full",
-                            block_size=args.block_size or preset.block_size, budget=args.budget,
-                            neumann_terms=args.neumann_terms, merge_every=args.merge_every,
-                            base_init=args.base_init, seed=args.seed)
+    method = recipe["method"]
+    if method in ("poet-bs", "poet-fs"):
+        rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
+        config = PoetConfig(spo=recipe["spo"], **rotation, neumann_terms=recipe["neumann_terms"],
+                            merge_every=recipe["merge_every"], seed=seed,
+                            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
+                            train_other_params=True)
         return get_peft_model(model, config)
-    if args.method == "lora":
+    if method == "lora":
         # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.
-        config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=targets,
+        config = LoraConfig(r=recipe["lora_rank"], lora_alpha=recipe["lora_rank"], target_modules=targets,
                             modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm",
                                              "norm", "lm_head"])
         return get_peft_model(model, config)
-    if args.method == "galore":
+    if method == "galore":
         try:
             import galore_torch  # noqa: F401
         except ImportError as error:
@@ -134,29 +282,31 @@ def apply_method(model: LlamaForCausalLM, args: PretrainArguments, preset: Prese
     return model
 
 
-def training_arguments(args: PretrainArguments, preset: Preset) -> PoetTrainingArguments:
-    """``PoetTrainingArguments`` of the paper's recipe: cosine to ``min_lr_ratio``, two learning rates."""
+def training_arguments(args: PretrainArguments, recipe: dict[str, Any]) -> PoetTrainingArguments:
+    """``PoetTrainingArguments`` of the recipe: cosine to ``min_lr_ratio``, two learning rates, post-merge clip ramp."""
     extra: dict[str, Any] = {}
     if args.method == "galore":
         extra = {"optim": "galore_adamw", "optim_target_modules": DEFAULT_TARGET_MODULES["llama"]}
     return PoetTrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate or preset.learning_rate,
-        poet_learning_rate=args.poet_learning_rate or preset.poet_learning_rate, merge_every=args.merge_every,
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio},
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, eval_strategy="no", report_to=args.report_to, seed=args.seed,
-        data_seed=args.seed, include_num_input_tokens_seen=True, dataloader_drop_last=True,
+        output_dir=args.output_dir, max_steps=recipe["steps"], per_device_train_batch_size=recipe["batch_size"],
+        per_device_eval_batch_size=recipe["batch_size"],
+        gradient_accumulation_steps=recipe["gradient_accumulation_steps"], learning_rate=recipe["learning_rate"],
+        poet_learning_rate=recipe.get("poet_learning_rate"), merge_every=recipe.get("merge_every"),
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": recipe["min_lr_ratio"]},
+        warmup_steps=recipe["warmup_steps"], weight_decay=recipe["weight_decay"],
+        max_grad_norm=recipe["max_grad_norm"], logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, eval_strategy="no",
+        report_to=args.report_to, seed=args.seed, data_seed=args.seed,
+        include_num_input_tokens_seen="all" if recipe["packing"] else "non_padding", dataloader_drop_last=True,
         use_cpu=not torch.cuda.is_available(), **extra)
 
 
 def load_data(args: PretrainArguments, tokenizer) -> tuple[Any, Any]:
-    """Packed train and (capped) validation sets."""
+    """Train and (capped) validation sets: packed rows, or one truncated / padded row per document."""
     corpus = load_corpus(args.dataset, args.dataset_config, streaming=args.streaming, seed=args.seed)
-    train = pack_sequences(corpus["train"], tokenizer, args.seq_len, args.text_column)
-    validation = pack_sequences(corpus["validation"], tokenizer, args.seq_len, args.text_column)
+    prepare = pack_sequences if args.packing else pad_documents
+    train = prepare(corpus["train"], tokenizer, args.seq_len, args.text_column)
+    validation = prepare(corpus["validation"], tokenizer, args.seq_len, args.text_column)
     if args.streaming:
         return train, validation.take(args.max_eval_sequences)
     return train, validation.select(range(min(args.max_eval_sequences, len(validation))))
@@ -187,16 +337,19 @@ def _perplexity(loss: float) -> float:
 def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``args.output_dir``."""
     started = time.time()
-    preset = PRESETS[args.preset]
     tokenizer = load_tokenizer(args.tokenizer)
+    recipe = resolve_recipe(args, vocab_size=len(tokenizer))
     train, validation = load_data(args, tokenizer)
-    model = apply_method(build_llama(preset, args.method, len(tokenizer), args.seq_len, args.seed), args, preset)
+    if not args.streaming and len(validation) < recipe["batch_size"]:
+        raise ValueError(f"the validation set has {len(validation)} sequences, fewer than one batch "
+                         f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch")
+    model = apply_recipe(build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, args.seed),
+                         recipe, seed=args.seed)
     targets = DEFAULT_TARGET_MODULES["llama"]
     spectra_before = singular_values(model, targets)
-    run_info = {"method": args.method, "preset": args.preset, **{k: v for k, v in asdict(args).items()
-                                                                   if k in ("block_size", "budget", "neumann_terms",
-                                                                            "merge_every", "dataset", "seq_len")}}
-    trainer = PoetTrainer(model=model, args=training_arguments(args, preset), train_dataset=train,
+    run_info = {"method": args.method, "preset": args.preset, "dataset": args.dataset, "seq_len": args.seq_len,
+                **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe}}
+    trainer = PoetTrainer(model=model, args=training_arguments(args, recipe), train_dataset=train,
                           eval_dataset=validation, data_collator=default_data_collator, processing_class=tokenizer,
                           run_info=run_info)
     initial_loss = trainer.evaluate()["eval_loss"]
@@ -204,7 +357,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     final_loss = trainer.evaluate()["eval_loss"]
     spectra_after = singular_values(model, targets)
     results = {
-        **run_info,
+        **run_info, "recipe": recipe,
         "val_loss": final_loss, "val_perplexity": _perplexity(final_loss),
         "initial_val_loss": initial_loss, "initial_val_perplexity": _perplexity(initial_loss),
         "tokens_seen": int(trainer.state.num_input_tokens_seen), "steps": trainer.state.global_step,

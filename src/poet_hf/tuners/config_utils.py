@@ -16,9 +16,28 @@ def check_positive_int(field_name: str, value: object, minimum: int = 1) -> None
         raise ValueError(f"`{field_name}` must be an integer >= {minimum}, got {value!r}")
 
 
-def check_budget(value: object, field_name: str = "budget") -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
-        raise ValueError(f"`{field_name}` must be a fraction in (0, 1], got {value!r}")
+def check_budget(value: object, field_name: str = "budget", absolute: bool = False) -> None:
+    """A fraction in (0, 1]; with ``absolute``, an int >= 2 (an absolute index-set size) too."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        valid = False
+    else:
+        valid = 0 < value <= 1 or (absolute and isinstance(value, int) and value >= 2)
+    if not valid:
+        allowed = "a fraction in (0, 1] or an absolute size (an int >= 2)" if absolute else "a fraction in (0, 1]"
+        raise ValueError(f"`{field_name}` must be {allowed}, got {value!r}")
+
+
+SIDE_NAMES = ("input", "output")
+
+
+def per_side(field_name: str, value: Any) -> dict[str, Any]:
+    """``{"input": v, "output": v}`` from a scalar, or the validated per-side dict (R is "input", P "output")."""
+    if not isinstance(value, dict):
+        return {side: value for side in SIDE_NAMES}
+    unknown = set(value) - set(SIDE_NAMES)
+    if unknown or not value:
+        raise ValueError(f"`{field_name}` per side must have keys among {SIDE_NAMES}, got {sorted(value)}")
+    return dict(value)
 
 
 def normalize_peft_target_fields(config: Any) -> None:

@@ -424,6 +424,20 @@ class RotationLayer(BaseTunerLayer):
             for side, spec in self.sides(adapter_name).items())
 
     @torch.no_grad()
+    def paper_metrics(self, adapter_name: str) -> dict[str, dict[str, float]]:
+        """Per side, the POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` and trace metric ``Tr(R)/m`` (appendices A,
+        G, J) of the whole ``m × m`` rotation, from its blocks in float64: a permutation changes neither, and the
+        identity outside a fully stochastic block adds nothing to the error and ``m − b`` to the trace."""
+        metrics = {}
+        for side, spec in self.sides(adapter_name).items():
+            blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+            eye = torch.eye(spec.block, dtype=torch.float64, device=blocks.device)
+            squared_error = float(((blocks @ blocks.transpose(-1, -2) - eye) ** 2).sum())
+            trace = float(blocks.diagonal(dim1=-2, dim2=-1).sum()) + (spec.dim - spec.block * blocks.shape[0])
+            metrics[side] = {"e_orth": math.sqrt(squared_error / spec.dim), "trace": trace / spec.dim}
+        return metrics
+
+    @torch.no_grad()
     def rotation_stats(self, adapter_name: str) -> dict[str, float]:
         """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||R R^T − I||_F/√b``) and ``neumann_bound``
         (the bound on any singular value's relative change the live rotations cause, from

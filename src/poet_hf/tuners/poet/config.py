@@ -10,7 +10,7 @@ from peft.config import PeftConfig
 from ..registry import peft_type_member
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields
+from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields, per_side
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 
 POET_PEFT_TYPE = "POET"
@@ -24,6 +24,11 @@ class PoetConfig(PeftConfig):
     skew-symmetric blocks that start at zero, so the wrapped model starts as the base model. Every
     ``merge_every`` optimizer steps :func:`poet_hf.merge_and_reinit` folds them into ``W0`` and draws new
     permutations / index sets.
+
+    ``neumann_terms`` counts as PEFT does (``R = I + 2Q + … + 2Q^(n−2) + Q^(n−1)``, ``n`` terms); the POET paper's
+    eq. 6 counts ``k = n − 2``. The default 6 is the paper's recipe ``k = 4`` (appendix J); ``merge_every=400`` is
+    its §5.2 default. ``block_size`` and ``budget`` may differ per side (``{"input": …, "output": …}``, R and P), as
+    in the paper's Fig. 5; a ``budget`` may be a fraction of the dimension or an absolute index-set size.
     """
 
     target_modules: Optional[Union[list[str], str]] = field(
@@ -41,15 +46,23 @@ class PoetConfig(PeftConfig):
         metadata={"help": "'block': permuted block-diagonal rotations (POET-BS); 'full': one b×b block on a random "
                   "index subset (POET-FS)."},
     )
-    block_size: int = field(default=256, metadata={"help": "Block size b for spo='block'; must divide the dims."})
-    budget: float = field(default=0.5, metadata={"help": "Fraction of each dimension rotated, for spo='full'."})
+    block_size: Union[int, dict[str, int]] = field(
+        default=256, metadata={"help": "Block size b for spo='block' (must divide the dims), or per side: "
+                               "{'input': b_R, 'output': b_P}."})
+    budget: Union[float, int, dict[str, Union[float, int]]] = field(
+        default=0.5, metadata={"help": "For spo='full': the index-set size per side, as a fraction of the dimension "
+                               "(a float in (0, 1]: b = ⌈budget·d⌉) or an absolute size (an int >= 2, Table 1's b); or "
+                               "per side: {'input': …, 'output': …} (Fig. 5's R:P splits)."})
     sides: Literal["both", "input", "output"] = field(
         default="both", metadata={"help": "'both' (R and P), 'input' (R only, OFT-like) or 'output' (P only)."}
     )
     neumann_terms: int = field(
-        default=5, metadata={"help": "Cayley–Neumann terms k (R = I + 2Q + … + 2Q^(k-2) + Q^(k-1)); 0 = exact Cayley."}
+        default=6, metadata={"help": "Cayley–Neumann terms n, counted as PEFT does (R = I + 2Q + … + 2Q^(n-2) + "
+                             "Q^(n-1)); the paper's eq. 6 counts k = n − 2, so the default 6 is its recipe k = 4. "
+                             "0 = the exact Cayley transform."}
     )
-    merge_every: int = field(default=200, metadata={"help": "Optimizer steps between merge-then-reinitialize."})
+    merge_every: int = field(default=400, metadata={"help": "Optimizer steps between merge-then-reinitialize (the "
+                                                    "paper's §5.2 default, 400)."})
     base_init: Optional[str] = field(
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
@@ -78,8 +91,11 @@ class PoetConfig(PeftConfig):
         self.peft_type = peft_type_member(POET_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
         normalize_peft_target_fields(self)
         check_choice("spo", self.spo, SPO_CHOICES)
-        check_positive_int("block_size", self.block_size, minimum=2)
-        check_budget(self.budget)
+        for side, value in per_side("block_size", self.block_size).items():
+            check_positive_int(f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value,
+                               minimum=2)
+        for side, value in per_side("budget", self.budget).items():
+            check_budget(value, f"budget[{side!r}]" if isinstance(self.budget, dict) else "budget", absolute=True)
         check_choice("sides", self.sides, SIDES_CHOICES)
         check_neumann_terms(self.neumann_terms)
         check_positive_int("merge_every", self.merge_every)

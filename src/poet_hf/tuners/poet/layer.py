@@ -17,6 +17,20 @@ from ...orthogonal.spo import make_side_spec
 from ..rotation_layer import SIDE_INPUT, SIDE_OUTPUT, RotationLayer, RotationSettings
 
 
+def side_values(config: Any, field_name: str) -> dict[str, Any]:
+    """``config.<field_name>`` per side; a side a per-side dict leaves out takes the field's default."""
+    value = getattr(config, field_name)
+    if not isinstance(value, dict):
+        return {SIDE_INPUT: value, SIDE_OUTPUT: value}
+    default = type(config).__dataclass_fields__[field_name].default
+    return {side: value.get(side, default) for side in (SIDE_INPUT, SIDE_OUTPUT)}
+
+
+def index_set_size(dim: int, budget: float | int) -> int:
+    """A fully stochastic side's ``b``: ``⌈budget·d⌉`` for a fraction, the budget itself for an absolute size."""
+    return budget if isinstance(budget, int) and budget >= 2 else subset_size(dim, budget)
+
+
 class PoetLayer(RotationLayer):
     """POET state of one wrapped module: skew parameters ``poet_R`` (input side) and ``poet_P`` (output side)."""
 
@@ -45,7 +59,8 @@ class PoetLayer(RotationLayer):
         dims = {SIDE_INPUT: self.in_features, SIDE_OUTPUT: self.out_features}
         wanted = {"both": (SIDE_INPUT, SIDE_OUTPUT), "input": (SIDE_INPUT,), "output": (SIDE_OUTPUT,)}[config.sides]
         field = "budget" if config.spo == "full" else "block_size"
-        specs = {side: make_side_spec(config.spo, dims[side], config.block_size, subset_size(dims[side], config.budget),
+        blocks, budgets = side_values(config, "block_size"), side_values(config, "budget")
+        specs = {side: make_side_spec(config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]),
                                       layer_name, field) for side in wanted}
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
                                     forward=config.forward)

@@ -1,0 +1,189 @@
+"""The POET paper's recipe: the Cayley–Neumann term count against eq. 6, the presets against Tables 2 and 7–9 and
+appendix E, configurations the paper uses (per-side budgets, absolute FS sizes, unpacked documents), and its
+diagnostics against dense references."""
+
+import importlib.util
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import poet_hf  # noqa: F401
+from poet_hf import PoetConfig
+from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
+from poet_hf.orthogonal.cayley import paper_neumann_k
+from poet_hf.training.pretrain import PretrainArguments, resolve_recipe
+from poet_hf.tuners.poet import poet_layers
+from models import tiny_llama
+from reference import block_rotation_dense, subset_rotation_dense
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def print_recipe(*flags: str) -> dict:
+    spec = importlib.util.spec_from_file_location("pretrain_script", ROOT / "scripts" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        module.main([*flags, "--print_recipe"])
+    return json.loads(out.getvalue())
+
+
+# --- 1. Cayley–Neumann terms ----------------------------------------------------------------------------------------
+def eq6(q: torch.Tensor, k: int) -> torch.Tensor:
+    """The paper's eq. 6 as printed: (I + Q)(I + Σ_{i=1..k} Q^i), by explicit powers in float64."""
+    eye = torch.eye(q.shape[-1], dtype=torch.float64)
+    total, power = eye.clone(), eye.clone()
+    for _ in range(k):
+        power = power @ q
+        total = total + power
+    return (eye + q) @ total
+
+
+@pytest.mark.parametrize("terms", [3, 4, 5, 6, 7, 8])
+def test_neumann_terms_are_pefts_count_and_the_papers_k_is_two_less(terms):
+    vec = torch.randn(num_skew_params(6), dtype=torch.float64, generator=torch.Generator().manual_seed(terms)) * 0.1
+    q = skew_from_vector(vec, 6)
+    expected = eq6(q, paper_neumann_k(terms))
+    torch.testing.assert_close(cayley_neumann(q, terms), expected, rtol=0, atol=1e-14)
+    torch.testing.assert_close(orthogonal_from_vector(vec[None], 6, terms)[0], expected, rtol=0, atol=1e-14)
+    assert not torch.allclose(cayley_neumann(q, terms), eq6(q, terms), atol=1e-6)  # k = n would be another map
+
+
+def test_the_default_is_the_papers_k_4_and_the_error_speaks_both_conventions():
+    assert PoetConfig().neumann_terms == 6 and paper_neumann_k(6) == 4
+    assert PoetConfig().merge_every == 400  # §5.2
+    with pytest.raises(ValueError, match=r"k = n − 2.*k = 4 is neumann_terms=6.*k = 1 is neumann_terms=3"):
+        PoetConfig(neumann_terms=1)
+
+
+# --- 2. presets ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset,lr,paper_steps", [("llama-60m", 1e-2, 300_000), ("llama-130m", 5e-3, 400_000),
+                                                   ("llama-350m", 5e-3, 400_000), ("llama-1.3b", 1e-3, 500_000)])
+def test_a_preset_alone_is_the_papers_run_but_for_its_length(preset, lr, paper_steps):
+    recipe = print_recipe("--preset", preset)
+    assert recipe["merge_every"] == 400 and recipe["max_grad_norm"] == 0.1 and recipe["weight_decay"] == 0.01
+    assert recipe["sequences_per_step"] == 512 and recipe["batch_size"] * recipe["gradient_accumulation_steps"] == 512
+    assert recipe["learning_rate"] == lr and recipe["poet_learning_rate"] == 1e-3  # BS-256
+    assert recipe["neumann_terms"] == 6 and recipe["paper_neumann_k"] == 4 and recipe["base_init"] == "normalized"
+    assert recipe["schedule"] == "cosine" and recipe["min_lr_ratio"] == 0.01 and recipe["warmup_steps"] == 0
+    assert recipe["tokens_per_step"] == 512 * 256
+    paper = print_recipe("--preset", preset, "--steps", "paper")
+    assert paper["steps"] == paper_steps and paper["total_tokens"] == paper_steps * 512 * 256
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--block_size", "256"], 1e-3), (["--block_size", "128"], 2e-3), (["--block_size", "64"], 4e-3),
+    (["--method", "poet-fs", "--budget", "0.5"], 1e-3), (["--method", "poet-fs", "--budget", "0.25"], 2e-3),
+    (["--method", "poet-fs", "--budget", "0.125"], 4e-3),
+])
+def test_the_poet_learning_rate_is_tied_to_the_rotation_size_as_tables_8_and_9(flags, expected):
+    assert print_recipe("--preset", "llama-60m", *flags)["poet_learning_rate"] == pytest.approx(expected)
+
+
+def test_flags_override_every_recipe_value():
+    recipe = print_recipe("--preset", "llama-130m", "--merge_every", "200", "--max_grad_norm", "1.0",
+                          "--weight_decay", "0", "--learning_rate", "3e-3", "--poet_learning_rate", "5e-4",
+                          "--batch_size", "16", "--global_batch_size", "256", "--neumann_terms", "5", "--steps", "77")
+    assert (recipe["merge_every"], recipe["max_grad_norm"], recipe["weight_decay"]) == (200, 1.0, 0.0)
+    assert (recipe["learning_rate"], recipe["poet_learning_rate"], recipe["neumann_terms"]) == (3e-3, 5e-4, 5)
+    assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 16, 77)
+    two_processes = resolve_recipe(PretrainArguments(preset="llama-130m"), world_size=2)
+    assert two_processes["batch_size"] * two_processes["gradient_accumulation_steps"] * 2 == 512
+
+
+# --- Table 2: every cell the paper's numbers determine -------------------------------------------------------------
+TABLE_2 = {  # trainable parameters of the blocks' Linear layers, in millions
+    ("llama-60m", "poet-bs"): {64: 2.39, 128: 4.81, 256: 9.66}, ("llama-60m", "poet-fs"): {0.125: 0.53, 0.25: 2.13, 0.5: 8.54},
+    ("llama-130m", "poet-bs"): {64: 5.52, 128: 11.12, 256: 22.33},
+    ("llama-130m", "poet-fs"): {0.125: 1.78, 0.25: 7.13, 0.5: 28.56},
+    ("llama-350m", "poet-bs"): {64: 14.90, 128: 30.04, 256: 60.32},
+    ("llama-350m", "poet-fs"): {0.125: 6.34, 0.25: 25.44, 0.5: 101.86},
+    # 1.3B BS-256's 118.26M fits no FFN divisible by 256 (Table 7's 5376 gives 118.29M), so it is not checked.
+    ("llama-1.3b", "poet-bs"): {64: 29.22, 128: 58.91}, ("llama-1.3b", "poet-fs"): {0.125: 25.39, 0.25: 101.66, 0.5: 406.88},
+}
+CELLS = [(p, m, size, value) for (p, m), row in TABLE_2.items() for size, value in row.items()]
+
+
+@pytest.mark.parametrize("preset,method,size,millions", CELLS)
+def test_every_determined_table_2_count_is_reproduced(preset, method, size, millions):
+    flag = "--block_size" if method == "poet-bs" else "--budget"
+    recipe = resolve_recipe(PretrainArguments(preset=preset, method=method, **{flag[2:]: size}), vocab_size=32000)
+    assert abs(recipe["trainable_block_params"] / 1e6 - millions) <= 0.005 + 1e-9
+
+
+# --- 3. configurations the paper uses --------------------------------------------------------------------------------
+def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
+    recipe = resolve_recipe(PretrainArguments(preset="llama-60m", method="poet-fs", budget_input=0.75,
+                                              budget_output=0.25), vocab_size=32000)
+    hidden, ffn, layers = 512, 1376, 8
+    shapes = [(hidden, hidden)] * 4 + [(hidden, ffn)] * 2 + [(ffn, hidden)]
+    expected = layers * sum(-(-3 * d_in // 4) * (-(-3 * d_in // 4) - 1) // 2 + -(-d_out // 4) * (-(-d_out // 4) - 1)
+                            // 2 for d_in, d_out in shapes)
+    assert recipe["trainable_block_params"] == expected
+    assert recipe["budget"] == {"input": 0.75, "output": 0.25}
+
+
+def test_fully_stochastic_sides_take_an_absolute_size_and_per_side_block_sizes_work():
+    model = get_peft_model(tiny_llama(), PoetConfig(spo="full", budget={"input": 24, "output": 0.25}))
+    for name, layer in poet_layers(model):
+        specs = layer.poet_specs["default"]
+        assert specs["input"].block == 24 and specs["output"].block == -(-layer.out_features // 4), name
+    model = get_peft_model(tiny_llama(), PoetConfig(block_size={"input": 32, "output": 16}))
+    layer = poet_layers(model)[0][1]
+    assert layer.poet_specs["default"]["input"].block == 32 and layer.poet_specs["default"]["output"].block == 16
+    with pytest.raises(ValueError, match=r"`budget\['input'\]`"):
+        PoetConfig(spo="full", budget={"input": 1.5})
+
+
+def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp_path):
+    from poet_hf.data import load_tokenizer, pad_documents
+    from poet_hf.training.pretrain import run_pretraining
+    from datasets import Dataset
+
+    tokenizer = load_tokenizer(None)
+    docs = ["To be, or not to be.", "All the world's a stage, and all the men and women merely players. " * 8]
+    rows = pad_documents(Dataset.from_dict({"text": docs}), tokenizer, seq_len=32)
+    lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs]
+    assert [sum(r) for r in rows["attention_mask"]] == [min(n, 32) for n in lengths]
+    assert all(label == -100 for label, keep in zip(rows["labels"][0], rows["attention_mask"][0]) if not keep)
+    corpus = tmp_path / "short.jsonl"
+    lines = [" ".join(["Speak the speech, I pray you."] * (1 + i % 5)) for i in range(60)]
+    corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
+    results = run_pretraining(PretrainArguments(packing=False, dataset=str(corpus), seq_len=64, steps=3,
+                                                batch_size=2, global_batch_size=2, max_eval_sequences=2,
+                                                output_dir=str(tmp_path / "run"), logging_steps=1))
+    assert 0 < results["tokens_seen"] < 3 * 2 * 64  # only real tokens were counted
+    assert results["recipe"]["packing"] is False and results["recipe"]["steps"] == 3
+
+
+# --- 4. the paper's diagnostics --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spo", ["block", "full"])
+def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
+    model = get_peft_model(tiny_llama(), PoetConfig(spo=spo, block_size=16, neumann_terms=3, init_weights=False))
+    for _, layer in poet_layers(model)[:4]:
+        with torch.no_grad():
+            for side in layer.poet_specs["default"]:
+                layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
+        metrics = layer.paper_metrics("default")
+        for side, spec in layer.poet_specs["default"].items():
+            blocks = torch.stack([cayley_neumann(skew_from_vector(row.double(), spec.block), 3)
+                                  for row in layer.skew_parameter("default", side).detach()])
+            index = layer.index_buffer("default", side)
+            dense = (subset_rotation_dense(index, blocks[0], spec.dim) if spo == "full"
+                     else block_rotation_dense(index, blocks))
+            eye = torch.eye(spec.dim, dtype=torch.float64)
+            e_orth = float(torch.linalg.matrix_norm(dense @ dense.T - eye) / torch.linalg.matrix_norm(eye))
+            assert metrics[side]["e_orth"] == pytest.approx(e_orth, rel=1e-10) and e_orth > 1e-4
+            assert metrics[side]["trace"] == pytest.approx(float(torch.trace(dense)) / spec.dim, rel=1e-12)
+
+
+def test_exact_cayley_rotations_have_zero_e_orth():
+    model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, neumann_terms=0, init_weights=False))
+    for _, layer in poet_layers(model):
+        assert max(m["e_orth"] for m in layer.paper_metrics("default").values()) < 1e-13
