@@ -352,3 +352,35 @@ def test_bfloat16_weight_keeps_float32_momentum():
     assert abs(deviations[torch.bfloat16][19] - deviations[torch.float32][19]) <= 0.01
     assert deviations[torch.float32][-1] <= 1e-6
     assert deviations[torch.bfloat16][-1] <= 1e-2
+
+
+def test_a_groups_lr_multiplier_scales_its_step_and_survives_state_dict_and_schedulers():
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.linalg.qr(torch.randn(8, 5, generator=gen, dtype=torch.float64))[0].T.contiguous()
+    bias = torch.randn(5, generator=gen, dtype=torch.float64)
+    grads = [(torch.randn(5, 8, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64))
+             for _ in range(4)]
+
+    def run(lr, multiplier, stiefel_lr):
+        w, b = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
+        optimizer = FeedbackGD([{"params": [w], "lr": stiefel_lr}, {"params": [b], "stiefel": False}], lr=lr,
+                               stiefel_lr_multiplier=multiplier)
+        for gw, gb in grads:
+            w.grad, b.grad = gw.clone(), gb.clone()
+            optimizer.step()
+        return w.detach(), b.detach(), optimizer
+
+    # Multiplier 3 on the Stiefel group is the same optimizer with a 3× rate there, and leaves the SGD group alone.
+    w_mult, b_mult, optimizer = run(0.05, 3.0, 0.05)
+    w_plain, b_plain, _ = run(0.05, 1.0, 0.15)
+    torch.testing.assert_close(w_mult, w_plain, rtol=0, atol=1e-14)
+    torch.testing.assert_close(b_mult, b_plain, rtol=0, atol=0)
+    assert [g["lr_multiplier"] for g in optimizer.param_groups] == [3.0, 1.0]
+    restored = FeedbackGD([torch.nn.Parameter(weight.clone())], lr=0.05)
+    restored.load_state_dict(optimizer.state_dict() | {"param_groups": optimizer.state_dict()["param_groups"][:1]})
+    assert restored.param_groups[0]["lr_multiplier"] == 3.0
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025) and optimizer.param_groups[0]["lr_multiplier"] == 3.0
+    del scheduler
+    with pytest.raises(ValueError, match="`lr_multiplier`"):
+        FeedbackGD([{"params": [torch.nn.Parameter(weight.clone())], "lr_multiplier": -1.0}], lr=0.1)

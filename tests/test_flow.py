@@ -101,11 +101,18 @@ def test_logdet_matches_jacobian_of_whole_flow():
 def test_bits_per_dim_formula():
     torch.manual_seed(0)
     model = ReflectionFlowModel(ReflectionFlowConfig(image_size=4, num_levels=1, steps_per_level=1, num_bins=17)).double().eval()
-    x = torch.rand(3, 1, 4, 4, dtype=F64)
+    x = torch.randint(0, 17, (3, 1, 4, 4), generator=torch.Generator().manual_seed(1)).double() / 17
     out = model(x)
-    z, logdet = model.encode(x)
-    log_p = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1) + logdet
-    assert torch.allclose(out.bits_per_dim, (-log_p + 16 * math.log(17)) / (16 * math.log(2)), atol=1e-12)
+    # Glow's evaluation: uniform dequantisation noise u / num_bins, here drawn from the fixed evaluation seed.
+    noise = torch.rand(x.shape, generator=torch.Generator().manual_seed(0), dtype=F64) / 17
+    bits = {}
+    for name, inputs in (("dequantised", x + noise), ("raw", x)):
+        z, logdet = model.encode(inputs)
+        log_p = torch.distributions.Normal(0.0, 1.0).log_prob(z).sum(-1) + logdet
+        bits[name] = (-log_p + 16 * math.log(17)) / (16 * math.log(2))
+    assert torch.allclose(out.bits_per_dim, bits["dequantised"], atol=1e-12)
+    assert not torch.allclose(out.bits_per_dim, bits["raw"], atol=1e-6)  # the noise is really there
+    assert torch.equal(model(x).bits_per_dim, out.bits_per_dim)  # and evaluation is deterministic
 
 
 def test_squeeze_round_trip_and_save_load(tmp_path):

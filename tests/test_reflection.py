@@ -280,3 +280,24 @@ def test_vision_export_path():
     from poet_hf.vision import AuxiliaryReflection as exported
 
     assert exported is AuxiliaryReflection
+
+
+def test_every_returned_inverse_is_a_verified_preimage_and_unique_only_under_the_invertible_construction():
+    gen = torch.Generator().manual_seed(11)
+    tol = 100 * torch.finfo(F64).eps
+    other_preimages = 0
+    for _ in range(300):
+        q, _ = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=F64))
+        unconstrained = torch.eye(6, dtype=F64) - q + 0.1 * torch.randn(6, 6, generator=gen, dtype=F64)
+        x = torch.randn(1, 6, generator=gen, dtype=F64)
+        y = auxiliary_reflection(x, unconstrained)
+        try:
+            found = auxiliary_reflection_inverse(y, unconstrained)
+        except NewtonConvergenceError:
+            continue
+        assert float((auxiliary_reflection(found, unconstrained) - y).norm() / y.norm()) <= tol
+        other_preimages += int(float((found - x).norm()) > 1e-6 * float(x.norm()))
+        constrained = invertible_weight(unconstrained)
+        y = auxiliary_reflection(x, constrained)
+        torch.testing.assert_close(auxiliary_reflection_inverse(y, constrained), x, rtol=0, atol=1e-10)
+    assert other_preimages > 0  # the unconstrained map is not injective: the uniqueness claim needs the construction

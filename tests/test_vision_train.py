@@ -68,8 +68,8 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     out = tmp_path / "model"
-    assert script.main([*TINY_ARGS, "--output-dir", str(out)]) == 0
-    metrics = json.loads((out / "metrics.json").read_text())
+    assert script.main([*TINY_ARGS, "--output-dir", str(out), "--pgd-steps", "5"]) == 0
+    metrics = json.loads((out / "results.json").read_text())
     record_property("tiny_clean_accuracy", metrics["clean_accuracy"])
     record_property("tiny_certified_accuracy", metrics["certified_accuracy"])
     assert metrics["num_examples"] == 64 and metrics["train_examples"] == 192
@@ -77,6 +77,14 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
     card = (out / "README.md").read_text()
     assert "pipeline_tag: image-classification" in card
     assert f"{metrics['lipschitz_constant']:.6f}" in card and f"{100 * metrics['certified_accuracy']:.2f} %" in card
+    # The papers' radii, in results.json and the card; certified accuracy falls with ε, and PGD never beats it.
+    at = metrics["certified_accuracy_at"]
+    assert list(at) == ["36/255", "72/255", "108/255", "1.0"] and at["36/255"] == metrics["certified_accuracy"]
+    assert at["36/255"] >= at["72/255"] >= at["108/255"] >= at["1.0"]
+    assert all(metrics["pgd_accuracy_at"][k] >= at[k] for k in at)
+    for name, value in at.items():
+        assert f"| {name} | {100 * value:.2f} % |" in card
+    assert (out / "certified_accuracy.png").read_bytes()[:4] == b"\x89PNG"
     model = AutoModelForImageClassification.from_pretrained(out).eval()
     assert model.config.baked and model.config.image_size == 12
     # The exported, baked model reproduces the certified numbers.
@@ -89,3 +97,79 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
     assert again["certified_accuracy"] == metrics["certified_accuracy"]
     assert again["lipschitz_constant"] == pytest.approx(metrics["lipschitz_constant"], rel=1e-9)
     assert torch.isfinite(torch.tensor(again["lipschitz_constant"]))
+
+
+def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
+    from poet_hf.vision.train import VisionTrainArgs
+
+    recipe = VisionTrainArgs(recipe="eco-paper")
+    assert (recipe.optim, recipe.momentum, recipe.weight_decay, recipe.batch_size) == ("sgd", 0.9, 5e-4, 128)
+    assert (recipe.epochs, recipe.lr_milestones, recipe.lr_decay, recipe.augment) == (200, [50, 150], 0.1, True)
+    assert recipe.learning_rate == 0.05 and VisionTrainArgs(recipe="eco-paper", depth=30).learning_rate == 0.1
+    assert (recipe.image_size, recipe.init_channels) == (24, 32)
+    assert VisionTrainArgs(recipe="eco-paper", learning_rate=0.02, epochs=3).learning_rate == 0.02
+    # A shortened recipe decays at the same fractions (¼, ¾) of its epochs, unless milestones are given.
+    assert VisionTrainArgs(recipe="eco-paper", epochs=20).lr_milestones == [5, 15]
+    assert VisionTrainArgs(recipe="eco-paper", epochs=20, lr_milestones=[7]).lr_milestones == [7]
+    with pytest.raises(ValueError, match="`recipe`"):
+        VisionTrainArgs(recipe="soc-v2")
+
+
+def test_recipe_trains_with_sgd_momentum_and_decays_the_rate_at_its_milestones(tmp_path):
+    from poet_hf.vision.train import VisionTrainArgs, train_lipconvnet
+
+    args = VisionTrainArgs(recipe="eco-paper", image_size=12, strides=[2, 2, 3, 1, 1], kernel_sizes=[3, 3, 3, 1, 1],
+                           init_channels=4, epochs=3, batch_size=64, max_train_examples=128, max_eval_examples=32,
+                           lr_milestones=[1, 2], logging_steps=1, output_dir=str(tmp_path), torch_threads=0)
+    captured = {}
+    original = torch.optim.SGD.__init__
+
+    def spy(self, params, **kwargs):
+        captured.update(kwargs)
+        original(self, params, **kwargs)
+
+    torch.optim.SGD.__init__ = spy
+    try:
+        model, metrics = train_lipconvnet(args)
+    finally:
+        torch.optim.SGD.__init__ = original
+    assert captured == {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+    assert metrics["recipe"] == "eco-paper" and metrics["train_examples"] == 128
+    from poet_hf.vision.train import _optimizer_and_schedule
+
+    optimizer, schedule = _optimizer_and_schedule(model, args, steps_per_epoch=2)
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx([0.05, 0.05, 0.005, 0.005, 0.0005, 0.0005])  # ×0.1 at epochs 1 and 2
+
+
+def test_random_crop_and_flip_keeps_the_size_and_moves_the_content():
+    from poet_hf.vision.data import random_crop_and_flip
+
+    image = torch.arange(3 * 12 * 12, dtype=torch.float32).reshape(3, 12, 12)
+    torch.manual_seed(0)
+    outputs = [random_crop_and_flip(image) for _ in range(20)]
+    assert all(o.shape == image.shape for o in outputs)
+    assert any(not torch.equal(o, image) for o in outputs)
+    flipped = [o for o in outputs if torch.equal(o, image.flip(-1))]
+    shifted = [o for o in outputs if (o == 0).any()]  # zero padding came in
+    assert shifted and len(flipped) + len(shifted) >= 1
+    torch.manual_seed(0)
+    assert all(torch.equal(a, random_crop_and_flip(image)) for a in outputs)  # seeded: reproducible
+
+
+def test_certificate_regularised_loss_is_cross_entropy_minus_gamma_times_the_radius():
+    from types import SimpleNamespace
+
+    from poet_hf.vision.train import certificate_regularized_loss
+
+    logits = torch.tensor([[3.0, 1.0, 0.5], [0.2, 0.1, 2.0], [1.0, 1.5, 0.0]])
+    labels = torch.tensor([0, 1, 1])
+    loss = certificate_regularized_loss(0.3, lipschitz=2.0)(SimpleNamespace(logits=logits), labels)
+    margins = [3.0 - 1.0, 0.0, 1.5 - 1.0]  # the second point is misclassified: no radius
+    radius = sum(m / (2.0 ** 0.5 * 2.0) for m in margins) / 3
+    expected = torch.nn.functional.cross_entropy(logits, labels) - 0.3 * radius
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)

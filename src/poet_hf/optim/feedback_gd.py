@@ -19,6 +19,9 @@ disagree):
   ``lr_new / lr_old`` (``lr_change="rescale"``, the default) or drops it (``"reset"``, what the reference
   ``main.py`` does by re-creating the optimizer).
 - Weight decay is not applied to constrained tensors; Nesterov is only available for unconstrained groups.
+- A group's ``lr_multiplier`` scales its learning rate (the reference's ``lr = baselr * stiefel`` for mixed
+  models); Stiefel groups default to ``stiefel_lr_multiplier``, the others to 1. It is a group key, so
+  ``state_dict`` keeps it and a scheduler, which rescales ``lr``, composes with it.
 - Unconstrained parameters get ``torch.optim.SGD`` semantics exactly (momentum, dampening, weight decay,
   Nesterov).
 """
@@ -62,6 +65,8 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"`lr_change` must be one of {LR_CHANGE}, got {group['lr_change']!r}")
     if group["weight_decay"] < 0:
         raise ValueError(f"`weight_decay` must be >= 0, got {group['weight_decay']!r}")
+    if not isinstance(group["lr_multiplier"], (int, float)) or group["lr_multiplier"] < 0:
+        raise ValueError(f"`lr_multiplier` must be a non-negative number, got {group['lr_multiplier']!r}")
     if group["momentum_clip"] is not None and group["momentum_clip"] <= 0:
         raise ValueError(f"`momentum_clip` must be None or > 0, got {group['momentum_clip']!r}")
     if not group["stiefel"]:
@@ -100,6 +105,8 @@ class FeedbackGD(torch.optim.Optimizer):
         momentum_clip: cap on ``||b||_F = lr ||phi||_F`` of constrained tensors (Remark A.2's clipping).
         exact_inverse: use ``(theta^T theta)^{-1}`` instead of ``2I - theta^T theta``.
         lr_change: ``"rescale"`` or ``"reset"`` the constrained momentum when ``lr`` changes.
+        stiefel_lr_multiplier: default ``lr_multiplier`` of constrained groups (a group's own key wins): their
+            step uses ``lr * lr_multiplier``.
         weight_decay, dampening, nesterov: SGD options for unconstrained groups.
     """
 
@@ -116,6 +123,7 @@ class FeedbackGD(torch.optim.Optimizer):
         momentum_clip: float | None = None,
         exact_inverse: bool = False,
         lr_change: Literal["rescale", "reset"] = "rescale",
+        stiefel_lr_multiplier: float = 1.0,
         weight_decay: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
@@ -137,6 +145,7 @@ class FeedbackGD(torch.optim.Optimizer):
             params = self._split_groups(params, stiefel_params)
         super().__init__(params, defaults)
         for group in self.param_groups:
+            group.setdefault("lr_multiplier", stiefel_lr_multiplier if group["stiefel"] else 1.0)
             _check_group(group)
 
     @staticmethod
@@ -188,7 +197,7 @@ class FeedbackGD(torch.optim.Optimizer):
             else:
                 buf.mul_(momentum).add_(d_p, alpha=1 - group["dampening"])
             d_p = d_p.add(buf, alpha=momentum) if group["nesterov"] else buf
-        p.add_(d_p, alpha=-group["lr"])
+        p.add_(d_p, alpha=-group["lr"] * group["lr_multiplier"])
 
     def _buffer(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor | None:
         """The stored ``b = lr_old * phi``, brought to the current learning rate."""
@@ -196,7 +205,7 @@ class FeedbackGD(torch.optim.Optimizer):
         buf = state.get("momentum_buffer")
         if buf is None:
             return None
-        lr, old = group["lr"], state["lr"]
+        lr, old = group["lr"] * group["lr_multiplier"], state["lr"]
         if lr != old:
             if group["lr_change"] == "reset" or old == 0:
                 return None
@@ -204,7 +213,7 @@ class FeedbackGD(torch.optim.Optimizer):
         return buf
 
     def _stiefel_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        lr, mu = group["lr"], group["momentum"]
+        lr, mu = group["lr"] * group["lr_multiplier"], group["momentum"]
         beta = group["feedback"] if group["feedback_alpha"] is None else group["feedback_alpha"] * lr / 4
         work = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
         theta = _tall(p).to(work)
@@ -260,5 +269,6 @@ class FeedbackGD(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, value in (("stiefel", True), ("feedback_alpha", None), ("momentum_clip", None)):
+            for key, value in (("stiefel", True), ("feedback_alpha", None), ("momentum_clip", None),
+                               ("lr_multiplier", 1.0)):
                 group.setdefault(key, value)

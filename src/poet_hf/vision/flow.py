@@ -5,9 +5,10 @@ Each level squeezes (``C, H, W -> 4C, H/2, W/2``), runs ``steps_per_level`` step
 factors out half of the channels as latents (RealNVP multi-scale). Latents have a standard normal prior.
 
 ``pixel_values`` are quantised images ``k / num_bins`` with ``k`` in ``{0, ..., num_bins - 1}`` (e.g.
-``load_digits`` pixels ``/ 17``). In training mode uniform dequantisation noise ``u / num_bins`` is added, and the
-reported bits per dimension are ``(-log p(x) + D log num_bins) / (D log 2)``, the usual upper bound on the
-discrete negative log-likelihood.
+``load_digits`` pixels ``/ 17``). Uniform dequantisation noise ``u / num_bins`` is added in training *and* in
+evaluation, as Glow evaluates (evaluation draws it from a fixed seed, so a model scores the same batch the same way),
+and the reported bits per dimension are ``(-log p(x + u/num_bins) + D log num_bins) / (D log 2)``, whose expectation
+over ``u`` bounds the discrete negative log-likelihood from above.
 
 The reflection 1x1 convolutions follow the paper's two variants. ``invertible=True`` (default) is
 ``W = I + V V^T / (2 sigma_max)`` with ``V = I`` and a fixed random orthogonal ``Q`` before it, provably invertible
@@ -310,12 +311,19 @@ class ReflectionFlowModel(PreTrainedModel):
         z = torch.randn(num_samples, self.num_dims, generator=generator, dtype=param.dtype, device=param.device)
         return self.inverse(temperature * z)
 
+    EVAL_NOISE_SEED = 0
+
+    def dequantize(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in evaluation."""
+        generator = None if self.training else torch.Generator(device=pixel_values.device).manual_seed(
+            self.EVAL_NOISE_SEED)
+        noise = torch.rand(pixel_values.shape, generator=generator, dtype=pixel_values.dtype,
+                           device=pixel_values.device)
+        return pixel_values + noise / self.config.num_bins
+
     def forward(self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs) -> ReflectionFlowOutput | tuple:
-        """Log-likelihood and bits per dimension of quantised ``pixel_values`` (dequantised in training mode)."""
-        x = pixel_values
-        if self.training:
-            x = x + torch.rand_like(x) / self.config.num_bins
-        latents, logdet = self.encode(x)
+        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see :meth:`dequantize`)."""
+        latents, logdet = self.encode(self.dequantize(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)
         log_likelihood = log_prior + logdet
         d = self.num_dims

@@ -6,20 +6,35 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from .certify import certified_accuracy
+from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
 
-__all__ = ["VisionTrainArgs", "train_lipconvnet", "export_lipconvnet", "render_model_card"]
+__all__ = ["VisionTrainArgs", "train_lipconvnet", "export_lipconvnet", "render_model_card", "ECO_PAPER_RECIPE",
+           "REPORTED_RADII"]
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "lipconvnet.md"
+
+# The ℓ2 radii the ECO and SOC papers report certified accuracy at (pixel scale [0, 1]).
+REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, "1.0": 1.0}
+
+# Values left None in VisionTrainArgs: the quick default, and the ECO/SOC papers' recipe (ECO digest §3.2: SGD with
+# momentum 0.9, wd 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05, ×0.1 at epochs 50 and 150 of 200,
+# RandomCrop(padding 4) + RandomHorizontalFlip, 32 channels in the first block).
+QUICK_DEFAULTS = {"init_channels": 8, "epochs": 4.0, "batch_size": 64, "learning_rate": 5e-3, "weight_decay": 0.0,
+                  "optim": "adamw", "momentum": 0.0, "lr_milestones": None, "augment": False}
+ECO_PAPER_RECIPE = {"init_channels": 32, "epochs": 200.0, "batch_size": 128, "learning_rate": None,
+                    "weight_decay": 5e-4, "optim": "sgd", "momentum": 0.9, "lr_milestones": [50.0, 150.0],
+                    "augment": True}
+RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 
 
 @dataclass
@@ -29,10 +44,10 @@ class VisionTrainArgs:
     dataset: str = field(default=DEFAULT_DATASET, metadata={"help": "image dataset: 'digits' (offline default, "
                          "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"})
     output_dir: str = field(default="outputs/lipconvnet", metadata={"help": "where the baked model, its card and "
-                            "metrics.json are written"})
+                            "results.json are written"})
     depth: int = field(default=5, metadata={"help": "LipConvNet depth (a multiple of 5: 5 blocks of depth/5 layers)"})
-    init_channels: int = field(default=8, metadata={"help": "channels of the first block (doubled by each strided "
-                               "layer)"})
+    init_channels: Optional[int] = field(default=None, metadata={"help": "channels of the first block (doubled by "
+                                         "each strided layer); default 8, the eco-paper recipe's 32"})
     image_size: int = field(default=24, metadata={"help": "square input size the images are resized to"})
     num_channels: int | None = field(default=None, metadata={"help": "input channels; default: 1 for grey-scale "
                                      "sources, else 3"})
@@ -44,19 +59,53 @@ class VisionTrainArgs:
                                metadata={"help": "stride of each block's last layer"})
     last_layer: str = field(default="orthogonal", metadata={"help": "classifier: 'orthogonal' (1-Lipschitz linear) "
                             "or 'linear'"})
-    epochs: float = field(default=4.0, metadata={"help": "training epochs"})
-    batch_size: int = field(default=64, metadata={"help": "images per optimizer step"})
-    learning_rate: float = field(default=5e-3, metadata={"help": "peak learning rate"})
-    weight_decay: float = field(default=0.0, metadata={"help": "weight decay"})
-    optim: str = field(default="adamw_torch", metadata={"help": "transformers optimizer name (e.g. 'adamw_torch', "
-                       "'sgd')"})
-    eps: float = field(default=36 / 255, metadata={"help": "ℓ2 radius of the certified accuracy (default 36/255)"})
+    recipe: Optional[str] = field(default=None, metadata={"help": "'eco-paper': the ECO/SOC papers' recipe (SGD with "
+                                  "momentum 0.9, weight decay 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05 "
+                                  "decayed ×0.1 at epochs 50 and 150 of 200, random crop (padding 4) and flip, "
+                                  "32 initial channels); explicit flags override it"})
+    epochs: Optional[float] = field(default=None, metadata={"help": "training epochs (default 4; recipe: 200)"})
+    batch_size: Optional[int] = field(default=None, metadata={"help": "images per optimizer step (default 64; "
+                                      "recipe: 128)"})
+    learning_rate: Optional[float] = field(default=None, metadata={"help": "peak learning rate (default 5e-3; "
+                                           "recipe: 0.1 / 0.05)"})
+    weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay (default 0; recipe: 5e-4)"})
+    optim: Optional[str] = field(default=None, metadata={"help": "'adamw' (default) or 'sgd' (recipe)"})
+    momentum: Optional[float] = field(default=None, metadata={"help": "SGD momentum (recipe: 0.9)"})
+    lr_milestones: Optional[list[float]] = field(default=None, metadata={"help": "epochs at which the learning rate "
+                                                 "is multiplied by lr_decay (recipe: 50 150 of 200, scaled to "
+                                                 "--epochs when that is set); default: a cosine schedule"})
+    lr_decay: float = field(default=0.1, metadata={"help": "factor applied at each of lr_milestones"})
+    augment: Optional[bool] = field(default=None, metadata={"help": "random crop (padding 4) and horizontal flip of "
+                                    "the training images (recipe: on)"})
+    gamma: float = field(default=0.0, metadata={"help": "certificate regularisation: train on cross-entropy − gamma × "
+                         "mean certified radius (the later SOC code's --gamma; the ECO paper used 0)"})
+    eps: float = field(default=36 / 255, metadata={"help": "ℓ2 radius of the headline certified accuracy (36/255); "
+                       "36, 72, 108/255 and 1.0 are always reported"})
+    pgd_steps: int = field(default=0, metadata={"help": "if > 0, also run an ℓ2 PGD attack of this many steps at "
+                           "each reported radius (an upper bound on robust accuracy)"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and augmentation"})
     max_train_examples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
     max_eval_examples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
     logging_steps: int = field(default=50, metadata={"help": "log the loss every this many steps"})
     # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
     torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(f"`recipe` must be one of {tuple(RECIPES)} or None, got {self.recipe!r}")
+        if self.optim is not None and self.optim not in ("adamw", "sgd"):
+            raise ValueError(f"`optim` must be one of ('adamw', 'sgd'), got {self.optim!r}")
+        defaults = RECIPES.get(self.recipe, QUICK_DEFAULTS)
+        if self.lr_milestones is None and defaults["lr_milestones"] and self.epochs is not None:
+            # A shortened recipe keeps its schedule's shape: decays at the same fractions of training.
+            self.lr_milestones = [m * self.epochs / defaults["epochs"] for m in defaults["lr_milestones"]]
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.learning_rate is None:  # the recipe's depth rule: 0.1 above 25 conv layers, else 0.05
+            self.learning_rate = 0.1 if self.depth > 25 else 0.05
+        if self.gamma < 0:
+            raise ValueError(f"`gamma` must be >= 0, got {self.gamma!r}")
 
 
 def _infer_channels(dataset) -> int:
@@ -85,8 +134,40 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
     return LipConvNetForImageClassification(config)
 
 
+def certificate_regularized_loss(gamma: float, lipschitz: float):
+    """The later SOC code's loss, for ``Trainer(compute_loss_func=...)``: cross-entropy minus ``gamma`` times the mean
+    certified radius ``max(0, f_y − max_{j≠y} f_j) / (√2·L)`` (``L`` the network's nominal Lipschitz constant, its
+    input normalisation; the orthogonal layers count as 1)."""
+
+    def loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        logits = outputs.logits
+        true = logits.gather(1, labels[:, None])[:, 0]
+        other = logits.masked_fill(torch.nn.functional.one_hot(labels, logits.shape[1]).bool(), -math.inf)
+        radius = torch.relu(true - other.max(dim=1).values) / (math.sqrt(2.0) * lipschitz)
+        return torch.nn.functional.cross_entropy(logits, labels) - gamma * radius.mean()
+
+    return loss
+
+
+def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps_per_epoch: int):
+    """SGD (with momentum) or AdamW, with the step decay at ``lr_milestones`` or a cosine schedule."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    if args.optim == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
+                                    weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    total = max(1, math.ceil(args.epochs * steps_per_epoch))
+    if args.lr_milestones:
+        milestones = [round(epoch * steps_per_epoch) for epoch in args.lr_milestones]
+        return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=args.lr_decay)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, 0, total)
+
+
 def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
-    """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its clean/certified metrics."""
+    """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics: clean accuracy and
+    certified accuracy at ``args.eps`` and at :data:`REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``)."""
     from transformers import Trainer, TrainingArguments, set_seed
 
     if args.torch_threads > 0:
@@ -101,44 +182,65 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
     feature = train_split.features["label"]
     label_names = list(feature.names) if hasattr(feature, "names") else [str(i) for i in sorted(set(train_split["label"]))]
     model = build_model(args, train_split, label_names)
-    transform = pixel_value_transform(model.config.num_channels, model.config.image_size)
+    transform = pixel_value_transform(model.config.num_channels, model.config.image_size, augment=args.augment)
+    steps_per_epoch = math.ceil(len(train_split) / args.batch_size)
     training_args = TrainingArguments(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
-        learning_rate=args.learning_rate,
-        weight_decay=args.weight_decay,
-        optim=args.optim,
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        logging_steps=args.logging_steps,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to=[],
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-        seed=args.seed,
-        disable_tqdm=True,
+        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
+        logging_steps=args.logging_steps, save_strategy="no", eval_strategy="no", report_to=[],
+        remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
+        seed=args.seed, disable_tqdm=True,
     )
+    nominal_lipschitz = 1.0 / min(model.config.image_std)
     trainer = Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train_split.with_transform(transform),
-        data_collator=collate_images,
+        model=model, args=training_args, train_dataset=train_split.with_transform(transform),
+        data_collator=collate_images, optimizers=_optimizer_and_schedule(model, args, steps_per_epoch),
+        compute_loss_func=certificate_regularized_loss(args.gamma, nominal_lipschitz) if args.gamma else None,
     )
     start = time.perf_counter()
     train_output = trainer.train()
     train_seconds = time.perf_counter() - start
     model.eval()
-    metrics = certified_accuracy(model, test_split, eps=args.eps)
-    metrics.update(
-        train_seconds=train_seconds,
-        train_loss=float(train_output.training_loss),
-        train_examples=len(train_split),
-        dataset=args.dataset,
-    )
+    metrics = certified_accuracy(model, test_split, eps=args.eps, return_radii=True)
+    radii, correct = metrics.pop("radii"), metrics.pop("correct")
+    metrics["certified_accuracy_at"] = accuracy_at_radii(radii, correct, REPORTED_RADII)
+    metrics["certified_curve"] = _certified_curve(radii, correct)
+    if args.pgd_steps > 0:
+        metrics["pgd_accuracy_at"] = pgd_accuracy(model, test_split, REPORTED_RADII, steps=args.pgd_steps)
+    metrics.update(train_seconds=train_seconds, train_loss=float(train_output.training_loss),
+                   train_examples=len(train_split), dataset=args.dataset, recipe=args.recipe)
     return model, metrics
+
+
+def _certified_curve(radii: torch.Tensor, correct: torch.Tensor, points: int = 50) -> list[list[float]]:
+    """``[[eps, certified accuracy], ...]`` from 0 to 1.5 (the plot of the model card)."""
+    grid = torch.linspace(0.0, 1.5, points, dtype=torch.float64)
+    return [[float(eps), float((correct & (radii >= eps)).double().mean())] for eps in grid]
+
+
+def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) -> Path:
+    """A PNG of certified accuracy against the ℓ2 radius, with the papers' radii marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    eps, accuracy = zip(*metrics["certified_curve"])
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.plot(eps, [100 * a for a in accuracy], lw=2, label="certified")
+    if "pgd_accuracy_at" in metrics:
+        ax.plot(list(REPORTED_RADII.values()), [100 * metrics["pgd_accuracy_at"][k] for k in REPORTED_RADII], "o--",
+                label="under ℓ2 PGD (upper bound)")
+    for name, value in REPORTED_RADII.items():
+        ax.axvline(value, color="grey", lw=0.6, ls=":")
+        ax.text(value, 2, name, fontsize=7, rotation=90, va="bottom")
+    ax.set_xlabel("ℓ2 radius ε")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
@@ -171,11 +273,28 @@ def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str
         eps=f"{metrics['eps']:.4f}",
         clean_accuracy=f"{100 * metrics['clean_accuracy']:.2f}",
         certified_accuracy=f"{100 * metrics['certified_accuracy']:.2f}",
+        radii_table=_radii_table(metrics),
+        pgd_note=", and accuracy under an ℓ2 PGD attack (an upper bound)" if "pgd_accuracy_at" in metrics else "",
+        recipe=f"recipe {args.recipe}" if args.recipe else "quick default recipe",
         num_examples=metrics["num_examples"],
         epochs=args.epochs,
         baked=config.baked,
     )
     return str(card)
+
+
+def _radii_table(metrics: dict[str, Any]) -> str:
+    pgd = metrics.get("pgd_accuracy_at")
+    header = "| ε | certified |" + (" PGD |" if pgd else "") + "\n|---|---|" + ("---|" if pgd else "")
+    rows = [f"| {name} | {100 * value:.2f} % |" + (f" {100 * pgd[name]:.2f} % |" if pgd else "")
+            for name, value in metrics["certified_accuracy_at"].items()]
+    return "\n".join([header, *rows])
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    """The console summary: clean accuracy, then certified accuracy at every reported radius."""
+    radii = " | ".join(f"ε={name}: {100 * value:.2f}%" for name, value in metrics["certified_accuracy_at"].items())
+    return f"clean {100 * metrics['clean_accuracy']:.2f}% | certified {radii} | L = {metrics['lipschitz_constant']:.4f}"
 
 
 def export_lipconvnet(
@@ -190,5 +309,7 @@ def export_lipconvnet(
     model.eval().bake()
     model.save_pretrained(output_dir)
     (output_dir / "README.md").write_text(render_model_card(model, metrics, args))
-    (output_dir / "metrics.json").write_text(json.dumps({**metrics, "args": asdict(args)}, indent=2, default=str))
+    plot_certified_curve(metrics, output_dir / "certified_accuracy.png",
+                         f"LipConvNet-{model.config.depth} on {args.dataset}")
+    (output_dir / "results.json").write_text(json.dumps({**metrics, "args": asdict(args)}, indent=2, default=str))
     return output_dir
