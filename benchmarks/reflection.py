@@ -1,4 +1,4 @@
-"""Forward+backward of one auxiliary reflection against other orthogonal maps and a plain Linear (issue 6).
+"""Forward+backward of one auxiliary reflection against other orthogonal maps and a plain Linear.
 
 At each width ``d`` (batch 512) every method maps ``x (512, d)`` to ``(512, d)`` with trainable parameters and is
 timed for ``loss = y.sum(); loss.backward()``:

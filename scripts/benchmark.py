@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("poet_layer", "pretrain_step", "finetune_step", "oft_layer", "fsdp", "eco", "reflection")
+SUITES = ("poet_layer", "pretrain_step", "finetune_step", "oft_layer", "fsdp", "eco", "reflection", "import_time")
 
 
 def machine_description() -> str:

@@ -22,9 +22,9 @@ from poet_hf.orthogonal.eco import (
     construct_index_map,
     eco_kernel,
     num_frequency_blocks,
-    taylor_exp,
     taylor_exp_error,
 )
+from poet_hf.orthogonal.linalg import taylor_exp
 from poet_hf.orthogonal.lipschitz_layers import MaxMin, RowNormLinear, SocConv2d
 
 F64 = torch.float64
@@ -111,7 +111,7 @@ def test_kernel_is_the_real_inverse_dft_of_the_frequency_blocks(k):
     torch.testing.assert_close(spectrum.permute(2, 3, 0, 1), p0, rtol=0, atol=1e-13)
 
 
-# ------------------------------------------------------------------------------------- acceptance 1: orthogonality
+# ------------------------------------------------------------------------------------- orthogonality
 @pytest.mark.parametrize("orthogonal_map", ["matrix_exp"])
 @pytest.mark.parametrize("c_in, c_out, k, s, n", CONFIGS)
 def test_jacobian_is_orthogonal_with_the_exact_map(c_in, c_out, k, s, n, orthogonal_map):
@@ -186,7 +186,7 @@ def test_power_iteration_converges_to_the_spectral_norm():
     torch.testing.assert_close(sigma, torch.linalg.matrix_norm(a, ord=2), rtol=1e-4, atol=0)
 
 
-# --------------------------------------------------------------------------------------- acceptance 2: refusals
+# --------------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
@@ -212,7 +212,7 @@ def test_wrong_input_size_at_forward_raises():
         layer(torch.randn(1, 2, 9, 9))
 
 
-# -------------------------------------------------------------------------------------------- acceptance 3: bake
+# -------------------------------------------------------------------------------------------- bake
 @pytest.mark.parametrize("c_in, c_out, k, s, n", CONFIGS)
 def test_baked_layer_equals_training_forward(c_in, c_out, k, s, n):
     layer = make(c_in, c_out, k, s, n, orthogonal_map="matrix_exp").train()

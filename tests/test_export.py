@@ -1,4 +1,4 @@
-"""Issue 4 acceptance: export POET models as plain checkpoints, model cards, Hub push, atomic writes.
+"""Exporting POET / OFT / orthogonal models as plain checkpoints: logits, model cards, Hub push, atomic writes.
 
 Every exported model is checked in a fresh Python process that never imports poet_hf, with stock
 ``transformers`` Auto classes, against the logits of the POET model it came from (the reference).
@@ -27,7 +27,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, ViTConfig, ViTForImageClassification
 
 from poet_hf import PoetConfig, merge_and_reinit
-from poet_hf.export import ExportError, HubPushError, card_template_path, export_merged, push_merged_to_hub
+from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
+from poet_hf.model_cards import template_path
 from poet_hf.tuners.poet import poet_layers
 from models import tiny_gpt2, tiny_llama
 
@@ -142,7 +143,7 @@ def assert_plain_export(path: Path) -> None:
     assert keys and not any("poet_" in k or "base_layer" in k or "lora" in k for k in keys)
 
 
-# --- acceptance 1 and 2: in-memory LLaMA, GPT-2 (Conv1D), ViT (Conv2d patch embedding) ----------------------------
+# --- in-memory LLaMA, GPT-2 (Conv1D), ViT (Conv2d patch embedding) ----------------------------
 @pytest.mark.parametrize("kind,spo", [("llama", "block"), ("gpt2", "full"), ("vit", "block")])
 def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo):
     model = trained(kind, spo=spo)
@@ -179,7 +180,7 @@ def test_export_oft_and_orthogonal_models(tmp_path):
     assert not (tmp_path / "reflection").exists()
 
 
-# --- acceptance 4: a save_pretrained adapter directory (sharded, with tokenizer) -----------------------------------
+# --- a save_pretrained adapter directory (sharded, with tokenizer) -----------------------------------
 def word_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -222,7 +223,7 @@ def test_export_from_save_pretrained_directory_sharded_with_tokenizer(tmp_path, 
     check_in_fresh_process(path, "llama", expected, tmp_path)
 
 
-# --- acceptance 3: a PoetTrainer checkpoint, pretrained from scratch (rebuilt from its config.json) ----------------
+# --- a PoetTrainer checkpoint, pretrained from scratch (rebuilt from its config.json) ----------------
 def test_export_from_poet_trainer_checkpoint(tmp_path):
     from poet_hf.training import PoetTrainer, PoetTrainingArguments
 
@@ -279,7 +280,7 @@ def test_bf16_export_equals_float32_export_cast(tmp_path):
     assert not torch.equal(ref[q], ref[q].to(torch.bfloat16).float())  # the fold really happened in float32
 
 
-# --- acceptance 5: model card ---------------------------------------------------------------------------------------
+# --- model card ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spo", ["block", "full"])
 def test_model_card_metadata_and_body(tmp_path, spo):
     from huggingface_hub import ModelCard, metadata_load
@@ -316,14 +317,20 @@ def test_model_card_metadata_and_body(tmp_path, spo):
         assert float(row.group(4)) == pytest.approx(float(max(s.max() / s.min() for s in sigma)), rel=1e-3)
 
 
-def test_card_template_is_packaged_and_linked_from_model_cards():
-    template = card_template_path()
+@pytest.mark.parametrize("name", ["poet.md", "lipconvnet.md"])
+def test_card_templates_are_packaged_and_linked_from_model_cards(name):
+    template = template_path(name)
     assert template.is_file() and template.parent.parent.name == "poet_hf"
-    assert (REPO / "model_cards" / "poet.md").read_text() == template.read_text()
+    assert (REPO / "model_cards" / name).read_text() == template.read_text()
     assert "{{ card_data }}" in template.read_text()
 
 
-# --- acceptance 7: interrupted export, overwrite ---------------------------------------------------------------------
+def test_unknown_card_template_names_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"template must be one of \('poet.md', 'lipconvnet.md'\)"):
+        template_path("poet")
+
+
+# --- interrupted export, overwrite ---------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["weights", "card"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_interrupted_export_leaves_no_partial_output(tmp_path, monkeypatch, where, existing):
@@ -402,7 +409,7 @@ def test_partial_checkpoint_without_base_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-# --- acceptance 6: pushing, through huggingface_hub, to a stand-in for the Hub ---------------------------------------
+# --- pushing, through huggingface_hub, to a stand-in for the Hub ---------------------------------------
 class StandInHub:
     """A STAND-IN for the Hugging Face Hub on 127.0.0.1 (not the Hub): it implements just the four endpoints that
     ``create_repo`` and ``upload_folder`` of huggingface_hub 2.4 call, answers every file as a "regular" upload

@@ -91,9 +91,11 @@ def test_procrustes_reaches_polar_factor(shape):
     assert stiefel_deviation(w) <= 1e-10
 
 
-def paper_step(theta, phi, grad, lr, mu, beta):
-    """Eqs. (24)-(25) of seed-001 with the exact inverse, phi first then theta with the new phi (§4.2)."""
-    ainv = torch.linalg.inv(theta.T @ theta)
+def paper_step(theta, phi, grad, lr, mu, beta, exact_inverse=True):
+    """Eqs. (24)-(25) of seed-001, phi first then theta with the new phi (§4.2), with the exact inverse of
+    ``A = thetaᵀ theta`` or its first-order Neumann approximation ``2I − A`` (§4.3)."""
+    gram = theta.T @ theta
+    ainv = torch.linalg.inv(gram) if exact_inverse else 2 * torch.eye(gram.shape[0], dtype=gram.dtype) - gram
     sym = lambda x: (x + x.T) / 2  # noqa: E731
     alpha = 4 * beta / lr
     d = -(1 - mu) * phi - grad
@@ -140,14 +142,28 @@ def test_momentum_free_branch_contracts_non_square():
     assert abs(ratios[-1] - (1 - 2 * 0.4)) <= 0.01
 
 
-def test_no_inverse_qr_svd_in_default_path(monkeypatch):
+def test_default_path_follows_the_paper_with_the_neumann_inverse_and_no_factorisation(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    q, _ = torch.linalg.qr(torch.randn(10, 6, generator=gen, dtype=F64))
+    theta = q + 0.02 * torch.randn(10, 6, generator=gen, dtype=F64)
+    phi = torch.randn(10, 6, generator=gen, dtype=F64)
+    grads = [torch.randn(10, 6, generator=gen, dtype=F64) for _ in range(3)]
+    lr, mu, beta = 0.1, 0.9, 0.4
+    ref_theta, ref_phi = theta, phi
+    for grad in grads:
+        ref_theta, ref_phi = paper_step(ref_theta, ref_phi, grad, lr, mu, beta, exact_inverse=False)
+
     for name in ("inv", "solve", "svd", "qr", "eigh", "cholesky"):
         monkeypatch.setattr(torch.linalg, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError("called")))
-    w = nn.Parameter(torch.eye(6, 10, dtype=F64))
-    opt = FeedbackGD([w], lr=0.1)
-    for _ in range(3):
-        w.grad = torch.randn_like(w)
+    w = nn.Parameter(theta.T.clone())  # a wide 6 x 10 weight; its tall view is theta
+    opt = FeedbackGD([w], lr=lr, momentum=mu, feedback=beta)
+    opt.state[w]["momentum_buffer"] = (lr * phi).T.clone()
+    opt.state[w]["lr"] = lr
+    for grad in grads:
+        w.grad = grad.T.clone()
         opt.step()
+    assert (w.detach().T - ref_theta).abs().max() <= 1e-12
+    assert (opt.state[w]["momentum_buffer"].T - lr * ref_phi).abs().max() <= 1e-12
 
 
 def _mixed_model(seed: int) -> nn.Module:

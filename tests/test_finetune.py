@@ -1,4 +1,4 @@
-"""Issue 7 acceptance 4: fine-tuning a small pretrained model with `scripts/finetune.py` (POET, OFT, LoRA) lowers
+"""Fine-tuning a small pretrained model with `scripts/finetune.py` (POET, OFT, LoRA) lowers
 the evaluation loss, and the exported merged model reproduces the fine-tuned logits."""
 
 import importlib.util

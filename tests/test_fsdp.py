@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -95,18 +96,41 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
         ["model.safetensors"]  # written once, by rank 0
 
 
-def test_trainer_refuses_deepspeed_and_fsdp1_and_an_fsdp_request_it_cannot_honour(monkeypatch, tmp_path):
+@pytest.mark.parametrize("engine, refusal", [("deepspeed", "shard with FSDP2"), ("fsdp1", "fsdp_version: 2"),
+                                             ("fsdp2", None)])
+def test_poet_trainer_takes_fsdp2_and_refuses_deepspeed_and_fsdp1(monkeypatch, tmp_path, engine, refusal):
+    """PoetTrainer decides from what Accelerate reports about the engine it set up. Neither engine can start on a
+    CPU, so Trainer's own report (``is_deepspeed_enabled``, ``is_fsdp_enabled``, the FSDP plugin's version) is set
+    as Accelerate sets it on an accelerator, and the real constructor runs on it."""
+    import transformers
     from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
 
-    from poet_hf.training.trainer import check_sharding
+    real = transformers.Trainer.create_accelerator_and_postprocess
 
-    with pytest.raises(ValueError, match="FSDP2"):
-        check_sharding(fsdp=False, deepspeed=True)
-    with pytest.raises(ValueError, match="fsdp_version: 2"):
-        check_sharding(fsdp=True, deepspeed=False, fsdp_version=1)
-    check_sharding(fsdp=True, deepspeed=False, fsdp_version=2)  # FSDP2 is welcome
+    def report_engine(self):
+        real(self)
+        self.is_deepspeed_enabled = engine == "deepspeed"
+        self.is_fsdp_enabled = engine.startswith("fsdp")
+        if self.is_fsdp_enabled:
+            monkeypatch.setattr(self.accelerator.state, "fsdp_plugin", SimpleNamespace(fsdp_version=int(engine[-1])),
+                                raising=False)
+
+    monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", report_engine)
+    dataset, tokenizer = tiny_dataset()
+    if refusal is None:
+        assert tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset).has_poet
+        return
+    with pytest.raises(ValueError, match=refusal):
+        tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset)
+
+
+def test_poet_trainer_refuses_an_fsdp_request_accelerate_cannot_honour_on_a_cpu(monkeypatch, tmp_path):
+    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
+
     dataset, tokenizer = tiny_dataset()
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --use_fsdp` sets, CPU or not
+    if torch.cuda.is_available():
+        pytest.skip("on an accelerator Accelerate honours the request")
     with pytest.raises(ValueError, match="only enables FSDP on accelerators"):
         tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset)
 

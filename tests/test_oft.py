@@ -1,4 +1,4 @@
-"""Issue 7 acceptance: the OFT tuner against PEFT's own OFT, dense float64 references, F.conv2d and the
+"""The OFT tuner against PEFT's own OFT, dense float64 references, F.conv2d and the
 hyperspherical energy computed here."""
 
 import itertools
@@ -13,7 +13,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf.tuners.oft import (OftConfig, OftLayer, our_oft_state_dict_to_peft, peft_oft_state_dict_to_ours)
-from poet_hf.tuners.poet import merge_and_reinit, poet_layers
+from poet_hf.tuners.poet import merge_and_reinit
 from models import tiny_gpt2, tiny_llama
 from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense
 

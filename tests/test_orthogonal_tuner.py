@@ -248,6 +248,12 @@ def test_cnn_conv_layers_are_orthogonal_and_stay_so():
     assert (sv - 1).abs().max() <= 1e-5
 
 
+def test_repr_names_each_layer_once_as_peft_names_its_own():
+    modules = dict(cnn_model().named_modules())
+    assert repr(modules["base_model.model.conv1"]).startswith("orthogonal.Conv2d(\n")
+    assert repr(modules["base_model.model.head"]).startswith("orthogonal.Linear(\n")
+
+
 def test_cnn_merge_and_unload_round_trip():
     model = cnn_model().double().eval()
     x = torch.randn(2, 3, 6, 6, dtype=F64)

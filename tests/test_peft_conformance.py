@@ -16,7 +16,6 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, OrthogonalConfig, PoetConfig, merge_and_reinit
-from poet_hf.tuners.poet import poet_layers
 from models import TinyCNN, tiny_gpt2, tiny_llama
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -203,6 +202,23 @@ def test_beyond_the_cap_blocks_are_rescaled_onto_it_within_two_percent(block):
     capped = scale[~inside] * exact[~inside]
     assert (capped >= cayley.MAX_SKEW_NORM * (1 - 1e-9)).all() and (capped <= cayley.MAX_SKEW_NORM * 1.02).all()
     assert cayley.skew_norm_scale(q, 0) is None  # the exact transform is never capped
+
+
+@pytest.mark.parametrize("block", [16, 64, 256])
+def test_the_spectral_norm_bounds_bracket_the_svd(block):
+    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
+    from poet_hf.orthogonal import num_skew_params, skew_from_vector
+
+    generator = torch.Generator().manual_seed(block)
+    q = skew_from_vector(torch.randn(8, num_skew_params(block), dtype=torch.float64, generator=generator), block)
+    q[:4] = q[:4] @ torch.diag(torch.linspace(1, 0, block, dtype=torch.float64)) ** 3  # decaying spectra
+    q[:4] = q[:4] - q[:4].mT
+    exact = torch.linalg.matrix_norm(q, ord=2)  # float64 SVD, the independent reference
+    lower, upper = cayley.skew_spectral_norm_bounds(q)
+    assert (lower <= exact * (1 + 1e-12)).all() and (upper >= exact * (1 - 1e-12)).all()
+    assert (lower >= 0.98 * exact).all()
+    _, coarse_upper = cayley.skew_spectral_norm_bounds(q, 2)
+    assert (coarse_upper >= exact * (1 - 1e-12)).all() and (coarse_upper <= exact * block ** 0.125).all()
 
 
 def test_the_cap_warns_once_per_run(monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""Issue 2 acceptance: the POET tuner against dense float64 references and the base models."""
+"""The POET tuner against dense float64 references and the base models."""
 
 import subprocess
 import sys

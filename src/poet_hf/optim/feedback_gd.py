@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..orthogonal.linalg import orthogonality_error
+
 __all__ = ["FeedbackGD", "stiefel_deviation"]
 
 LR_CHANGE = ("rescale", "reset")
@@ -45,10 +47,10 @@ def _tall(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stiefel_deviation(tensor: torch.Tensor) -> float:
-    """``||theta^T theta - I||_F`` for the tall view of ``tensor`` (``||P P^T - I||_F`` for a wide ``P``)."""
+    """``||theta^T theta - I||_F`` for the tall view of ``tensor`` (``||P P^T - I||_F`` for a wide ``P``): the
+    absolute form of :func:`~poet_hf.orthogonal.orthogonality_error`, which divides by ``||I||_F = √p``."""
     theta = _tall(tensor.detach()).double()
-    eye = torch.eye(theta.shape[1], dtype=theta.dtype, device=theta.device)
-    return float(torch.linalg.matrix_norm(theta.T @ theta - eye))
+    return float(orthogonality_error(theta)) * theta.shape[1] ** 0.5
 
 
 def _sym(x: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,10 @@ from .cayley import (
     neumann_error_bound,
     num_skew_params,
     orthogonal_from_vector,
-    orthogonality_error,
+    random_skew_params,
     skew_from_vector,
 )
+from .linalg import orthogonality_error, polar_factor, power_iteration, random_orthogonal, taylor_exp
 from .spo import (
     block_matmul_left,
     block_matmul_right,
@@ -39,4 +40,4 @@ from .reflection import (
     auxiliary_reflection_logabsdet,
     invertible_weight,
 )
-from .eco import EcoConv2d, construct_index_map, eco_kernel, taylor_exp
+from .eco import EcoConv2d, construct_index_map, eco_kernel

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .linalg import polar_factor
+
 __all__ = ["BASE_INIT_SCHEMES", "init_base_weight"]
 
 BASE_INIT_SCHEMES = ("normalized", "xavier", "standard", "uniform_spectrum")
@@ -26,6 +28,5 @@ def init_base_weight(weight: torch.Tensor, scheme: str, generator: torch.Generat
     if scheme == "normalized":
         return gaussian / gaussian.norm(dim=1, keepdim=True)
     if scheme == "uniform_spectrum":
-        u, _, vh = torch.linalg.svd(gaussian.double(), full_matrices=False)
-        return (u @ vh).float()
+        return polar_factor(gaussian).float()
     raise ValueError(f"`base_init` must be one of {BASE_INIT_SCHEMES} or None, got {scheme!r}")

@@ -19,11 +19,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import weakref
 from typing import Optional
 
 import torch
 
-from .linalg import power_iteration, spectral_norm_estimate
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ __all__ = [
     "OrthogonalFromVector",
     "orthogonal_from_vector",
     "neumann_error_bound",
-    "orthogonality_error",
+    "random_skew_params",
     "check_neumann_terms",
 ]
 
@@ -46,6 +46,16 @@ __all__ = [
 def num_skew_params(block_size: int) -> int:
     """Number of free parameters of a ``block_size x block_size`` skew-symmetric matrix."""
     return block_size * (block_size - 1) // 2
+
+
+def random_skew_params(shape: tuple[int, ...], block_size: int, generator: torch.Generator, op_norm: float = 0.1,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Gaussian skew parameters (``shape``, last axis :func:`num_skew_params`) whose ``block_size``-square skew
+    matrices have operator norm about ``op_norm``: a non-identity start for adapters and tests.
+
+    A ``b × b`` Gaussian skew matrix with entry std ``s`` has operator norm about ``2 s √b``.
+    """
+    return torch.randn(shape, generator=generator, dtype=dtype) * (op_norm / (2 * math.sqrt(block_size)))
 
 
 def paper_neumann_k(terms: int) -> Optional[int]:
@@ -192,36 +202,62 @@ def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, Op
 # exceeds this cap back onto it (the exact transform needs no cap). At the cap the k = 5 rotation's singular values
 # lie within [1 − 0.75⁴, 1] = [0.68, 1]; below it nothing changes, bit for bit.
 MAX_SKEW_NORM = 0.75
-_POWER_ITERATIONS = 48
+# ||Q||_2 from (QᵀQ)^(2^s) by s repeated squarings: s = 6 weighs the eigenvalues as 64 power iterations would, in
+# 7 batched matrix products (a power iteration is a matrix-vector product per step, memory-bound on a CPU: 48 of
+# them took longer than the layer's own matmul). The first 2 squarings already give a certified upper bound.
+_SQUARINGS, _SQUARINGS_FOR_BOUND = 6, 2
 _cap_warned = False
 
 
 @torch.no_grad()
+def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lower, upper)`` bounds of ``||Q||_2`` per block of ``(..., b, b)``, from ``G = QᵀQ`` squared ``squarings``
+    times (``G^n``, ``n = 2^squarings``, renormalised at each step).
+
+    ``upper = ||G^n||_F^(1/2n)`` (the Frobenius norm bounds the largest eigenvalue); ``lower`` is the square root of
+    ``tr(G^(n+1)) / tr(G^n)``, the mean of ``G``'s eigenvalues weighted by their ``n``-th powers. Both converge to
+    ``||Q||_2`` as ``n`` grows, the lower one like ``n`` power iterations but with no start vector to depend on.
+    """
+    b = q.shape[-1]
+    q3 = q.detach().reshape(-1, b, b)
+    frobenius = torch.linalg.matrix_norm(q3).clamp_min(torch.finfo(q3.dtype).tiny)
+    gram = q3.mT @ q3 / frobenius[:, None, None] ** 2  # eigenvalues σ²/||Q||_F² in [0, 1]
+    power, log_norm = gram, torch.zeros_like(frobenius)  # G^(2^k) = power · exp(log_norm)
+    for _ in range(squarings):
+        power = power @ power
+        norm = torch.linalg.matrix_norm(power).clamp_min(torch.finfo(q3.dtype).tiny)
+        power, log_norm = power / norm[:, None, None], 2 * log_norm + norm.log()
+    n = 2 ** squarings
+    upper = torch.exp(log_norm / n) if squarings else torch.linalg.matrix_norm(gram)
+    weighted = (power * gram).sum((-2, -1)) / power.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(
+        torch.finfo(q3.dtype).tiny)  # tr(G^(n+1)) / tr(G^n), G symmetric
+    return ((frobenius * weighted.clamp_min(0).sqrt()).reshape(q.shape[:-2]),
+            (frobenius * upper.sqrt()).reshape(q.shape[:-2]))
+
+
 def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
-    """``||Q||_2`` per block of ``(..., b, b)`` by power iteration on ``QᵀQ`` from a fixed start vector: a lower
-    estimate, within 2% for blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
-    q3 = q.detach().reshape(-1, q.shape[-2], q.shape[-1])
-    start = torch.ones(q3.shape[0], q3.shape[-1], dtype=q3.dtype, device=q3.device)
-    start[:, ::2] = -0.5  # fixed, and not an eigenvector of the structured matrices a test might use
-    return spectral_norm_estimate(q3, power_iteration(q3, start, _POWER_ITERATIONS)).reshape(q.shape[:-2])
+    """``||Q||_2`` per block of ``(..., b, b)``: the lower estimate of :func:`skew_spectral_norm_bounds`, within 2% for
+    blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
+    return skew_spectral_norm_bounds(q)[0]
 
 
 def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) -> Optional[torch.Tensor]:
     """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
     (always for the exact transform, ``terms == 0``).
 
-    ``||Q||_F`` bounds ``||Q||_2`` from above, so blocks below the cap in Frobenius norm are left alone without
-    further work; the others get ``||Q||_2`` by power iteration on ``QᵀQ`` (a lower estimate that converges from
-    below, from a fixed start vector, so every process computes the same factor). The factor carries no gradient:
-    beyond the cap the rotation is that of the rescaled block, like a norm clip.
+    Certified upper bounds decide cheaply that nothing needs doing: ``||Q||_F``, then ``||(QᵀQ)⁴||_F^(1/8)``. Only
+    when one of them exceeds the cap is ``||Q||_2`` estimated from below (:func:`skew_spectral_norm`), so every
+    process computes the same factor. The factor carries no gradient: beyond the cap the rotation is that of the
+    rescaled block, like a norm clip.
     """
     global _cap_warned
     cap = MAX_SKEW_NORM if cap is None else cap
     if terms == 0 or math.isinf(cap):
         return None
     with torch.no_grad():
-        frobenius = torch.linalg.matrix_norm(q.detach())
-        if not bool((frobenius > cap).any()):
+        if not bool((torch.linalg.matrix_norm(q.detach()) > cap).any()):
+            return None
+        if not bool((skew_spectral_norm_bounds(q, _SQUARINGS_FOR_BOUND)[1] > cap).any()):
             return None
         spectral = skew_spectral_norm(q)
         scale = torch.where(spectral > cap, cap / spectral, torch.ones_like(spectral))
@@ -234,6 +270,24 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) ->
             "the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. (Logged once.)",
             float(spectral.max()), cap)
     return scale[..., None, None]
+
+
+# The cap's factor per skew-vector tensor, its in-place version and its norm: the forward and the backward's rebuild
+# of one step (and every micro-batch until the optimizer changes the vector) share one evaluation, and so agree.
+_scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); entries leave with their tensor
+
+
+def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> Optional[torch.Tensor]:
+    # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
+    key = (vec._version, float(torch.linalg.vector_norm(vec.detach())), tuple(q.shape), terms, MAX_SKEW_NORM,
+           q.dtype, q.device)
+    hit = _scale_cache.get(id(vec))
+    if hit is not None and hit[0]() is vec and hit[1] == key:
+        return hit[2]
+    scale = skew_norm_scale(q, terms)
+    ident = id(vec)
+    _scale_cache[ident] = (weakref.ref(vec, lambda _, ident=ident: _scale_cache.pop(ident, None)), key, scale)
+    return scale
 
 
 def neumann_product_count(terms: int) -> tuple[int, int]:
@@ -264,7 +318,7 @@ class SkewRotation:
     def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> "SkewRotation":
         """The rotation of the skew vectors ``vec``, with the norm cap of :func:`skew_norm_scale` applied."""
         q = skew_from_vector(vec, block_size)
-        scale = skew_norm_scale(q, terms)
+        scale = _cached_norm_scale(vec, q, terms)
         evaluation = cls(q if scale is None else q * scale, terms)
         evaluation.scale = scale
         return evaluation
@@ -366,10 +420,3 @@ def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:
         return q.new_zeros(q.shape[:-2])
     theta = torch.linalg.matrix_norm(q, ord=2).to(torch.complex128)
     return ((1 - (1j * theta) ** (terms - 1)).abs() - 1).abs().to(q.dtype)
-
-
-def orthogonality_error(r: torch.Tensor) -> torch.Tensor:
-    """``||R R^T - I||_F / sqrt(d)`` per matrix (the POET digest's ``e_orth``)."""
-    d = r.shape[-1]
-    eye = torch.eye(d, dtype=r.dtype, device=r.device)
-    return torch.linalg.matrix_norm(r @ r.transpose(-1, -2) - eye) / d**0.5

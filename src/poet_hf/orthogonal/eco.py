@@ -29,16 +29,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .cayley import num_skew_params, skew_from_vector
-from .linalg import power_iteration, spectral_norm_estimate
+from .linalg import power_iteration, spectral_norm_estimate, taylor_exp
 
 __all__ = [
     "EcoConv2d",
     "OrthogonalMap",
     "construct_index_map",
     "num_frequency_blocks",
-    "taylor_exp",
     "taylor_exp_error",
-    "power_iteration",
     "normalize_skew",
     "eco_kernel",
     "synthesis_matrix",
@@ -87,17 +85,6 @@ def _index_map_list(kernel_size: int) -> tuple[list[list[int]], int]:
 def num_frequency_blocks(kernel_size: int) -> int:
     """``L``: ``(k²+1)/2`` for odd ``k``, ``(k²+4)/2`` for even ``k``."""
     return (kernel_size**2 + 1) // 2 if kernel_size % 2 else (kernel_size**2 + 4) // 2
-
-
-def taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
-    """Truncated exponential ``Σ_{i=0}^{terms} A^i / i!`` (paper Eq. 15; ``terms + 1`` summands, as Table 8)."""
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    # Horner form I + A(I + A/2(I + A/3(...))): one fused multiply-add per term.
-    series = eye.expand_as(a)
-    for i in range(terms, 0, -1):
-        series = torch.baddbmm(eye, a.reshape(-1, *a.shape[-2:]), series.reshape(-1, *a.shape[-2:]), alpha=1.0 / i)
-        series = series.reshape(a.shape)
-    return series
 
 
 def taylor_exp_error(a: torch.Tensor, terms: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["power_iteration", "spectral_norm_estimate"]
+__all__ = ["orthogonality_error", "polar_factor", "power_iteration", "random_orthogonal", "spectral_norm_estimate",
+           "taylor_exp"]
 
 
 @torch.no_grad()
@@ -26,3 +27,43 @@ def power_iteration(a: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.
 def spectral_norm_estimate(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """``||Aᵀ u||``: the spectral norm estimate of :func:`power_iteration`'s vectors (differentiable through ``a``)."""
     return torch.einsum("...ij,...i->...j", a, u.to(a.dtype)).norm(dim=-1)
+
+
+def taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
+    """Truncated exponential ``Σ_{i=0}^{terms} A^i / i!`` of a batch of (real or complex) square matrices.
+
+    ``terms + 1`` summands, as ECO's Table 8 counts them (ECO Eq. 15, SOC's series). Horner form
+    ``I + A(I + A/2(I + A/3(...)))``: one fused multiply-add per term.
+    """
+    n = a.shape[-1]
+    eye = torch.eye(n, dtype=a.dtype, device=a.device)
+    flat = a.reshape(-1, n, n)
+    series = eye.expand_as(flat)
+    for i in range(terms, 0, -1):
+        series = torch.baddbmm(eye, flat, series, alpha=1.0 / i)
+    return series.reshape(a.shape)
+
+
+def random_orthogonal(d: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A Haar-distributed ``d × d`` orthogonal matrix: QR of a float64 Gaussian, signs fixed by ``diag(R) > 0``."""
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
+    """``U Vᵀ`` for ``matrix = U S Vᵀ`` (thin SVD, in float64): the nearest matrix with orthonormal rows or columns."""
+    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
+    return u @ vh
+
+
+def orthogonality_error(r: torch.Tensor, ord: str | int = "fro") -> torch.Tensor:
+    """``||G − I|| / ||I||`` per matrix, in the matrix norm ``ord``, with ``G`` the Gram matrix of the shorter side.
+
+    ``G = R Rᵀ`` for a square or wide ``R`` (orthonormal rows), ``Rᵀ R`` for a tall one (orthonormal columns). With
+    ``ord="fro"`` this is the POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` (appendix A); with ``ord=2`` it is
+    ``max_i |σ_i² − 1|``, the bound a rounding-error analysis needs.
+    """
+    gram = r @ r.transpose(-1, -2) if r.shape[-2] <= r.shape[-1] else r.transpose(-1, -2) @ r
+    eye = torch.eye(gram.shape[-1], dtype=r.dtype, device=r.device)
+    identity_norm = gram.shape[-1] ** 0.5 if ord == "fro" else 1.0
+    return torch.linalg.matrix_norm(gram - eye, ord=ord) / identity_norm

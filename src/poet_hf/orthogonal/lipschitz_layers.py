@@ -19,29 +19,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .eco import _check_int, as_pair, circular_conv_symbol
+from .linalg import power_iteration, spectral_norm_estimate, taylor_exp
 
-__all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "matrix_taylor_exp", "fantastic_four"]
+__all__ = ["SocConv2d", "MaxMin", "RowNormLinear", "fantastic_four"]
 
 # The four reshapings of a [c_out, c_in, h, w] kernel into matrices (Singla & Feizi, "Fantastic Four", ICLR 2021):
 # (c_out·h × c_in·w), (c_out·w × c_in·h), (c_out × c_in·h·w), (c_out·h·w × c_in). Each entry: the shape of the right
-# vector u (over the kernel's axes), and the axes summed to apply the matrix to u (and, the others, to apply its
-# transpose to v).
+# vector u (over the kernel's axes), the kernel axes u runs over, and those the left vector v runs over.
 _FOUR_RESHAPES = (
     (lambda o, i, h, w: (1, i, 1, w), (1, 3), (0, 2)),
     (lambda o, i, h, w: (1, i, h, 1), (1, 2), (0, 3)),
     (lambda o, i, h, w: (1, i, h, w), (1, 2, 3), (0,)),
     (lambda o, i, h, w: (1, i, 1, 1), (1,), (0, 2, 3)),
 )
-
-
-def matrix_taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
-    """``Σ_{i=0}^{terms} A^i / i!`` for a batch of (complex) matrices, by explicit powers."""
-    eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
-    total, power = eye.expand_as(a).clone(), eye.expand_as(a)
-    for i in range(1, terms + 1):
-        power = power @ a / i
-        total = total + power
-    return total
 
 
 @torch.no_grad()
@@ -52,17 +42,12 @@ def fantastic_four(kernel: torch.Tensor, vectors: list[torch.Tensor], iterations
     operator norm. The SOC code scales its kernel by ``correction / min σ``.
     """
     sigmas, updated = [], []
-    for (_, to_v, to_u), u in zip(_FOUR_RESHAPES, vectors):
-        u = u.to(kernel.dtype)
-        tiny = torch.finfo(kernel.dtype).tiny
-        for _ in range(iterations):  # v <- R u / ||R u||, u <- Rᵀ v / ||Rᵀ v||, with R the reshaping
-            v = (kernel * u).sum(to_v, keepdim=True)
-            v = v / v.norm().clamp_min(tiny)
-            u = (kernel * v).sum(to_u, keepdim=True)
-            u = u / u.norm().clamp_min(tiny)
-        v = (kernel * u).sum(to_v, keepdim=True)
-        sigmas.append(v.norm())
-        updated.append(u)
+    for (_, u_axes, v_axes), u in zip(_FOUR_RESHAPES, vectors):
+        # The reshaping's transpose, rows over u's axes: power iteration on it gives the reshaping's top singular pair.
+        matrix = kernel.permute(*u_axes, *v_axes).reshape(u.numel(), -1)
+        u_flat = power_iteration(matrix, u.reshape(-1), iterations)
+        sigmas.append(spectral_norm_estimate(matrix, u_flat))
+        updated.append(u_flat.reshape(u.shape))
     return torch.stack(sigmas), updated
 
 
@@ -198,7 +183,7 @@ class SocConv2d(nn.Module):
         """
         kernel = self.skew_kernel()
         symbol = circular_conv_symbol(kernel, self.conv_size, (1, 1), self.padding)
-        series = matrix_taylor_exp(symbol, self.terms)[..., : self.out_channels, : self.conv_in_channels]
+        series = taylor_exp(symbol, self.terms)[..., : self.out_channels, : self.conv_in_channels]
         return torch.linalg.svdvals(series).flatten()
 
     def lipschitz_constant(self) -> float:

@@ -27,6 +27,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .linalg import random_orthogonal
+
 __all__ = [
     "NewtonConvergenceError",
     "auxiliary_reflection",
@@ -244,11 +246,6 @@ def invertible_weight(factor: torch.Tensor, margin: float = 1e-3) -> torch.Tenso
 INITS = ("orthogonal", "negative_identity", "random")
 
 
-def _random_orthogonal(d: int, generator: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).to(dtype)
-
-
 class AuxiliaryReflection(nn.Module):
     """``x -> H(W x) x`` on vectors ``(..., d)`` or, with ``conv1x1=True``, on every pixel of ``(B, d, h, w)``.
 
@@ -316,7 +313,7 @@ class AuxiliaryReflection(nn.Module):
             raise ValueError(f"`init` must be one of {allowed} or an orthogonal tensor (invertible={invertible}), got {init!r}")
         generator = torch.Generator().manual_seed(seed)
         if init == "orthogonal":
-            return eye - _random_orthogonal(d, generator, dtype)
+            return eye - random_orthogonal(d, generator, dtype)
         if init == "negative_identity":
             return eye.clone()  # W = I gives H(x) x = -x; V = I gives W = c I, the same map.
         bound = 1 / math.sqrt(d)

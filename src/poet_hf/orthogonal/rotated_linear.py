@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .cayley import SkewRotation
-from .spo import (BLOCK, CONTIGUOUS, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
+from .spo import (BLOCK, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
                   blockdiag_right, inverse_permutation)
 
 __all__ = ["SideRotation", "LinearOp", "Conv2dOp", "rotated_forward", "strategy_costs", "compute_dtypes"]

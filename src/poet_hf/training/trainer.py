@@ -10,11 +10,10 @@ import torch
 from transformers import Trainer
 
 from ..diagnostics import poet_statistics
+from ..export.source import RUN_INFO_NAME
 from ..tuners.poet import poet_layers
 from .callback import MergeReinitCallback, unwrap
 from .optimizer import poet_param_groups
-
-RUN_INFO_NAME = "poet_run.json"
 
 
 def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = None,

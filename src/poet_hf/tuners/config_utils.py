@@ -49,3 +49,9 @@ def normalize_peft_target_fields(config: Any) -> None:
         config.exclude_modules = set(config.exclude_modules)
     if config.layers_pattern and config.layers_to_transform is None:
         raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
+
+
+def holds_full_model(config: Any) -> bool:
+    """Whether an adapter of ``config`` trains, and saves, every parameter of the model besides its rotations
+    (POET pretraining from scratch): its adapter file is then the whole model. False for OFT and orthogonal configs."""
+    return bool(getattr(config, "trains_other_params", False))

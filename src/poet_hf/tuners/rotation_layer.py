@@ -27,7 +27,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
-                          orthogonality_error, skew_from_vector, spo_generator)
+                          orthogonality_error, random_skew_params, skew_from_vector, spo_generator)
 from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
 from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation, rotated_forward,
                                          strategy_costs)
@@ -78,9 +78,7 @@ def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torc
     on the transpose path, the orthogonality error itself.
     """
     b = blocks.shape[-1]
-    eye = torch.eye(b, dtype=blocks.dtype, device=blocks.device)
-    gram_error = torch.linalg.matrix_norm(blocks.transpose(-1, -2) @ blocks - eye, ord=2)
-    orth_error = float(gram_error.max()) if blocks.numel() else 0.0
+    orth_error = float(orthogonality_error(blocks, ord=2).max()) if blocks.numel() else 0.0
     singular = torch.linalg.svdvals(blocks)
     cond = float(singular.max() / singular.min())
     u_store = torch.finfo(weight_dtype).eps / 2
@@ -205,9 +203,7 @@ class RotationLayer(BaseTunerLayer):
         """Random skew parameters whose blocks have operator norm about ``op_norm`` (non-identity adapter)."""
         for side, spec in self.sides(adapter_name).items():
             param = self.skew_parameter(adapter_name, side)
-            # A b×b Gaussian skew matrix with entry std s has operator norm about 2·s·sqrt(b).
-            std = op_norm / (2 * math.sqrt(spec.block))
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
+            param.copy_(random_skew_params(param.shape, spec.block, generator, op_norm))
 
     # --- rotations (reference path: merge, unmerge, statistics, the plain-autograd forward) --------------------------
     def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32,
@@ -431,8 +427,8 @@ class RotationLayer(BaseTunerLayer):
         metrics = {}
         for side, spec in self.sides(adapter_name).items():
             blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
-            eye = torch.eye(spec.block, dtype=torch.float64, device=blocks.device)
-            squared_error = float(((blocks @ blocks.transpose(-1, -2) - eye) ** 2).sum())
+            # ||RRᵀ − I||_F² is the sum over blocks of ||BBᵀ − I||_F² = b · orthogonality_error(B)².
+            squared_error = float((orthogonality_error(blocks) ** 2).sum()) * spec.block
             trace = float(blocks.diagonal(dim1=-2, dim2=-1).sum()) + (spec.dim - spec.block * blocks.shape[0])
             metrics[side] = {"e_orth": math.sqrt(squared_error / spec.dim), "trace": trace / spec.dim}
         return metrics

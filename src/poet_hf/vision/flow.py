@@ -29,7 +29,8 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import ModelOutput
 
-from poet_hf.orthogonal.reflection import ON_FAIL, AuxiliaryReflection
+from ..orthogonal.linalg import random_orthogonal
+from ..orthogonal.reflection import ON_FAIL, AuxiliaryReflection
 
 __all__ = ["ReflectionFlowConfig", "ReflectionFlowModel", "ReflectionFlowOutput"]
 
@@ -151,8 +152,7 @@ class FixedRotation(nn.Module):
     def __init__(self, channels: int, seed: int) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
-        q, r = torch.linalg.qr(torch.randn(channels, channels, generator=gen, dtype=torch.float64))
-        self.register_buffer("rotation", (q * torch.sign(torch.diagonal(r))).to(torch.get_default_dtype()))
+        self.register_buffer("rotation", random_orthogonal(channels, gen, torch.get_default_dtype()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # log|det| is 0 only up to the rounding of the stored matrix (e.g. float32 cast to float64): compute it.

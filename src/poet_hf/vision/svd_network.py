@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
-from poet_hf.orthogonal import AuxiliaryReflection, apply_householder_sequence
+from ..orthogonal import AuxiliaryReflection, apply_householder_sequence
 
 from .data import load_flat_dataset
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..model_cards import render_card
 from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
@@ -21,7 +22,6 @@ from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
 __all__ = ["VisionTrainArgs", "train_lipconvnet", "export_lipconvnet", "render_model_card", "ECO_PAPER_RECIPE",
            "REPORTED_RADII"]
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[1] / "model_cards" / "lipconvnet.md"
 
 # The ℓ2 radii the ECO and SOC papers report certified accuracy at (pixel scale [0, 1]).
 REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, "1.0": 1.0}
@@ -245,22 +245,12 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
 
 def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
     """The model card text from ``poet_hf/model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
-    from huggingface_hub import ModelCard, ModelCardData
-
     config = model.config
-    card_data = ModelCardData(
-        library_name="transformers",
-        pipeline_tag="image-classification",
-        license="apache-2.0",
-        tags=["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
-        datasets=[args.dataset] if args.dataset != DEFAULT_DATASET else None,
-        metrics=["accuracy"],
-    )
-    if not MODEL_CARD_TEMPLATE.exists():
-        raise FileNotFoundError(f"model card template not found at {MODEL_CARD_TEMPLATE} (it ships with the repository)")
-    card = ModelCard.from_template(
-        card_data,
-        template_path=str(MODEL_CARD_TEMPLATE),
+    card_data = dict(pipeline_tag="image-classification", license="apache-2.0",
+                     tags=["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
+                     datasets=[args.dataset] if args.dataset != DEFAULT_DATASET else None, metrics=["accuracy"])
+    card = render_card(
+        "lipconvnet.md", card_data,
         depth=config.depth,
         dataset=args.dataset,
         image_size=config.image_size,

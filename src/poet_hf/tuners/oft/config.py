@@ -47,7 +47,8 @@ class OftConfig(PeftConfig):
                                                   "target (in·kh·kw for Conv2d). Set exactly one of `r` and "
                                                   "`block_size`."})
     neumann_terms: int = field(
-        default=5, metadata={"help": "Cayley–Neumann terms k (R = I + 2Q + … + 2Q^(k-2) + Q^(k-1)); 0 = exact Cayley."}
+        default=5, metadata={"help": "Cayley–Neumann terms n, PEFT's num_cayley_neumann_terms (R = I + 2Q + … + "
+                             "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = exact Cayley."}
     )
     block_share: bool = field(default=False, metadata={"help": "One skew block shared by all blocks of a layer."})
     coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep each skew block in a Frobenius ball."})

@@ -24,17 +24,13 @@ from ...orthogonal import (
     cayley_neumann,
     householder_matrix,
     num_skew_params,
+    polar_factor,
+    random_skew_params,
     skew_from_vector,
     spo_generator,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
-    """``U V^T`` for ``matrix = U S V^T`` (thin SVD, float64): the nearest matrix with orthonormal rows/columns."""
-    u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
-    return u @ vh
 
 
 def _relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
@@ -99,6 +95,13 @@ class OrthogonalLayer(BaseTunerLayer):
             for key, value in stash.items():
                 setattr(base, key, value)
 
+    def _adapters_to_merge(self, adapter_names: Optional[list[str]]) -> list[str]:
+        """PEFT's selection of adapters to merge, restricted to ours; at most one, since each replaces the weight."""
+        adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.orthogonal_settings]
+        if len(adapter_names) + len(self.merged_adapters) > 1:
+            raise ValueError("only one orthogonal adapter can be merged into a layer (each replaces the weight)")
+        return adapter_names
+
 
 class _OrthogonalModule(nn.Module, OrthogonalLayer):
     """What the Linear and Conv2d layers share: construction, forward and repr."""
@@ -135,7 +138,7 @@ class Linear(_OrthogonalModule):
         if kind == "cayley":
             param = torch.zeros(num_skew_params(d), dtype=torch.float64)
             if not config.init_weights:
-                param = 0.1 / (2 * math.sqrt(d)) * torch.randn(param.shape, generator=generator, dtype=torch.float64)
+                param = random_skew_params(param.shape, d, generator, dtype=torch.float64)
             settings["neumann_terms"] = config.neumann_terms
         elif kind == "householder":
             k = config.num_reflections or d - d % 2
@@ -212,11 +215,7 @@ class Linear(_OrthogonalModule):
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Write the orthogonal weight into the base layer (its old weight is kept for :meth:`unmerge`)."""
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        adapter_names = [a for a in adapter_names if a in self.orthogonal_settings]
-        if len(adapter_names) + len(self.merged_adapters) > 1:
-            raise ValueError("only one orthogonal adapter can be merged into a layer (each replaces the weight)")
-        for adapter_name in adapter_names:
+        for adapter_name in self._adapters_to_merge(adapter_names):
             with torch.no_grad():
                 matrix = self.orthogonal_matrix(adapter_name).detach()
             if safe_merge and not torch.isfinite(matrix).all():
@@ -285,11 +284,7 @@ class Conv2d(_OrthogonalModule):
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Turn the base Conv2d into the ECO operator: its kernel, dilation and circular padding (stride 1 only)."""
-        adapter_names = check_adapters_to_merge(self, adapter_names)
-        adapter_names = [a for a in adapter_names if a in self.orthogonal_settings]
-        if len(adapter_names) + len(self.merged_adapters) > 1:
-            raise ValueError("only one orthogonal adapter can be merged into a layer (each replaces the weight)")
-        for adapter_name in adapter_names:
+        for adapter_name in self._adapters_to_merge(adapter_names):
             eco = self.orthogonal_eco[adapter_name]
             if eco.stride != 1:
                 raise ValueError(
@@ -312,6 +307,3 @@ class Conv2d(_OrthogonalModule):
             # nn.Conv2d pads non-zero modes with this (left, right, top, bottom) list, so asymmetric pads work.
             base._reversed_padding_repeated_twice = [pl, pr, pt, pb]
             self.merged_adapters.append(adapter_name)
-
-    def __repr__(self) -> str:
-        return "orthogonal." + super().__repr__()

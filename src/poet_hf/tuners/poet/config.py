@@ -7,11 +7,10 @@ from typing import Literal, Optional, Union
 
 from peft.config import PeftConfig
 
-from ..registry import peft_type_member
-
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
 from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields, per_side
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
+from ..registry import peft_type_member
 
 POET_PEFT_TYPE = "POET"
 

@@ -8,6 +8,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
+from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
 from ..rotation_layer import RotationLayer, rotation_layers
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
@@ -56,7 +57,7 @@ class PoetModel(BaseTuner):
 
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
         super()._mark_only_adapters_as_trainable(model)
-        if any(getattr(self.peft_config[a], "trains_other_params", False) for a in self.active_adapters):
+        if any(holds_full_model(self.peft_config[a]) for a in self.active_adapters):
             # Pretraining from scratch: embeddings, norms and lm_head train normally beside the POET layers.
             inside_tuner_layers = {id(p) for m in model.modules() if isinstance(m, BaseTunerLayer)
                                    for p in m.parameters()}
@@ -76,7 +77,7 @@ class PoetModel(BaseTuner):
         )
         if include_base:
             to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
-        if getattr(config, "trains_other_params", False):
+        if holds_full_model(config):
             # Pretraining: every non-adapter weight was trained or re-initialised, so the whole model is saved.
             to_return.update(state_dict)
         return to_return

@@ -1,0 +1,151 @@
+"""Writing an export: fold, cast, and save weights, config, tokenizer and card into a staging directory that is
+renamed into place only when complete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from ..diagnostics import module_singular_values, spectrum_summary
+from ..distributed import barrier
+from .card import render_model_card
+from .folding import fold, max_merge_count, show_progress, tuner_layer_names
+from .source import ExportError, active_config, is_sharded_source, load_source, parse_dtype
+
+
+def export_merged(
+    source: Any,
+    output_dir: Union[str, os.PathLike],
+    *,
+    dtype: Union[str, torch.dtype, None] = None,
+    overwrite: bool = False,
+    tokenizer: Any = None,
+    run_info: Optional[dict] = None,
+    repo_id: Optional[str] = None,
+    license: str = "other",
+    datasets: Union[str, list[str], None] = None,
+    max_shard_size: Union[int, str] = "5GB",
+    spectrum: bool = True,
+    inplace: bool = False,
+    progress: Optional[bool] = None,
+) -> Path:
+    """Fold a POET / OFT / orthogonal model into plain weights and write a stock Hugging Face checkpoint.
+
+    Args:
+        source: a ``peft.PeftModel`` with a POET/OFT/orthogonal adapter; a ``transformers.Trainer`` holding one
+            (e.g. ``PoetTrainer``); or a directory with ``adapter_config.json``: one written by ``save_pretrained``
+            or a ``PoetTrainer`` checkpoint. A directory's base model is rebuilt from the ``config.json`` beside
+            it when the adapter file holds the whole model (pretraining from scratch), else loaded from the
+            adapter config's ``base_model_name_or_path``.
+        output_dir: the folder to create. It must not exist or be empty, unless ``overwrite``.
+        dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` or a ``torch.dtype``; default: the source's dtype. Folding is
+            always done in float32, then the weights are cast.
+        overwrite: replace an existing non-empty ``output_dir`` (only once the new export is complete).
+        tokenizer: a tokenizer / processor to save beside the weights; default: the source's, when it has one.
+        run_info: training facts for the model card (``learning_rate``, ``poet_learning_rate``,
+            ``num_input_tokens_seen``, ``datasets``, ``eval`` …); merged over the checkpoint's ``poet_run.json``.
+        repo_id: the Hub repo the export is meant for (used in the card's loading snippet).
+        license: the card's license identifier (``"other"`` unless given).
+        datasets: dataset ids for the card's metadata.
+        max_shard_size: shard ``model.safetensors`` above this size, as ``save_pretrained`` does.
+        spectrum: compute the singular values of every folded matrix for the card (an SVD per layer).
+        inplace: fold an in-memory model in place instead of a copy (saves memory; the model is then plain).
+        progress: show progress bars (``None``: only on a terminal).
+
+    Returns:
+        The path of the written export.
+    """
+    output = Path(output_dir)
+    export_dtype = None if dtype is None else parse_dtype(dtype)
+    source_dir = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    _check_output_dir(output, overwrite, source_dir)  # before the (possibly long) load
+    sharded = is_sharded_source(source)
+    loaded = load_source(source, inplace=inplace)
+    if loaded is None:  # a model FSDP2 shards, on a rank other than 0: rank 0 gathered it and writes once
+        barrier()
+        return output
+    tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+    run = {**loaded.run_info, **(run_info or {})}
+    peft_config = active_config(loaded.model)
+    target_names = tuner_layer_names(loaded.model)
+    merge_count = max_merge_count(loaded.model)
+    plain = fold(loaded.model, progress)
+    spectrum_rows = (spectrum_summary(module_singular_values(plain, target_names, show_progress(progress)))
+                     if spectrum else [])
+    export_dtype = export_dtype or loaded.dtype
+    plain.to(export_dtype)
+    card = render_model_card(
+        plain, peft_config, export_dtype=export_dtype, run_info=run, eval_results=loaded.eval_results,
+        spectrum_rows=spectrum_rows, folded_layers=len(target_names), merge_count=merge_count,
+        model_id=repo_id or output.name, license=license, datasets=datasets, from_scratch=loaded.from_scratch,
+    )
+
+    def write(folder: Path) -> None:
+        plain.save_pretrained(folder, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        card.save(folder / "README.md")
+
+    _write_atomically(output, write)
+    if sharded:
+        barrier()
+    return output
+
+
+def _check_output_dir(output: Path, overwrite: bool, source_dir: Optional[Path]) -> None:
+    """Refuse a file, a non-empty directory (unless ``overwrite``), or a target that contains the source."""
+    if source_dir is not None:
+        src, out = source_dir.resolve(), output.resolve()
+        if out == src or out in src.parents:
+            raise ExportError(f"output directory {output} is (or contains) the source {source_dir}; export "
+                              "somewhere else")
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"output path {output} exists and is a file, not a directory")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        entries = sorted(p.name for p in output.iterdir())
+        raise FileExistsError(f"output directory {output} exists and is not empty ({len(entries)} entries: "
+                              f"{', '.join(entries[:5])}{', …' if len(entries) > 5 else ''}); pass overwrite=True "
+                              "(--overwrite) to replace it")
+
+
+def _write_atomically(output: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write`` into a temporary directory beside ``output``, then rename it into place.
+
+    On any error, including KeyboardInterrupt, the temporary directory is removed and ``output`` is left as it
+    was. An existing ``output`` is moved aside only once the new export is complete, and deleted after the swap.
+    """
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))
+    try:
+        write(staging)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp creates 0700
+        _swap_into_place(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(staging: Path, output: Path) -> None:
+    if not output.exists():
+        os.replace(staging, output)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+    os.replace(output, retired / "previous")
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        os.replace(retired / "previous", output)  # put the old export back
+        shutil.rmtree(retired, ignore_errors=True)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

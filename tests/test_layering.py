@@ -1,0 +1,119 @@
+"""The package's layering, read from the source (AST, nothing executed): no module imports a layer above its own,
+the pure-math layer needs no Hugging Face library, and the scripts stay thin command lines over the library."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "poet_hf"
+
+# Which parts of poet_hf each part may import (itself always). A part is the first name below `poet_hf.`.
+ALLOWED = {
+    "orthogonal": set(),
+    "optim": {"orthogonal"},
+    "tuners": {"orthogonal"},
+    "data": set(),
+    "distributed": set(),
+    "model_cards": set(),
+    "diagnostics": {"orthogonal", "tuners"},
+    "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
+    "vision": {"orthogonal", "optim", "model_cards"},
+    "training": {"orthogonal", "optim", "tuners", "data", "distributed", "diagnostics", "export"},
+}
+HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
+PURE_MATH = {"orthogonal", "optim"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[str]:
+    """The absolute module name of every import statement in ``source``, function-level imports included.
+
+    ``from . import x`` counts as importing ``<package>.x``, which may be a module.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if not node.level:
+                names.append(node.module)
+                continue
+            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            names.append(target if node.module else f"{target}.{node.names[0].name}")
+    return names
+
+
+def part_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "poet_hf" and len(parts) > 1 else None
+
+
+def layering_violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Every import in ``source`` (the module ``module``) that reaches a part its layer may not use."""
+    own = part_of(module)
+    if own is None:  # the top-level __init__ re-exports from every layer
+        return []
+    allowed = ALLOWED[own] | {own}
+    problems = []
+    for name in imported_modules(source, module, is_package):
+        part = part_of(name)
+        if part is not None and part in ALLOWED and part not in allowed:
+            problems.append(f"{module} imports {name} ({own}/ may use only {sorted(allowed)})")
+        if own in PURE_MATH and name.split(".")[0] in HUGGING_FACE:
+            problems.append(f"{module} imports {name} ({own}/ is pure PyTorch)")
+    return problems
+
+
+def package_modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {part_of(module_name(path)) for path in package_modules()} - {None}
+    assert parts <= set(ALLOWED), f"parts without a layer in ALLOWED: {sorted(parts - set(ALLOWED))}"
+
+
+@pytest.mark.parametrize("path", package_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_a_layer_above_its_own(path):
+    assert layering_violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
+
+
+@pytest.mark.parametrize("source, module, expected", [
+    ("from ...training import PoetTrainer", "poet_hf.tuners.poet.layer", "imports poet_hf.training"),
+    ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation_layer", "imports poet_hf.export"),
+    ("import poet_hf.vision.lipconvnet", "poet_hf.export", "imports poet_hf.vision"),
+    ("from transformers import PreTrainedModel", "poet_hf.orthogonal.eco", "is pure PyTorch"),
+    ("from ..tuners import poet", "poet_hf.orthogonal.cayley", "imports poet_hf.tuners"),
+])
+def test_the_layering_check_catches_upward_imports(source, module, expected):
+    problems = layering_violations(source, module)
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_the_layering_check_accepts_downward_and_relative_sibling_imports():
+    assert layering_violations("from ..orthogonal import cayley\nfrom .layer import Linear",
+                               "poet_hf.tuners.poet.model") == []
+    assert layering_violations("from .cayley import cayley", "poet_hf.orthogonal", is_package=True) == []
+
+
+MAX_SCRIPT_FUNCTION_LINES = 30
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.py")), ids=lambda p: p.name)
+def test_scripts_are_thin_command_lines(path):
+    """A script parses arguments and calls the library: no classes, short functions, nothing that needs reuse."""
+    tree = ast.parse(path.read_text())
+    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    long_functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+                      and node.end_lineno - node.lineno + 1 > MAX_SCRIPT_FUNCTION_LINES]
+    assert classes == [] and long_functions == [], (classes, long_functions)
