@@ -1,11 +1,21 @@
+import os
+
 import pytest
 import torch
 
-# The tests use tiny models: one thread avoids OpenMP spin-waits, which on 2 cores cost more than they give,
-# and keeps reductions in one fixed order.
-torch.set_num_threads(1)
+import tolerance_audit
+from tolerance_audit import pytest_assertion_pass  # noqa: F401  (records figures when POET_TOLERANCE_AUDIT is set)
+
+# The tests use tiny models: one thread avoids OpenMP spin-waits, which on 2 cores cost more than they give.
+# POET_TEST_THREADS runs the suite with more, to check that no tolerance depends on the reduction order.
+torch.set_num_threads(int(os.environ.get("POET_TEST_THREADS", "1")))
+
+_current_test = {"id": None}
+if tolerance_audit.audit_file():
+    tolerance_audit.install(lambda: _current_test["id"])
 
 
 @pytest.fixture(autouse=True)
-def _seed():
+def _seed(request):
+    _current_test["id"] = request.node.nodeid
     torch.manual_seed(0)

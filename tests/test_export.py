@@ -143,6 +143,7 @@ def assert_plain_export(path: Path) -> None:
     assert keys and not any("poet_" in k or "base_layer" in k or "lora" in k for k in keys)
 
 
+@pytest.mark.numerics
 # --- in-memory LLaMA, GPT-2 (Conv1D), ViT (Conv2d patch embedding) ----------------------------
 @pytest.mark.parametrize("kind,spo", [("llama", "block"), ("gpt2", "full"), ("vit", "block")])
 def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo):

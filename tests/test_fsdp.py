@@ -15,6 +15,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
+from tolerances import tiny_model_tolerance
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "fsdp_worker.py")
@@ -90,7 +91,10 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
     base = tiny_poet_model(len(tokenizer), spo=spo, budget=0.5).get_base_model()  # any base: the adapter holds it all
     reloaded = PeftModel.from_pretrained(base, directory / "adapter").eval()
     with torch.no_grad():
-        assert (plain(input_ids=ids).logits - expected).abs().max() <= 1e-5
+        # The export's folded float32 weights and the live adapter associate the same products differently (the
+        # folds add two ≤ 32-term sums per weight, inside the tiny model's count).
+        tolerance = tiny_model_tolerance(torch.float32) * float(expected.abs().max())
+        assert (plain(input_ids=ids).logits - expected).abs().max() <= tolerance
         assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-6
     assert sorted(p.name for p in (directory / "export").iterdir() if p.suffix == ".safetensors") == \
         ["model.safetensors"]  # written once, by rank 0

@@ -14,6 +14,8 @@ from poet_hf.orthogonal.householder import (
     householder_reflect,
 )
 
+pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
+
 
 
 F64 = torch.float64

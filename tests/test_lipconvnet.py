@@ -133,6 +133,7 @@ def empirical_lipschitz(model, x: torch.Tensor, pairs: int = 64) -> tuple[float,
     return jac_max, float(ratio.max())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_lipconvnet5_empirical_lipschitz_is_at_most_the_claimed_constant(mode, record_property):
     model = small_model(image_std=[0.2, 0.25, 0.3]).double()
@@ -159,6 +160,7 @@ def test_lipconvnet5_empirical_lipschitz_is_at_most_the_claimed_constant(mode, r
     assert jac_max >= 0.5 * claimed  # the estimate is not vacuous: gradient-norm-preserving layers
 
 
+@pytest.mark.numerics
 def test_lln_head_margins_are_bounded_by_pairwise_row_distances():
     model = small_model(**{**TINY, "last_layer": "lln"}).double().eval()
     L_feat = model.lipschitz_constant(include_head=False)

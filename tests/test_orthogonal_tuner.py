@@ -14,6 +14,8 @@ from poet_hf.tuners.orthogonal import OrthogonalConfig, OrthogonalLayer
 from poet_hf.tuners.orthogonal.layer import Conv2d as OrthConv2d
 from poet_hf.tuners.orthogonal.layer import Linear as OrthLinear
 
+pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
+
 
 
 

@@ -14,6 +14,7 @@ from poet_hf.orthogonal import neumann_error_bound, skew_from_vector
 from poet_hf.tuners.poet import PoetLayer, poet_layers
 from models import TinyCNN, tiny_bert, tiny_gpt2, tiny_llama
 from reference import block_rotation_dense, cayley_inverse, neumann_series, subset_rotation_dense
+from tolerances import gamma, tiny_model_tolerance
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 IMAGES = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
@@ -21,7 +22,7 @@ IMAGES = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
 
 def outputs(model, kind):
     if kind == "cnn":
-        return model(IMAGES)
+        return model(IMAGES.to(next(model.parameters()).dtype))
     out = model(input_ids=IDS)
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
@@ -49,12 +50,14 @@ def randomize(model, op_norm=0.1, seed=3):
 # --- 1. identity at init -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "cnn"])
 @pytest.mark.parametrize("spo", ["block", "full"])
+@pytest.mark.numerics
 def test_identity_at_init(kind, spo):
+    # In float64, so that what is left is rounding: folding a permutation into W0 reorders its dot products.
     with torch.no_grad():
-        reference = outputs(build(kind), kind)
-        model = poet(kind, spo=spo)
+        reference = outputs(build(kind).double(), kind)
+        model = poet(kind, spo=spo).double()
         assert len(poet_layers(model)) > 0
-        assert (outputs(model, kind) - reference).abs().max() <= 1e-6
+        assert (outputs(model, kind) - reference).abs().max() <= tiny_model_tolerance(torch.float64) * reference.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["vit", "gpt_neox"])
@@ -101,6 +104,7 @@ def dense_effective_weight(layer: PoetLayer, adapter="default"):
     return p.T @ w @ r.T, rotations
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "cnn"])
 @pytest.mark.parametrize("spo", ["block", "full"])
 @pytest.mark.parametrize("terms", [0, 5])
@@ -126,6 +130,7 @@ def test_effective_weight_spectrum_and_dense_reference(kind, spo, terms):
             assert ((s - s0).abs() / s0).max() <= bound * (1 + 1e-6) + 1e-12, name
 
 
+@pytest.mark.numerics
 # --- 3. merge_and_reinit -------------------------------------------------------------------------------------------
 def test_merge_and_reinit_keeps_logits_zeroes_q_and_resamples():
     model = poet("llama")
@@ -188,19 +193,22 @@ def test_trainable_parameter_counts_match_table_2(size, spo, value, expected):
 # --- 5. weight vs activation strategy ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("spo", ["block", "full"])
+@pytest.mark.numerics
 def test_weight_and_activation_strategies_agree_in_forward_and_gradients(kind, spo):
+    # The two strategies associate the same products differently; in float64 that leaves rounding.
     results = {}
     for strategy in ("weight", "activation"):
-        model = poet(kind, spo=spo, forward=strategy)
+        model = poet(kind, spo=spo, forward=strategy).double()
         randomize(model, op_norm=0.3)
         out = outputs(model, kind)
         out.square().mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[strategy] = (out.detach(), grads)
     (out_w, grads_w), (out_a, grads_a) = results["weight"], results["activation"]
-    assert ((out_w - out_a).abs().max() / out_w.abs().max()) <= 1e-5
+    tolerance = tiny_model_tolerance(torch.float64, backward=True)
+    assert ((out_w - out_a).abs().max() / out_w.abs().max()) <= tolerance
     for name in grads_w:
-        assert ((grads_w[name] - grads_a[name]).abs().max() / grads_w[name].abs().max()) <= 1e-5, name
+        assert ((grads_w[name] - grads_a[name]).abs().max() / grads_w[name].abs().max()) <= tolerance, name
 
 
 def test_cost_model_picks_activation_for_few_tokens_and_weight_for_many():
@@ -273,8 +281,11 @@ def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path):
     assert float(out.strip().splitlines()[-1]) <= 1e-5
 
 
+@pytest.mark.numerics
 def test_peft_merge_unmerge_restores_base_and_keeps_adapter():
-    model = poet("llama", neumann_terms=3)
+    # float64 and a truncated series (3 terms, ||Q|| = 0.3: blocks off orthogonal by 0.09, condition < 1.2), so the
+    # unmerge must solve. Merge and unmerge are four 16-long block products per weight, far inside the model's bound.
+    model = poet("llama", neumann_terms=3).double()
     randomize(model, op_norm=0.3)
     layer = poet_layers(model)[0][1]
     w0 = layer.weight_matrix().detach().clone()
@@ -282,9 +293,9 @@ def test_peft_merge_unmerge_restores_base_and_keeps_adapter():
     with torch.no_grad():
         expected = outputs(model, "llama")
         model.merge_adapter()
-        assert (outputs(model, "llama") - expected).abs().max() <= 1e-5
+        assert (outputs(model, "llama") - expected).abs().max() <= tiny_model_tolerance(torch.float64) * expected.abs().max()
         model.unmerge_adapter()
-    assert ((layer.weight_matrix() - w0).abs().max() / w0.abs().max()) <= 1e-6
+    assert ((layer.weight_matrix() - w0).abs().max() / w0.abs().max()) <= tiny_model_tolerance(torch.float64)
     assert torch.equal(layer.poet_R["default"].detach(), skew)
 
 
@@ -312,23 +323,28 @@ def test_activation_forward_on_conv2d_is_rejected():
         poet("cnn", forward="activation")
 
 
+@pytest.mark.numerics
 # --- base_init ----------------------------------------------------------------------------------------------------------
 def test_normalized_base_init_gives_unit_norm_neurons_and_trainable_non_targets():
     model = poet("llama", base_init="normalized")
     for name, layer in poet_layers(model):
         norms = layer.weight_matrix().detach().norm(dim=1)
-        torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0, atol=1e-6)
+        # Normalising a float32 row and measuring it again each sum n squares: within γ_(n+2) of 1 on both counts.
+        torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0,
+                                   atol=2 * gamma(layer.in_features + 2, torch.float32))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("embed_tokens" in n for n in trainable) and any("norm" in n for n in trainable)
     assert not any("base_layer" in n for n in trainable)
 
 
+@pytest.mark.numerics
 def test_uniform_spectrum_base_init_has_unit_singular_values():
     model = poet("llama", base_init="uniform_spectrum")
     s = torch.linalg.svdvals(poet_layers(model)[0][1].weight_matrix().detach().double())
     torch.testing.assert_close(s, torch.ones_like(s), rtol=0, atol=1e-5)
 
 
+@pytest.mark.numerics
 # --- multiple adapters ---------------------------------------------------------------------------------------------------
 def test_two_adapters_compose_like_the_dense_product_and_disable_restores_base():
     model = poet("llama", init_weights=False)

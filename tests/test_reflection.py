@@ -18,6 +18,8 @@ from poet_hf.orthogonal.reflection import (
     invertible_weight,
 )
 
+pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
+
 
 
 F64 = torch.float64

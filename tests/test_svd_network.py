@@ -45,6 +45,7 @@ def perturb(network, steps=5, lr=0.05):
         optimizer.step()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("method", LINEAR_MAPS)
 def test_singular_values_are_sigma_before_and_after_training(method):
     d = 12
@@ -60,6 +61,7 @@ def test_singular_values_are_sigma_before_and_after_training(method):
     assert (network.layers[0].sigma - 1).abs().max() > 0.02
 
 
+@pytest.mark.numerics
 def test_householder_layer_matches_dense_reflection_product():
     d = 7
     layer = build_float64(d, "householder", 0).layers[0]
@@ -74,6 +76,7 @@ def test_householder_layer_matches_dense_reflection_product():
     assert torch.allclose(layer(x), want, atol=1e-12)
 
 
+@pytest.mark.numerics
 def test_auxiliary_layer_matches_dense_formula_and_scales_norms_by_sigma():
     d = 9
     network = build_float64(d, "auxiliary", 2)
