@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("poet_layer", "pretrain_step", "finetune_step", "oft_layer", "fsdp", "eco", "reflection", "import_time")
+SUITES = ("poet_layer", "pretrain_step", "finetune_step", "finetune_quality", "finetune_sweep", "oft_layer", "fsdp",
+          "eco", "reflection", "import_time", "load_checks")
 
 
 def machine_description() -> str:

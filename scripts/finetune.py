@@ -1,8 +1,8 @@
 """Fine-tune a pretrained model with POET, OFT or LoRA and report the evaluation metric before and after.
 
     python scripts/finetune.py --model gpt2 --method oft --dataset embedded --max_steps 200
-    python scripts/finetune.py --model ./my-llama --method poet --block_size 64 --dataset ./corpus.txt \\
-        --export_dir outputs/merged
+    python scripts/finetune.py --model ./my-llama --method poet --dataset ./corpus.txt \\
+        --export_dir outputs/merged                               # POET's default recipe (--recipe paper: Table 6)
     python scripts/finetune.py --model bert-base-uncased --task sequence-classification --method oft \\
         --dataset glue --dataset_config sst2 --text_column sentence
 

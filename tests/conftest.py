@@ -19,3 +19,9 @@ if tolerance_audit.audit_file():
 def _seed(request):
     _current_test["id"] = request.node.nodeid
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests on the pretrained testbed run last: CI builds the testbed beside the rest of the suite
+    (`.ci/run`), and these wait for it."""
+    items.sort(key=lambda item: item.get_closest_marker("testbed") is not None)

@@ -16,16 +16,16 @@ from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
 from tolerances import tiny_model_tolerance
+from training_utils import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "fsdp_worker.py")
-PORTS = iter(range(29551, 29600))
 
 
 def torchrun(out: Path, *args: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(next(PORTS)), WORKER, str(out), *args]
+               str(free_port()), WORKER, str(out), *args]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -18,11 +18,12 @@ ALLOWED = {
     "tuners": {"orthogonal"},
     "data": set(),
     "distributed": set(),
+    "checkpoints": {"tuners"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners"},
     "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
-    "vision": {"orthogonal", "optim", "model_cards"},
-    "training": {"orthogonal", "optim", "tuners", "data", "distributed", "diagnostics", "export"},
+    "vision": {"orthogonal", "optim", "model_cards", "checkpoints"},
+    "training": {"orthogonal", "optim", "tuners", "data", "distributed", "diagnostics", "export", "checkpoints"},
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal", "optim"}

@@ -14,7 +14,7 @@ from poet_hf import MergeReinitCallback
 from poet_hf.training import clip_threshold, poet_parameters
 from poet_hf.training.pretrain import PretrainArguments, run_pretraining
 from poet_hf.tuners.poet import poet_layers
-from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
+from training_utils import free_port, tiny_dataset, tiny_poet_model, tiny_trainer
 
 HERE = Path(__file__).resolve().parent
 
@@ -81,6 +81,20 @@ def test_two_learning_rates_in_two_param_groups(tmp_path, data):
         p.requires_grad for p in trainer.model.parameters())
 
 
+def test_a_reference_block_gives_each_side_its_rate_by_block_size():
+    from poet_hf.training import poet_param_groups
+
+    model = tiny_poet_model(64, block_size={"input": 8, "output": 16})
+    groups = poet_param_groups(model, 1e-2, 2e-3, 0.0, [], reference_block=32)
+    poet = {g["block_size"]: g for g in groups if g.get("poet")}
+    assert {b: g["lr"] for b, g in poet.items()} == pytest.approx({8: 2e-3 * 4, 16: 2e-3 * 2})
+    sides = {b: sum(p.numel() for p in g["params"]) for b, g in poet.items()}
+    layers = poet_layers(model)
+    assert sides == {8: sum(l.poet_R["default"].numel() for _, l in layers),
+                     16: sum(l.poet_P["default"].numel() for _, l in layers)}
+    assert [g["lr"] for g in poet_param_groups(model, 1e-2, 2e-3, 0.0, []) if g.get("poet")] == [2e-3]
+
+
 def test_post_merge_clip_ramp():
     got = [clip_threshold(step, 5, 1.0, 4, 0.1) for step in range(1, 13)]
     expected = [1.0] * 5 + [0.1, 0.325, 0.55, 0.775, 1.0, 0.1, 0.325]
@@ -138,7 +152,7 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     # On a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29533"]
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
     worker = str(HERE / "ddp_worker.py")
     subprocess.run([*launch, "--num_processes", "2", worker, str(tmp_path / "ddp"), "2"], check=True, env=env,
                    capture_output=True, timeout=600)

@@ -11,6 +11,15 @@ from poet_hf import PoetConfig, PoetTrainer, PoetTrainingArguments
 from poet_hf.data import load_embedded_corpus, load_tokenizer, pack_sequences
 
 
+def free_port() -> int:
+    """A TCP port no one listens on now (so that suites running side by side do not collide)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def tiny_dataset(seq_len: int = 32, chars: int = 40_000):
     tokenizer = load_tokenizer()
     text = load_embedded_corpus()["train"][0]["text"][:chars]

@@ -41,8 +41,9 @@ def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None
 
     ``source`` is ``"embedded"``, a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` file or a directory of
     them, or any dataset name ``datasets.load_dataset`` accepts (e.g. ``"allenai/c4"`` with
-    ``config_name="en"``, ``streaming=True``). The dataset's ``validation_split`` becomes ``validation``; without
-    one, ``validation_fraction`` of the rows is held out.
+    ``config_name="en"``, ``streaming=True``). The dataset's ``validation_split`` becomes ``validation`` (in a local
+    directory: the files named ``train.*`` and ``<validation_split>.*``); without one, ``validation_fraction`` of the
+    rows is held out.
     """
     if source == EMBEDDED_CORPUS:
         return load_embedded_corpus()
@@ -53,9 +54,13 @@ def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None
         if not files or None in kinds or len(kinds) != 1:
             raise ValueError(f"local corpus {source!r} must be .txt, .jsonl, .json or .csv files of one kind, got "
                              f"{[p.name for p in files]}")
+        # A folder holding `train.*` and `<validation_split>.*` keeps that split, as a hub dataset would.
+        by_split = {p.stem: str(p) for p in files}
+        data_files = ({"train": by_split["train"], validation_split: by_split[validation_split]}
+                      if path.is_dir() and {"train", validation_split} <= set(by_split) else [str(p) for p in files])
         # `sample_by="paragraph"` keeps blank-line separated documents together for local text files.
         extra = {"sample_by": "paragraph"} if kinds == {"text"} else {}
-        corpus = load_dataset(kinds.pop(), data_files=[str(p) for p in files], streaming=streaming, **extra)
+        corpus = load_dataset(kinds.pop(), data_files=data_files, streaming=streaming, **extra)
     else:
         corpus = load_dataset(source, config_name, streaming=streaming)
     if validation_split in corpus:

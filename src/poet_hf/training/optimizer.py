@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -16,19 +16,44 @@ def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
             for p in module.skew_parameters() if p.requires_grad]
 
 
+def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
+    """The trainable skew parameters grouped by the block size ``b`` of their side (for POET-FS: the index-set
+    size)."""
+    groups: dict[int, list[nn.Parameter]] = {}
+    for module in model.modules():
+        if isinstance(module, RotationLayer):
+            for adapter, sides in module.poet_specs.items():
+                for side, spec in sides.items():
+                    param = module.skew_parameter(adapter, side)
+                    if param.requires_grad:
+                        groups.setdefault(spec.block, []).append(param)
+    return groups
+
+
 def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate: float, weight_decay: float,
-                      decay_parameter_names: Iterable[str]) -> list[dict]:
-    """Three groups: the non-POET trainable parameters with and without decay (``learning_rate``; first, so
-    Trainer logs it as ``learning_rate``), then the POET parameters (``poet_learning_rate``, no weight decay,
-    as the POET code). Empty groups are dropped."""
+                      decay_parameter_names: Iterable[str], reference_block: Optional[int] = None) -> list[dict]:
+    """The non-POET trainable parameters with and without decay (``learning_rate``; first, so Trainer logs it as
+    ``learning_rate``), then the POET parameters (no weight decay, as the POET code). Empty groups are dropped.
+
+    Without ``reference_block`` every POET parameter trains at ``poet_learning_rate``. With it, a side of block size
+    ``b`` trains at ``poet_learning_rate · reference_block / b``: Adam moves each skew entry by about the learning
+    rate per step, which turns a ``b``-block by about ``lr·b`` while the gradient keeps its direction, so this keeps
+    the rotation per step the same for every block size. It is the tie of the POET paper's Tables 8–9
+    (``1e-3 · 256/b``) applied per side; POET groups carry ``"poet": True`` and their ``"block_size"``.
+    """
     poet = {id(p) for p in poet_parameters(model)}
     decay = set(decay_parameter_names)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in poet]
     groups = [
         {"params": [p for n, p in named if n in decay], "lr": learning_rate, "weight_decay": weight_decay},
         {"params": [p for n, p in named if n not in decay], "lr": learning_rate, "weight_decay": 0.0},
-        {"params": poet_parameters(model), "lr": poet_learning_rate, "weight_decay": 0.0, "poet": True},
     ]
+    if reference_block is None:
+        groups.append({"params": poet_parameters(model), "lr": poet_learning_rate, "weight_decay": 0.0, "poet": True})
+    else:
+        for block, params in sorted(poet_parameters_by_block(model).items()):
+            groups.append({"params": params, "lr": poet_learning_rate * reference_block / block, "weight_decay": 0.0,
+                           "poet": True, "block_size": block})
     return [g for g in groups if g["params"]]
 
 

@@ -131,10 +131,14 @@ class PretrainArguments:
     output_dir: str = field(default="outputs/pretrain", metadata={"help": "where checkpoints, results.json and "
                             "spectra.png go"})
     logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint interval (0 = no intermediate checkpoints)"})
+    save_steps: int = field(default=0, metadata={"help": "checkpoint interval (0 = no intermediate checkpoints); "
+                            "checkpoints are written atomically into --output_dir"})
+    save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep at most this many checkpoints"})
     report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "a checkpoint folder to resume "
-                                                  "from"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (or 'latest'): resume "
+                                                  "from the newest complete checkpoint in --output_dir, or start fresh "
+                                                  "if there is none, so after a crash you rerun the same command; or a "
+                                                  "checkpoint folder"})
     export_dir: Optional[str] = field(default=None, metadata={"help": "export a plain merged model here at the end"})
     print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
     seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
@@ -295,7 +299,8 @@ def training_arguments(args: PretrainArguments, recipe: dict[str, Any]) -> PoetT
         lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": recipe["min_lr_ratio"]},
         warmup_steps=recipe["warmup_steps"], weight_decay=recipe["weight_decay"],
         max_grad_norm=recipe["max_grad_norm"], logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, eval_strategy="no",
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit, eval_strategy="no",
         report_to=args.report_to, seed=args.seed, data_seed=args.seed,
         include_num_input_tokens_seen="all" if recipe["packing"] else "non_padding", dataloader_drop_last=True,
         use_cpu=not torch.cuda.is_available(), **extra)

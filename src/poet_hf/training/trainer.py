@@ -7,8 +7,8 @@ import os
 from typing import Any, Optional
 
 import torch
-from transformers import Trainer
 
+from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
 from ..export.source import RUN_INFO_NAME
 from ..tuners.poet import poet_layers
@@ -39,7 +39,7 @@ def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = No
                          "`poet_hf.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)")
 
 
-class PoetTrainer(Trainer):
+class PoetTrainer(CrashSafeTrainer):
     """Trainer for POET models (works for any model; without POET layers it behaves like ``Trainer``).
 
     - Optimizer: POET parameters at ``args.poet_learning_rate`` without weight decay; the rest at
@@ -48,7 +48,9 @@ class PoetTrainer(Trainer):
       clip ramp).
     - Logs the POET learning rate, merge count, ``||Q||``, orthogonality error and vector-probe cosines.
     - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json``, so a model pretrained
-      from scratch can be rebuilt and exported without a hub id.
+      from scratch can be rebuilt and exported without a hub id. They are written atomically, and
+      ``train(resume_from_checkpoint="auto")`` resumes from the newest complete one
+      (:class:`~poet_hf.checkpoints.CrashSafeTrainer`).
 
     POET merges fold weights in place on every process, which is exact under DDP (every rank draws the same
     permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
@@ -82,14 +84,17 @@ class PoetTrainer(Trainer):
             raise ValueError(f"optim={self.args.optim!r} builds its own parameter groups, which POET's two "
                              "learning rates cannot be combined with; use an AdamW-type optim")
         groups = poet_param_groups(opt_model, self.args.learning_rate, self.poet_learning_rate,
-                                   self.args.weight_decay, self.get_decay_parameter_names(opt_model))
+                                   self.args.weight_decay, self.get_decay_parameter_names(opt_model),
+                                   getattr(self.args, "poet_reference_block", None))
         self.optimizer = optimizer_cls(groups, **kwargs)
         return self.optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.has_poet and "loss" in logs and self.optimizer is not None:
-            logs["poet_learning_rate"] = next(
-                (g["lr"] for g in self.optimizer.param_groups if g.get("poet")), self.poet_learning_rate)
+            reference = getattr(self.args, "poet_reference_block", None)
+            logs["poet_learning_rate"] = next(  # at the reference block size, where the rate is per block size
+                (g["lr"] * (g["block_size"] / reference if reference else 1.0)
+                 for g in self.optimizer.param_groups if g.get("poet")), self.poet_learning_rate)
             logs.update(self._poet_statistics())
         super().log(logs, *args, **kwargs)
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Optional
+
+from .state_checks import check_safetensors_file
+
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
 
 
 def check_choice(field_name: str, value: object, choices: tuple) -> None:
@@ -55,3 +60,21 @@ def holds_full_model(config: Any) -> bool:
     """Whether an adapter of ``config`` trains, and saves, every parameter of the model besides its rotations
     (POET pretraining from scratch): its adapter file is then the whole model. False for OFT and orthogonal configs."""
     return bool(getattr(config, "trains_other_params", False))
+
+
+class CheckedLoadConfig:
+    """Mixin for a ``PeftConfig``: ``from_pretrained`` checks that the adapter weights beside the config are a whole
+    safetensors file, and records where they are (``loaded_from``, not serialized), so that the layers' load checks
+    (:mod:`~poet_hf.tuners.state_checks`) name the file when a tensor in it is wrong."""
+
+    loaded_from: Optional[str] = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: Optional[str] = None, **kwargs: Any):
+        config = super().from_pretrained(  # type: ignore[misc]
+            pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+        weights = os.path.join(str(pretrained_model_name_or_path), subfolder or "", ADAPTER_WEIGHTS_NAME)
+        if os.path.isfile(weights):
+            check_safetensors_file(weights)
+        config.loaded_from = weights if os.path.isfile(weights) else str(pretrained_model_name_or_path)
+        return config

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-SPO_CHOICES = ("block", "full")
+SPO_CHOICES = ("block", "full", "contiguous")
 SIDES_CHOICES = ("both", "input", "output")
 FORWARD_CHOICES = ("auto", "weight", "activation")
 BIAS_CHOICES = {name: ("none", "all", f"{name}_only") for name in ("poet", "oft", "orthogonal")}

@@ -29,9 +29,10 @@ from torch import nn
 from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
                           orthogonality_error, random_skew_params, skew_from_vector, spo_generator)
 from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
-from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation, rotated_forward,
-                                         strategy_costs)
+from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation,
+                                         rotated_forward, strategy_costs)
 from ..orthogonal.spo import SideSpec
+from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class RotationSettings:
     seed: int
     neumann_terms: int
     forward: str  # "auto", "weight" or "activation"
+    source: Optional[str] = None  # the adapter file it was loaded from, for errors that name the file
 
 
 @torch.no_grad()
@@ -112,6 +114,7 @@ class RotationLayer(BaseTunerLayer):
         self._init_containers()
         out_dim, in_dim = self.weight_matrix().shape
         self.in_features, self.out_features = in_dim, out_dim
+        self.register_load_state_dict_pre_hook(RotationLayer._check_loaded_state)
 
     # --- where the tensors live (the tuner's PEFT prefix) --------------------------------------------------------
     def _init_containers(self) -> None:
@@ -140,6 +143,23 @@ class RotationLayer(BaseTunerLayer):
 
     def sides(self, adapter_name: str) -> dict[str, SideSpec]:
         return self.poet_specs.get(adapter_name, {})
+
+    def _check_loaded_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        """``load_state_dict`` pre-hook: every incoming index, skew and merge-count tensor of this layer must be what
+        the math needs (:mod:`~poet_hf.tuners.state_checks`); raises :class:`AdapterStateError` naming it."""
+        names = {id(child): name for name, child in self.named_children()}
+        for adapter_name, specs in self.poet_specs.items():
+            checks = [(self.merge_counts, merge_count_problem)]
+            for side, spec in specs.items():
+                params, indices = self.side_containers(side)
+                checks.append((indices, lambda t, spec=spec: index_problem(t, spec)))
+                shape = params[adapter_name].shape
+                checks.append((params, lambda t, spec=spec, shape=shape: skew_problem(t, shape, spec)))
+            for container, problem_of in checks:
+                key = f"{prefix}{names[id(container)]}.{adapter_name}"
+                problem = problem_of(state_dict[key]) if key in state_dict else None
+                if problem:
+                    raise AdapterStateError(f"tensor '{key}' {problem}", self.poet_settings[adapter_name].source)
 
     # --- the base weight as an out × in matrix, and the base operation -------------------------------------------
     def weight_matrix(self) -> torch.Tensor:

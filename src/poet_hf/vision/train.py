@@ -87,6 +87,11 @@ class VisionTrainArgs:
     max_train_examples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
     max_eval_examples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
     logging_steps: int = field(default=50, metadata={"help": "log the loss every this many steps"})
+    save_steps: int = field(default=0, metadata={"help": "checkpoint interval in steps (0 = none); checkpoints are "
+                            "written atomically into --output_dir"})
+    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (or 'latest'): resume "
+                                                  "from the newest complete checkpoint in --output_dir, or start fresh "
+                                                  "if there is none; or a checkpoint folder"})
     # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
     torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
 
@@ -168,7 +173,9 @@ def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps
 def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
     """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics: clean accuracy and
     certified accuracy at ``args.eps`` and at :data:`REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``)."""
-    from transformers import Trainer, TrainingArguments, set_seed
+    from transformers import TrainingArguments, set_seed
+
+    from ..checkpoints import CrashSafeTrainer
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
@@ -186,18 +193,19 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
     steps_per_epoch = math.ceil(len(train_split) / args.batch_size)
     training_args = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
-        logging_steps=args.logging_steps, save_strategy="no", eval_strategy="no", report_to=[],
+        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, eval_strategy="no", report_to=[],
         remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
         seed=args.seed, disable_tqdm=True,
     )
     nominal_lipschitz = 1.0 / min(model.config.image_std)
-    trainer = Trainer(
+    trainer = CrashSafeTrainer(
         model=model, args=training_args, train_dataset=train_split.with_transform(transform),
         data_collator=collate_images, optimizers=_optimizer_and_schedule(model, args, steps_per_epoch),
         compute_loss_func=certificate_regularized_loss(args.gamma, nominal_lipschitz) if args.gamma else None,
     )
     start = time.perf_counter()
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     train_seconds = time.perf_counter() - start
     model.eval()
     metrics = certified_accuracy(model, test_split, eps=args.eps, return_radii=True)

@@ -11,14 +11,14 @@ from ..registry import peft_type_member
 
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
+from ..config_utils import CheckedLoadConfig, check_choice, check_positive_int, normalize_peft_target_fields
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
 
 
 @dataclass
-class OftConfig(PeftConfig):
+class OftConfig(CheckedLoadConfig, PeftConfig):
     """Configuration of an OFT adapter: every target weight ``W0`` is used as ``W0 · R^T`` (torch orientation).
 
     ``R`` (in×in) is block-diagonal with orthogonal ``b×b`` blocks from the Cayley–Neumann map of skew-symmetric

@@ -8,7 +8,8 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..config_utils import check_budget, check_choice, check_positive_int, normalize_peft_target_fields, per_side
+from ..config_utils import (CheckedLoadConfig, check_budget, check_choice, check_positive_int,
+                            normalize_peft_target_fields, per_side)
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
 
@@ -16,7 +17,7 @@ POET_PEFT_TYPE = "POET"
 
 
 @dataclass
-class PoetConfig(PeftConfig):
+class PoetConfig(CheckedLoadConfig, PeftConfig):
     """Configuration of a POET adapter: every target weight becomes ``R·W0·P`` (torch: ``P^T W0 R^T``).
 
     ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built by the Cayley–Neumann map from
@@ -40,14 +41,15 @@ class PoetConfig(PeftConfig):
     exclude_modules: Optional[Union[list[str], str]] = field(
         default=None, metadata={"help": "Module names or a regex to leave out."}
     )
-    spo: Literal["block", "full"] = field(
+    spo: Literal["block", "full", "contiguous"] = field(
         default="block",
         metadata={"help": "'block': permuted block-diagonal rotations (POET-BS); 'full': one b×b block on a random "
-                  "index subset (POET-FS)."},
+                  "index subset (POET-FS); 'contiguous': block-diagonal on fixed contiguous blocks, no permutation "
+                  "(OFT's layout, no gathers: the fine-tuning default, where runs rarely reach a merge)."},
     )
     block_size: Union[int, dict[str, int]] = field(
-        default=256, metadata={"help": "Block size b for spo='block' (must divide the dims), or per side: "
-                               "{'input': b_R, 'output': b_P}."})
+        default=256, metadata={"help": "Block size b for spo='block' or 'contiguous' (must divide the dims), or per "
+                               "side: {'input': b_R, 'output': b_P}."})
     budget: Union[float, int, dict[str, Union[float, int]]] = field(
         default=0.5, metadata={"help": "For spo='full': the index-set size per side, as a fraction of the dimension "
                                "(a float in (0, 1]: b = ⌈budget·d⌉) or an absolute size (an int >= 2, Table 1's b); or "

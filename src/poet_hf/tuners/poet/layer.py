@@ -63,7 +63,7 @@ class PoetLayer(RotationLayer):
         specs = {side: make_side_spec(config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]),
                                       layer_name, field) for side in wanted}
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
-                                    forward=config.forward)
+                                    forward=config.forward, source=getattr(config, "loaded_from", None))
         self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()},
                                   config.init_weights)
         if config.base_init is not None:

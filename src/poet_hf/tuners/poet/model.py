@@ -11,6 +11,7 @@ from torch import nn
 from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
 from ..rotation_layer import RotationLayer, rotation_layers
+from ..state_checks import AdapterStateError
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 
@@ -42,6 +43,10 @@ class PoetModel(BaseTuner):
     tuner_layer_cls = PoetLayer
     target_module_mapping = DEFAULT_TARGET_MODULES
     layer_classes = (Linear, Conv1D, Conv2d)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_post_hook(check_merge_counts_agree)
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
                             **optional_kwargs) -> None:
@@ -85,6 +90,22 @@ class PoetModel(BaseTuner):
     def merge_and_reinit(self, adapter_name: Optional[str] = None) -> dict[str, Any]:
         """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see :func:`merge_and_reinit`."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
+
+
+def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
+    """The layers of one adapter merge together, so after a load their merge counts must agree (a
+    ``load_state_dict`` post-hook); raises :class:`~poet_hf.tuners.state_checks.AdapterStateError` naming two that
+    disagree."""
+    for adapter_name in getattr(tuner, "peft_config", {}):
+        layers = rotation_layers(tuner, adapter_name)
+        counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
+        first = layers[0][0] if layers else None
+        other = next((name for name, count in counts.items() if count != counts[first]), None)
+        if other is not None:
+            raise AdapterStateError(
+                f"merge counts disagree: layer '{first}' has merged {counts[first]} times but '{other}' "
+                f"{counts[other]} times; the layers of adapter '{adapter_name}' merge together, so they must hold one "
+                "count", layers[0][1].poet_settings[adapter_name].source)
 
 
 def poet_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:

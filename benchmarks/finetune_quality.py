@@ -1,0 +1,146 @@
+"""Fine-tuning quality on real pretrained weights: LoRA, OFT and POET at their defaults on the testbed.
+
+The testbed (``benchmarks/testbed.py``) is a causal LM pretrained here on Shakespeare and fine-tuned on Milton, and
+the real all-MiniLM-L6-v2 encoder fine-tuned to tell four plays apart. Every method runs
+``scripts/finetune.py`` with its defaults (only the run length, batch and sequence length are set here) in a fresh
+process, which reports:
+
+- the evaluation loss and perplexity (causal LM) or accuracy (classification) before and after, and the evaluation
+  loss after the first 5 steps (``loss @5``: fine-tuning must not start by damaging the model);
+- time per optimizer step (the median over the steps after the first, evaluations excluded) and peak memory (peak
+  RSS minus the RSS after imports), each against OFT's in the same run;
+- the trainable parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("lora", "oft", "poet")
+TASKS = {
+    "causal-lm": {"seq_len": 128, "batch_size": 8, "max_eval_samples": 64, "steps": 60},
+    "classification": {"seq_len": 64, "batch_size": 16, "max_eval_samples": 256, "steps": 100},
+}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * 4096 / 2**20
+
+
+def task_argv(task: str, steps: Optional[int] = None) -> list[str]:
+    """The model, data and run length of ``task``, as ``scripts/finetune.py`` arguments (builds the testbed if
+    needed)."""
+    from benchmarks import testbed
+
+    shape = TASKS[task]
+    if task == "causal-lm":
+        data = ["--model", str(testbed.ensure_causal_lm()), "--dataset", str(testbed.milton_corpus())]
+    else:
+        data = ["--model", str(testbed.ensure_encoder()), "--task", "sequence-classification",
+                "--dataset", str(testbed.classification_files()["train"].parent)]
+    return [*data, "--max_steps", str(steps or shape["steps"]), "--seq_len", str(shape["seq_len"]), "--batch_size",
+            str(shape["batch_size"]), "--max_eval_samples", str(shape["max_eval_samples"]), "--eval_steps", "5",
+            "--logging_steps", "1000", "--disable_tqdm", "true", "--seed", "0"]
+
+
+def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
+    """In the child process: one fine-tuning run of ``scripts/finetune.py`` with ``argv``; its report and costs."""
+    from transformers import HfArgumentParser
+
+    from poet_hf.training.finetune import FinetuneArguments, run_finetuning
+
+    after_imports = _rss_mb()
+    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(
+        args=[*argv, "--output_dir", output_dir])
+    record: dict[str, Any] = {}
+    results = run_finetuning(args, callbacks=[_Probe(record)])
+    trainer = results.pop("trainer")
+    evaluations = {log["step"]: log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log}
+    return {"before": results["before"], "after": results["after"], "loss_at_5": evaluations.get(5),
+            "evaluations": evaluations, "angle_at_5": record.get("angle_at_5"),
+            "step_s": statistics.median(record["steps"][1:]), "trainable": results["trainable_params"],
+            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
+            "learning_rate": trainer.args.learning_rate}
+
+
+class _Probe:
+    """Times every optimizer step (evaluations between steps excluded) and records, at step 5, the largest angle any
+    layer's rotations turn it by (``RotationLayer.rotation_angle``)."""
+
+    def __new__(cls, record: dict[str, Any]):
+        import time
+
+        from transformers import TrainerCallback
+
+        from poet_hf.tuners.poet import poet_layers
+
+        class Probe(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                record["started"] = time.perf_counter()
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                record.setdefault("steps", []).append(time.perf_counter() - record["started"])
+                if state.global_step == 5:
+                    record["angle_at_5"] = max((layer.rotation_angle("default") for _, layer in poet_layers(model)),
+                                               default=0.0)
+
+        return Probe()
+
+
+def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
+    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_quality import measure; "
+            f"print('RESULT ' + json.dumps(measure({argv!r}, {str(output_dir)!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"fine-tuning {argv} failed:\n{out.stderr[-3000:]}")
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:
+    metric = "perplexity" if task == "causal-lm" else "accuracy"
+    gain = {m: result["after"][m] - result["before"][m] for m in ("loss", metric)}
+    oft_gain = oft["after"]["loss"] - oft["before"]["loss"]
+    return {"task": task, "method": label, f"{metric} before": result["before"][metric],
+            f"{metric} after": result["after"][metric], "loss before": result["before"]["loss"],
+            "loss @5": result["loss_at_5"], "loss after": result["after"]["loss"], "angle @5": result["angle_at_5"],
+            "loss gain / OFT's": gain["loss"] / oft_gain if oft_gain else float("nan"),
+            "step s": result["step_s"], "time / OFT": result["step_s"] / oft["step_s"],
+            "peak MB": result["peak_mb"], "memory / OFT": result["peak_mb"] / oft["peak_mb"],
+            "trainable (M)": result["trainable"] / 1e6}
+
+
+def run(quick: bool = False, repeats: int = 3, tasks: tuple[str, ...] = tuple(TASKS),
+        variants: Optional[dict[str, list[str]]] = None) -> list[dict[str, Any]]:
+    """Every method at its defaults, or the ``variants`` (a row label → extra ``scripts/finetune.py`` arguments,
+    the method included), each in its own process, repeats interleaved; time and memory are medians."""
+    import tempfile
+
+    variants = variants or {method: ["--method", method] for method in METHODS}
+    rows = []
+    for task in tasks:
+        argv = task_argv(task, 6 if quick else None)
+        runs: dict[str, list[dict]] = {label: [] for label in variants}
+        with tempfile.TemporaryDirectory() as scratch:
+            for _ in range(1 if quick else repeats):  # interleaved: noise hits every method alike
+                for label, extra in variants.items():
+                    runs[label].append(run_child([*argv, *extra], Path(scratch) / label))
+        result = {label: _median(rs) for label, rs in runs.items()}
+        oft = result.get("oft") or next(iter(result.values()))
+        rows += [metric_row(task, label, r, oft) for label, r in result.items()]
+    return rows
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    first = runs[0]
+    merged = dict(first)
+    for key in ("step_s", "peak_mb"):
+        merged[key] = statistics.median(r[key] for r in runs)
+    return merged

@@ -1,0 +1,253 @@
+"""Crash-safe checkpoints: a ``checkpoint-N`` folder exists only once all of it is on disk, and resuming picks the
+newest complete one.
+
+:class:`CrashSafeTrainer` is a ``transformers.Trainer`` whose checkpoints are written atomically:
+
+1. every file (weights or adapter with the POET state, optimizer, scheduler, RNG, ``trainer_state.json``) is written
+   into ``<output_dir>/.staging/checkpoint-N`` by the Trainer's own code;
+2. each process ``fsync``s what it wrote, then all wait at a barrier;
+3. the main process writes :data:`MANIFEST_NAME` (every file and its size), ``fsync``s it, and publishes the folder
+   with one ``os.replace`` onto ``checkpoint-N``, then ``fsync``s the output folder;
+4. only then are old checkpoints rotated out (``save_total_limit``), each first moved out of sight, so a kill during
+   a deletion never leaves a damaged folder under a checkpoint name, and the newest complete one is never deleted.
+
+A kill at any moment leaves either a complete checkpoint or none under that name; leftovers in ``.staging`` are
+cleared at the next save. ``train(resume_from_checkpoint="auto")`` (also ``"latest"`` or ``True``) resumes from the
+newest complete checkpoint of ``output_dir``, warns about and skips partial folders (from a plain ``Trainer`` or a
+damaged disk), starts fresh with a message when there is none, and does nothing, saying so, when that checkpoint
+ended the run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+
+from .tuners.state_checks import AdapterStateError, check_safetensors_file
+
+__all__ = ["CrashSafeTrainer", "MANIFEST_NAME", "STAGING_DIR", "checkpoint_problem", "latest_complete_checkpoint",
+           "resolve_resume_checkpoint", "RESUME_LATEST"]
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "checkpoint_manifest.json"
+STAGING_DIR = ".staging"
+TRAINER_STATE_NAME = "trainer_state.json"
+RESUME_LATEST = ("auto", "latest")  # what --resume_from_checkpoint accepts besides a folder
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+# --- what is complete -------------------------------------------------------------------------------------------------
+def checkpoint_problem(folder: Union[str, Path]) -> Optional[str]:
+    """Why ``folder`` is not a complete checkpoint (``None`` if it is).
+
+    With a manifest (every checkpoint this package writes), each listed file must exist with its size; without one
+    (a plain ``Trainer``'s), ``trainer_state.json`` must parse. Every safetensors file must be whole.
+    """
+    folder = Path(folder)
+    manifest = folder / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+        except (ValueError, KeyError) as error:
+            return f"unreadable {MANIFEST_NAME} ({error})"
+        for name, size in sizes.items():
+            path = folder / name
+            if not path.is_file() or path.stat().st_size != size:
+                return f"{name} is missing or has the wrong size"
+    else:
+        try:
+            json.loads((folder / TRAINER_STATE_NAME).read_text())
+        except (OSError, ValueError):
+            return f"no readable {TRAINER_STATE_NAME} (a write that did not finish)"
+    for weights in folder.rglob("*.safetensors"):
+        try:
+            check_safetensors_file(weights)
+        except AdapterStateError as error:
+            return str(error)
+    return None
+
+
+def _checkpoints_by_step(output_dir: Union[str, Path]) -> list[tuple[int, Path]]:
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(match.group(1)), path) for path in folder.iterdir()
+             if path.is_dir() and (match := _CHECKPOINT_NAME.match(path.name))]
+    return sorted(found)
+
+
+def latest_complete_checkpoint(output_dir: Union[str, Path]) -> Optional[str]:
+    """The newest complete ``checkpoint-N`` in ``output_dir`` (``None`` if there is none); every newer partial folder
+    is named in a warning and skipped."""
+    for _, path in reversed(_checkpoints_by_step(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        logger.warning("skipping %s: not a complete checkpoint (%s)", path, problem)
+    return None
+
+
+def resolve_resume_checkpoint(value: Union[str, bool, None], output_dir: Union[str, Path]) -> Optional[str]:
+    """The checkpoint folder a ``resume_from_checkpoint`` value means.
+
+    ``"auto"``, ``"latest"`` or ``True``: the newest complete checkpoint of ``output_dir``, or ``None`` (a fresh
+    start, logged) when there is none. A folder: itself, if complete. ``None``/``False``/``""``: ``None``.
+    """
+    if value is None or value is False or value == "":
+        return None
+    if value is True or (isinstance(value, str) and value.lower() in RESUME_LATEST):
+        checkpoint = latest_complete_checkpoint(output_dir)
+        if checkpoint is None:
+            logger.warning("resume_from_checkpoint=%r: no complete checkpoint in %s, starting from scratch", value,
+                           output_dir)
+        else:
+            logger.warning("resuming from %s, the newest complete checkpoint in %s", checkpoint, output_dir)
+        return checkpoint
+    if not Path(value).is_dir():
+        raise ValueError(f"`resume_from_checkpoint`={value!r} is neither a checkpoint folder nor one of "
+                         f"{RESUME_LATEST + (True,)} (the newest complete checkpoint of the output folder)")
+    problem = checkpoint_problem(value)
+    if problem is not None:
+        raise ValueError(f"`resume_from_checkpoint`={value!r} is not a complete checkpoint: {problem}; pass 'auto' to "
+                         "resume from the newest complete one")
+    return str(value)
+
+
+# --- writing ----------------------------------------------------------------------------------------------------------
+def _fsync(path: Union[str, Path], directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Union[str, Path]) -> None:
+    """Flush every file under ``folder`` and the folders themselves to disk."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root, directory=True)
+
+
+def publish(staged: Union[str, Path], final: Union[str, Path]) -> None:
+    """Write the manifest of ``staged`` and move it onto ``final`` in one rename (replacing an older folder of that
+    name, which is first moved out of sight)."""
+    staged, final = Path(staged), Path(final)
+    files = {str(p.relative_to(staged)): p.stat().st_size for p in sorted(staged.rglob("*")) if p.is_file()}
+    manifest = staged / MANIFEST_NAME
+    manifest.write_text(json.dumps({"files": files}, indent=1))
+    _fsync(manifest)
+    _fsync(staged, directory=True)
+    if final.exists():
+        discard(final, staged.parent)
+    os.replace(staged, final)
+    _fsync(final.parent, directory=True)
+
+
+def discard(folder: Union[str, Path], staging_root: Union[str, Path]) -> None:
+    """Delete ``folder`` after moving it into ``staging_root``, so that a kill midway leaves nothing half-deleted
+    under a checkpoint name."""
+    trash = Path(staging_root) / f"deleting-{Path(folder).name}"
+    trash.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def rotate(output_dir: Union[str, Path], save_total_limit: Optional[int], keep: set[str]) -> None:
+    """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit, never the newest complete one
+    nor any folder in ``keep`` (the best model)."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    checkpoints = [path for _, path in _checkpoints_by_step(output_dir)]
+    newest_complete = latest_complete_checkpoint(output_dir)
+    protected = {str(Path(p)) for p in keep | ({newest_complete} if newest_complete else set())}
+    excess = len(checkpoints) - max(save_total_limit, len(protected))
+    for path in checkpoints:
+        if excess <= 0:
+            break
+        if str(path) not in protected:
+            discard(path, Path(output_dir) / STAGING_DIR)
+            excess -= 1
+
+
+class CrashSafeTrainer(Trainer):
+    """``transformers.Trainer`` with atomic checkpoints and ``resume_from_checkpoint="auto"`` (module docstring).
+
+    Under DDP and FSDP2 every process writes its part into the staging folder as the Trainer does; the main process
+    publishes after a barrier. Loading a checkpoint checks its adapter state (index tensors, skew shapes, merge counts,
+    whole files) and names the file in any error.
+    """
+
+    _staging_root: Optional[str] = None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        return self._staging_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        run_dir = super()._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = os.path.join(run_dir, STAGING_DIR)
+        if self.args.should_save:
+            shutil.rmtree(staging_root, ignore_errors=True)  # a save or a deletion a kill interrupted
+        self.accelerator.wait_for_everyone()
+        self._staging_root = staging_root
+        try:
+            super()._save_checkpoint(model, trial)  # every file, into staging_root/name
+        finally:
+            self._staging_root = None
+        staged = os.path.join(staging_root, name)
+        best = self.state.best_model_checkpoint
+        if best and os.path.dirname(best) == staging_root:
+            self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
+            if self.args.should_save:
+                self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        if os.path.isdir(staged):
+            fsync_tree(staged)  # every process its own files (a multi-node run's shards)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            publish(staged, os.path.join(run_dir, name))
+            keep = {self.state.best_model_checkpoint} if self.state.best_model_checkpoint else set()
+            rotate(run_dir, self.args.save_total_limit, keep)
+            shutil.rmtree(staging_root, ignore_errors=True)  # empty by now: leave the output folder clean
+        self.accelerator.wait_for_everyone()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except AdapterStateError as error:
+            raise error.in_file(resume_from_checkpoint) from None
+
+    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, trial: Any = None, **kwargs: Any):
+        """``Trainer.train``; ``resume_from_checkpoint`` may also be ``"auto"``/``"latest"`` (module docstring)."""
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if checkpoint is not None and self._finished_at(checkpoint):
+            return self._load_finished_run(checkpoint)
+        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+
+    def _finished_at(self, checkpoint: str) -> bool:
+        """Whether ``checkpoint`` ended its run and the arguments ask for no more steps."""
+        state = json.loads(Path(checkpoint, TRAINER_STATE_NAME).read_text())
+        step, last = state.get("global_step", 0), state.get("max_steps", 0)
+        return bool(last) and step >= last and (self.args.max_steps <= 0 or self.args.max_steps <= step)
+
+    def _load_finished_run(self, checkpoint: str) -> TrainOutput:
+        from transformers.trainer_callback import TrainerState
+
+        self._load_from_checkpoint(checkpoint)
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
+        logger.warning("the run is complete: %s is step %d of %d; nothing to train (raise max_steps to train on)",
+                       checkpoint, self.state.global_step, self.state.max_steps)
+        losses = [log["loss"] for log in self.state.log_history if "loss" in log]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"),
+                           {"train_runtime": 0.0, "run_complete": True})

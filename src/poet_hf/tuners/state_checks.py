@@ -1,0 +1,96 @@
+"""Checks of loaded adapter state: what the math needs of every tensor, before it is used.
+
+A POET or OFT adapter is only a rotation if each side's index tensor is a permutation (block-stochastic) or a valid
+sorted index subset (fully stochastic) of the right size, its skew parameter has the shape its block size implies,
+and its merge count is a non-negative integer that agrees across the adapter's layers (they merge together). A file
+that breaks any of these would otherwise load silently and compute a wrong, non-orthogonal function, or fail at the
+first forward with a bare ``IndexError``. :class:`AdapterStateError` names the file, the tensor and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Optional
+
+import torch
+
+from ..orthogonal.spo import BLOCK, FULL, SideSpec
+
+__all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew_problem", "merge_count_problem"]
+
+
+class AdapterStateError(ValueError):
+    """A saved adapter or checkpoint that cannot be a valid rotation state (or a damaged file)."""
+
+    def __init__(self, problem: str, source: Optional[str] = None) -> None:
+        self.problem, self.source = problem, source
+        super().__init__(f"{source}: {problem}" if source else problem)
+
+    def in_file(self, source: str) -> "AdapterStateError":
+        """The same error naming ``source``, unless it names a file already."""
+        return self if self.source else AdapterStateError(self.problem, source)
+
+
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Raise :class:`AdapterStateError` unless ``path`` is a whole safetensors file: its header parses and the data
+    it describes ends exactly at the end of the file (a truncated or extended file fails). Reads the header only."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            if header_len > size - 8:
+                raise ValueError(f"its header claims {header_len} bytes but the file has {size}")
+            header = json.loads(handle.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as error:
+        raise AdapterStateError(f"not a readable safetensors file (truncated or damaged): {error}", path) from None
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    expected, held = max(ends, default=0), size - 8 - header_len
+    if held != expected:
+        raise AdapterStateError(f"truncated or damaged: its header describes {expected} bytes of tensor data, the file "
+                                f"holds {held}", path)
+
+
+def index_problem(index: torch.Tensor, spec: SideSpec) -> Optional[str]:
+    """What is wrong with ``index`` as the index tensor of a side of shape ``spec`` (``None`` if nothing)."""
+    expected = {BLOCK: spec.dim, FULL: spec.block}.get(spec.kind, 0)
+    what = {BLOCK: f"a permutation of 0..{spec.dim - 1}", FULL: f"a sorted subset of {spec.block} distinct indices "
+            f"in 0..{spec.dim - 1}"}.get(spec.kind, "empty (contiguous blocks)")
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        return f"has dtype {index.dtype}; it must be an integer tensor, {what}"
+    if index.dim() != 1 or index.numel() != expected:
+        return f"has shape {tuple(index.shape)}; it must be {what} (shape ({expected},))"
+    if not index.numel():
+        return None
+    low, high = int(index.min()), int(index.max())
+    if low < 0 or high >= spec.dim:
+        return f"holds {low if low < 0 else high}, out of range; it must be {what}"
+    if spec.kind == BLOCK:
+        counts = torch.bincount(index.cpu(), minlength=spec.dim)
+        if bool((counts != 1).any()):
+            repeated = int(torch.nonzero(counts > 1)[0])
+            return f"is not a permutation: {repeated} appears {int(counts[repeated])} times; it must be {what}"
+    elif bool((index[1:] <= index[:-1]).any()):
+        return f"is not strictly increasing (repeated or unsorted indices); it must be {what}"
+    return None
+
+
+def skew_problem(skew: torch.Tensor, expected_shape: torch.Size, spec: SideSpec) -> Optional[str]:
+    """What is wrong with a loaded skew parameter against the shape the side's block size implies."""
+    if tuple(skew.shape) != tuple(expected_shape):
+        return (f"has shape {tuple(skew.shape)}, but block size {spec.block} on a {spec.dim}-dimensional side implies "
+                f"{tuple(expected_shape)} (rows × b(b−1)/2)")
+    if not skew.dtype.is_floating_point:
+        return f"has dtype {skew.dtype}; skew parameters are floating point"
+    if not bool(torch.isfinite(skew).all()):
+        return "holds non-finite values"
+    return None
+
+
+def merge_count_problem(count: torch.Tensor) -> Optional[str]:
+    """What is wrong with a loaded merge count (a non-negative integer scalar)."""
+    if count.numel() != 1 or count.dtype.is_floating_point or int(count.reshape(())) < 0:
+        return f"must be a non-negative integer scalar, got {count.dtype} of shape {tuple(count.shape)}"
+    return None

@@ -1,0 +1,298 @@
+"""Crash-safe checkpoints (poet_hf.checkpoints) and checked loads (poet_hf.tuners.state_checks).
+
+- A run SIGKILLed at random moments and at named points (inside a checkpoint write, just before its publication,
+  inside a rotation, inside a merge), each time restarted with ``resume_from_checkpoint="auto"``, ends bit for bit
+  where an uninterrupted run ends; the same under 2-process DDP.
+- Resuming a finished run takes no step and says the run is complete.
+- An adapter damaged in each way the math cares about fails at load time, naming the file, the tensor and the fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from poet_hf.checkpoints import (MANIFEST_NAME, STAGING_DIR, checkpoint_problem, latest_complete_checkpoint,
+                                 resolve_resume_checkpoint)
+from poet_hf.tuners.state_checks import AdapterStateError
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "chaos_worker.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONWARNINGS": "ignore"}
+LAUNCH_DDP = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", "2"]
+
+
+# --- chaos -----------------------------------------------------------------------------------------------------------
+def _start(out: Path, point: str = "", ddp: bool = False) -> subprocess.Popen:
+    (out / "started").unlink(missing_ok=True)
+    from training_utils import free_port
+
+    launcher = [*LAUNCH_DDP, "--main_process_port", str(free_port())] if ddp else [sys.executable]
+    command = [*launcher, WORKER, str(out), point]
+    return subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=open(out / "stderr.log", "a"))
+
+
+def _finish(process: subprocess.Popen, out: Path, timeout: float = 300) -> int:
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(process.pid)
+        pytest.fail(f"the worker hung; its log:\n{(out / 'stderr.log').read_text()[-3000:]}")
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant (torchrun starts each rank in a session of its own, so a process-group
+    kill would leave the ranks running)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    family, queue = [], [pid]
+    while queue:
+        family.append(queue.pop())
+        queue += children.get(family[-1], [])
+    for member in family:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_started(process: subprocess.Popen, out: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (out / "started").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _kill_at_random(process: subprocess.Popen, out: Path, rng: random.Random, window: float) -> bool:
+    """SIGKILL the worker's process group at a random moment of its training; whether the kill landed (it had not
+    finished)."""
+    _wait_started(process, out)
+    time.sleep(rng.uniform(0.0, window))
+    if process.poll() is not None:
+        return False
+    _kill_tree(process.pid)
+    process.wait()
+    return True
+
+
+def _result(out: Path) -> dict:
+    return json.loads((out / "result.json").read_text())
+
+
+def _checkpoint_names(run: Path) -> list[str]:
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-"))
+
+
+def _chaos(tmp_path: Path, plan: list[str], ddp: bool, seed: int) -> None:
+    reference, chaos = tmp_path / "reference", tmp_path / "chaos"
+    reference.mkdir()
+    chaos.mkdir()
+    process = _start(reference, ddp=ddp)
+    _wait_started(process, reference)
+    started = time.monotonic()
+    assert _finish(process, reference) == 0, (reference / "stderr.log").read_text()[-3000:]
+    # Random kills fall within the first 1/(2(k+1)) of a whole run's training time, so that k of them cannot finish it
+    # even on a machine that got twice as fast meanwhile.
+    window = (time.monotonic() - started) / (2 * (plan.count("random") + 1))
+    rng = random.Random(seed)
+    kills = 0
+    for point in plan:
+        process = _start(chaos, "" if point == "random" else point, ddp=ddp)
+        if point == "random":
+            assert _kill_at_random(process, chaos, rng, window), (chaos / "stderr.log").read_text()[-3000:]
+            kills += 1
+            continue
+        code = _finish(process, chaos)
+        # The named point was reached and killed the group (a run that got past it would have exited 0).
+        log = (chaos / "stderr.log").read_text()[-3000:]
+        assert code in (-signal.SIGKILL, 128 + signal.SIGKILL, 1), (point, code, log)
+        assert not (chaos / "result.json").exists(), point
+        kills += 1
+        names = _checkpoint_names(chaos / "run")
+        assert all(checkpoint_problem(chaos / "run" / name) is None for name in names), (point, names)
+    assert kills >= (3 if ddp else 8)
+    assert _finish(_start(chaos, ddp=ddp), chaos) == 0, (chaos / "stderr.log").read_text()[-3000:]
+    expected, got = _result(reference), _result(chaos)
+    assert got["global_step"] == expected["global_step"] == 90
+    assert got["losses"] == expected["losses"]  # every step's loss, across merges, resets and restarts
+    assert got["hash"] == expected["hash"]  # and the final weights, bit for bit
+
+
+@pytest.mark.slow
+def test_a_run_killed_nine_times_resumes_with_auto_and_ends_bit_for_bit_as_an_uninterrupted_one(tmp_path):
+    plan = ["staging", "random", "merge", "random", "publish", "random", "rotate", "random", "random", "random"]
+    _chaos(tmp_path, plan, ddp=False, seed=0)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_killed_four_times_resumes_bit_for_bit(tmp_path):
+    _chaos(tmp_path, ["random", "staging", "random", "random"], ddp=True, seed=1)
+
+
+# --- the pieces -------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 6-step run with checkpoints every 3 steps and at most 2 kept."""
+    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
+
+    out = tmp_path_factory.mktemp("finished")
+    dataset, tokenizer = tiny_dataset()
+    trainer = tiny_trainer(out, tiny_poet_model(len(tokenizer)), dataset, save_strategy="steps", save_steps=2,
+                           save_total_limit=2)
+    trainer.train(resume_from_checkpoint="auto")  # nothing there yet: a fresh start
+    return out, dataset, tokenizer
+
+
+def test_checkpoints_are_published_whole_and_rotation_keeps_the_newest(finished_run):
+    out, _, _ = finished_run
+    assert _checkpoint_names(out) == ["checkpoint-4", "checkpoint-6"]
+    assert not (out / STAGING_DIR).exists()
+    manifest = json.loads((out / "checkpoint-6" / MANIFEST_NAME).read_text())["files"]
+    assert {"trainer_state.json", "adapter_model.safetensors", "optimizer.pt", "scheduler.pt"} <= set(manifest)
+    assert all((out / "checkpoint-6" / name).stat().st_size == size for name, size in manifest.items())
+
+
+def test_resuming_a_finished_run_takes_no_step_and_says_so(finished_run, caplog, tmp_path):
+    from training_utils import tiny_poet_model, tiny_trainer
+
+    out, dataset, tokenizer = finished_run
+    model = tiny_poet_model(len(tokenizer), seed=1)  # different weights: the checkpoint's must be loaded
+    trainer = tiny_trainer(out, model, dataset, save_strategy="steps", save_steps=2, save_total_limit=2)
+    with caplog.at_level(logging.WARNING, logger="poet_hf.checkpoints"):
+        output = trainer.train(resume_from_checkpoint="auto")
+    assert "the run is complete" in caplog.text and "step 6 of 6" in caplog.text
+    assert output.global_step == 6 and output.metrics["run_complete"]
+    assert _checkpoint_names(out) == ["checkpoint-4", "checkpoint-6"]  # no checkpoint-7
+    saved = load_file(out / "checkpoint-6" / "adapter_model.safetensors")
+    state = model.state_dict()
+    for key, tensor in saved.items():
+        live = next(v for k, v in state.items() if k.replace(".default", "") == key)
+        assert torch.equal(live, tensor), key
+
+
+def test_auto_skips_a_partial_folder_with_a_warning_and_starts_fresh_without_any(tmp_path, caplog):
+    assert resolve_resume_checkpoint("auto", tmp_path) is None
+    good, partial = tmp_path / "checkpoint-3", tmp_path / "checkpoint-9"
+    good.mkdir()
+    (good / "trainer_state.json").write_text(json.dumps({"global_step": 3}))
+    partial.mkdir()
+    (partial / "adapter_model.safetensors").write_bytes(b"")  # a plain Trainer killed mid-write
+    with caplog.at_level(logging.WARNING, logger="poet_hf.checkpoints"):
+        assert latest_complete_checkpoint(tmp_path) == str(good)
+    assert "skipping" in caplog.text and "checkpoint-9" in caplog.text
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        resolve_resume_checkpoint(str(partial), tmp_path)
+    # A manifest's sizes are checked: a file cut short makes the folder partial.
+    (good / MANIFEST_NAME).write_text(json.dumps({"files": {"trainer_state.json": 999}}))
+    assert "wrong size" in checkpoint_problem(good)
+
+
+# --- checked loads ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def saved_adapter(tmp_path):
+    """A tiny POET model (block side on q_proj etc.) saved with save_pretrained, and a loader."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from poet_hf import PoetConfig
+
+    def base():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2))
+
+    from peft import get_peft_model
+
+    model = get_peft_model(base(), PoetConfig(block_size=8, init_weights=False))
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+
+    def load():
+        return PeftModel.from_pretrained(base(), tmp_path)
+
+    return path, load, model
+
+
+def _damage(path: Path, key_part: str, change) -> str:
+    tensors = load_file(path)
+    key = next(k for k in sorted(tensors) if k.endswith(key_part))
+    tensors[key] = change(tensors[key].clone()).contiguous()
+    save_file(tensors, path)
+    return key
+
+
+def test_an_undamaged_adapter_loads_and_computes_the_saved_function(saved_adapter):
+    path, load, model = saved_adapter
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(load()(ids).logits, model(ids).logits)
+
+
+def _duplicate(index):
+    index[1] = index[0]
+    return index
+
+
+def _out_of_range(index):
+    index[0] = index.numel()
+    return index
+
+
+@pytest.mark.parametrize("key_part, change, message", [
+    ("q_proj.poet_R_index", _duplicate, "is not a permutation"),
+    ("q_proj.poet_P_index", _out_of_range, "out of range"),
+    ("v_proj.poet_R_index", lambda index: index[:-1], r"has shape \(31,\)"),
+    ("up_proj.poet_R", lambda skew: skew[:, :-1], "implies"),
+    ("down_proj.poet_merge_count", lambda count: count + 1, "merge counts disagree"),
+])
+def test_a_damaged_tensor_fails_at_load_naming_file_tensor_and_fault(saved_adapter, key_part, change, message):
+    path, load, _ = saved_adapter
+    key = _damage(path, key_part, change)
+    with pytest.raises(AdapterStateError, match=message) as error:
+        load()
+    assert str(path) in str(error.value)
+    if "merge" not in key_part:
+        assert f"'{key}.default'" in str(error.value)  # the tensor, as loaded (PEFT adds the adapter name)
+
+
+def test_a_truncated_adapter_file_fails_at_load_naming_the_file(saved_adapter):
+    path, load, _ = saved_adapter
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    with pytest.raises(AdapterStateError, match="truncated") as error:
+        load()
+    assert str(path) in str(error.value)
+
+
+def test_a_damaged_checkpoint_fails_at_resume_naming_the_checkpoint(finished_run, tmp_path):
+    import shutil
+
+    from training_utils import tiny_poet_model, tiny_trainer
+
+    out, dataset, tokenizer = finished_run
+    copy = tmp_path / "checkpoint-4"
+    shutil.copytree(out / "checkpoint-4", copy)
+    weights = copy / "adapter_model.safetensors"
+    _damage(weights, "poet_R_index", _duplicate)
+    (copy / MANIFEST_NAME).unlink()  # else the changed size alone marks it partial
+    trainer = tiny_trainer(tmp_path / "resumed", tiny_poet_model(len(tokenizer)), dataset)
+    with pytest.raises(AdapterStateError, match="is not a permutation") as error:
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert str(copy) in str(error.value)
