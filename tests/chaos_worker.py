@@ -14,18 +14,16 @@ KILL_POINT names a moment at which the process SIGKILLs itself (test-only, patch
 ``OUT_DIR/started`` appears when training starts (a parent kills at random moments after it).
 """
 
-import hashlib
 import json
 import os
 import signal
 import sys
 from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
+from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
 MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 90, 3, 5
 
@@ -87,14 +85,6 @@ class MarkStarted(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if args.process_index == 0:
             (self.out / "started").write_text(str(state.global_step))
-
-
-def state_hash(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main() -> None:

@@ -1,23 +1,13 @@
 """Run under `accelerate launch`: a short POET run, then write losses and a hash of every parameter and buffer
 per rank to OUT/rank<k>.json. Usage: ddp_worker.py OUT PER_DEVICE_BATCH."""
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
-
-
-def state_hash(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
 
 def main() -> None:

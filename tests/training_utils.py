@@ -11,6 +11,17 @@ from poet_hf import PoetConfig, PoetTrainer, PoetTrainingArguments
 from poet_hf.data import load_embedded_corpus, load_tokenizer, pack_sequences
 
 
+def state_hash(model: torch.nn.Module) -> str:
+    """A SHA-256 of every parameter and buffer of ``model`` (bit-exact equality of two trained models)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def free_port() -> int:
     """A TCP port no one listens on now (so that suites running side by side do not collide)."""
     import socket
