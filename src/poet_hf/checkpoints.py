@@ -5,7 +5,7 @@ newest complete one.
 
 1. every file (weights or adapter with the POET state, optimizer, scheduler, RNG, ``trainer_state.json``) is written
    into ``<output_dir>/.staging/checkpoint-N`` by the Trainer's own code;
-2. each process ``fsync``s what it wrote, then all wait at a barrier;
+2. after a barrier (all of it written), each process ``fsync``s the folder, then all wait at a second barrier;
 3. the main process writes :data:`MANIFEST_NAME` (every file and its size), ``fsync``s it, and publishes the folder
    with one ``os.replace`` onto ``checkpoint-N``, then ``fsync``s the output folder;
 4. only then are old checkpoints rotated out (``save_total_limit``), each first moved out of sight, so a kill during
@@ -212,8 +212,9 @@ class CrashSafeTrainer(Trainer):
             self.state.best_model_checkpoint = os.path.join(run_dir, os.path.basename(best))
             if self.args.should_save:
                 self.state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+        self.accelerator.wait_for_everyone()  # every file is written: nothing changes in `staged` from here on
         if os.path.isdir(staged):
-            fsync_tree(staged)  # every process its own files (a multi-node run's shards)
+            fsync_tree(staged)  # on every process, so that a multi-node run's shards are flushed by their writers
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             publish(staged, os.path.join(run_dir, name))
