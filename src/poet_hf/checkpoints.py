@@ -165,13 +165,12 @@ def discard(folder: Union[str, Path], staging_root: Union[str, Path]) -> None:
 
 
 def rotate(output_dir: Union[str, Path], save_total_limit: Optional[int], keep: set[str]) -> None:
-    """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit, never the newest complete one
-    nor any folder in ``keep`` (the best model)."""
+    """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit, never a folder in ``keep`` (the
+    checkpoint just published, which is the newest complete one, and the best model)."""
     if not save_total_limit or save_total_limit <= 0:
         return
     checkpoints = [path for _, path in _checkpoints_by_step(output_dir)]
-    newest_complete = latest_complete_checkpoint(output_dir)
-    protected = {str(Path(p)) for p in keep | ({newest_complete} if newest_complete else set())}
+    protected = {str(Path(p)) for p in keep}
     excess = len(checkpoints) - max(save_total_limit, len(protected))
     for path in checkpoints:
         if excess <= 0:
@@ -217,9 +216,10 @@ class CrashSafeTrainer(Trainer):
             fsync_tree(staged)  # on every process, so that a multi-node run's shards are flushed by their writers
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            publish(staged, os.path.join(run_dir, name))
-            keep = {self.state.best_model_checkpoint} if self.state.best_model_checkpoint else set()
-            rotate(run_dir, self.args.save_total_limit, keep)
+            final = os.path.join(run_dir, name)
+            publish(staged, final)
+            best = self.state.best_model_checkpoint
+            rotate(run_dir, self.args.save_total_limit, {final, best} if best else {final})
             shutil.rmtree(staging_root, ignore_errors=True)  # empty by now: leave the output folder clean
         self.accelerator.wait_for_everyone()
 
