@@ -11,12 +11,14 @@ block size.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -30,23 +32,50 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def measure(method: str, quick: bool, steps: int) -> dict:
+def smollm_shape(layers: int) -> "LlamaConfig":
+    """SmolLM-135M's architecture with ``layers`` decoder layers."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
+                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                       tie_word_embeddings=True)
+
+
+def quantized_checkpoint(layers: int, quantization: str) -> "LlamaForCausalLM":
+    """A random SmolLM-shaped checkpoint (saved once into the git-ignored ``.cache/bench``) loaded the way a user
+    loads one for QLoRA: ``from_pretrained`` with a ``BitsAndBytesConfig`` (nf4 with double quantisation, float32
+    compute on CPU; or int8)."""
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    folder = ROOT / ".cache" / "bench" / f"smollm-shape-{layers}"
+    if not (folder / "config.json").exists():
+        torch.manual_seed(0)
+        LlamaForCausalLM(smollm_shape(layers)).save_pretrained(folder)
+    bnb_config = (BitsAndBytesConfig(load_in_8bit=True) if quantization == "int8" else
+                  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
+                                     bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
+    return LlamaForCausalLM.from_pretrained(folder, quantization_config=bnb_config, dtype=torch.float32)
+
+
+def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = None, lora_rank: int = 16,
+            poet_spo: str = "block") -> dict:
+    """In the child process: one warm-up step, then ``steps`` timed steps of ``method`` on a float32 base, or on a
+    base loaded quantised (``quantization``: ``"nf4"``, ``"int8"``); POET's blocks laid out by ``poet_spo``."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import poet_hf  # noqa: F401
     from poet_hf import OftConfig, PoetConfig
 
+    layers, batch, seq = (4, 2, 64) if quick else (30, 8, 128)
+    if quantization:
+        quantized_checkpoint(layers, quantization)  # written once, before the baseline RSS is read
     after_imports = _rss_mb()
     torch.manual_seed(0)
-    layers, batch, seq = (4, 2, 64) if quick else (30, 8, 128)
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                         tie_word_embeddings=True)
-    model = LlamaForCausalLM(config)
-    adapter = {"poet": PoetConfig(block_size=32, target_modules=TARGETS),
+    model = quantized_checkpoint(layers, quantization) if quantization else LlamaForCausalLM(smollm_shape(layers))
+    adapter = {"poet": PoetConfig(spo=poet_spo, block_size=32, target_modules=TARGETS),
                "oft": OftConfig(block_size=32, target_modules=TARGETS),
-               "lora": LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS)}[method]
+               "lora": LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS)}[method]
     model = get_peft_model(model, adapter)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 49152, (batch, seq))
@@ -67,10 +96,11 @@ def measure(method: str, quick: bool, steps: int) -> dict:
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
-def _child(method: str, quick: bool, steps: int) -> dict:
+def _child(method: str, quick: bool, steps: int, env: Optional[dict] = None, **options: Any) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_step import measure; "
-            f"print(json.dumps(measure({method!r}, {quick}, {steps})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            f"print(json.dumps(measure({method!r}, {quick}, {steps}, **{options!r})))")
+    env = {**os.environ, **(env or {})}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -21,12 +21,14 @@ Besides the measured ratios, every row carries what the arithmetic allows:
 from __future__ import annotations
 
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
@@ -44,13 +46,19 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def measure(method: str, preset_name: str, batch: int, steps: int) -> dict:
-    """In the child process: build, warm up one step, then time ``steps`` steps; report memory and its parts."""
+def measure(method: str, preset_name: str, batch: int, steps: int, quantization: Optional[str] = None,
+            requantize: str = "feedback") -> dict:
+    """In the child process: build, warm up one step, then time ``steps`` steps; report memory and its parts.
+
+    ``quantization`` (POET only) quantises every ``W0`` (``PoetConfig.base_quantization``); one merge-then-reinitialise
+    then runs before the warm-up, so that the requantisation residual of ``requantize="feedback"`` exists, as in
+    any run past its first merge. ``w0_bytes`` is what the frozen ``W0`` occupies (codes, statistics, residual)."""
     from peft import get_peft_model
 
     import poet_hf  # noqa: F401
-    from poet_hf import PoetConfig
+    from poet_hf import PoetConfig, merge_and_reinit
     from poet_hf.training import poet_param_groups
+    from poet_hf.tuners.rotation_layer import rotation_layers
     from poet_hf.training.pretrain import PRESETS, build_llama
 
     after_imports = _rss_mb()
@@ -59,7 +67,10 @@ def measure(method: str, preset_name: str, batch: int, steps: int) -> dict:
     model = build_llama(preset, "poet-bs" if method == "poet-bs" else "adamw", VOCAB, SEQ, seed=0)
     if method != "adamw":
         spo = {"spo": "block", "block_size": preset.block_size} if method == "poet-bs" else {"spo": "full"}
-        model = get_peft_model(model, PoetConfig(**spo, base_init="normalized"))
+        model = get_peft_model(model, PoetConfig(**spo, base_init="normalized", base_quantization=quantization,
+                                                 requantize=requantize))
+        if quantization:
+            merge_and_reinit(model)
     model.to(dev)
     optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))
     ids = torch.randint(0, VOCAB, (batch, SEQ), device=dev)
@@ -82,7 +93,11 @@ def measure(method: str, preset_name: str, batch: int, steps: int) -> dict:
         sync()
         times.append(time.perf_counter() - start)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    layers = [layer for _, layer in rotation_layers(model)]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    if layers:  # the W0 entries: a quantised weight stores fewer (packed) elements than it has entries
+        frozen = sum(layer.in_features * layer.out_features for layer in layers)
+    w0_bytes = sum(layer.base_weight_bytes() for layer in layers) if layers else 4 * frozen
     skew = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "poet_" in n)
     peak = (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports)
@@ -94,7 +109,7 @@ def measure(method: str, preset_name: str, batch: int, steps: int) -> dict:
         "grads_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20,
         "states_mb": sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                          if torch.is_tensor(t) and t.dim() > 0) / 2**20,
-        "frozen": frozen, "skew": skew,
+        "frozen": frozen, "skew": skew, "w0_bytes": w0_bytes,
     }
 
 
@@ -129,10 +144,11 @@ def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5) ->
     return total
 
 
-def _child(method: str, preset: str, batch: int, steps: int) -> dict:
+def _child(method: str, preset: str, batch: int, steps: int, env: Optional[dict] = None, **options: Any) -> dict:
     code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_step import measure; "
-            f"print(json.dumps(measure({method!r}, {preset!r}, {batch}, {steps})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            f"print(json.dumps(measure({method!r}, {preset!r}, {batch}, {steps}, **{options!r})))")
+    env = {**os.environ, **(env or {})}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -20,7 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ("poet_layer", "pretrain_step", "finetune_step", "finetune_quality", "finetune_sweep", "oft_layer", "fsdp",
-          "eco", "reflection", "import_time", "load_checks")
+          "eco", "reflection", "import_time", "load_checks", "quantized")
 
 
 def machine_description() -> str:

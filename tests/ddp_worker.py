@@ -1,5 +1,5 @@
 """Run under `accelerate launch`: a short POET run, then write losses and a hash of every parameter and buffer
-per rank to OUT/rank<k>.json. Usage: ddp_worker.py OUT PER_DEVICE_BATCH."""
+per rank to OUT/rank<k>.json. Usage: ddp_worker.py OUT PER_DEVICE_BATCH [BASE_QUANTIZATION]."""
 
 import json
 import sys
@@ -12,8 +12,9 @@ from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_train
 
 def main() -> None:
     out, batch = Path(sys.argv[1]), int(sys.argv[2])
+    quantization = sys.argv[3] if len(sys.argv) > 3 else None
     dataset, tokenizer = tiny_dataset()
-    model = tiny_poet_model(len(tokenizer))
+    model = tiny_poet_model(len(tokenizer), base_quantization=quantization)
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, max_steps=6)
     trainer.train()
     rank = trainer.args.process_index

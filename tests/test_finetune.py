@@ -62,10 +62,14 @@ COMMON = ["--seq_len", "64", "--block_size", "16", "--max_steps", "20", "--batch
 
 @pytest.mark.parametrize("method,extra", [("oft", ["--learning_rate", "1e-2"]),
                                           ("poet", ["--learning_rate", "1e-2", "--merge_every", "7"]),
-                                          ("lora", ["--learning_rate", "3e-3"])])
+                                          ("lora", ["--learning_rate", "3e-3"]),
+                                          ("oft", ["--learning_rate", "1e-2", "--base_quantization", "nf4"]),
+                                          ("poet", ["--learning_rate", "1e-2", "--merge_every", "7",
+                                                    "--base_quantization", "int8"])])
 def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, method, extra):
-    out = workspace / f"out_{method}"
-    export = workspace / f"export_{method}"
+    quantization = extra[-1] if "--base_quantization" in extra else None
+    out = workspace / f"out_{method}_{quantization}"
+    export = workspace / f"export_{method}_{quantization}"
     results = finetune_main(["--model", str(workspace / "pretrained"), "--method", method,
                              "--dataset", str(workspace / "heldout.txt"), "--output_dir", str(out),
                              "--export_dir", str(export), *COMMON, *extra])
@@ -77,6 +81,11 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
     if method == "poet":  # merge-then-reinitialize ran during fine-tuning (20 steps, every 7)
         callback = next(cb for cb in results["trainer"].callback_handler.callbacks if hasattr(cb, "history"))
         assert [h["step"] for h in callback.history] == [7, 14]
+        if quantization:  # each merge requantised W0, and said by how much
+            assert all(0 < h["max_requantization_error"] < 0.05 for h in callback.history)
+    if quantization:
+        layers = poet_layers(results["trainer"].model)
+        assert layers and all(layer.base_quantization == quantization for _, layer in layers)
 
     finetuned = results["trainer"].model.eval()
     ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(3))

@@ -17,7 +17,7 @@ ALLOWED = {
     "optim": {"orthogonal"},
     "tuners": {"orthogonal"},
     "data": set(),
-    "distributed": set(),
+    "distributed": {"tuners"},  # refuses to shard quantised bases (tuners/bnb.py)
     "checkpoints": {"tuners"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners"},

@@ -52,6 +52,21 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple(classes)
 
 
+def refuse_quantized_bases(model: nn.Module) -> None:
+    """Raise a ``ValueError`` if ``model`` holds a bitsandbytes layer, which FSDP2 cannot shard (see the message)."""
+    from .tuners.bnb import is_bnb_module
+
+    quantized = next((name for name, m in model.named_modules() if is_bnb_module(m)), None)
+    if quantized is not None:
+        raise ValueError(
+            f"'{quantized}' is a bitsandbytes layer, and quantised bases cannot be sharded by FSDP2: fully_shard turns "
+            "each Params4bit / Int8Params into a plain DTensor and drops the quantisation state bitsandbytes keeps on "
+            "the parameter (quant_state, SCB), and a merge requantises W0 by installing a new parameter, which FSDP2 "
+            "would not track. Train a quantised base with DDP (accelerate launch --multi_gpu): a 4-bit W0 is an "
+            "eighth of the float32 one, so replicating it is usually affordable; or shard an unquantised base."
+        )
+
+
 def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` every transformer block of ``model``, then the root (in place; returns ``model``).
 
@@ -61,6 +76,7 @@ def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    refuse_quantized_bases(model)
     if mesh is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ..tuners.bnb import dequantize_modules
 from ..tuners.rotation_layer import RotationLayer
 from .source import ExportError
 
@@ -25,11 +26,16 @@ def max_merge_count(model: Any) -> Optional[int]:
     return max(counts) if counts else None
 
 
-def fold(model: Any, progress: Optional[bool]) -> nn.Module:
-    """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight."""
+def fold(model: Any, progress: Optional[bool]) -> tuple[nn.Module, Optional[dict]]:
+    """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight.
+
+    Quantised (bitsandbytes) layers are dequantised first, so the fold is ``R·dequant(W0)·P`` in full precision, the
+    function the adapter model computes, and the result is a plain model. Returns it and the quantisation config the
+    source had (``None`` if none)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     with torch.no_grad():
+        quantization_config = dequantize_modules(model)
         try:
             plain = model.merge_and_unload(progressbar=show_progress(progress))
         except ValueError as error:  # e.g. an input-dependent orthogonal layer, which has no single weight
@@ -38,7 +44,7 @@ def fold(model: Any, progress: Optional[bool]) -> nn.Module:
     if left:
         raise ExportError(f"folding left {len(left)} adapter layers in place (e.g. {left[0]}); export_merged cannot "
                           "produce a plain model from this source")
-    return plain.eval()
+    return plain.eval(), quantization_config
 
 
 def show_progress(progress: Optional[bool]) -> bool:

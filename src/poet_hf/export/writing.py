@@ -33,6 +33,7 @@ def export_merged(
     spectrum: bool = True,
     inplace: bool = False,
     progress: Optional[bool] = None,
+    record_quantization: bool = False,
 ) -> Path:
     """Fold a POET / OFT / orthogonal model into plain weights and write a stock Hugging Face checkpoint.
 
@@ -56,6 +57,9 @@ def export_merged(
         spectrum: compute the singular values of every folded matrix for the card (an SVD per layer).
         inplace: fold an in-memory model in place instead of a copy (saves memory; the model is then plain).
         progress: show progress bars (``None``: only on a terminal).
+        record_quantization: for a source on a quantised (bitsandbytes) base, write its quantisation config into
+            ``config.json``, so that ``from_pretrained`` quantises the folded weights again on load (it then needs
+            bitsandbytes). By default the export is a plain full-precision checkpoint either way.
 
     Returns:
         The path of the written export.
@@ -74,11 +78,13 @@ def export_merged(
     peft_config = active_config(loaded.model)
     target_names = tuner_layer_names(loaded.model)
     merge_count = max_merge_count(loaded.model)
-    plain = fold(loaded.model, progress)
+    plain, quantization_config = fold(loaded.model, progress)
     spectrum_rows = (spectrum_summary(module_singular_values(plain, target_names, show_progress(progress)))
                      if spectrum else [])
     export_dtype = export_dtype or loaded.dtype
     plain.to(export_dtype)
+    if record_quantization and quantization_config is not None:
+        plain.config.quantization_config = quantization_config
     card = render_model_card(
         plain, peft_config, export_dtype=export_dtype, run_info=run, eval_results=loaded.eval_results,
         spectrum_rows=spectrum_rows, folded_layers=len(target_names), merge_count=merge_count,

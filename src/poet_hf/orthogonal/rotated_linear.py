@@ -15,6 +15,10 @@ Both rebuild the rotation blocks in the backward (:class:`~poet_hf.orthogonal.ca
 keeping them. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
 product runs on contiguous blocks and activations are gathered at most once per side.
 
+The frozen ``W0`` is a tensor, or a :class:`DenseWeight`: a callable that returns it dense (a quantised base
+dequantises itself). A callable is called in the forward and again in the backward and never saved, so at most one
+layer's dense ``W0`` exists at a time and the backward keeps only the layer input, as for a tensor ``W0``.
+
 These functions are the fast path of the POET and OFT layers; the plain autograd composition of
 :mod:`~poet_hf.orthogonal.spo` and :mod:`~poet_hf.orthogonal.cayley` is the reference they are tested against.
 """
@@ -22,7 +26,7 @@ These functions are the fast path of the POET and OFT layers; the plain autograd
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,8 @@ from .cayley import SkewRotation
 from .spo import (BLOCK, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
                   blockdiag_right, inverse_permutation)
 
-__all__ = ["SideRotation", "LinearOp", "Conv2dOp", "rotated_forward", "strategy_costs", "compute_dtypes"]
+__all__ = ["SideRotation", "LinearOp", "Conv2dOp", "DenseWeight", "rotated_forward", "strategy_costs",
+           "compute_dtypes"]
 
 WEIGHT, ACTIVATION = "weight", "activation"
 ACTIVATION_RECOMPUTE = "activation-recompute"  # the activation strategy recomputing h: keeps the input only
@@ -72,6 +77,32 @@ class SideRotation:
         if evaluation.rotation.shape[0] != grad_blocks.shape[0]:
             grad_blocks = grad_blocks.sum(0, keepdim=True)
         return evaluation.vector_vjp(grad_blocks).to(vec.dtype)
+
+
+class DenseWeight(Protocol):
+    """A frozen ``W0`` stored in another form (quantised): called, it returns the dense ``out × in`` matrix in
+    ``dtype``; ``dequantize_cost`` is the multiply-add equivalent of one call per weight entry (cost model)."""
+
+    dtype: torch.dtype
+    dequantize_cost: float
+
+    def __call__(self) -> torch.Tensor: ...
+
+
+WeightSource = Union[torch.Tensor, DenseWeight]
+
+
+def _save_weight(ctx: Any, weight: WeightSource) -> Optional[torch.Tensor]:
+    """What to save of ``weight`` for the backward: the tensor itself, or nothing for a :class:`DenseWeight`
+    (kept on ``ctx`` and called again)."""
+    ctx.weight_source = None if isinstance(weight, torch.Tensor) else weight
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
+def _dense(weight: Optional[WeightSource], ctx: Any = None) -> torch.Tensor:
+    """The dense ``W0``: a saved tensor, or a fresh call of the :class:`DenseWeight` (``ctx.weight_source``)."""
+    source = getattr(ctx, "weight_source", None) if weight is None else weight
+    return source if isinstance(source, torch.Tensor) else source()
 
 
 # --- coordinates: a block side works in permuted coordinates, folded into W0 --------------------------------------
@@ -193,9 +224,10 @@ class _WeightStrategy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             r_blocks = None if input_side is None else input_side.blocks(r_vec)[0].to(rotation_dtype)
             p_blocks = None if output_side is None else output_side.blocks(p_vec)[0].to(rotation_dtype)
-            effective = _effective_weight(weight.to(rotation_dtype), input_side, r_blocks, output_side, p_blocks)[0]
+            effective = _effective_weight(_dense(weight).to(rotation_dtype), input_side, r_blocks, output_side,
+                                          p_blocks)[0]
             y = op.forward(x.to(base_dtype), effective.to(base_dtype), None if bias is None else bias.to(base_dtype))
-        ctx.save_for_backward(x, weight, bias, r_vec, p_vec)
+        ctx.save_for_backward(x, _save_weight(ctx, weight), bias, r_vec, p_vec)
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
         return y
 
@@ -211,7 +243,7 @@ class _WeightStrategy(torch.autograd.Function):
             if output_side is not None:
                 p_blocks, p_eval = output_side.blocks(p_vec)
             cast = (lambda t: None if t is None else t.to(rotation_dtype))
-            effective, gathered, rotated_in = _effective_weight(weight.to(rotation_dtype), input_side,
+            effective, gathered, rotated_in = _effective_weight(_dense(weight, ctx).to(rotation_dtype), input_side,
                                                                 cast(r_blocks), output_side, cast(p_blocks))
             need_skew = r_vec is not None and ctx.needs_input_grad[3] or p_vec is not None and ctx.needs_input_grad[4]
             grad_y = grad_y.to(base_dtype)
@@ -258,7 +290,7 @@ class _ActivationStrategy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             r_blocks = None if input_side is None else input_side.blocks(r_vec)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
-            h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), weight, bias if output_side is None else None,
+            h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), _dense(weight), bias if output_side is None else None,
                                      input_side, r_blocks, output_side, op, rotation_dtype, base_dtype)
             y = h
             if output_side is not None:
@@ -268,7 +300,8 @@ class _ActivationStrategy(torch.autograd.Function):
                 y = y.to(base_dtype)
                 if bias is not None:
                     y = y + bias.to(base_dtype)
-        ctx.save_for_backward(x, weight, bias, r_vec, p_vec, h if output_side is not None and keep_output else None)
+        ctx.save_for_backward(x, _save_weight(ctx, weight), bias, r_vec, p_vec,
+                              h if output_side is not None and keep_output else None)
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -278,6 +311,7 @@ class _ActivationStrategy(torch.autograd.Function):
         (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
         grads: list[Any] = [None] * 11
         with torch.autocast(grad_y.device.type, enabled=False):
+            weight = _dense(weight, ctx)
             x2 = x.reshape(-1, x.shape[-1])
             g = grad_y.reshape(-1, grad_y.shape[-1])
             r_blocks = r_eval = None
@@ -315,7 +349,7 @@ class _ActivationStrategy(torch.autograd.Function):
 
 
 # --- entry points -----------------------------------------------------------------------------------------------------
-def compute_dtypes(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, torch.dtype]:
     """``(rotation_dtype, base_dtype)``: under ``torch.autocast`` both are the autocast dtype; otherwise the base op
     runs in the weight's dtype and the rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
     device_type = x.device.type
@@ -325,13 +359,14 @@ def compute_dtypes(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, 
     return torch.promote_types(weight.dtype, torch.float32), weight.dtype
 
 
-def rotated_forward(strategy: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: Optional[torch.Tensor],
                     input_side: Optional[SideRotation], r_vec: Optional[torch.Tensor],
                     output_side: Optional[SideRotation], p_vec: Optional[torch.Tensor], op: Any = None) -> torch.Tensor:
     """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of :data:`STRATEGIES`.
 
-    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight); ``r_vec`` / ``p_vec`` are the skew
-    vectors of the input / output side (``None`` with the side). ``op`` defaults to :class:`LinearOp`; the
+    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight) or a :class:`DenseWeight` that returns
+    it (a quantised base: dequantised in the forward and again in the backward, never kept); ``r_vec`` / ``p_vec``
+    are the skew vectors of the input / output side (``None`` with the side). ``op`` defaults to :class:`LinearOp`; the
     activation strategies support it only.
     """
     if strategy not in STRATEGIES:
@@ -346,7 +381,8 @@ def rotated_forward(strategy: str, x: torch.Tensor, weight: torch.Tensor, bias: 
 
 
 def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
-                   output_side: Optional[SideSpec], training: bool) -> dict[str, dict[str, float]]:
+                   output_side: Optional[SideSpec], training: bool,
+                   dequantize_cost: float = 0.0) -> dict[str, dict[str, float]]:
     """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
     strategy, for one call with ``tokens`` rows (the Cayley–Neumann polynomial costs the same in all, and is left out).
 
@@ -359,7 +395,19 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
     - ``activation-recompute``: as ``activation`` plus ``T·N + ρ_T(R)`` to recompute ``h``. Keeps nothing.
 
     Inference is ``T·N`` plus one rotation per side (of the weight, or of the rows).
+
+    A quantised ``W0`` (:class:`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
+    and the backward in training (every strategy), the forward in inference. It is the same for every strategy, so
+    it moves the totals, never the choice.
     """
+    passes = 2 if training else 1
+    return {name: {"macs": cost["macs"] + passes * dequantize_cost * d_in * d_out, "kept": cost["kept"]}
+            for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()}
+
+
+def _rotation_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
+                    output_side: Optional[SideSpec], training: bool) -> dict[str, dict[str, float]]:
+    """:func:`strategy_costs` for a dense ``W0``."""
     n = d_in * d_out
     rotate_weight = {side: spec.apply_cost(other) for side, spec, other in
                      (("R", input_side, d_out), ("P", output_side, d_in)) if spec is not None}

@@ -25,6 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
 
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
+from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
+from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.oft import OftConfig
 from ..tuners.poet import PoetConfig
@@ -66,6 +68,9 @@ class FinetuneArguments:
     eval_split: str = field(default="validation", metadata={"help": "split to evaluate on if the dataset has it; "
                             "otherwise a twentieth of train is held out"})
     tokenizer: Optional[str] = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
+    base_quantization: Optional[str] = field(default=None, metadata={"help": "load the model's Linear layers "
+                                             "quantised by bitsandbytes (QOFT, QPOET, QLoRA): 'nf4' or 'fp4' (4-bit, "
+                                             "double quantisation) or 'int8'; needs pip install 'poet_hf[quant]'"})
     seq_len: int = field(default=128, metadata={"help": "packed length (causal LM) / max length (classification)"})
     recipe: str = field(default="default", metadata={"help": f"POET only: one of {', '.join(POET_RECIPES)}. 'default' "
                         "is 32-blocks on both sides in OFT's contiguous layout at lr 1e-3, what improved our pretrained "
@@ -126,6 +131,7 @@ class FinetuneArguments:
             raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}")
         if self.task not in TASKS:
             raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
+        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         if self.recipe not in POET_RECIPES:
             raise ValueError(f"`recipe` must be one of {tuple(POET_RECIPES)}, got {self.recipe!r}")
         if self.method != "poet" and self.recipe != "default":
@@ -158,11 +164,13 @@ def load_model(args: FinetuneArguments, num_labels: Optional[int] = None) -> tup
     """The pretrained model for ``args.task`` (a hub name or a local path), and the modules the checkpoint did not
     provide: a new classification head, or the pooler a sentence-embedding checkpoint lacks. Those start random, so
     they train fully and are saved beside the adapter."""
+    quantized = {} if args.base_quantization is None else {
+        "quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
     if args.task == "causal-lm":
-        model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized)
     else:
         model, info = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels,
-                                                                         output_loading_info=True)
+                                                                         output_loading_info=True, **quantized)
     return model, sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
 
 

@@ -19,6 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..distributed import is_sharded
+from ..tuners.bnb import BASE_QUANTIZATIONS
+from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..orthogonal.cayley import paper_neumann_k
 from ..tuners.poet import PoetConfig, poet_layers
@@ -99,6 +101,9 @@ class PretrainArguments:
     merge_every: Optional[int] = field(default=None, metadata={"help": "optimizer steps between merges (default per "
                                        "preset: the paper's 400)"})
     base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
+    base_quantization: Optional[str] = field(default=None, metadata={"help": "POET: quantise every W0 with "
+                                             "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
+                                             "pip install 'poet_hf[quant]'"})
     learning_rate: Optional[float] = field(default=None, metadata={"help": "base learning rate (default per preset, "
                                            "Tables 8–9)"})
     poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET learning rate (default: tied "
@@ -154,6 +159,10 @@ class PretrainArguments:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}")
+        if self.base_quantization is not None and not self.method.startswith("poet"):
+            raise ValueError(f"`base_quantization` quantises POET's frozen W0; --method {self.method} trains every "
+                             "weight, so it has none (use --method poet-bs or poet-fs)")
+        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         if self.preset == "tiny" and str(self.steps) == "paper":
             raise ValueError("`steps`='paper' needs one of the paper's presets; 'tiny' is not in the paper")
 
@@ -222,6 +231,7 @@ def resolve_recipe(args: PretrainArguments, world_size: Optional[int] = None,
                else {"budget": _collapse(sides["budget"])}),
             "neumann_terms": terms, "paper_neumann_k": paper_neumann_k(terms),
             "merge_every": args.merge_every or preset.merge_every, "base_init": args.base_init,
+            "base_quantization": args.base_quantization,
             "poet_learning_rate": args.poet_learning_rate or preset.poet_learning_rate or tied_poet_learning_rate(
                 args.method, mean_size),
             "post_merge_clip_steps": 10, "post_merge_clip_factor": 0.1,
@@ -245,7 +255,7 @@ def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_siz
     """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
     with torch.device("meta"):
         model = apply_recipe(build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed),
-                             recipe, base_init=None)
+                             {**recipe, "base_quantization": None}, base_init=None)
     return count_trainable(model)
 
 
@@ -270,7 +280,7 @@ def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Opt
         config = PoetConfig(spo=recipe["spo"], **rotation, neumann_terms=recipe["neumann_terms"],
                             merge_every=recipe["merge_every"], seed=seed,
                             base_init=recipe["base_init"] if base_init == "recipe" else base_init,
-                            train_other_params=True)
+                            base_quantization=recipe.get("base_quantization"), train_other_params=True)
         return get_peft_model(model, config)
     if method == "lora":
         # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.

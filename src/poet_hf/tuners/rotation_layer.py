@@ -4,8 +4,9 @@ A :class:`RotationLayer` wraps an ``nn.Linear``, a ``transformers`` ``Conv1D`` o
 adapter, up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × out). Each side is a skew
 parameter (one row per block) and an index buffer (permutation or subset) placing it. The effective weight is
 ``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation); every base weight is handled as the torch matrix ``W_t``
-(out × in): ``Linear.weight``, ``Conv1D.weight.T`` (GPT-2 stores in × out) and ``Conv2d.weight`` viewed as
-out × (in/groups·kh·kw). The bias is not rotated.
+(out × in): ``Linear.weight``, ``Conv1D.weight.T`` (GPT-2 stores in × out), ``Conv2d.weight`` viewed as
+out × (in/groups·kh·kw), and the dequantised weight of a bitsandbytes ``Linear4bit`` / ``Linear8bitLt``
+(:mod:`~poet_hf.tuners.bnb`: QOFT, QPOET), which every fold requantises. The bias is not rotated.
 
 Subclasses (POET, OFT) declare where their tensors live (PEFT finds adapter state by the tuner's prefix), how a
 config becomes sides, and their forward; everything else (merge, unmerge, merge-then-reinitialize, the reference
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -32,15 +34,23 @@ from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
 from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation,
                                          rotated_forward, strategy_costs)
 from ..orthogonal.spo import SideSpec
+from . import bnb
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
 logger = logging.getLogger(__name__)
+
+
+class QuantizedMergeWarning(UserWarning):
+    """A merge or unmerge into a quantised base changed ``W0`` by a requantisation (its measured size is in the
+    message)."""
+
 
 SIDE_INPUT = "input"  # R, acts on the in dimension
 SIDE_OUTPUT = "output"  # P, acts on the out dimension
 SIDES = (SIDE_INPUT, SIDE_OUTPUT)
 
 _FUSED = True
+PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEFT's merge / unmerge
 
 
 @contextlib.contextmanager
@@ -64,6 +74,7 @@ class RotationSettings:
     neumann_terms: int
     forward: str  # "auto", "weight" or "activation"
     source: Optional[str] = None  # the adapter file it was loaded from, for errors that name the file
+    requantize: str = "feedback"  # how a fold requantises a quantised W0 (tuners/bnb.py)
 
 
 @torch.no_grad()
@@ -111,10 +122,12 @@ class RotationLayer(BaseTunerLayer):
         self.kwargs = kwargs
         self._weight_transposed = _is_conv1d(base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer)
                                              else base_layer)
+        self.requantization_error: Optional[float] = None  # relative error of the last fold into a quantised W0
         self._init_containers()
-        out_dim, in_dim = self.weight_matrix().shape
+        out_dim, in_dim = self.weight_shape
         self.in_features, self.out_features = in_dim, out_dim
         self.register_load_state_dict_pre_hook(RotationLayer._check_loaded_state)
+        self.register_load_state_dict_pre_hook(RotationLayer._load_quantized_base)
 
     # --- where the tensors live (the tuner's PEFT prefix) --------------------------------------------------------
     def _init_containers(self) -> None:
@@ -162,20 +175,91 @@ class RotationLayer(BaseTunerLayer):
                     raise AdapterStateError(f"tensor '{key}' {problem}", self.poet_settings[adapter_name].source)
 
     # --- the base weight as an out × in matrix, and the base operation -------------------------------------------
+    @property
+    def base_quantization(self) -> Optional[str]:
+        """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
+        return bnb.quantization_of(self.get_base_layer())
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The logical ``(out, in)`` shape of the base weight (never a quantised layer's packed storage)."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return base.out_features, base.in_features
+        shape = base.weight.shape
+        return (shape[1], shape[0]) if self._weight_transposed else (shape[0], math.prod(shape[1:]))
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the base weight is used in (a quantised base's compute dtype)."""
+        base = self.get_base_layer()
+        return bnb.compute_dtype(base) if self.base_quantization is not None else base.weight.dtype
+
     def weight_matrix(self) -> torch.Tensor:
-        weight = self.get_base_layer().weight
+        """The out × in base weight: a view of the stored weight, or a quantised base dequantised (a new tensor)."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return bnb.dequantize(base).to(self.weight_dtype)
+        weight = base.weight
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+
+    def dense_weight(self) -> torch.Tensor | bnb.QuantizedWeight:
+        """What the fused forward takes as ``W0``: the weight matrix, or a quantised base's dequantising callable
+        (so no dequantised copy is kept between forward and backward)."""
+        if self.base_quantization is not None:
+            return bnb.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
+        return self.weight_matrix()
 
     def full_weight_matrix(self) -> torch.Tensor:
         """The whole out × in matrix, gathered when FSDP2 has sharded the weight (then a collective: every rank
         calls it). Only this layer's weight is gathered, never the model's."""
+        if self.base_quantization is not None:
+            return self.weight_matrix()
         weight = full_tensor(self.get_base_layer().weight)
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
-    def set_weight_matrix(self, matrix: torch.Tensor) -> None:
-        """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard."""
+    def set_weight_matrix(self, matrix: torch.Tensor, requantize: str = "nearest",
+                          generator: Optional[torch.Generator] = None) -> None:
+        """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard.
+
+        A quantised base is requantised by :func:`~poet_hf.tuners.bnb.requantize` (``requantize``: "feedback",
+        "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
+        :attr:`requantization_error`."""
+        if self.base_quantization is not None:
+            self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
+            return
         weight = self.get_base_layer().weight
         write_full(weight, matrix.T if self._weight_transposed else matrix.reshape(weight.shape))
+
+    def check_quantizable(self, quantization: str, layer_name: str) -> None:
+        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization`` (an
+        ``nn.Linear``, or a bitsandbytes layer already quantised the same way)."""
+        current = self.base_quantization
+        base = self.get_base_layer()
+        if current is None and type(base) is not nn.Linear:
+            raise ValueError(f"`base_quantization`={quantization!r} quantises nn.Linear targets with bitsandbytes; "
+                             f"target '{layer_name}' is a {type(base).__name__}")
+        if current is not None and current != quantization:
+            raise ValueError(f"`base_quantization`={quantization!r}, but target '{layer_name}' is already quantised "
+                             f"as {current!r}")
+
+    def quantize_base(self, quantization: str) -> None:
+        """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
+        if self.base_quantization is None:
+            self.base_layer = bnb.quantize_linear(self.get_base_layer(), quantization)
+
+    def base_weight_bytes(self) -> int:
+        """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
+        base = self.get_base_layer()
+        if self.base_quantization is None:
+            return base.weight.numel() * base.weight.element_size()
+        return bnb.quantized_bytes(base)
+
+    def _load_quantized_base(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
+        int8 row scales), which ``nn.Module``'s loader would drop; they are installed here together."""
+        if self.base_quantization is not None:
+            bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
 
     @property
     def is_conv2d(self) -> bool:
@@ -202,7 +286,7 @@ class RotationLayer(BaseTunerLayer):
         """Create the skew parameters (``rows[side]`` rows, zero: the identity) and draw the index buffers."""
         self.poet_specs[adapter_name] = specs
         self.poet_settings[adapter_name] = settings
-        device = self.weight_matrix().device
+        device = self.get_base_layer().weight.device
         self.merge_counts[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
         for side, spec in specs.items():
             params, indices = self.side_containers(side)
@@ -257,7 +341,7 @@ class RotationLayer(BaseTunerLayer):
             index = self.index_buffer(adapter_name, side)
             if inverse:
                 blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
-                blocks, side_report = invert_blocks(blocks, self.weight_matrix().dtype)
+                blocks, side_report = invert_blocks(blocks, self.weight_dtype)
                 blocks = blocks.to(matrix.dtype)
                 if report is not None:
                     report[side] = side_report
@@ -268,10 +352,24 @@ class RotationLayer(BaseTunerLayer):
                 spec.matmul_left(matrix, index, blocks)
         return matrix
 
-    def _weight_for_folding(self) -> torch.Tensor:
-        """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base)."""
+    def _weight_for_folding(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base; or
+        ``dtype``), with the residual of the last requantisation added back when the adapter folds by error
+        feedback."""
         matrix = self.full_weight_matrix()
-        return matrix.to(_at_least_float32(matrix.dtype))
+        matrix = matrix.to(dtype or _at_least_float32(matrix.dtype))
+        if self.base_quantization is not None and self.poet_settings[adapter_name].requantize == "feedback":
+            residual = bnb.residual(self.get_base_layer())
+            if residual is not None:
+                matrix = matrix + residual.to(matrix.dtype)
+        return matrix
+
+    def _fold_into_base(self, matrix: torch.Tensor, adapter_name: str, merge_count: int) -> None:
+        """Write a folded weight back; a quantised base is requantised by the adapter's ``requantize`` mode (a
+        stochastic one draws from a generator seeded by (seed, merge count, layer): the same on every rank)."""
+        settings = self.poet_settings[adapter_name]
+        generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
+        self.set_weight_matrix(matrix, settings.requantize, generator)
 
     def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -290,7 +388,8 @@ class RotationLayer(BaseTunerLayer):
         x = self._pad_input(x)
         keep = keep or {}
         if not activation:
-            matrix = self.weight_matrix().to(_at_least_float32(self.weight_matrix().dtype))
+            base_weight = self.weight_matrix()
+            matrix = base_weight.to(_at_least_float32(base_weight.dtype))
             for a in adapter_names:
                 for side, spec in self.sides(a).items():
                     blocks = self.rotation_blocks(a, side, dtype=matrix.dtype,
@@ -298,7 +397,7 @@ class RotationLayer(BaseTunerLayer):
                     index = self.index_buffer(a, side)
                     matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
                         spec.matmul_left(matrix, index, blocks)
-            return op.forward(x, matrix.to(self.weight_matrix().dtype), None if bias is None else bias.to(x.dtype))
+            return op.forward(x, matrix.to(base_weight.dtype), None if bias is None else bias.to(x.dtype))
         # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
         compute = _at_least_float32(x.dtype)
         h = x.to(compute)
@@ -335,8 +434,10 @@ class RotationLayer(BaseTunerLayer):
         if choice != "auto":
             return choice
         sides = self.sides(adapter_name)
+        quantization = self.base_quantization
         costs = strategy_costs(tokens, self.in_features, self.out_features, sides.get(SIDE_INPUT),
-                               sides.get(SIDE_OUTPUT), training)
+                               sides.get(SIDE_OUTPUT), training,
+                               dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0)
         affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
         return min(affordable, key=affordable.get)
 
@@ -350,7 +451,7 @@ class RotationLayer(BaseTunerLayer):
                             self.skew_parameter(adapter_name, side)) for side in sides}
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
-        return rotated_forward(strategy, self._pad_input(x), self.weight_matrix(), self.get_base_layer().bias,
+        return rotated_forward(strategy, self._pad_input(x), self.dense_weight(), self.get_base_layer().bias,
                                r_side, r_vec, p_side, p_vec, op=self.base_operation())
 
     @staticmethod
@@ -385,11 +486,12 @@ class RotationLayer(BaseTunerLayer):
         for adapter_name in adapter_names:
             if adapter_name not in self.poet_specs:
                 continue
-            merged = self.rotate_weight(self._weight_for_folding(), adapter_name)
+            merged = self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name)
             if safe_merge and not torch.isfinite(merged).all():
                 raise ValueError(f"NaNs or infs found while merging adapter '{adapter_name}'; it is broken")
-            self.set_weight_matrix(merged)
+            self._fold_into_base(merged, adapter_name, PEFT_MERGE)
             self.merged_adapters.append(adapter_name)
+            self._warn_requantized("merging", adapter_name)
 
     @torch.no_grad()
     def unmerge(self) -> None:
@@ -403,26 +505,43 @@ class RotationLayer(BaseTunerLayer):
         while self.merged_adapters:
             adapter_name = self.merged_adapters.pop()
             report: dict[str, Any] = {}
-            restored = self.rotate_weight(self.full_weight_matrix().double(), adapter_name, inverse=True, report=report)
-            self.set_weight_matrix(restored)
+            restored = self.rotate_weight(self._weight_for_folding(adapter_name, torch.float64), adapter_name,
+                                          inverse=True, report=report)
+            self._fold_into_base(restored, adapter_name, PEFT_MERGE)
+            self._warn_requantized("unmerging", adapter_name)
             report["error_bound"] = sum(r["error_bound"] for r in report.values())
             self.unmerge_report[adapter_name] = report
             if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
                 logger.info("unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
                             adapter_name, report)
 
+    def _warn_requantized(self, action: str, adapter_name: str) -> None:
+        """A fold into a quantised base changes the weight by a requantisation: say by how much (measured)."""
+        if self.base_quantization is not None:
+            warnings.warn(f"{action} adapter '{adapter_name}' into the {self.base_quantization} base of "
+                          f"'{self.poet_settings[adapter_name].layer_name}' requantised W0: relative error "
+                          f"{self.requantization_error:.2e} (||dequant(Q(W)) - W||_F / ||W||_F, measured)",
+                          QuantizedMergeWarning, stacklevel=3)
+
     # --- POET training-time merge-then-reinitialize --------------------------------------------------------------------
     @torch.no_grad()
     def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
         """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
 
-        Returns the pre-merge statistics of :meth:`rotation_stats`.
+        A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
+        (:func:`~poet_hf.tuners.bnb.requantize`).
+
+        Returns the pre-merge statistics of :meth:`rotation_stats`, with ``requantization_error`` for a quantised
+        base.
         """
         if self.merged:
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         stats = self.rotation_stats(adapter_name)
-        self.set_weight_matrix(self.rotate_weight(self._weight_for_folding(), adapter_name))
         count = int(self.merge_counts[adapter_name]) + 1
+        self._fold_into_base(self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name,
+                             count)
+        if self.base_quantization is not None:
+            stats["requantization_error"] = self.requantization_error
         self.merge_counts[adapter_name].fill_(count)
         for side in self.sides(adapter_name):
             params, indices = self.side_containers(side)

@@ -10,6 +10,7 @@ from peft.config import PeftConfig
 from ..registry import peft_type_member
 
 from ...orthogonal import check_neumann_terms
+from ..bnb import REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..config_utils import CheckedLoadConfig, check_choice, check_positive_int, normalize_peft_target_fields
 
@@ -68,6 +69,13 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         default=None, metadata={"help": "None: plain OFT, never merged during training. An int: optimizer steps "
                                 "between merge-then-reinitialize (fold R into W0, zero Q, resample)."}
     )
+    requantize: Literal["feedback", "nearest", "stochastic"] = field(
+        default="feedback",
+        metadata={"help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
+                  "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
+                  "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or "
+                  "'stochastic' (unbiased random rounding, seeded per layer and merge). Ignored for a float W0."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
@@ -110,6 +118,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         if self.merge_every is not None:
             check_positive_int("merge_every", self.merge_every)
         check_choice("forward", self.forward, FORWARD_CHOICES)
+        check_choice("requantize", self.requantize, REQUANTIZE_MODES)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

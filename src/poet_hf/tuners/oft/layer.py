@@ -74,7 +74,8 @@ class OftLayer(RotationLayer):
         self.oft_options[adapter_name] = OftOptions(block_share=config.block_share, coft=config.coft, eps=config.eps,
                                                     module_dropout=config.module_dropout)
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
-                                    forward=config.forward, source=getattr(config, "loaded_from", None))
+                                    forward=config.forward, source=getattr(config, "loaded_from", None),
+                                    requantize=config.requantize)
         rows = 1 if config.block_share else spec.num_blocks
         self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows}, config.init_weights)
 
@@ -102,7 +103,7 @@ class OftLayer(RotationLayer):
                 self.project_coft(a)
             if self.training and options.module_dropout > 0:
                 keep[a] = dropout_keep_mask(self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout,
-                                            self.weight_matrix().device)
+                                            self.get_base_layer().weight.device)
         if self.fused_enabled() and len(adapter_names) == 1:
             return self.fused_forward(x, adapter_names[0], keep.get(adapter_names[0]))
         return self.reference_forward(x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)

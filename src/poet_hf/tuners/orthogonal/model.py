@@ -8,6 +8,7 @@ from typing import Any
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
+from ..bnb import is_bnb_module
 from ..constants import DEFAULT_TARGET_MODULES
 from .layer import Conv2d, Linear, OrthogonalLayer
 
@@ -18,6 +19,12 @@ def create_orthogonal_module(config: Any, adapter_name: str, target: nn.Module, 
                              **kwargs: Any) -> OrthogonalLayer:
     """Wrap ``target`` in the orthogonal layer for its type, or raise a ``ValueError`` naming the type."""
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if is_bnb_module(base_layer):
+        raise ValueError(
+            f"`target_modules` matched '{layer_name}', a quantised {type(base_layer).__name__}; OrthogonalConfig "
+            "replaces W0 by a trained orthogonal weight (its polar factor), so a frozen quantised base has nothing to "
+            "keep: load the model without quantisation, or use PoetConfig / OftConfig, which train on a quantised W0"
+        )
     if isinstance(base_layer, nn.Linear):
         return Linear(target, adapter_name, config=config, layer_name=layer_name, **kwargs)
     if isinstance(base_layer, nn.Conv2d):

@@ -10,6 +10,7 @@ from peft.config import PeftConfig
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
 from ..config_utils import (CheckedLoadConfig, check_budget, check_choice, check_positive_int,
                             normalize_peft_target_fields, per_side)
+from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
 
@@ -68,6 +69,19 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
     )
+    base_quantization: Optional[Literal["nf4", "fp4", "int8"]] = field(
+        default=None,
+        metadata={"help": "Quantise every target W0 with bitsandbytes after base_init (QPOET pretraining; needs the "
+                  "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row). "
+                  "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."},
+    )
+    requantize: Literal["feedback", "nearest", "stochastic"] = field(
+        default="feedback",
+        metadata={"help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
+                  "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
+                  "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or "
+                  "'stochastic' (unbiased random rounding, seeded per layer and merge). Ignored for a float W0."},
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
@@ -102,6 +116,8 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         check_positive_int("merge_every", self.merge_every)
         check_choice("base_init", self.base_init, (None, *BASE_INIT_SCHEMES))
         check_choice("forward", self.forward, FORWARD_CHOICES)
+        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
+        check_choice("requantize", self.requantize, REQUANTIZE_MODES)
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

@@ -63,12 +63,17 @@ class PoetLayer(RotationLayer):
         specs = {side: make_side_spec(config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]),
                                       layer_name, field) for side in wanted}
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
-                                    forward=config.forward, source=getattr(config, "loaded_from", None))
+                                    forward=config.forward, source=getattr(config, "loaded_from", None),
+                                    requantize=config.requantize)
+        if config.base_quantization is not None:
+            self.check_quantizable(config.base_quantization, layer_name)
         self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()},
                                   config.init_weights)
         if config.base_init is not None:
             generator = spo_generator(config.seed, 0, layer_name, "base_init", adapter_name)
             self.set_weight_matrix(init_base_weight(self.weight_matrix(), config.base_init, generator))
+        if config.base_quantization is not None:
+            self.quantize_base(config.base_quantization)
 
 
 class Linear(nn.Module, PoetLayer):

@@ -8,6 +8,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
+from ..bnb import drop_residual, quantization_of
 from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
 from ..rotation_layer import RotationLayer, rotation_layers
@@ -18,10 +19,16 @@ from .layer import Conv1D, Conv2d, Linear, PoetLayer
 def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str,
                         layer_classes: tuple[type, type, type]) -> RotationLayer:
     """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
-    a ``ValueError`` naming the type."""
+    a ``ValueError`` naming the type.
+
+    bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` targets are dispatched first (as PEFT dispatches LoRA's): they
+    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through :mod:`~poet_hf.tuners.bnb`
+    (:func:`~poet_hf.tuners.bnb.quantization_of` raises for any other bitsandbytes module)."""
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if quantization_of(base_layer) is not None:
+        return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
     for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes):
         if isinstance(base_layer, base_type):
             return layer_cls(target, adapter_name, config=config, layer_name=layer_name)
@@ -87,6 +94,15 @@ class PoetModel(BaseTuner):
             to_return.update(state_dict)
         return to_return
 
+    def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """PEFT's unload; a quantised base leaves without the requantisation residual, which only the next fold
+        of an adapter would use."""
+        bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
+        model = super()._unload_and_optionally_merge(*args, **kwargs)
+        for base in bases:
+            drop_residual(base)
+        return model
+
     def merge_and_reinit(self, adapter_name: Optional[str] = None) -> dict[str, Any]:
         """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see :func:`merge_and_reinit`."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
@@ -122,16 +138,21 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
     is not touched here (see ``poet_hf.training``).
 
     Returns ``{"layers": n, "merge_count": c, "max_q_norm": …, "max_orth_error": …, "max_neumann_bound": …}``
-    computed just before the merge, for logging.
+    computed just before the merge, for logging; with quantised bases also ``max_requantization_error``, the largest
+    relative change the requantisation made to a folded ``W0``.
     """
     layers = poet_layers(model, adapter_name)
     if not layers:
         raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
     stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
-    return {
+    summary = {
         "layers": len(layers),
         "merge_count": int(layers[0][1].merge_counts[adapter_name]),
         "max_q_norm": max(s["q_norm"] for s in stats),
         "max_orth_error": max(s["orth_error"] for s in stats),
         "max_neumann_bound": max(s["neumann_bound"] for s in stats),
     }
+    requantized = [s["requantization_error"] for s in stats if "requantization_error" in s]
+    if requantized:
+        summary["max_requantization_error"] = max(requantized)
+    return summary

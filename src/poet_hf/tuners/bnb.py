@@ -1,0 +1,342 @@
+"""bitsandbytes 4-bit and 8-bit frozen bases for the rotation tuners (QOFT and QPOET).
+
+A rotation layer whose base is a ``bnb.nn.Linear4bit`` (nf4 or fp4, with or without double quantisation) or a
+``bnb.nn.Linear8bitLt`` reads its ``W0`` through this module, the way PEFT's LoRA reads its bitsandbytes bases
+(``peft/tuners/lora/bnb.py``) through PEFT's quantisation backends (``peft.utils.quantization_utils``):
+
+- the logical ``(out, in)`` shape is the layer's, never the packed storage's;
+- the forward gets a :class:`QuantizedWeight`, which dequantises ``W0`` when called (once in the forward, once in the
+  backward; :class:`~poet_hf.orthogonal.rotated_linear.DenseWeight`);
+- a fold (merge, unmerge, merge-then-reinitialise) dequantises, rotates and requantises with the same quantisation
+  settings (type, block size, double quantisation, storage), by PEFT's backends.
+
+bitsandbytes is the ``quant`` extra (``pip install 'poet_hf[quant]'``) and is imported only when a quantised base is
+met or asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BASE_QUANTIZATIONS = ("nf4", "fp4", "int8")
+REQUANTIZE_MODES = ("feedback", "nearest", "stochastic")
+RESIDUAL_BLOCK = 64  # entries per scale of the int8 requantisation residual (error feedback)
+RESIDUAL_CODES, RESIDUAL_SCALES = "poet_residual_codes", "poet_residual_scales"  # buffers on the quantised base
+_INSTALL_HINT = "pip install 'poet_hf[quant]' (the `quant` extra: bitsandbytes)"
+
+# Multiply-add equivalents per entry of one dequantisation (cost model): a table look-up and a scale for 4-bit,
+# a scale for int8. Measured on this project's CPU, dequantising costs about 1/100 of a matmul over 1024 tokens.
+DEQUANTIZE_COST = {"nf4": 2.0, "fp4": 2.0, "int8": 1.0}
+
+
+def import_bitsandbytes() -> Any:
+    """``bitsandbytes``, or an ``ImportError`` that names the extra to install."""
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(f"a quantised base needs bitsandbytes: {_INSTALL_HINT}") from error
+    return bitsandbytes
+
+
+def is_bnb_module(module: nn.Module) -> bool:
+    """Whether ``module`` comes from bitsandbytes (checked by its class's module, so bitsandbytes is not imported
+    for a model that has none)."""
+    return type(module).__module__.split(".")[0] == "bitsandbytes"
+
+
+def quantization_of(module: nn.Module) -> Optional[str]:
+    """``"nf4"``, ``"fp4"`` or ``"int8"`` for a ``Linear4bit`` / ``Linear8bitLt``; ``None`` for a module that is not
+    from bitsandbytes. Any other bitsandbytes module raises a ``ValueError`` naming its type."""
+    if not is_bnb_module(module):
+        return None
+    bnb = import_bitsandbytes()
+    if isinstance(module, bnb.nn.Linear4bit):
+        return module.weight.quant_type
+    if isinstance(module, bnb.nn.Linear8bitLt):
+        if module.state.has_fp16_weights:
+            raise ValueError("a bnb.nn.Linear8bitLt with has_fp16_weights=True keeps a trainable float weight; "
+                             "rotation adapters need a frozen int8 base (has_fp16_weights=False)")
+        return "int8"
+    raise ValueError(f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
+                     "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt")
+
+
+def _backend(module: nn.Module) -> Any:
+    from peft.utils.quantization_utils import resolve_quantization_backend
+
+    return resolve_quantization_backend(module)
+
+
+def _unpack_for_cpu(module: nn.Module) -> None:
+    """Undo the AVX512-BF16 packing bitsandbytes applies to a 4-bit weight in a CPU inference forward, so that the
+    stored codes are again the layout its dequantisation and state dict expect."""
+    weight = module.weight
+    if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+
+
+def dequantize(module: nn.Module) -> torch.Tensor:
+    """The dense ``out × in`` weight of a bitsandbytes linear layer, in the dtype it was quantised from."""
+    _unpack_for_cpu(module)
+    return _backend(module).get_base_weight(module)
+
+
+class QuantizedWeight:
+    """A quantised layer's ``W0`` as the fused forward takes it: called, it returns the dense matrix in ``dtype``.
+
+    Only the module is referenced, so nothing dense outlives a call (one layer's ``W0`` at a time)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        self.module = module
+        self.dtype = dtype
+        self.dequantize_cost = DEQUANTIZE_COST[quantization_of(module)]
+
+    def __call__(self) -> torch.Tensor:
+        return dequantize(self.module).to(self.dtype)
+
+
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a bitsandbytes layer computes in: its ``compute_dtype`` (4-bit), else its quantisation source."""
+    dtype = getattr(module, "compute_dtype", None)
+    if dtype is None:
+        state = getattr(module.weight, "quant_state", None)
+        dtype = state.dtype if state is not None else torch.float32
+    return dtype
+
+
+def stochastic_round(matrix: torch.Tensor, grid: torch.Tensor, scale: torch.Tensor, generator: torch.Generator,
+                     ) -> torch.Tensor:
+    """Round every entry of ``matrix`` to one of its two neighbours on ``scale · grid`` (``grid`` sorted ascending,
+    ``scale`` broadcasting over ``matrix``), up with probability equal to the distance from the lower neighbour over
+    the gap: unbiased, ``E[round(w)] = w`` (inside the grid's range)."""
+    normalized = (matrix / scale).clamp(grid[0], grid[-1]).contiguous()
+    upper = torch.searchsorted(grid, normalized).clamp(1, grid.numel() - 1)
+    low, high = grid[upper - 1], grid[upper]
+    up = torch.rand(normalized.shape, generator=generator, device=matrix.device, dtype=normalized.dtype)
+    chosen = torch.where(up < (normalized - low) / (high - low), high, low)
+    return chosen * scale
+
+
+def _grid_rounded(module: nn.Module, matrix: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``matrix`` stochastically rounded onto the grid the module's quantiser will use, so that requantising it
+    keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over the code book) or
+    per row (int8, 127 levels each way)."""
+    work = matrix.float()
+    if quantization_of(module) == "int8":
+        scale = work.half().float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        grid = torch.arange(-127, 128, dtype=work.dtype, device=work.device)
+        return stochastic_round(work, grid, scale, generator)
+    state = module.weight.quant_state
+    blocks = work.reshape(-1, state.blocksize)
+    scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
+    grid = state.code.to(work.device, work.dtype).sort().values
+    return stochastic_round(blocks, grid, scale, generator).reshape(matrix.shape)
+
+
+def requantize(peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest",
+               generator: Optional[torch.Generator] = None) -> float:
+    """Store the dense ``matrix`` into the quantised base of ``peft_layer`` with the same quantisation settings
+    (PEFT's backends), and return the relative error this requantisation caused, ``‖dequant(Q(M)) − M‖/‖M‖``.
+
+    ``mode`` (:data:`REQUANTIZE_MODES`):
+
+    - ``"nearest"``: every entry to its nearest code.
+    - ``"stochastic"`` (needs ``generator``): to a neighbouring code at random, unbiased, so that an update smaller
+      than half a quantisation step survives on average instead of vanishing.
+    - ``"feedback"``: error feedback. ``matrix`` is taken to include the residual the previous requantisation left
+      (the caller adds :func:`residual`), and the new residual ``M − dequant(Q(M))`` is stored beside the codes
+      (int8 per block of :data:`RESIDUAL_BLOCK`, about 1 byte per entry) for the next fold. The error of the stored
+      weight then stays one quantisation step instead of growing with every fold.
+    """
+    module = peft_layer.get_base_layer()
+    if mode not in REQUANTIZE_MODES:
+        raise ValueError(f"`requantize` must be one of {REQUANTIZE_MODES}, got {mode!r}")
+    if mode == "stochastic":
+        if generator is None:
+            raise ValueError("requantize='stochastic' needs a seeded generator")
+        matrix = _grid_rounded(module, matrix, generator)
+    dtype = compute_dtype(module) if quantization_of(module) != "int8" else matrix.dtype
+    _unpack_for_cpu(module)
+    residual_state = {name: getattr(module, name) for name in (RESIDUAL_CODES, RESIDUAL_SCALES)
+                      if hasattr(module, name)}
+    _backend(module).set_base_weight(peft_layer, matrix.to(dtype).contiguous())
+    module = peft_layer.get_base_layer()
+    restored = dequantize(module).to(matrix.dtype)
+    if mode == "feedback":
+        codes, scales = encode_residual(matrix.float() - restored.float())
+        residual_state = {RESIDUAL_CODES: codes, RESIDUAL_SCALES: scales}
+    for name, tensor in residual_state.items():  # the residual stays with the codes it corrects
+        module.register_buffer(name, tensor)
+    return float((restored - matrix).norm() / matrix.norm().clamp_min(torch.finfo(matrix.dtype).tiny))
+
+
+def encode_residual(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)``: ``residual`` as int8 codes (its shape) and one float32 absmax scale per
+    :data:`RESIDUAL_BLOCK` consecutive entries (the last block zero-padded)."""
+    flat = residual.reshape(-1)
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % RESIDUAL_BLOCK)).reshape(-1, RESIDUAL_BLOCK)
+    scales = padded.abs().amax(dim=1, keepdim=True) / 127
+    codes = torch.round(padded / scales.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-127, 127)
+    return codes.to(torch.int8).reshape(-1)[: flat.numel()].reshape(residual.shape), scales.reshape(-1)
+
+
+def decode_residual(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 residual :func:`encode_residual` stored."""
+    flat = codes.reshape(-1).float()
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % RESIDUAL_BLOCK)).reshape(-1, RESIDUAL_BLOCK)
+    return (padded * scales[:, None]).reshape(-1)[: flat.numel()].reshape(codes.shape)
+
+
+def drop_residual(module: nn.Module) -> None:
+    """Remove the requantisation residual from a quantised base (when it leaves its adapter)."""
+    for name in (RESIDUAL_CODES, RESIDUAL_SCALES):
+        if hasattr(module, name):
+            delattr(module, name)
+
+
+def residual(module: nn.Module) -> Optional[torch.Tensor]:
+    """The requantisation residual stored on a quantised base (error feedback), or ``None``."""
+    if not hasattr(module, RESIDUAL_CODES):
+        return None
+    return decode_residual(getattr(module, RESIDUAL_CODES), getattr(module, RESIDUAL_SCALES))
+
+
+def quantize_linear(linear: nn.Module, quantization: str, compute_dtype: Optional[torch.dtype] = None,
+                    double_quant: bool = True) -> nn.Module:
+    """A ``bnb.nn.Linear4bit`` (``"nf4"``, ``"fp4"``) or ``bnb.nn.Linear8bitLt`` (``"int8"``) holding ``linear``'s
+    weight, quantised, and its bias; on ``linear``'s device."""
+    if quantization not in BASE_QUANTIZATIONS:
+        raise ValueError(f"`base_quantization` must be one of {(None, *BASE_QUANTIZATIONS)}, got {quantization!r}")
+    bnb = import_bitsandbytes()
+    weight = linear.weight.detach()
+    has_bias = linear.bias is not None
+    if quantization == "int8":
+        module = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
+                                     device="meta")
+        module.weight = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
+    else:
+        dtype = compute_dtype or weight.dtype
+        module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias, compute_dtype=dtype,
+                                   compress_statistics=double_quant, quant_type=quantization, device="meta")
+        module.weight = bnb.nn.Params4bit(weight.to("cpu", dtype), requires_grad=False, quant_type=quantization,
+                                          compress_statistics=double_quant, module=module)
+    if has_bias:
+        module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+    return module.to(weight.device)
+
+
+def quantized_bytes(module: nn.Module) -> int:
+    """Bytes a quantised layer keeps for its weight: the codes, the quantisation statistics and the requantisation
+    residual (error feedback) when there is one."""
+    weight = module.weight
+    total = weight.numel() * weight.element_size()
+    state = getattr(weight, "quant_state", None)
+    if state is not None:
+        total += sum(t.numel() * t.element_size() for t in state.as_dict(packed=True).values() if torch.is_tensor(t))
+    scb = getattr(weight, "SCB", None)
+    if scb is None:
+        scb = getattr(getattr(module, "state", None), "SCB", None)
+    extra = [scb] + [getattr(module, name, None) for name in (RESIDUAL_CODES, RESIDUAL_SCALES)]
+    return total + sum(t.numel() * t.element_size() for t in extra if t is not None)
+
+
+def load_quantized_state(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+    """Install the quantised weight that ``state_dict`` holds under ``prefix`` (the codes at ``weight`` and their
+    statistics) into the bitsandbytes layer ``module``, before ``load_state_dict`` copies the codes.
+
+    A 4-bit layer gets a new ``Params4bit`` from the saved quant state (whose keys are consumed here, as
+    ``transformers`` does when it loads a 4-bit checkpoint); an int8 layer gets its row scales ready for
+    ``Linear8bitLt``'s own loader."""
+    for name in (RESIDUAL_CODES, RESIDUAL_SCALES):  # created by the first feedback fold: make room to load them
+        if f"{prefix}{name}" in state_dict and not hasattr(module, name):
+            module.register_buffer(name, torch.empty_like(state_dict[f"{prefix}{name}"], device=module.weight.device))
+    weight_key = f"{prefix}weight"
+    if weight_key not in state_dict:
+        return
+    bnb = import_bitsandbytes()
+    data, device = state_dict[weight_key], module.weight.device
+    if isinstance(module, bnb.nn.Linear4bit):
+        stats = {key[len(weight_key) + 1:]: state_dict.pop(key) for key in list(state_dict)
+                 if key.startswith(f"{weight_key}.")}
+        if not stats:
+            raise ValueError(f"'{weight_key}' is a plain weight but the layer is a 4-bit bitsandbytes layer; load a "
+                             "state saved from the same quantised model")
+        module.weight = bnb.nn.Params4bit.from_prequantized(data=data.to(device), quantized_stats=stats,
+                                                            requires_grad=False, device=device, module=module)
+        return
+    scale = state_dict.get(f"{prefix}SCB")
+    if scale is None or data.dtype != torch.int8:
+        raise ValueError(f"'{weight_key}' is not an int8 weight with its row scales '{prefix}SCB'; load a state saved "
+                         "from the same quantised model")
+    module.weight = bnb.nn.Int8Params(data.to(device).clone(), requires_grad=False, has_fp16_weights=False,
+                                      CB=None, SCB=scale.to(device).clone())
+    module.weight.CB = module.weight.data
+    module.state.reset_grads()
+
+
+
+def dense_linear(module: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Linear:
+    """A plain ``nn.Linear`` holding a bitsandbytes layer's dequantised weight (in ``dtype``, default its compute
+    dtype or float32) and its bias."""
+    weight = dequantize(module).to(dtype or torch.promote_types(compute_dtype(module), torch.float32))
+    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    dense.weight = nn.Parameter(weight, requires_grad=False)
+    if module.bias is not None:
+        dense.bias = nn.Parameter(module.bias.detach().to(weight.dtype).clone(), requires_grad=module.bias.requires_grad)
+    return dense
+
+
+def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
+    """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (:func:`dense_linear`) and drop
+    ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``), so that the model
+    saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
+    ``BitsAndBytesConfig`` as a dict, or one describing the layers found), ``None`` if nothing was quantised."""
+    kinds = set()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if is_bnb_module(child):
+                kinds.add(quantization_of(child))
+                double_quant = bool(getattr(getattr(child.weight, "quant_state", None), "nested", False))
+                setattr(parent, name, dense_linear(child))
+    if not kinds:
+        return None
+    from transformers import PreTrainedModel
+
+    holder = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    config = getattr(getattr(holder, "config", None), "quantization_config", None)
+    recorded = (config.to_dict() if hasattr(config, "to_dict") else dict(config)) if config is not None else \
+        _bnb_config_dict(kinds.pop(), double_quant)
+    if holder is not None:
+        quantizer = getattr(holder, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(holder)
+        elif hasattr(holder.config, "quantization_config"):
+            del holder.config.quantization_config
+    return recorded
+
+
+def _bnb_config_dict(quantization: str, double_quant: bool) -> dict[str, Any]:
+    return bits_and_bytes_config(quantization, double_quant=double_quant).to_dict()
+
+
+def bits_and_bytes_config(quantization: str, compute_dtype: torch.dtype = torch.float32,
+                          double_quant: bool = True) -> Any:
+    """``transformers.BitsAndBytesConfig`` that loads a checkpoint's Linear layers as ``quantization`` (``"nf4"``,
+    ``"fp4"``: 4-bit with ``compute_dtype``; ``"int8"``), the QLoRA way."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization not in BASE_QUANTIZATIONS:
+        raise ValueError(f"`base_quantization` must be one of {BASE_QUANTIZATIONS}, got {quantization!r}")
+    import_bitsandbytes()
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
+                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
