@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import field
 from typing import Any, Optional
 
 from .state_checks import check_safetensors_file
@@ -33,6 +34,16 @@ def check_budget(value: object, field_name: str = "budget", absolute: bool = Fal
 
 
 SIDE_NAMES = ("input", "output")
+
+
+def requantize_field() -> Any:
+    """The ``requantize`` field of the rotation configs: how a fold into a quantised ``W0`` rounds
+    (:func:`poet_hf.tuners.bnb.requantize`)."""
+    return field(default="feedback", metadata={
+        "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' (nearest code, "
+                "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
+                "the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' (unbiased random "
+                "rounding, seeded per layer and merge). Ignored for a float W0."})
 
 
 def per_side(field_name: str, value: Any) -> dict[str, Any]:

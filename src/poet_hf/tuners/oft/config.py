@@ -12,7 +12,8 @@ from ..registry import peft_type_member
 from ...orthogonal import check_neumann_terms
 from ..bnb import REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..config_utils import CheckedLoadConfig, check_choice, check_positive_int, normalize_peft_target_fields
+from ..config_utils import (CheckedLoadConfig, check_choice, check_positive_int, normalize_peft_target_fields,
+                            requantize_field)
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
@@ -69,13 +70,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         default=None, metadata={"help": "None: plain OFT, never merged during training. An int: optimizer steps "
                                 "between merge-then-reinitialize (fold R into W0, zero Q, resample)."}
     )
-    requantize: Literal["feedback", "nearest", "stochastic"] = field(
-        default="feedback",
-        metadata={"help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
-                  "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
-                  "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or "
-                  "'stochastic' (unbiased random rounding, seeded per layer and merge). Ignored for a float W0."},
-    )
+    requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",

@@ -9,7 +9,7 @@ from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
 from ..config_utils import (CheckedLoadConfig, check_budget, check_choice, check_positive_int,
-                            normalize_peft_target_fields, per_side)
+                            normalize_peft_target_fields, per_side, requantize_field)
 from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
@@ -75,13 +75,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
                   "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row). "
                   "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."},
     )
-    requantize: Literal["feedback", "nearest", "stochastic"] = field(
-        default="feedback",
-        metadata={"help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
-                  "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
-                  "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or "
-                  "'stochastic' (unbiased random rounding, seeded per layer and merge). Ignored for a float W0."},
-    )
+    requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
