@@ -5,6 +5,7 @@
         --export_dir outputs/merged                               # POET's default recipe (--recipe paper: Table 6)
     python scripts/finetune.py --model bert-base-uncased --task sequence-classification --method oft \\
         --dataset glue --dataset_config sst2 --text_column sentence
+    python scripts/finetune.py --model ./my-llama --method oft --base_quantization nf4   # QOFT on a 4-bit base
 
 Every option: python scripts/finetune.py --help
 """

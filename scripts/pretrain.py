@@ -3,6 +3,7 @@
     python scripts/pretrain.py                                   # POET-BS on the tiny preset, embedded corpus
     python scripts/pretrain.py --method adamw                    # the same run with the full-rank baseline
     accelerate launch --num_processes 2 scripts/pretrain.py --preset tiny
+    python scripts/pretrain.py --base_quantization int8               # QPOET: W0 stored in int8 (bitsandbytes)
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
         --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --steps paper
 
