@@ -8,6 +8,7 @@ dequantised weight.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import pytest
@@ -123,6 +124,8 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     source = CountingWeight(weight)
     y = rotated_forward(strategy, x, source, None, sides[0], vecs[0], sides[1], vecs[1])
     assert source.calls == 1
+    saved = [t for t in y.grad_fn.saved_tensors if t is not None]
+    assert not [t for t in saved if t.shape == weight.shape]  # the dense W0 is not kept for the backward
     r, p = (dense_rotation_of(side, vec) for side, vec in zip(sides, vecs))
     torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p, rtol=0, atol=1e-12)
     y.sum().backward()
@@ -130,6 +133,20 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     assert torch.autograd.gradcheck(
         lambda x_, r_, p_: rotated_forward(strategy, x_, CountingWeight(weight), None, sides[0], r_, sides[1], p_),
         (x.detach().requires_grad_(), *vecs))
+
+
+def test_the_cost_model_counts_each_dequantisation_of_w0():
+    """A quantised W0 is dequantised in the forward and again in the backward (once without gradients): the cost
+    model adds that many ``dequantize_cost · N`` to every strategy, and keeps what each strategy keeps."""
+    from poet_hf.orthogonal.rotated_linear import strategy_costs
+
+    sides = (SideSpec("block", 512, 64), SideSpec("block", 256, 64))
+    for training, passes in ((True, 2), (False, 1)):
+        dense = strategy_costs(1024, 512, 256, *sides, training=training)
+        quantized = strategy_costs(1024, 512, 256, *sides, training=training, dequantize_cost=2.0)
+        for name, cost in dense.items():
+            assert quantized[name]["macs"] - cost["macs"] == passes * 2.0 * 512 * 256
+            assert quantized[name]["kept"] == cost["kept"]
 
 
 def dense_rotation_of(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
@@ -311,6 +328,15 @@ def test_an_oft_adapter_on_a_transformers_4bit_model_round_trips_and_exports(tmp
     reloaded = PeftModel.from_pretrained(load_base(), tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, logits)
+
+    export_merged(model, tmp_path / "recorded", spectrum=False, record_quantization=True)
+    config = json.loads((tmp_path / "recorded" / "config.json").read_text())
+    recorded = config["source_quantization_config"]
+    assert "quantization_config" not in config  # still a full-precision checkpoint
+    assert recorded["load_in_4bit"] and recorded["bnb_4bit_quant_type"] == "nf4"
+    requantized = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "recorded", quantization_config=BitsAndBytesConfig.from_dict(recorded))
+    assert quant.quantization_of(requantized.model.layers[0].mlp.down_proj) == "nf4"
 
     export_merged(model, tmp_path / "export", spectrum=False)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "export")  # stock transformers, no bitsandbytes layer

@@ -57,9 +57,11 @@ def export_merged(
         spectrum: compute the singular values of every folded matrix for the card (an SVD per layer).
         inplace: fold an in-memory model in place instead of a copy (saves memory; the model is then plain).
         progress: show progress bars (``None``: only on a terminal).
-        record_quantization: for a source on a quantised (bitsandbytes) base, write its quantisation config into
-            ``config.json``, so that ``from_pretrained`` quantises the folded weights again on load (it then needs
-            bitsandbytes). By default the export is a plain full-precision checkpoint either way.
+        record_quantization: for a source on a quantised (bitsandbytes) base, record its quantisation config in
+            ``config.json`` as ``source_quantization_config``; the checkpoint stays full precision (a
+            ``quantization_config`` key would tell ``transformers`` the weights are already quantised). Load it
+            quantised again with ``from_pretrained(path, quantization_config=BitsAndBytesConfig.from_dict(
+            config.source_quantization_config))``.
 
     Returns:
         The path of the written export.
@@ -84,7 +86,7 @@ def export_merged(
     export_dtype = export_dtype or loaded.dtype
     plain.to(export_dtype)
     if record_quantization and quantization_config is not None:
-        plain.config.quantization_config = quantization_config
+        plain.config.source_quantization_config = quantization_config
     card = render_model_card(
         plain, peft_config, export_dtype=export_dtype, run_info=run, eval_results=loaded.eval_results,
         spectrum_rows=spectrum_rows, folded_layers=len(target_names), merge_count=merge_count,
