@@ -11,6 +11,7 @@ import copy
 import json
 import sys
 
+import bitsandbytes  # noqa: F401  (the `quant` extra, part of `dev`: these tests run, they never skip)
 import pytest
 import torch
 from peft import PeftModel, get_peft_model
@@ -26,7 +27,6 @@ from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners import bnb as quant
 from poet_hf.tuners.rotation_layer import QuantizedMergeWarning, rotation_layers
 
-bnb = pytest.importorskip("bitsandbytes")  # the `quant` extra, part of `dev`
 
 QUANTIZATIONS = ["nf4", "fp4", "int8"]
 TARGETS = ["up", "down"]
