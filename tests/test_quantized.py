@@ -155,6 +155,7 @@ def dense_rotation_of(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
 
 
 # --- wrapping quantised targets ------------------------------------------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 @pytest.mark.parametrize("config_cls", [PoetConfig, OftConfig])
 def test_an_identity_adapter_reproduces_the_quantised_bases_own_forward(quantization, config_cls):
