@@ -313,7 +313,7 @@ def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
     holder = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     config = getattr(getattr(holder, "config", None), "quantization_config", None)
     recorded = (config.to_dict() if hasattr(config, "to_dict") else dict(config)) if config is not None else \
-        _bnb_config_dict(kinds.pop(), double_quant)
+        bits_and_bytes_config(kinds.pop(), double_quant=double_quant).to_dict()
     if holder is not None:
         quantizer = getattr(holder, "hf_quantizer", None)
         if quantizer is not None:
@@ -321,10 +321,6 @@ def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
         elif hasattr(holder.config, "quantization_config"):
             del holder.config.quantization_config
     return recorded
-
-
-def _bnb_config_dict(quantization: str, double_quant: bool) -> dict[str, Any]:
-    return bits_and_bytes_config(quantization, double_quant=double_quant).to_dict()
 
 
 def bits_and_bytes_config(quantization: str, compute_dtype: torch.dtype = torch.float32,
