@@ -22,8 +22,11 @@ from typing import Any, Optional
 
 import torch
 
+from benchmarks.common import optimizer_step
+
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("oft", "poet", "lora")
+ACCUMULATION, ACCUMULATED_METHODS = 4, ("oft", "poet")  # rows per optimizer step of 4 micro-batches
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -58,9 +61,10 @@ def quantized_checkpoint(layers: int, quantization: str) -> "LlamaForCausalLM":
 
 
 def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = None, lora_rank: int = 16,
-            poet_spo: str = "block") -> dict:
-    """In the child process: one warm-up step, then ``steps`` timed steps of ``method`` on a float32 base, or on a
-    base loaded quantised (``quantization``: ``"nf4"``, ``"int8"``); POET's blocks laid out by ``poet_spo``."""
+            poet_spo: str = "block", accumulation: int = 1) -> dict:
+    """In the child process: one warm-up step, then ``steps`` timed optimizer steps of ``method`` (each of
+    ``accumulation`` micro-batches) on a float32 base, or on a base loaded quantised (``quantization``: ``"nf4"``,
+    ``"int8"``); POET's blocks laid out by ``poet_spo``."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -80,16 +84,14 @@ def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 49152, (batch, seq))
 
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def loss() -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss
 
-    step()
+    optimizer_step(model, optimizer, loss)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        optimizer_step(model, optimizer, loss, accumulation)
         times.append(time.perf_counter() - start)
     return {"step_s": statistics.median(times),
             "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
@@ -105,13 +107,18 @@ def _child(method: str, quick: bool, steps: int, env: Optional[dict] = None, **o
 
 
 def run(quick: bool = False, repeats: int = 3) -> list[dict]:
-    steps = 2 if quick else 5
-    runs: dict[str, list[dict]] = {m: [] for m in METHODS}
-    for _ in range(1 if quick else repeats):  # interleaved repeats: noise hits every method alike
-        for method in METHODS:
-            runs[method].append(_child(method, quick, steps))
-    result = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    oft = result["oft"]
-    return [{"method": m, "trainable (M)": r["trainable"] / 1e6, "step s": r["step_s"],
-             "peak MB": r["peak_mb"], "time / OFT": r["step_s"] / oft["step_s"],
-             "memory / OFT": r["peak_mb"] / oft["peak_mb"]} for m, r in result.items()]
+    """Rows per optimizer step, against OFT: every method without accumulation, then OFT and POET with
+    :data:`ACCUMULATION` micro-batches per step (both build their rotations once per step)."""
+    rows = []
+    for accumulation, methods in ((1, METHODS), (ACCUMULATION, ACCUMULATED_METHODS)):
+        steps = 2 if quick or accumulation > 1 else 5
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(1 if quick else repeats):  # interleaved repeats: noise hits every method alike
+            for method in methods:
+                runs[method].append(_child(method, quick, steps, accumulation=accumulation))
+        result = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+        oft = result["oft"]
+        rows += [{"method": m, "accumulation": accumulation, "trainable (M)": r["trainable"] / 1e6,
+                  "step s": r["step_s"], "peak MB": r["peak_mb"], "time / OFT": r["step_s"] / oft["step_s"],
+                  "memory / OFT": r["peak_mb"] / oft["peak_mb"]} for m, r in result.items()]
+    return rows

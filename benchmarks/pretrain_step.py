@@ -11,11 +11,11 @@ Besides the measured ratios, every row carries what the arithmetic allows:
   ``W0`` entry (gradient and two Adam states) less 16 bytes per skew parameter (parameter, gradient, two states).
 - ``at-peak MB``: the same without the gradients. AdamW peaks in the loss / ``lm_head`` backward, before the
   gradients of the blocks exist, so at that moment only ``8 B·W0 − 12 B·skew`` can be saved.
-- ``flop floor``: POET's multiply-adds over AdamW's for the whole step, counting everything the fused layers must
-  compute when they keep nothing but the layer inputs: the base products, the rotations of the weight (forward,
-  rebuilt and differentiated in the backward: 14·b·N flops per layer for two block sides) and the Cayley–Neumann
-  polynomial (forward, rebuilt, and its vector-Jacobian product). The ``lm_head``, embeddings and attention cost
-  the same in both.
+- ``flop floor``: POET's multiply-adds over AdamW's for the whole optimizer step, counting everything the fused
+  layers must compute when they keep nothing but the layer inputs: the base products and the rotations (of the
+  weight or of the activations, whichever is cheaper per layer: forward, rebuilt and differentiated in the
+  backward) per micro-batch, and the Cayley–Neumann polynomial (forward, rebuilt, and its vector-Jacobian product)
+  once per optimizer step. The ``lm_head``, embeddings and attention cost the same in both.
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ from typing import Any, Optional
 
 import torch
 
+from benchmarks.common import optimizer_step
+
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ = 32000, 256
 
-# (preset, micro-batch, steps timed)
-CONFIGS = [("llama-60m", 4, 5), ("llama-130m", 4, 5), ("llama-130m", 16, 3), ("llama-350m", 2, 3)]
-QUICK_CONFIGS = [("tiny", 4, 2)]
+# (preset, micro-batch, optimizer steps timed, micro-batches per optimizer step)
+CONFIGS = [("llama-60m", 4, 5, 1), ("llama-130m", 4, 5, 1), ("llama-130m", 16, 3, 1), ("llama-130m", 4, 2, 2),
+           ("llama-130m", 4, 2, 8), ("llama-350m", 2, 3, 1)]
+QUICK_CONFIGS = [("tiny", 4, 2, 1), ("tiny", 4, 2, 4)]
 METHODS = ("adamw", "poet-bs", "poet-fs")
 
 
@@ -47,8 +50,10 @@ def _rss_mb() -> float:
 
 
 def measure(method: str, preset_name: str, batch: int, steps: int, quantization: Optional[str] = None,
-            requantize: str = "feedback") -> dict:
-    """In the child process: build, warm up one step, then time ``steps`` steps; report memory and its parts.
+            requantize: str = "feedback", accumulation: int = 1, cache_rotations: bool = True) -> dict:
+    """In the child process: build, warm up one step, then time ``steps`` optimizer steps of ``accumulation``
+    micro-batches of ``batch`` sequences each; report memory and its parts (``cache_mb``: the rotation caches held
+    across the micro-batches of a step).
 
     ``quantization`` (POET only) quantises every ``W0`` (``PoetConfig.base_quantization``); one merge-then-reinitialise
     then runs before the warm-up, so that the requantisation residual of ``requantize="feedback"`` exists, as in
@@ -68,7 +73,7 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
     if method != "adamw":
         spo = {"spo": "block", "block_size": preset.block_size} if method == "poet-bs" else {"spo": "full"}
         model = get_peft_model(model, PoetConfig(**spo, base_init="normalized", base_quantization=quantization,
-                                                 requantize=requantize))
+                                                 requantize=requantize, cache_rotations=cache_rotations))
         if quantization:
             merge_and_reinit(model)
     model.to(dev)
@@ -77,19 +82,16 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def step() -> None:
+    def loss() -> torch.Tensor:
         with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            return model(input_ids=ids, labels=ids).loss
 
-    step()
+    optimizer_step(model, optimizer, loss)  # warm-up: allocates the optimizer states
     sync()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        step()
+        cache_mb = optimizer_step(model, optimizer, loss, accumulation)["cache_mb"]
         sync()
         times.append(time.perf_counter() - start)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -109,13 +111,21 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
         "grads_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20,
         "states_mb": sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                          if torch.is_tensor(t) and t.dim() > 0) / 2**20,
-        "frozen": frozen, "skew": skew, "w0_bytes": w0_bytes,
+        "frozen": frozen, "skew": skew, "w0_bytes": w0_bytes, "cache_mb": cache_mb,
+        "cache_floor_mb": 4 * sum(2 * layer.skew_parameter(a, side).shape[0] * spec.block ** 2 for layer in layers
+                                  for a, specs in layer.poet_specs.items() for side, spec in specs.items()) / 2**20
+        if accumulation > 1 and cache_rotations else 0.0,
     }
 
 
-def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5) -> float:
-    """Multiply-adds ×2 of one training step, counted from the shapes (see the module docstring)."""
-    from poet_hf.orthogonal.cayley import neumann_product_count
+def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5, accumulation: int = 1,
+                   amortized: bool = True) -> float:
+    """Multiply-adds ×2 of one optimizer step of ``accumulation`` micro-batches, counted from the shapes (see the
+    module docstring). Each POET layer is counted at its cheapest strategy that keeps nothing but the layer input
+    (:func:`~poet_hf.orthogonal.rotated_linear.strategy_costs`, what ``forward="auto"`` picks). ``amortized``: the
+    Cayley–Neumann polynomial runs once per optimizer step whatever ``accumulation`` is (built in the first forward,
+    rebuilt and differentiated in the last backward); otherwise once per micro-batch (``cache_rotations=False``)."""
+    from poet_hf.orthogonal.rotated_linear import polynomial_products, strategy_costs
     from poet_hf.orthogonal.spo import SideSpec, subset_size
     from poet_hf.training.pretrain import PRESETS
 
@@ -123,24 +133,20 @@ def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5) ->
     tokens, d = batch * SEQ, preset.hidden
     ffn = preset.intermediate_bs if method == "poet-bs" else preset.intermediate
     shapes = [(d, d)] * 4 + [(d, ffn), (d, ffn), (ffn, d)]  # (in, out) of q, k, v, o, gate, up, down
-    forward_products, vjp_products = neumann_product_count(terms)
-    polynomial_products = 2 * forward_products + vjp_products  # forward, rebuilt in the backward, VJP
+    polynomial = polynomial_products(terms, "uncached")  # per optimizer step (amortized) or per micro-batch
     total = 0.0
     for d_in, d_out in shapes:
-        n = d_in * d_out
-        total += 6 * tokens * n  # y, ∂L/∂x, ∂L/∂W (AdamW) or ∂L/∂W_eff (POET)
         if method == "adamw":
+            total += accumulation * 3 * tokens * d_in * d_out  # y, ∂L/∂x, ∂L/∂W
             continue
-        sides = []
-        for dim in (d_in, d_out):
-            sides.append(SideSpec("block", dim, preset.block_size) if method == "poet-bs"
-                         else SideSpec("full", dim, subset_size(dim, 0.5)))
-        r, p = sides
-        total += 2 * (3 * r.apply_cost(d_out) + 4 * p.apply_cost(d_in))  # forward, rebuild, block gradients
-        total += 2 * polynomial_products * sum(s.num_blocks * s.block**3 for s in sides)
-    total *= preset.layers
-    total += 6 * tokens * d * VOCAB  # lm_head (trained in both)
-    total += preset.layers * 3 * 2 * 2 * batch * SEQ * SEQ * d  # attention scores and values, fwd + bwd
+        r, p = (SideSpec("block", dim, preset.block_size) if method == "poet-bs"
+                else SideSpec("full", dim, subset_size(dim, 0.5)) for dim in (d_in, d_out))
+        costs = strategy_costs(tokens, d_in, d_out, r, p, training=True)
+        total += accumulation * min(cost["macs"] for cost in costs.values() if cost["kept"] == 0)
+        total += (1 if amortized else accumulation) * polynomial * sum(s.num_blocks * s.block**3 for s in (r, p))
+    total *= 2 * preset.layers
+    total += accumulation * 6 * tokens * d * VOCAB  # lm_head (trained in both)
+    total += accumulation * preset.layers * 3 * 2 * 2 * batch * SEQ * SEQ * d  # attention scores and values
     return total
 
 
@@ -152,20 +158,25 @@ def _child(method: str, preset: str, batch: int, steps: int, env: Optional[dict]
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(quick: bool = False, repeats: int = 1) -> list[dict]:
+def run(quick: bool = False, repeats: int = 1, configs: Optional[list[tuple]] = None) -> list[dict]:
     rows = []
-    for preset, batch, steps in QUICK_CONFIGS if quick else CONFIGS:
-        runs = {m: [_child(m, preset, batch, steps) for _ in range(repeats)] for m in METHODS}
+    for preset, batch, steps, accumulation in configs or (QUICK_CONFIGS if quick else CONFIGS):
+        variants = {m: (m, {}) for m in METHODS}
+        if accumulation > 1:  # the same run rebuilding the rotations per micro-batch, as before the cache
+            variants["poet-bs, cache off"] = ("poet-bs", {"cache_rotations": False})
+        runs = {name: [_child(m, preset, batch, steps, accumulation=accumulation, **options) for _ in range(repeats)]
+                for name, (m, options) in variants.items()}
         result = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in runs.items()}
         adamw = result["adamw"]
-        for method in METHODS[1:]:
+        for method in [name for name in result if name != "adamw"]:
             poet = result[method]
             frozen, skew = poet["frozen"], poet["skew"]  # frozen: exactly the W0 entries (the rest trains)
-            analytic = (12 * frozen - 16 * skew) / 2**20
-            at_peak = (8 * frozen - 12 * skew) / 2**20
+            # With accumulation AdamW holds every gradient at its peak, and POET holds its rotation caches.
+            analytic = (12 * frozen - 16 * skew) / 2**20 - poet["cache_floor_mb"]
+            at_peak = analytic if accumulation > 1 else (8 * frozen - 12 * skew) / 2**20
             saved = adamw["peak_mb"] - poet["peak_mb"]
             rows.append({
-                "preset": preset, "batch": f"{batch}x{SEQ}", "method": method,
+                "preset": preset, "batch": f"{batch}x{SEQ}", "accumulation": accumulation, "method": method,
                 "AdamW peak MB": adamw["peak_mb"], "POET peak MB": poet["peak_mb"],
                 "memory ratio": poet["peak_mb"] / adamw["peak_mb"],
                 "analytic floor ratio": (adamw["peak_mb"] - analytic) / adamw["peak_mb"],
@@ -174,8 +185,11 @@ def run(quick: bool = False, repeats: int = 1) -> list[dict]:
                 "POET params MB": poet["params_mb"], "POET grads MB": poet["grads_mb"],
                 "POET states MB": poet["states_mb"],
                 "POET other MB": poet["peak_mb"] - poet["params_mb"] - poet["grads_mb"] - poet["states_mb"],
+                "POET cache MB": poet["cache_mb"], "cache floor MB": poet["cache_floor_mb"],
                 "AdamW step s": adamw["step_s"], "POET step s": poet["step_s"],
                 "time ratio": poet["step_s"] / adamw["step_s"],
-                "flop floor": flops_per_step(preset, batch, method) / flops_per_step(preset, batch, "adamw"),
+                "flop floor": (flops_per_step(preset, batch, variants[method][0], accumulation=accumulation,
+                                              amortized="cache off" not in method)
+                               / flops_per_step(preset, batch, "adamw", accumulation=accumulation)),
             })
     return rows

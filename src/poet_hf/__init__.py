@@ -18,6 +18,8 @@ register_tuners()
 from .tuners.oft import OftConfig  # noqa: E402
 from .tuners.orthogonal import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
+from .tuners.rotation_cache import defer_rotation_grads  # noqa: E402
+from .tuners.rotation_layer import flush_rotation_caches  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -29,7 +31,8 @@ _LAZY_EXPORTS = {
     "push_merged_to_hub": "poet_hf.export",
 }
 
-__all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "merge_and_reinit", *_LAZY_EXPORTS]
+__all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "merge_and_reinit", "defer_rotation_grads",
+           "flush_rotation_caches", *_LAZY_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,8 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
   ``2·T·N + T·b·(3·d_in + 3·d_out)``; it skips ``∂L/∂W_eff`` entirely.
 
 Both rebuild the rotation blocks in the backward (:class:`~poet_hf.orthogonal.cayley.SkewRotation`) instead of
-keeping them. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
+keeping them, except across the micro-batches of one optimizer step, which share them through a
+:class:`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
 product runs on contiguous blocks and activations are gathered at most once per side.
 
 The frozen ``W0`` is a tensor, or a :class:`DenseWeight`: a callable that returns it dense (a quantised base
@@ -31,16 +32,44 @@ from typing import Any, Optional, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-from .cayley import SkewRotation
+from .cayley import SkewRotation, neumann_product_count
 from .spo import (BLOCK, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
-                  blockdiag_right, inverse_permutation)
+                  blockdiag_right, inverse_permutation, select_last)
 
-__all__ = ["SideRotation", "LinearOp", "Conv2dOp", "DenseWeight", "rotated_forward", "strategy_costs",
-           "compute_dtypes"]
+__all__ = ["SideRotation", "RotationCache", "LinearOp", "Conv2dOp", "DenseWeight", "rotated_forward", "strategy_costs",
+           "polynomial_products", "compute_dtypes"]
 
 WEIGHT, ACTIVATION = "weight", "activation"
 ACTIVATION_RECOMPUTE = "activation-recompute"  # the activation strategy recomputing h: keeps the input only
 STRATEGIES = (WEIGHT, ACTIVATION, ACTIVATION_RECOMPUTE)
+
+
+class RotationCache:
+    """One side's rotation blocks kept across the micro-batches of one optimizer step, and the ``∂L/∂blocks`` those
+    micro-batches accumulated while the polynomial's vector-Jacobian product waits for the last one.
+
+    The Cayley–Neumann polynomial depends only on the skew vector, which changes only at an optimizer step, and its
+    VJP is linear in ``∂L/∂R``: ``Σ_i Jᵀ g_i = Jᵀ Σ_i g_i``. So the blocks are built once per step and the VJP runs
+    once, on the sum, in the backward of the step's last micro-batch. Holds ``2·rows·b²`` entries at most (the blocks
+    and the pending gradient).
+    """
+
+    def __init__(self) -> None:
+        self.blocks: Optional[torch.Tensor] = None
+        self.pending: Optional[torch.Tensor] = None
+        self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
+        self.grad_version: Optional[int] = None  # the owner's note of the gradient the pending sum belongs to
+
+    def accumulate(self, grad_blocks: torch.Tensor) -> None:
+        """Add one micro-batch's ``∂L/∂blocks`` (a fresh tensor the cache may keep and write into)."""
+        self.pending = grad_blocks if self.pending is None else self.pending.add_(grad_blocks)
+
+    def clear(self) -> None:
+        self.blocks = self.pending = self.key = self.grad_version = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.blocks, self.pending) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -50,18 +79,33 @@ class SideRotation:
     ``index`` is the permutation (block), the sorted index subset (full) or empty (contiguous). ``keep`` (optional,
     one flag per block) replaces the blocks flagged ``False`` by the identity (OFT's multiplicative dropout). A skew
     vector with one row and ``spec.num_blocks > 1`` is shared by every block (OFT's ``block_share``).
+
+    With a ``cache`` the blocks are read from it (built and stored there by the forward if it is empty); with
+    ``defer`` the backward adds ``∂L/∂blocks`` to the cache and returns a zero gradient for the skew vector, and
+    without it the backward runs the VJP of the cached sum plus its own and empties the cache.
     """
 
     spec: SideSpec
     index: torch.Tensor
     terms: int
     keep: Optional[torch.Tensor] = None
+    cache: Optional[RotationCache] = None
+    defer: bool = False
 
-    def blocks(self, vec: torch.Tensor) -> tuple[torch.Tensor, SkewRotation]:
-        """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP."""
+    def _evaluate(self, vec: torch.Tensor) -> SkewRotation:
         polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
-        evaluation = SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
-        blocks = evaluation.rotation
+        return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
+
+    def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, Optional[SkewRotation]]:
+        """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP (``None``
+        when they came from the cache; ``store`` puts freshly built blocks there)."""
+        evaluation = None
+        blocks = None if self.cache is None else self.cache.blocks
+        if blocks is None:
+            evaluation = self._evaluate(vec)
+            blocks = evaluation.rotation
+            if store and self.cache is not None:
+                self.cache.blocks = blocks
         if blocks.shape[0] != self.spec.num_blocks:
             blocks = blocks.expand(self.spec.num_blocks, -1, -1)
         if self.keep is not None:
@@ -69,14 +113,22 @@ class SideRotation:
             blocks = torch.where(self.keep[:, None, None], blocks, eye)
         return blocks, evaluation
 
-    def vector_grad(self, evaluation: SkewRotation, grad_blocks: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
-        """``dL/dvec`` from ``dL/dblocks``."""
-        grad_blocks = grad_blocks.to(evaluation.rotation.dtype)
+    def vector_grad(self, evaluation: Optional[SkewRotation], grad_blocks: torch.Tensor,
+                    vec: torch.Tensor) -> torch.Tensor:
+        """``dL/dvec`` from ``dL/dblocks`` (deferred into the cache, or with the cache's pending sum added)."""
+        grad_blocks = grad_blocks.to(torch.promote_types(vec.dtype, torch.float32))
         if self.keep is not None:
             grad_blocks = grad_blocks * self.keep[:, None, None]
-        if evaluation.rotation.shape[0] != grad_blocks.shape[0]:
+        if grad_blocks.shape[0] != vec.shape[0]:  # one block shared by all
             grad_blocks = grad_blocks.sum(0, keepdim=True)
-        return evaluation.vector_vjp(grad_blocks).to(vec.dtype)
+        if self.cache is not None:
+            if self.defer:
+                self.cache.accumulate(grad_blocks)
+                return torch.zeros_like(vec)
+            if self.cache.pending is not None:
+                grad_blocks = grad_blocks + self.cache.pending
+            self.cache.clear()
+        return (evaluation or self._evaluate(vec)).vector_vjp(grad_blocks).to(vec.dtype)
 
 
 class DenseWeight(Protocol):
@@ -117,7 +169,7 @@ def weight_in_block_coordinates(weight: torch.Tensor, input_side: Optional[SideR
     if rows is not None:
         weight = weight.index_select(0, rows)
     if cols is not None:
-        weight = weight.index_select(1, cols)
+        weight = select_last(weight, cols)
     return weight
 
 
@@ -128,14 +180,14 @@ def weight_from_block_coordinates(weight: torch.Tensor, input_side: Optional[Sid
     if rows is not None:
         weight = weight.index_select(0, inverse_permutation(rows))
     if cols is not None:
-        weight = weight.index_select(1, inverse_permutation(cols))
+        weight = select_last(weight, inverse_permutation(cols))
     return weight
 
 
 def _right(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
     """``x @ G`` on the last dimension, ``x`` in the side's coordinates (natural ones for FS)."""
     if side.spec.kind == FULL:
-        return x.index_copy(-1, side.index, x.index_select(-1, side.index) @ blocks[0])
+        return x.index_copy(-1, side.index, select_last(x, side.index) @ blocks[0])
     return blockdiag_right(x, blocks)
 
 
@@ -149,7 +201,7 @@ def _left(m: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Te
 def _grad_right(x: torch.Tensor, grad_y: torch.Tensor, side: SideRotation) -> torch.Tensor:
     """``dL/dblocks`` for ``y = x @ G`` (both ``(T, d)``, in the side's coordinates)."""
     if side.spec.kind == FULL:
-        return (x.index_select(-1, side.index).T @ grad_y.index_select(-1, side.index))[None]
+        return (select_last(x, side.index).T @ select_last(grad_y, side.index))[None]
     return blockdiag_grad_right(x, grad_y, side.spec.num_blocks)
 
 
@@ -222,8 +274,8 @@ class _WeightStrategy(torch.autograd.Function):
     def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
                 keep_output=False):
         with torch.autocast(x.device.type, enabled=False):
-            r_blocks = None if input_side is None else input_side.blocks(r_vec)[0].to(rotation_dtype)
-            p_blocks = None if output_side is None else output_side.blocks(p_vec)[0].to(rotation_dtype)
+            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0].to(rotation_dtype)
+            p_blocks = None if output_side is None else output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
             effective = _effective_weight(_dense(weight).to(rotation_dtype), input_side, r_blocks, output_side,
                                           p_blocks)[0]
             y = op.forward(x.to(base_dtype), effective.to(base_dtype), None if bias is None else bias.to(base_dtype))
@@ -268,7 +320,7 @@ class _WeightStrategy(torch.autograd.Function):
 def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
     """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
     if side.spec.kind == BLOCK:
-        x = x.index_select(-1, side.index)
+        x = select_last(x, side.index)
     return _right(x, side, blocks)
 
 
@@ -288,15 +340,15 @@ class _ActivationStrategy(torch.autograd.Function):
     def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
                 keep_output):
         with torch.autocast(x.device.type, enabled=False):
-            r_blocks = None if input_side is None else input_side.blocks(r_vec)[0]
+            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
             h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), _dense(weight), bias if output_side is None else None,
                                      input_side, r_blocks, output_side, op, rotation_dtype, base_dtype)
             y = h
             if output_side is not None:
-                y = _right(h.to(rotation_dtype), output_side, output_side.blocks(p_vec)[0].to(rotation_dtype))
+                y = _right(h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype))
                 if output_side.spec.kind == BLOCK:
-                    y = y.index_select(-1, inverse_permutation(output_side.index))
+                    y = select_last(y, inverse_permutation(output_side.index))
                 y = y.to(base_dtype)
                 if bias is not None:
                     y = y + bias.to(base_dtype)
@@ -323,7 +375,7 @@ class _ActivationStrategy(torch.autograd.Function):
                 p_blocks, p_eval = output_side.blocks(p_vec)
                 g = g.to(rotation_dtype)
                 if output_side.spec.kind == BLOCK:
-                    g = g.index_select(-1, output_side.index)
+                    g = select_last(g, output_side.index)
                 if ctx.needs_input_grad[4]:
                     if h is None:  # not kept: recompute it
                         h = _pre_rotation_output(x2, weight, None, input_side, r_blocks, output_side, op,
@@ -338,11 +390,11 @@ class _ActivationStrategy(torch.autograd.Function):
                 if ctx.needs_input_grad[3]:
                     x_r = x2.to(rotation_dtype)
                     if input_side.spec.kind == BLOCK:
-                        x_r = x_r.index_select(-1, input_side.index)
+                        x_r = select_last(x_r, input_side.index)
                     grads[3] = input_side.vector_grad(r_eval, _grad_right(x_r, grad_u, input_side), r_vec)
                 grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
                 if input_side.spec.kind == BLOCK:
-                    grad_u = grad_u.index_select(-1, inverse_permutation(input_side.index))
+                    grad_u = select_last(grad_u, inverse_permutation(input_side.index))
             if ctx.needs_input_grad[0]:
                 grads[0] = grad_u.reshape(x.shape).to(x.dtype)
         return tuple(grads)
@@ -380,11 +432,28 @@ def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: 
                           strategy == ACTIVATION)
 
 
+def polynomial_products(terms: int, phase: str) -> int:
+    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays, by its place in the
+    optimizer step (:class:`RotationCache`):
+
+    - ``"uncached"``: built in the forward, rebuilt in the backward, and its VJP (no accumulation window);
+    - ``"building"``: the window's first micro-batch builds the blocks, its VJP is deferred;
+    - ``"deferred"``: the blocks come from the cache, the VJP is deferred: nothing;
+    - ``"closing"``: the window's last micro-batch rebuilds once for the VJP of the accumulated sum.
+
+    Over a window of ``k`` micro-batches that is ``2·forward + VJP`` per optimizer step, as for one uncached call.
+    """
+    forward, vjp = neumann_product_count(terms)
+    return {"uncached": 2 * forward + vjp, "building": forward, "deferred": 0, "closing": forward + vjp}[phase]
+
+
 def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
-                   output_side: Optional[SideSpec], training: bool,
-                   dequantize_cost: float = 0.0) -> dict[str, dict[str, float]]:
+                   output_side: Optional[SideSpec], training: bool, dequantize_cost: float = 0.0,
+                   polynomial: int = 0) -> dict[str, dict[str, float]]:
     """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
-    strategy, for one call with ``tokens`` rows (the Cayley–Neumann polynomial costs the same in all, and is left out).
+    strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
+    pays for the Cayley–Neumann polynomial (:func:`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
+    block and side.
 
     With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
     a fully stochastic one) and ``ρ_T`` its rotation of ``T`` rows (``b·T·d`` or ``b²·T``), in training:
@@ -398,10 +467,13 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
 
     A quantised ``W0`` (:class:`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
     and the backward in training (every strategy), the forward in inference. It is the same for every strategy, so
-    it moves the totals, never the choice.
+    it moves the totals, never the choice. So does the polynomial: amortizing it over an accumulation window (a
+    deferred micro-batch pays none of it) makes every strategy cheaper by the same amount.
     """
     passes = 2 if training else 1
-    return {name: {"macs": cost["macs"] + passes * dequantize_cost * d_in * d_out, "kept": cost["kept"]}
+    fixed = passes * dequantize_cost * d_in * d_out + polynomial * sum(
+        spec.num_blocks * spec.block ** 3 for spec in (input_side, output_side) if spec is not None)
+    return {name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
             for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()}
 
 

@@ -179,6 +179,15 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
 # tokens as the long (N) dimension of every block product.
 
 
+def select_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``: the same values, up to twice as
+    fast on a CPU for wide rows (``index_select`` along the last dimension copies element by element)."""
+    if x.dim() < 2 or not x.is_contiguous():
+        return x.index_select(-1, index)
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.gather(rows, 1, index.expand(rows.shape[0], -1)).reshape(*x.shape[:-1], index.shape[0])
+
+
 def blockdiag_right(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``x @ Diag(blocks)`` on the last dimension of ``x`` (``(..., nb·b)``)."""
     num_blocks, b, _ = blocks.shape

@@ -104,6 +104,9 @@ class PretrainArguments:
     base_quantization: Optional[str] = field(default=None, metadata={"help": "POET: quantise every W0 with "
                                              "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
                                              "pip install 'poet_hf[quant]'"})
+    cache_rotations: bool = field(default=True, metadata={"help": "POET: build each rotation once per optimizer step "
+                                  "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
+                                  "meanwhile); --no_cache_rotations rebuilds it per micro-batch"})
     learning_rate: Optional[float] = field(default=None, metadata={"help": "base learning rate (default per preset, "
                                            "Tables 8–9)"})
     poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET learning rate (default: tied "
@@ -231,7 +234,7 @@ def resolve_recipe(args: PretrainArguments, world_size: Optional[int] = None,
                else {"budget": _collapse(sides["budget"])}),
             "neumann_terms": terms, "paper_neumann_k": paper_neumann_k(terms),
             "merge_every": args.merge_every or preset.merge_every, "base_init": args.base_init,
-            "base_quantization": args.base_quantization,
+            "base_quantization": args.base_quantization, "cache_rotations": args.cache_rotations,
             "poet_learning_rate": args.poet_learning_rate or preset.poet_learning_rate or tied_poet_learning_rate(
                 args.method, mean_size),
             "post_merge_clip_steps": 10, "post_merge_clip_factor": 0.1,
@@ -280,7 +283,8 @@ def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Opt
         config = PoetConfig(spo=recipe["spo"], **rotation, neumann_terms=recipe["neumann_terms"],
                             merge_every=recipe["merge_every"], seed=seed,
                             base_init=recipe["base_init"] if base_init == "recipe" else base_init,
-                            base_quantization=recipe.get("base_quantization"), train_other_params=True)
+                            base_quantization=recipe.get("base_quantization"),
+                            cache_rotations=recipe.get("cache_rotations", True), train_other_params=True)
         return get_peft_model(model, config)
     if method == "lora":
         # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.

@@ -36,6 +36,11 @@ def check_budget(value: object, field_name: str = "budget", absolute: bool = Fal
 SIDE_NAMES = ("input", "output")
 
 
+def check_bool(field_name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{field_name}` must be True or False, got {value!r}")
+
+
 def requantize_field() -> Any:
     """The ``requantize`` field of the rotation configs: how a fold into a quantised ``W0`` rounds
     (:func:`poet_hf.tuners.bnb.requantize`)."""
@@ -44,6 +49,16 @@ def requantize_field() -> Any:
                 "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
                 "the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' (unbiased random "
                 "rounding, seeded per layer and merge). Ignored for a float W0."})
+
+
+def cache_rotations_field() -> Any:
+    """The ``cache_rotations`` field of the rotation configs (:mod:`poet_hf.tuners.rotation_cache`)."""
+    return field(default=True, metadata={
+        "help": "Under gradient accumulation, build each rotation once per optimizer step and run its Cayley-Neumann "
+                "VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
+                "poet_hf.defer_rotation_grads in a plain loop). Holds the rotation blocks and their pending gradient, "
+                "2·rows·b² floats per side, across the window. False rebuilds the rotation per micro-batch: less "
+                "memory, more time. Without accumulation nothing changes."})
 
 
 def per_side(field_name: str, value: Any) -> dict[str, Any]:

@@ -31,10 +31,10 @@ from torch import nn
 from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
                           orthogonality_error, random_skew_params, skew_from_vector, spo_generator)
 from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
-from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, SideRotation,
-                                         rotated_forward, strategy_costs)
+from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, RotationCache,
+                                         SideRotation, polynomial_products, rotated_forward, strategy_costs)
 from ..orthogonal.spo import SideSpec
-from . import bnb
+from . import bnb, rotation_cache
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class RotationSettings:
     forward: str  # "auto", "weight" or "activation"
     source: Optional[str] = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold requantises a quantised W0 (tuners/bnb.py)
+    cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
 
 
 @torch.no_grad()
@@ -123,11 +124,13 @@ class RotationLayer(BaseTunerLayer):
         self._weight_transposed = _is_conv1d(base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer)
                                              else base_layer)
         self.requantization_error: Optional[float] = None  # relative error of the last fold into a quantised W0
+        self._rotation_caches: dict[tuple[str, str], RotationCache] = {}  # (adapter, side): one step's rotations
         self._init_containers()
         out_dim, in_dim = self.weight_shape
         self.in_features, self.out_features = in_dim, out_dim
         self.register_load_state_dict_pre_hook(RotationLayer._check_loaded_state)
         self.register_load_state_dict_pre_hook(RotationLayer._load_quantized_base)
+        self.register_load_state_dict_pre_hook(RotationLayer._drop_caches_on_load)
 
     # --- where the tensors live (the tuner's PEFT prefix) --------------------------------------------------------
     def _init_containers(self) -> None:
@@ -295,6 +298,8 @@ class RotationLayer(BaseTunerLayer):
         if not init_weights:
             self.randomize_skew(adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name))
         self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
+        for side in specs:  # so that zero_grad drops a deferred gradient with the rest of the gradient
+            self.skew_parameter(adapter_name, side).register_post_accumulate_grad_hook(rotation_cache.anchor_to_gradient)
         self.set_adapter(self.active_adapters)
 
     def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
@@ -416,16 +421,20 @@ class RotationLayer(BaseTunerLayer):
         return out if bias is None or not output_side else out + bias.to(out.dtype)
 
     # --- the fused forward -------------------------------------------------------------------------------------------
-    def side_rotation(self, adapter_name: str, side: str, keep: Optional[torch.Tensor] = None) -> SideRotation:
+    def side_rotation(self, adapter_name: str, side: str, keep: Optional[torch.Tensor] = None,
+                      cache: Optional[RotationCache] = None, defer: bool = False) -> SideRotation:
         return SideRotation(self.sides(adapter_name)[side], self.index_buffer(adapter_name, side),
-                            self.poet_settings[adapter_name].neumann_terms, keep)
+                            self.poet_settings[adapter_name].neumann_terms, keep, cache, defer)
 
-    def choose_strategy(self, adapter_name: str, tokens: int, training: bool) -> str:
+    def choose_strategy(self, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached") -> str:
         """The fused strategy for one call (:data:`~poet_hf.orthogonal.rotated_linear.STRATEGIES`).
 
         ``forward="weight"`` / ``"activation"`` are taken as given; ``"auto"`` takes the fewest multiply-adds by
         :func:`~poet_hf.orthogonal.rotated_linear.strategy_costs` among the strategies that keep nothing but the
-        layer input for the backward, so that ``auto`` never costs more memory than the frozen layer would.
+        layer input for the backward, so that ``auto`` never costs more memory than the frozen layer would. The
+        polynomial is counted as this call pays it (``polynomial_phase``, see
+        :func:`~poet_hf.orthogonal.rotated_linear.polynomial_products`): the same in every strategy, so amortizing
+        it over an accumulation window lowers every total and leaves the choice as it was.
         Conv2d always uses the weight strategy.
         """
         choice = self.poet_settings[adapter_name].forward
@@ -435,9 +444,11 @@ class RotationLayer(BaseTunerLayer):
             return choice
         sides = self.sides(adapter_name)
         quantization = self.base_quantization
+        terms = self.poet_settings[adapter_name].neumann_terms
         costs = strategy_costs(tokens, self.in_features, self.out_features, sides.get(SIDE_INPUT),
                                sides.get(SIDE_OUTPUT), training,
-                               dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0)
+                               dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
+                               polynomial=polynomial_products(terms, polynomial_phase) if training else 0)
         affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
         return min(affordable, key=affordable.get)
 
@@ -446,9 +457,14 @@ class RotationLayer(BaseTunerLayer):
         sides = self.sides(adapter_name)
         training = torch.is_grad_enabled() and any(self.skew_parameter(adapter_name, s).requires_grad for s in sides)
         tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
-        strategy = self.choose_strategy(adapter_name, tokens, training)
-        rotations = {side: (self.side_rotation(adapter_name, side, keep if side == SIDE_INPUT else None),
-                            self.skew_parameter(adapter_name, side)) for side in sides}
+        rotations, phases = {}, set()
+        for side in sides:
+            vec = self.skew_parameter(adapter_name, side)
+            cache, defer = self._rotation_cache(adapter_name, side, vec, training and vec.requires_grad)
+            phases.add(_polynomial_phase(cache, defer))
+            rotations[side] = (self.side_rotation(adapter_name, side, keep if side == SIDE_INPUT else None, cache,
+                                                  defer), vec)
+        strategy = self.choose_strategy(adapter_name, tokens, training, phases.pop() if len(phases) == 1 else "uncached")
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
         return rotated_forward(strategy, self._pad_input(x), self.dense_weight(), self.get_base_layer().bias,
@@ -457,6 +473,80 @@ class RotationLayer(BaseTunerLayer):
     @staticmethod
     def fused_enabled() -> bool:
         return _FUSED
+
+    # --- one optimizer step's rotations, shared by its micro-batches (tuners/rotation_cache.py) -----------------------
+    def _rotation_cache(self, adapter_name: str, side: str, vec: torch.Tensor,
+                        training: bool) -> tuple[Optional[RotationCache], bool]:
+        """The cache this call reads its blocks from (``None``: none is open and this micro-batch does not defer) and
+        whether the call defers its VJP. Raises ``RuntimeError`` if the skew vector changed under deferred
+        gradients other than by an optimizer step or a merge (their Jacobian would be lost)."""
+        defer = training and self.poet_settings[adapter_name].cache_rotations and rotation_cache.deferring()
+        cache = self._rotation_caches.get((adapter_name, side))
+        if cache is None:
+            if not defer:
+                return None, False
+            cache = self._rotation_caches[(adapter_name, side)] = RotationCache()
+            vec._poet_rotation_cache = cache  # read by rotation_cache.anchor_to_gradient
+            rotation_cache.track(self)
+        if rotation_cache.gradient_was_reset(self.skew_parameter(adapter_name, side), cache):
+            cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
+        key = (int(self.merge_counts[adapter_name]), float(torch.linalg.vector_norm(vec.detach())))
+        if cache.key is not None and cache.key != key:
+            if cache.pending is not None:
+                raise RuntimeError(
+                    f"the skew parameter of adapter '{adapter_name}' ({side} side) of "
+                    f"'{self.poet_settings[adapter_name].layer_name}' changed while its gradient was deferred over "
+                    "an accumulation window; apply the deferred gradients first with "
+                    "poet_hf.flush_rotation_caches(model)")
+            cache.clear()
+        cache.key = key
+        return cache, defer
+
+    def _drop_caches_on_load(self, *args: Any) -> None:
+        self.drop_rotation_caches()
+
+    def rotation_cache_bytes(self) -> int:
+        """Bytes held by this layer's rotation caches (blocks and deferred gradients)."""
+        return sum(cache.nbytes for cache in self._rotation_caches.values())
+
+    def has_deferred_grads(self) -> bool:
+        return any(cache.pending is not None for cache in self._rotation_caches.values())
+
+    def drop_rotation_caches(self) -> None:
+        """Free the caches, deferred gradients included (they are lost: for a step that is abandoned)."""
+        for cache in self._rotation_caches.values():
+            cache.clear()
+
+    @torch.no_grad()
+    def flush_rotation_caches(self, collective: bool = True) -> None:
+        """Add the deferred gradients to the skew parameters' ``.grad`` now (exactly what the micro-batches would have
+        added without deferral) and free the caches.
+
+        Under FSDP2 (a sharded skew parameter) this needs collectives: the local gradient is averaged over the
+        processes, as FSDP2's reduce-scatter does, and each keeps its shard. With ``collective=False`` (an exception
+        handler, ``eval()``) such a cache is left as it is, for the step's last micro-batch or the optimizer step."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for (adapter_name, side), cache in self._rotation_caches.items():
+            param = self.skew_parameter(adapter_name, side)
+            sharded = isinstance(param, DTensor)
+            if sharded and not collective:
+                continue
+            pending = cache.pending
+            cache.clear()
+            if pending is None:
+                continue
+            grad = self.side_rotation(adapter_name, side).vector_grad(None, pending, full_tensor(param))
+            if sharded:
+                torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.AVG)
+                grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def train(self, mode: bool = True) -> Any:
+        """``eval()`` ends any accumulation window: deferred gradients are applied and the caches freed."""
+        if not mode:
+            self.flush_rotation_caches(collective=False)
+        return nn.Module.train(self, mode)
 
     def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
         """The forward with the given active adapters (a subclass adds its own options around it)."""
@@ -483,6 +573,7 @@ class RotationLayer(BaseTunerLayer):
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
         """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
         adapter_names = check_adapters_to_merge(self, adapter_names)
+        self.flush_rotation_caches()
         for adapter_name in adapter_names:
             if adapter_name not in self.poet_specs:
                 continue
@@ -536,6 +627,7 @@ class RotationLayer(BaseTunerLayer):
         """
         if self.merged:
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
+        self.flush_rotation_caches()  # deferred gradients belong to the rotations about to be folded
         stats = self.rotation_stats(adapter_name)
         count = int(self.merge_counts[adapter_name]) + 1
         self._fold_into_base(self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name,
@@ -618,6 +710,23 @@ def _is_conv1d(module: nn.Module) -> bool:
     from transformers.pytorch_utils import Conv1D
 
     return isinstance(module, Conv1D)
+
+
+def _polynomial_phase(cache: Optional[RotationCache], defer: bool) -> str:
+    """Where a call stands in its optimizer step (:func:`~poet_hf.orthogonal.rotated_linear.polynomial_products`)."""
+    if cache is None:
+        return "uncached"
+    if not defer:
+        return "closing"
+    return "building" if cache.blocks is None else "deferred"
+
+
+def flush_rotation_caches(model: nn.Module) -> None:
+    """Apply every deferred rotation gradient of ``model`` to its skew parameter's ``.grad`` and free the rotation
+    caches (under FSDP2 a collective: every process calls it). Needed only after changing skew parameters by hand in
+    the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it themselves."""
+    for _, layer in rotation_layers(model):
+        layer.flush_rotation_caches()
 
 
 def rotation_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:

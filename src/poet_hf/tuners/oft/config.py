@@ -12,8 +12,8 @@ from ..registry import peft_type_member
 from ...orthogonal import check_neumann_terms
 from ..bnb import REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..config_utils import (CheckedLoadConfig, check_choice, check_positive_int, normalize_peft_target_fields,
-                            requantize_field)
+from ..config_utils import (CheckedLoadConfig, cache_rotations_field, check_bool, check_choice, check_positive_int,
+                            normalize_peft_target_fields, requantize_field)
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
@@ -71,6 +71,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
                                 "between merge-then-reinitialize (fold R into W0, zero Q, resample)."}
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
+    cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
@@ -114,6 +115,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             check_positive_int("merge_every", self.merge_every)
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
+        check_bool("cache_rotations", self.cache_rotations)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

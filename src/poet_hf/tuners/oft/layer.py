@@ -75,7 +75,7 @@ class OftLayer(RotationLayer):
                                                     module_dropout=config.module_dropout)
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
                                     forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize)
+                                    requantize=config.requantize, cache_rotations=config.cache_rotations)
         rows = 1 if config.block_share else spec.num_blocks
         self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows}, config.init_weights)
 
@@ -123,6 +123,7 @@ class Linear(nn.Module, OftLayer):
         self.update_layer(adapter_name, config, layer_name)
 
     forward = OftLayer.forward
+    train = OftLayer.train  # flushes deferred rotation gradients on eval()
 
     def __repr__(self) -> str:
         return "poet_oft." + super().__repr__()

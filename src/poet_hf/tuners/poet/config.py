@@ -8,8 +8,8 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..config_utils import (CheckedLoadConfig, check_budget, check_choice, check_positive_int,
-                            normalize_peft_target_fields, per_side, requantize_field)
+from ..config_utils import (CheckedLoadConfig, cache_rotations_field, check_bool, check_budget, check_choice,
+                            check_positive_int, normalize_peft_target_fields, per_side, requantize_field)
 from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
@@ -76,6 +76,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
                   "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."},
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
+    cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
@@ -112,6 +113,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
+        check_bool("cache_rotations", self.cache_rotations)
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

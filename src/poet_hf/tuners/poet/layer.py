@@ -64,7 +64,7 @@ class PoetLayer(RotationLayer):
                                       layer_name, field) for side in wanted}
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
                                     forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize)
+                                    requantize=config.requantize, cache_rotations=config.cache_rotations)
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
         self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()},
@@ -86,6 +86,7 @@ class Linear(nn.Module, PoetLayer):
         self.update_layer(adapter_name, config, layer_name)
 
     forward = PoetLayer.forward  # nn.Module precedes PoetLayer in the MRO, as in PEFT's own layers
+    train = PoetLayer.train  # flushes deferred rotation gradients on eval()
 
     def __repr__(self) -> str:
         return "poet." + super().__repr__()

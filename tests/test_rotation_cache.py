@@ -1,0 +1,320 @@
+"""Rotations built once per optimizer step across micro-batches (``poet_hf.tuners.rotation_cache``).
+
+Gradients of ``k`` accumulated micro-batches, every one but the last deferring its rotation gradients, are checked
+against the plain-autograd float64 reference (explicit Cayley–Neumann powers, autograd through them); the cache's
+lifetime (the last backward, an optimizer step, ``zero_grad``, an exception, ``eval()``); Trainer's accumulation;
+and 2-process DDP and FSDP2 (tests/accumulation_worker.py).
+"""
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import poet_hf  # noqa: F401
+from models import tiny_gpt2
+from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
+from poet_hf.orthogonal.rotated_linear import SideRotation
+from poet_hf.tuners.rotation_layer import plain_autograd, rotation_layers
+from tolerances import gamma, tiny_model_tolerance
+from training_utils import free_port
+
+HERE = Path(__file__).resolve().parent
+
+
+TARGETS = ["c_attn", "c_proj", "c_fc"]
+
+
+def build(tuner: str = "poet", spo: str = "block", forward: str = "auto", **fields):
+    """A float64 GPT-2 (LLaMA's RMSNorm computes in float32 whatever the model's dtype, which would cap every float64
+    comparison at float32 rounding) without dropout, with random rotations."""
+    config = (PoetConfig(spo=spo, block_size=16, budget=0.5, init_weights=False, forward=forward, target_modules=TARGETS,
+                         **fields) if tuner == "poet"
+              else OftConfig(block_size=16, init_weights=False, forward=forward, target_modules=TARGETS, **fields))
+    model = tiny_gpt2().double()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return get_peft_model(model, config)
+
+
+def batches(k: int, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 8), generator=generator) for _ in range(k)]  # GPT-2's vocabulary: 128
+
+
+def backward(model, ids: torch.Tensor, defer: bool = False) -> None:
+    with defer_rotation_grads() if defer else contextlib.nullcontext():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+
+def accumulate(model, micro_batches: list[torch.Tensor]) -> None:
+    """A plain loop: every micro-batch but the last deferred."""
+    for i, ids in enumerate(micro_batches):
+        backward(model, ids, defer=i < len(micro_batches) - 1)
+
+
+def reference_grads(model_factory, steps) -> dict[str, torch.Tensor]:
+    """Plain autograd, no deferral: ``steps`` is a list of callables run on the model in order."""
+    model = model_factory()
+    with plain_autograd():
+        for step in steps:
+            step(model)
+    return grads_of(model)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+
+
+def assert_grads_equal(actual: dict, expected: dict, terms: int) -> None:
+    """Two float64 evaluations of the same gradient, each within γ_N of exact (plus ``terms`` accumulated sums)."""
+    assert actual.keys() == expected.keys()
+    tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(terms, torch.float64)
+    for name, value in expected.items():
+        error = float((actual[name] - value).abs().max() / value.abs().max())
+        assert error <= tolerance, (name, error, tolerance)
+
+
+def cache_bytes(model) -> int:
+    return sum(layer.rotation_cache_bytes() for _, layer in rotation_layers(model))
+
+
+def skew_grads_nonzero(model) -> bool:
+    return all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in model.named_parameters()
+               if "poet_" in n and p.requires_grad)
+
+
+@pytest.fixture
+def count_polynomials(monkeypatch):
+    """How many times the Cayley–Neumann polynomial is evaluated (forward, rebuild or flush)."""
+    calls = {"n": 0}
+    evaluate = SideRotation._evaluate
+
+    def counting(self, vec):
+        calls["n"] += 1
+        return evaluate(self, vec)
+
+    monkeypatch.setattr(SideRotation, "_evaluate", counting)
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("tuner,spo,forward", [("poet", "block", "weight"), ("poet", "block", "activation"),
+                                               ("poet", "full", "auto"), ("oft", "block", "auto")])
+def test_accumulated_gradients_equal_the_float64_reference(tuner, spo, forward, k):
+    micro_batches = batches(k)
+    expected = reference_grads(lambda: build(tuner, spo, forward),
+                               [lambda m, ids=ids: backward(m, ids) for ids in micro_batches])
+    model = build(tuner, spo, forward)
+    accumulate(model, micro_batches)
+    assert_grads_equal(grads_of(model), expected, k)
+    assert skew_grads_nonzero(model)
+    assert cache_bytes(model) == 0  # the last backward empties every cache
+
+
+def test_the_polynomial_runs_twice_per_optimizer_step_whatever_the_accumulation(count_polynomials):
+    """Without deferral each micro-batch evaluates the polynomial twice per side (forward, and the backward's
+    rebuild for its VJP); with it, the step's first forward builds it and the last backward rebuilds it once."""
+    model = build()
+    sides = sum(len(layer.poet_specs["default"]) for _, layer in rotation_layers(model))
+    for i, ids in enumerate(batches(4)):
+        backward(model, ids)
+    assert count_polynomials["n"] == 2 * 4 * sides
+    count_polynomials["n"] = 0
+    accumulate(model, batches(4))
+    assert count_polynomials["n"] == 2 * sides
+
+
+def test_the_cache_holds_the_blocks_and_their_gradient_and_nothing_more():
+    """While deferred: per side the ``rows × b × b`` blocks and the pending ``∂L/∂blocks`` of the same size."""
+    model = build()
+    backward(model, batches(1)[0], defer=True)
+    expected = sum(2 * 8 * layer.skew_parameter("default", side).shape[0] * spec.block ** 2
+                   for _, layer in rotation_layers(model) for side, spec in layer.poet_specs["default"].items())
+    assert cache_bytes(model) == expected
+
+
+def test_a_merge_inside_the_accumulation_window_keeps_the_gradients_exact():
+    """A merge between micro-batches applies the deferred gradients against the rotations it folds, as the
+    micro-batches would have without deferral."""
+    first, second, third = batches(3)
+    expected = reference_grads(build, [lambda m: backward(m, first), lambda m: merge_and_reinit(m),
+                                       lambda m: backward(m, second), lambda m: backward(m, third)])
+    model = build()
+    backward(model, first, defer=True)
+    merge_and_reinit(model)
+    backward(model, second, defer=True)
+    backward(model, third)
+    assert_grads_equal(grads_of(model), expected, 3)
+    assert cache_bytes(model) == 0
+
+
+def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_gradients(caplog):
+    first = batches(1)[0]
+    model = build()
+    backward(model, first, defer=True)
+    assert cache_bytes(model) > 0
+    seen = {}
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    optimizer.register_step_pre_hook(lambda *args: seen.update(grads_of(model)))
+    with caplog.at_level(logging.WARNING, logger="poet_hf.tuners.rotation_cache"):
+        optimizer.step()
+    assert cache_bytes(model) == 0
+    assert_grads_equal(seen, reference_grads(build, [lambda m: backward(m, first)]), 1)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_drops_the_deferred_gradients_with_the_rest(set_to_none):
+    first, second, third = batches(3)
+    model = build()
+    backward(model, first, defer=True)
+    backward(model, second, defer=True)
+    model.zero_grad(set_to_none=set_to_none)
+    if set_to_none:  # released with the gradient it belongs to
+        assert cache_bytes(model) == 0
+    backward(model, third)
+    assert cache_bytes(model) == 0
+    assert_grads_equal(grads_of(model), reference_grads(build, [lambda m: backward(m, third)]), 1)
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])  # PEFT reaches the wrapped model two ways
+def test_an_exception_in_a_micro_batch_frees_the_cache_and_keeps_the_earlier_gradients(task_type):
+    first, second = batches(2)
+    model = build(task_type=task_type)
+    backward(model, first, defer=True)
+    layer = rotation_layers(model)[3][1]
+    handle = layer.register_forward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        backward(model, second, defer=True)
+    handle.remove()
+    assert cache_bytes(model) == 0
+    assert_grads_equal(grads_of(model), reference_grads(build, [lambda m: backward(m, first)]), 1)
+
+
+def test_eval_between_micro_batches_frees_the_cache_and_the_window_goes_on():
+    first, second = batches(2)
+    model = build()
+    backward(model, first, defer=True)
+    model.eval()
+    assert cache_bytes(model) == 0
+    with torch.no_grad():
+        model(input_ids=second)
+    model.train()
+    backward(model, second)
+    expected = reference_grads(build, [lambda m: backward(m, first), lambda m: backward(m, second)])
+    assert_grads_equal(grads_of(model), expected, 2)
+
+
+def test_changing_a_skew_parameter_by_hand_under_deferred_gradients_is_refused():
+    first, second = batches(2)
+    model = build()
+    backward(model, first, defer=True)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "poet_R" in n).mul_(2)
+    with pytest.raises(RuntimeError, match="changed while its gradient was deferred.*flush_rotation_caches"):
+        backward(model, second)
+    poet_hf.flush_rotation_caches(model)
+    assert cache_bytes(model) == 0
+
+
+def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path, monkeypatch, count_polynomials):
+    """PoetTrainer with gradient_accumulation_steps=4 (accelerate's ``sync_gradients`` tells the layers which
+    micro-batch is last): the polynomial runs twice per side per optimizer step instead of eight times, and the first
+    step's clipped gradients equal those of the same run with deferral switched off, to float32 rounding."""
+    from transformers import TrainerCallback
+
+    from poet_hf.tuners import rotation_cache
+    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
+
+    dataset, tokenizer = tiny_dataset()
+
+    class FirstStepGrads(TrainerCallback):
+        def __init__(self, model):
+            self.model, self.grads = model, None
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.grads = self.grads or grads_of(self.model)
+
+    def train(defer: bool) -> dict[str, torch.Tensor]:
+        with monkeypatch.context() as patch:
+            if not defer:
+                patch.setattr(rotation_cache, "deferring", lambda: False)
+            model = tiny_poet_model(len(tokenizer))
+            trainer = tiny_trainer(tmp_path / str(defer), model, dataset, per_device_train_batch_size=2,
+                                   gradient_accumulation_steps=4, max_steps=2, max_grad_norm=0.5)
+            capture = FirstStepGrads(model)
+            trainer.add_callback(capture)
+            trainer.train()
+        assert cache_bytes(model) == 0
+        return capture.grads
+
+    undeferred = train(defer=False)
+    undeferred_calls, count_polynomials["n"] = count_polynomials["n"], 0
+    deferred = train(defer=True)
+    assert count_polynomials["n"] * 4 == undeferred_calls
+    tolerance = tiny_model_tolerance(torch.float32, backward=True) + gamma(4, torch.float32)
+    for name, value in undeferred.items():
+        assert float((deferred[name] - value).abs().max() / value.abs().max()) <= tolerance, name
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_accumulation_equals_the_single_process_reference(tmp_path):
+    """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first
+    k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(HERE / "accumulation_worker.py"), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(8, torch.float64)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(report) == {f"{e}-{c}" for e in ("ddp", "fsdp2") for c in ("k1", "k2", "k4", "merge")}
+        for case, row in report.items():
+            assert row["error"] <= tolerance, (rank, case, row)
+            assert row["cache_bytes_left"] == 0, (rank, case, row)
+            assert (row["cache_bytes_held"] > 0) == (not case.endswith("k1")), (rank, case, row)  # it deferred
+            assert row["tensors"] > 0
+
+
+def test_the_cost_model_counts_the_polynomial_as_each_micro_batch_pays_it():
+    """k = 5 terms: 2 products forward, 3 for the VJP (neumann_product_count). An uncached call pays 2·2 + 3, the
+    window's first micro-batch 2, the others none, the last 2 + 3: per optimizer step as much as one uncached call.
+    The amount is the same in every strategy, so the choice does not move."""
+    from poet_hf.orthogonal.rotated_linear import polynomial_products, strategy_costs
+    from poet_hf.orthogonal.spo import SideSpec
+
+    block = SideSpec("block", 768, 256)
+    per_product = 2 * 3 * 256 ** 3  # two sides of three 256-blocks
+    base = strategy_costs(1024, 768, 768, block, block, training=True)
+    products = {phase: polynomial_products(5, phase) for phase in ("uncached", "building", "deferred", "closing")}
+    assert products == {"uncached": 7, "building": 2, "deferred": 0, "closing": 5}
+    for phase, count in products.items():
+        costs = strategy_costs(1024, 768, 768, block, block, training=True, polynomial=count)
+        assert {name: cost["macs"] - base[name]["macs"] for name, cost in costs.items()} == \
+            dict.fromkeys(base, count * per_product)
+    layer = rotation_layers(build())[0][1]
+    assert {layer.choose_strategy("default", 64, True, phase) for phase in products} == \
+        {layer.choose_strategy("default", 64, True)}
+
+
+def test_cache_rotations_false_rebuilds_per_micro_batch_and_holds_nothing(count_polynomials):
+    micro_batches = batches(4)
+    expected = reference_grads(build, [lambda m, ids=ids: backward(m, ids) for ids in micro_batches])
+    model = build(cache_rotations=False)
+    sides = sum(len(layer.poet_specs["default"]) for _, layer in rotation_layers(model))
+    for i, ids in enumerate(micro_batches):
+        backward(model, ids, defer=i < 3)
+        assert cache_bytes(model) == 0
+    assert count_polynomials["n"] == 2 * 4 * sides
+    assert_grads_equal(grads_of(model), expected, 4)
+    with pytest.raises(ValueError, match="`cache_rotations` must be True or False"):
+        PoetConfig(cache_rotations="yes")
