@@ -160,10 +160,13 @@ def test_a_merge_inside_the_accumulation_window_keeps_the_gradients_exact():
 def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_gradients(caplog):
     first = batches(1)[0]
     model = build()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    accumulate(model, batches(2, seed=5))  # a first, complete window (lr 0: the parameters stay as built)
+    optimizer.step()
+    optimizer.zero_grad()
     backward(model, first, defer=True)
     assert cache_bytes(model) > 0
     seen = {}
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     optimizer.register_step_pre_hook(lambda *args: seen.update(grads_of(model)))
     with caplog.at_level(logging.WARNING, logger="poet_hf.tuners.rotation_cache"):
         optimizer.step()

@@ -63,7 +63,8 @@ def deferring() -> bool:
 
 
 def track(layer: Any) -> None:
-    """Remember ``layer`` (weakly) as holding a cache, so an optimizer step can flush and free it."""
+    """Remember ``layer`` (weakly, for its lifetime) as one that caches rotations, so that every optimizer step can
+    flush and free its caches."""
     _install_optimizer_hooks()
     _layers_with_caches.add(layer)
 
@@ -88,9 +89,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The skew vectors changed: every cached rotation is stale."""
-    for layer in list(_layers_with_caches):
+    for layer in layers_with_caches():
         layer.drop_rotation_caches()
-    _layers_with_caches.clear()
 
 
 def _install_optimizer_hooks() -> None:
@@ -135,5 +135,5 @@ def anchor_to_gradient(param: torch.Tensor) -> None:
 
 def gradient_was_reset(param: torch.Tensor, cache: Any) -> bool:
     """Whether ``param.grad`` was zeroed in place since the cache's pending sum was added to it."""
-    version = getattr(cache, "grad_version", None)
+    version = cache.grad_version
     return version is not None and (param.grad is None or param.grad._version != version)

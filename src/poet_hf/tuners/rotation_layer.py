@@ -488,7 +488,7 @@ class RotationLayer(BaseTunerLayer):
             cache = self._rotation_caches[(adapter_name, side)] = RotationCache()
             vec._poet_rotation_cache = cache  # read by rotation_cache.anchor_to_gradient
             rotation_cache.track(self)
-        if rotation_cache.gradient_was_reset(self.skew_parameter(adapter_name, side), cache):
+        if rotation_cache.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
         key = (int(self.merge_counts[adapter_name]), float(torch.linalg.vector_norm(vec.detach())))
         if cache.key is not None and cache.key != key:
