@@ -100,9 +100,8 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         if self.block_size == 1:
             raise ValueError("`block_size` must be 0 (use `r`) or an integer >= 2, got 1 (a 1×1 rotation is ±1)")
         check_neumann_terms(self.neumann_terms)
-        for name in ("block_share", "coft", "init_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}")
+        for name in ("block_share", "coft", "init_weights", "cache_rotations"):
+            check_bool(name, getattr(self, name))
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
             raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
         if (not isinstance(self.module_dropout, (int, float)) or isinstance(self.module_dropout, bool)
@@ -115,7 +114,6 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             check_positive_int("merge_every", self.merge_every)
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
-        check_bool("cache_rotations", self.cache_rotations)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

@@ -39,17 +39,13 @@ def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer
     )
 
 
-def release_caches_on_exception(model: nn.Module) -> None:
-    """An exception in the forward abandons the micro-batch: deferred rotation gradients of the earlier micro-batches
-    are applied to ``.grad`` (a loop that goes on accumulating keeps them; one that calls ``zero_grad`` drops them)
-    and the rotation caches are freed."""
-    for _, layer in rotation_layers(model):
-        layer.flush_rotation_caches(collective=False)
-
-
 def _release_caches_if_raising(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (``always_call``): an exception in the model's forward abandons the micro-batch, so deferred
+    rotation gradients of the earlier micro-batches are applied to ``.grad`` (a loop that goes on accumulating keeps
+    them; one that calls ``zero_grad`` drops them) and the rotation caches are freed."""
     if sys.exc_info()[1] is not None:  # called from the forward's exception handler
-        release_caches_on_exception(module)
+        for _, layer in rotation_layers(module):
+            layer.flush_rotation_caches(collective=False)
 
 
 class PoetModel(BaseTuner):
@@ -68,17 +64,9 @@ class PoetModel(BaseTuner):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_post_hook(check_merge_counts_agree)
-        # PEFT's generic PeftModel calls the wrapped model directly, past forward() below.
-        self.model.register_forward_hook(_release_caches_if_raising, always_call=True)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The wrapped model's forward; an exception in it ends any accumulation window (see
-        :func:`release_caches_on_exception`)."""
-        try:
-            return super().forward(*args, **kwargs)
-        except Exception:
-            release_caches_on_exception(self.model)
-            raise
+        # PEFT reaches the wrapped model through this tuner (task models) or directly (PeftModel): hook both.
+        for module in (self, self.model):
+            module.register_forward_hook(_release_caches_if_raising, always_call=True)
 
     def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
                             **optional_kwargs) -> None:
