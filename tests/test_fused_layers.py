@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 from peft import get_peft_model
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
@@ -186,8 +187,15 @@ def test_every_step_of_a_float32_run_at_the_papers_learning_rate_matches_the_pla
     assert gap <= tiny_model_tolerance(torch.float32, backward=True), gap
 
 
+def _rms_norm_in_input_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+    """LLaMA's RMSNorm without its round trip through float32 (which caps any float64 comparison at float32
+    rounding: a last-bit difference upstream flips a float32 rounding now and then, a 1e-8 relative jump)."""
+    return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
-def test_in_float64_every_step_of_a_large_learning_rate_run_agrees_to_rounding(config):
+def test_in_float64_every_step_of_a_large_learning_rate_run_agrees_to_rounding(config, monkeypatch):
+    monkeypatch.setattr(LlamaRMSNorm, "forward", _rms_norm_in_input_dtype)
     # At lr 5e-2 the Cayley–Neumann cap binds and merges fold large rotations: the regime where the paths could
     # differ. Run end to end, a 20-step trajectory at such a rate amplifies ulp-level differences up to 1e7-fold (Adam
     # divides by gradients near its eps: lr / eps = 5e6 per step), so its figure measures the machine's summation

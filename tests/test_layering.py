@@ -24,6 +24,7 @@ ALLOWED = {
     "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
     "vision": {"orthogonal", "optim", "model_cards", "checkpoints"},
     "training": {"orthogonal", "optim", "tuners", "data", "distributed", "diagnostics", "export", "checkpoints"},
+    "memory_plan": {"tuners", "distributed", "training"},  # plans a training run: builds its presets on meta
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal", "optim"}

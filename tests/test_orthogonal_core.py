@@ -95,6 +95,18 @@ def test_block_primitive_matches_dense_reference(permuted):
     assert (dense @ dense.T - torch.eye(d, dtype=torch.float64)).abs().max() < 1e-13
 
 
+@pytest.mark.parametrize("layout", ["row-major", "column-major", "3-d", "strided"])
+def test_select_last_gathers_the_columns_a_permutation_matrix_picks(layout):
+    from poet_hf.orthogonal.spo import select_last
+
+    base = torch.randn(6, 8, dtype=torch.float64)
+    x = {"row-major": base, "column-major": base.T.contiguous().T, "3-d": base.reshape(2, 3, 8),
+         "strided": base[::2]}[layout]
+    index = torch.randperm(8)
+    picks = torch.eye(8, dtype=torch.float64)[:, index]  # column j of x @ picks is column index[j] of x
+    assert torch.equal(select_last(x, index), x @ picks)
+
+
 def test_subset_primitive_matches_dense_reference():
     d, s = 10, 4
     index = torch.randperm(d)[:s].sort().values

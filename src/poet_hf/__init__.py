@@ -29,6 +29,7 @@ _LAZY_EXPORTS = {
     "MergeReinitCallback": "poet_hf.training",
     "export_merged": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
+    "plan_memory": "poet_hf.memory_plan",
 }
 
 __all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "merge_and_reinit", "defer_rotation_grads",

@@ -67,11 +67,38 @@ def refuse_quantized_bases(model: nn.Module) -> None:
         )
 
 
+def _embedding_units(model: nn.Module) -> list[nn.Module]:
+    """The input embeddings and the output head, to shard as units of their own: left to the root, FSDP2 would
+    hold them unsharded from the start of the forward to the end of the backward (the root is not resharded after
+    its forward), a full vocabulary × hidden copy of each per process. Tied, they stay with the root."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    units = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
+    shared = len(units) == 2 and {id(p) for p in units[0].parameters()} & {id(p) for p in units[1].parameters()}
+    return [] if shared else units
+
+
+def shard_dim(shape: torch.Size, processes: int) -> int:
+    """The dimension FSDP2 shards a parameter on: 0, as ``fully_shard`` does, unless it has fewer rows than
+    processes (a POET-FS skew vector is ``1 × b(b−1)/2``, a POET-BS one ``m/b`` rows): ``fully_shard`` would pad
+    dim 0 to one row per process and every process would hold a whole row, so such a matrix is split along its
+    longest dimension instead."""
+    if len(shape) < 2 or shape[0] >= processes:
+        return 0
+    return max(range(len(shape)), key=lambda d: shape[d])
+
+
+def _placement(processes: int):
+    from torch.distributed.tensor import Shard
+
+    return lambda parameter: Shard(shard_dim(parameter.shape, processes))
+
+
 def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
-    """``fully_shard`` every transformer block of ``model``, then the root (in place; returns ``model``).
+    """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
+    tied), then the root (in place; returns ``model``). Each parameter is split along :func:`shard_dim`.
 
     ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
-    ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, …).
+    ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ``shard_placement_fn`` to place shards yourself, …).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -81,7 +108,8 @@ def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     blocks = _block_classes(model)
-    for module in [m for m in model.modules() if isinstance(m, blocks)]:
+    fully_shard_kwargs.setdefault("shard_placement_fn", _placement(mesh.size()))
+    for module in [m for m in model.modules() if isinstance(m, blocks)] + _embedding_units(model):
         fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return model

@@ -278,6 +278,8 @@ _scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); 
 
 
 def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> Optional[torch.Tensor]:
+    if vec.device.type == "meta":  # a trace by shapes (the memory planner): no values to cap
+        return None
     # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
     key = (vec._version, float(torch.linalg.vector_norm(vec.detach())), tuple(q.shape), terms, MAX_SKEW_NORM,
            q.dtype, q.device)

@@ -26,6 +26,7 @@ These functions are the fast path of the POET and OFT layers; the plain autograd
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
@@ -273,7 +274,7 @@ class _WeightStrategy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
                 keep_output=False):
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0].to(rotation_dtype)
             p_blocks = None if output_side is None else output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
             effective = _effective_weight(_dense(weight).to(rotation_dtype), input_side, r_blocks, output_side,
@@ -288,7 +289,7 @@ class _WeightStrategy(torch.autograd.Function):
         x, weight, bias, r_vec, p_vec = ctx.saved_tensors
         (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
         grads: list[Any] = [None] * 11
-        with torch.autocast(grad_y.device.type, enabled=False):
+        with _autocast_off(grad_y.device.type):
             r_blocks = r_eval = p_blocks = p_eval = None
             if input_side is not None:
                 r_blocks, r_eval = input_side.blocks(r_vec)
@@ -339,7 +340,7 @@ class _ActivationStrategy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
                 keep_output):
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
             h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), _dense(weight), bias if output_side is None else None,
@@ -362,7 +363,7 @@ class _ActivationStrategy(torch.autograd.Function):
         x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
         (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
         grads: list[Any] = [None] * 11
-        with torch.autocast(grad_y.device.type, enabled=False):
+        with _autocast_off(grad_y.device.type):
             weight = _dense(weight, ctx)
             x2 = x.reshape(-1, x.shape[-1])
             g = grad_y.reshape(-1, grad_y.shape[-1])
@@ -401,11 +402,17 @@ class _ActivationStrategy(torch.autograd.Function):
 
 
 # --- entry points -----------------------------------------------------------------------------------------------------
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast(device_type, enabled=False)``; nothing on the meta device (no autocast there), where the
+    memory planner traces a model's forward and backward by shapes alone."""
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+
+
 def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, torch.dtype]:
     """``(rotation_dtype, base_dtype)``: under ``torch.autocast`` both are the autocast dtype; otherwise the base op
     runs in the weight's dtype and the rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
     device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         return dtype, dtype
     return torch.promote_types(weight.dtype, torch.float32), weight.dtype

@@ -1,0 +1,349 @@
+"""How much memory one training process needs, planned from shapes alone, part by part.
+
+:func:`plan_memory` builds the model on the ``meta`` device (no memory, no initialisation), wraps it for the method
+(POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off it:
+
+- parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
+  in ``dtype``; under FSDP2 each tensor's shard of ``ceil(rows / N)`` rows, as ``fully_shard`` pads it);
+- activations are the tensors autograd saves in one forward, traced on the meta device with
+  ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
+  each block keeps its input instead, and the one block being recomputed keeps its own;
+- the loss's working set is the gradient of the logits (``batch·seq·vocab`` floats) that exists beside the saved
+  log-softmax while the backward starts.
+
+The total is the memory alive at the training peak, after the first optimizer step (the *steady state*): the
+backward's first step, where every saved activation is still alive. Gradients count there in full only when they
+persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held; DDP's
+buckets); otherwise only those of the output head, which the backward produces first.
+
+Paper correspondence (POET, Table 1, one ``m × n`` weight and Adam): AdamW ``3mn`` entries (weight and two
+states), POET-BS ``mn + 3/2·(m+n)(b−1)``, POET-FS ``mn + 3·b(b−1)``, GaLore ``mn + mr + 2nr``: the planner's ``W0``,
+trainable-parameter and optimizer-state entries of the targeted layers sum to these exactly (gradients, which the
+table leaves out, are a separate part here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["METHODS", "SHARDINGS", "PARTS", "MemoryPlan", "plan_memory", "format_plans"]
+
+METHODS = ("poet-bs", "poet-fs", "oft", "lora", "adamw", "galore")
+SHARDINGS = ("ddp", "fsdp2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARTS = ("W0", "other frozen weights", "trainable parameters", "gradients", "DDP gradient buckets",
+         "optimizer states", "rotation caches", "activations", "loss working set", "gathered layers")
+ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
+
+
+@dataclass
+class MemoryPlan:
+    """The per-process bytes of one run, by part (:data:`PARTS`), and the settings they were planned for."""
+
+    method: str
+    parts: dict[str, int]
+    settings: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # entries (not bytes), before any sharding
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"method": self.method, "settings": self.settings, "counts": self.counts,
+                "parts_mb": {k: v / 2**20 for k, v in self.parts.items()}, "total_mb": self.total_bytes / 2**20}
+
+
+def _resolve_model_config(model: Any) -> Any:
+    """A preset name (:data:`~poet_hf.training.pretrain.PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its
+    folder), or a Hub id (its config is read through ``huggingface_hub``'s cache)."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        return model
+    from .training.pretrain import PRESETS
+
+    if isinstance(model, str) and model in PRESETS:
+        return model
+    path = Path(str(model))
+    if path.is_file():
+        return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
+            AutoConfig.for_model(**json.loads(path.read_text()))
+    return AutoConfig.from_pretrained(str(model))
+
+
+@contextmanager
+def _on_meta() -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # build_llama seeds the global generator
+        yield
+
+
+def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    from .training.pretrain import PRESETS, build_llama
+
+    with _on_meta():
+        if isinstance(model_config, str):
+            model = build_llama(PRESETS[model_config], method if method.startswith("poet") else "adamw", 32000,
+                                seq_len, seed=0)
+        else:
+            model = AutoModelForCausalLM.from_config(model_config)
+        return _wrap(model, method, block_size, budget, rank)
+
+
+def _wrap(model: nn.Module, method: str, block_size: int, budget: float, rank: int) -> nn.Module:
+    """The method as the pretraining recipes apply it: POET and LoRA train every other parameter too (the paper's
+    baselines), OFT fine-tunes its adapters alone, AdamW and GaLore train the plain model."""
+    from peft import LoraConfig, get_peft_model
+
+    from .tuners.constants import DEFAULT_TARGET_MODULES
+    from .tuners.oft.config import OftConfig
+    from .tuners.poet.config import PoetConfig
+
+    if method in ("adamw", "galore"):
+        return model
+    if method in ("poet-bs", "poet-fs"):
+        rotation = {"spo": "block", "block_size": block_size} if method == "poet-bs" else \
+            {"spo": "full", "budget": budget}
+        return get_peft_model(model, PoetConfig(**rotation, train_other_params=True))
+    if method == "oft":
+        return get_peft_model(model, OftConfig(block_size=block_size))
+    targets = DEFAULT_TARGET_MODULES.get(model.config.model_type)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+    for name, parameter in peft_model.named_parameters():
+        if "lora_" not in name and not _in_targeted_linear(name):
+            parameter.requires_grad_(True)
+    return peft_model
+
+
+def _in_targeted_linear(parameter_name: str) -> bool:
+    """Whether the parameter is the base weight of a layer an adapter wraps (PEFT's ``base_layer``)."""
+    return ".base_layer." in parameter_name
+
+
+def _galore_targets(model: nn.Module) -> set[str]:
+    from .tuners.constants import DEFAULT_TARGET_MODULES
+
+    targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
+    return {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets}
+
+
+def _block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The transformer block classes (what FSDP2 shards one by one); none for a model that declares none."""
+    from .distributed import _block_classes as sharded_block_classes
+
+    try:
+        return sharded_block_classes(model)
+    except ValueError:
+        return ()
+
+
+def _shard(shape: torch.Size, processes: int) -> int:
+    """Entries of one process's shard: FSDP2 splits one dimension (:func:`~poet_hf.distributed.shard_dim`) into
+    ``processes`` chunks, padded to equal size."""
+    from .distributed import shard_dim
+
+    if not shape:
+        return 1
+    dim = shard_dim(shape, processes)
+    return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
+
+
+class _FusedAttentionShapes(torch.autograd.Function):
+    """Scaled dot-product attention as the fused kernels (flash / memory-efficient, on GPU and CPU) keep it for the
+    backward: the query, key, value, output and the row log-sum-exp, never the ``T × T`` probabilities (which the
+    meta device's decomposed attention would save)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        output = query.new_empty(*query.shape[:-1], value.shape[-1])
+        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1]))
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value = ctx.saved_tensors[:3]
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _fused_attention(query, key, value, *args, **kwargs):
+    return _FusedAttentionShapes.apply(query, key, value)
+
+
+def _trace_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype,
+                       blocks: tuple[type, ...]) -> tuple[int, int, int, int]:
+    """``(saved outside the blocks, saved by the largest block, all saved, one block's input)`` in bytes, from one
+    meta forward of the training loss (``dtype`` the activations' float type)."""
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    saved: dict[int, tuple[int, Optional[int]]] = {}
+    current: list[Optional[int]] = [None]
+    block_input = [0]
+    hooks = []
+    for index, module in enumerate(m for m in model.modules() if isinstance(m, blocks)):
+        def enter(_, args, index=index):
+            current[0] = index
+            block_input[0] = max(block_input[0], args[0].numel() * _float_size(args[0], dtype) if args else 0)
+
+        hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(lambda *_: current.__setitem__(0, None))]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage._cdata not in parameters:
+            saved[storage._cdata] = (storage.nbytes() // tensor.element_size() * _float_size(tensor, dtype), current[0])
+        return tensor
+
+    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+        for hook in hooks:
+            hook.remove()
+    per_block: dict[int, int] = {}
+    for size, index in saved.values():
+        if index is not None:
+            per_block[index] = per_block.get(index, 0) + size
+    outside = sum(size for size, index in saved.values() if index is None)
+    return outside, max(per_block.values(), default=0), sum(size for size, _ in saved.values()), block_input[0]
+
+
+def _float_size(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes per entry of an activation in a run of ``dtype`` (the meta trace runs in float32)."""
+    return torch.finfo(dtype).bits // 8 if tensor.is_floating_point() else tensor.element_size()
+
+
+def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, budget: float = 0.5,
+                rank: int = 128, dtype: str = "float32", batch_size: int = 4, seq_len: int = 256,
+                processes: int = 1, sharding: str = "ddp", checkpointing: bool = False,
+                accumulation: int = 1, cache_rotations: bool = True) -> MemoryPlan:
+    """Plan one process's memory for training ``model`` with ``method`` (see the module docstring for the model).
+
+    Args:
+        model: a preset name (``"llama-130m"``), a ``transformers.PretrainedConfig``, a path to a ``config.json``
+            (or its folder), or a Hub id whose config is read (from the local cache when offline).
+        method: one of :data:`METHODS`.
+        block_size: POET-BS's and OFT's block size ``b``.
+        budget: POET-FS's sampling budget, a fraction of each dimension.
+        rank: LoRA's rank, and GaLore's projection rank.
+        dtype: the weights' and activations' type, one of ``float32``, ``bfloat16``, ``float16`` (adapter parameters
+            stay float32).
+        batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
+        processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"`` (``fully_shard`` per
+            transformer block and at the root).
+        checkpointing: activation checkpointing per transformer block.
+        accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
+        cache_rotations: POET's rotation cache (:class:`~poet_hf.PoetConfig`), held under accumulation.
+
+    Returns:
+        A :class:`MemoryPlan`: bytes per process by part, alive together at the steady-state training peak.
+
+    Raises:
+        ValueError: an argument outside its allowed values (the message names it and them).
+    """
+    from .tuners.config_utils import check_choice
+
+    check_choice("method", method, METHODS)
+    check_choice("sharding", sharding, SHARDINGS)
+    check_choice("dtype", dtype, tuple(DTYPES))
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("processes", processes),
+                        ("accumulation", accumulation), ("block_size", block_size), ("rank", rank)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
+    settings = {"method": method, "block_size": block_size, "budget": budget, "rank": rank, "dtype": dtype,
+                "batch_size": batch_size, "seq_len": seq_len, "processes": processes, "sharding": sharding,
+                "checkpointing": checkpointing, "accumulation": accumulation, "cache_rotations": cache_rotations}
+    built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
+    value_size = torch.finfo(DTYPES[dtype]).bits // 8
+    shards = processes if sharding == "fsdp2" else 1
+    blocks = _block_classes(built)
+    block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
+    galore = _galore_targets(built) if method == "galore" else set()
+    counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
+    parts = dict.fromkeys(PARTS, 0)
+    head_gradients = 0
+    entry_bytes = {}
+    for name, parameter in built.named_parameters():
+        adapter = any(marker in name for marker in ADAPTER_MARKERS)
+        size = entry_bytes[id(parameter)] = 4 if adapter else value_size
+        local = _shard(parameter.shape, shards) * size
+        if not parameter.requires_grad:
+            kind = "W0" if _in_targeted_linear(name) else "other frozen"
+            counts[kind] += parameter.numel()
+            parts["W0" if kind == "W0" else "other frozen weights"] += local
+            continue
+        counts["trainable"] += parameter.numel()
+        counts["adapter"] += parameter.numel() if adapter else 0
+        parts["trainable parameters"] += local
+        parts["gradients"] += local
+        if id(parameter) not in block_parameters and parameter.dim() == 2 and "embed" not in name:
+            head_gradients += local
+        states, local_states = 2 * parameter.numel(), 2 * _shard(parameter.shape, shards)  # shaped as the shard
+        if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
+            short, long = sorted(parameter.shape)
+            states = short * rank + 2 * long * rank
+            local_states = math.ceil(states / shards)
+        counts["optimizer states"] += states
+        parts["optimizer states"] += local_states * size
+    if accumulation == 1:
+        parts["gradients"] = head_gradients  # the backward's start: only the head's gradients exist yet
+    if sharding == "ddp" and processes > 1:
+        parts["DDP gradient buckets"] = parts["trainable parameters"]  # the reducer's flat copy of every gradient
+    if method.startswith("poet") and accumulation > 1 and cache_rotations:
+        from .tuners.rotation_layer import rotation_layers
+
+        parts["rotation caches"] = sum(2 * spec.num_blocks * spec.block ** 2 * 4 for _, layer in rotation_layers(built)
+                                       for specs in layer.poet_specs.values() for spec in specs.values())
+    outside, largest_block, everything, block_input = _trace_activations(built, batch_size, seq_len,
+                                                                          DTYPES[dtype], blocks)
+    block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
+    parts["activations"] = (outside + block_count * block_input + largest_block) if checkpointing else everything
+    vocabulary = built.get_output_embeddings().weight.shape[0]
+    parts["loss working set"] = batch_size * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
+    if sharding == "fsdp2" and processes > 1:
+        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
+    return MemoryPlan(method, parts, settings, counts)
+
+
+def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dict[int, int], processes: int) -> int:
+    """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
+    the head's parameters gathered (its own unit, as :func:`~poet_hf.distributed.shard_model` shards it; the root
+    when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient twice,
+    unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
+    ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+    def unsharded(parameters) -> int:
+        return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    head_parameters = list(head.parameters()) if head is not None else []
+    largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
+    head_gradients = sum(2 * p.numel() * entry_bytes[id(p)] for p in head_parameters if p.requires_grad)
+    return unsharded(head_parameters) + largest_block + head_gradients
+
+
+def format_plans(plans: list[MemoryPlan]) -> str:
+    """The plans side by side, one column per method, in MB; the last line is ``total: N MB per process`` for the
+    first plan."""
+    width = max(len(p) for p in PARTS) + 2
+    lines = [f"{'MB per process':<{width}}" + "".join(f"{plan.method:>12}" for plan in plans)]
+    for part in PARTS:
+        if any(plan.parts[part] for plan in plans):
+            lines.append(f"{part:<{width}}" + "".join(f"{plan.parts[part] / 2**20:>12.1f}" for plan in plans))
+    lines.append(f"{'sum':<{width}}" + "".join(f"{plan.total_bytes / 2**20:>12.1f}" for plan in plans))
+    lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MB per process")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""The memory planner: its counts are the real model's, its formulas the paper's (POET Table 1)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import get_peft_model
+
+import poet_hf  # noqa: F401  (registers the tuners)
+from poet_hf import PoetConfig
+from poet_hf.memory_plan import plan_memory
+from poet_hf.training.pretrain import PRESETS, build_llama
+from poet_hf.tuners.poet import poet_layers
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = PRESETS["tiny"]  # hidden 128, FFN 256, 4 layers: every targeted weight is 128 × 128, 128 × 256 or 256 × 128
+
+
+def _real_poet_model(block_size: int) -> torch.nn.Module:
+    return get_peft_model(build_llama(TINY, "poet-bs", 32000, 64, seed=0),
+                          PoetConfig(block_size=block_size, train_other_params=True))
+
+
+def _one_optimizer_step(model: torch.nn.Module) -> torch.optim.AdamW:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    return optimizer
+
+
+def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
+    plan = plan_memory("tiny", "poet-bs", block_size=32, batch_size=2, seq_len=64, accumulation=2)
+    model = _real_poet_model(32)
+    optimizer = _one_optimizer_step(model)
+    frozen_w0 = sum(layer.get_base_layer().weight.numel() for _, layer in poet_layers(model))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert plan.counts["W0"] == frozen_w0
+    assert plan.counts["trainable"] == sum(p.numel() for p in trainable)
+    assert plan.counts["optimizer states"] == sum(t.numel() for t in states)
+    assert plan.parts["W0"] == 4 * frozen_w0
+    assert plan.parts["trainable parameters"] == sum(p.numel() * p.element_size() for p in trainable)
+    assert plan.parts["gradients"] == sum(p.grad.numel() * p.grad.element_size() for p in trainable)
+    assert plan.parts["optimizer states"] == sum(t.numel() * t.element_size() for t in states)
+    caches = sum(2 * spec.num_blocks * spec.block**2 * 4 for _, layer in poet_layers(model)
+                 for spec in layer.poet_specs["default"].values())
+    assert plan.parts["rotation caches"] == caches
+
+
+def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
+    b, r = 32, 16
+    model = build_llama(TINY, "poet-bs", 32000, 64, seed=0)
+    shapes = [module.weight.shape for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
+    others = sum(p.numel() for n, p in model.named_parameters() if p.dim() != 2 or "proj" not in n)
+    poet = plan_memory("tiny", "poet-bs", block_size=b, seq_len=64)
+    # POET (BS): m·n + 3/2·(m+n)(b−1): the frozen weight, the skew parameters and their two Adam states.
+    assert poet.counts["W0"] + 3 * poet.counts["adapter"] == sum(m * n + 3 * (m + n) * (b - 1) // 2 for m, n in shapes)
+    adamw = plan_memory("tiny", "adamw", seq_len=64)  # AdamW: 3·m·n (weight and two states) for every matrix
+    assert adamw.counts["trainable"] + adamw.counts["optimizer states"] == 3 * sum(m * n for m, n in shapes) + 3 * others
+    galore = plan_memory("tiny", "galore", rank=r, seq_len=64)  # GaLore: m·n + m·r + 2·n·r, with m ≤ n
+    expected = sum(m * n + min(m, n) * r + 2 * max(m, n) * r for m, n in shapes) + 3 * others
+    assert galore.counts["trainable"] + galore.counts["optimizer states"] == expected
+
+
+def test_fully_stochastic_blocks_follow_table_1_per_side():
+    plan = plan_memory("tiny", "poet-fs", budget=0.25, seq_len=64)
+    model = build_llama(TINY, "poet-fs", 32000, 64, seed=0)
+    shapes = [module.weight.shape for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
+    # POET (FS) with one b × b block per side, b = budget · dimension: b(b−1)/2 skew entries per side.
+    assert plan.counts["adapter"] == sum(d // 4 * (d // 4 - 1) // 2 for shape in shapes for d in shape)
+
+
+def test_sharding_divides_model_state_and_adds_what_fsdp2_gathers():
+    one = plan_memory("llama-60m", "poet-bs", processes=1)
+    two = plan_memory("llama-60m", "poet-bs", processes=2, sharding="fsdp2")
+    for part in ("W0", "trainable parameters", "optimizer states"):
+        assert abs(two.parts[part] - one.parts[part] / 2) <= 0.01 * one.parts[part]
+    assert two.parts["gathered layers"] > 0 and two.parts["activations"] == one.parts["activations"]
+    ddp = plan_memory("llama-60m", "poet-bs", processes=2, sharding="ddp")
+    assert ddp.parts["DDP gradient buckets"] == ddp.parts["trainable parameters"]
+
+
+def test_checkpointing_keeps_one_input_per_block_instead_of_its_activations():
+    full = plan_memory("llama-60m", "adamw")
+    checkpointed = plan_memory("llama-60m", "adamw", checkpointing=True)
+    assert checkpointed.parts["activations"] < full.parts["activations"] / 2
+
+
+@pytest.mark.parametrize("argument, value", [("method", "sgd"), ("sharding", "zero3"), ("dtype", "int8"),
+                                             ("batch_size", 0), ("budget", 1.5)])
+def test_bad_arguments_name_the_field(argument, value):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        plan_memory("tiny", **{"method": "poet-bs", argument: value})
+
+
+def test_command_line_prints_parts_and_ends_with_the_total(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--model", "llama-60m",
+                             "--method", "poet-bs", "--compare", "adamw"], capture_output=True, text=True, check=True)
+    lines = result.stdout.strip().splitlines()
+    plan = plan_memory("llama-60m", "poet-bs")
+    assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"
+    assert lines[0].split()[-2:] == ["poet-bs", "adamw"]
