@@ -60,7 +60,8 @@ def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
     # POET (BS): m·n + 3/2·(m+n)(b−1): the frozen weight, the skew parameters and their two Adam states.
     assert poet.counts["W0"] + 3 * poet.counts["adapter"] == sum(m * n + 3 * (m + n) * (b - 1) // 2 for m, n in shapes)
     adamw = plan_memory("tiny", "adamw", seq_len=64)  # AdamW: 3·m·n (weight and two states) for every matrix
-    assert adamw.counts["trainable"] + adamw.counts["optimizer states"] == 3 * sum(m * n for m, n in shapes) + 3 * others
+    adamw_entries = adamw.counts["trainable"] + adamw.counts["optimizer states"]
+    assert adamw_entries == 3 * sum(m * n for m, n in shapes) + 3 * others
     galore = plan_memory("tiny", "galore", rank=r, seq_len=64)  # GaLore: m·n + m·r + 2·n·r, with m ≤ n
     expected = sum(m * n + min(m, n) * r + 2 * max(m, n) * r for m, n in shapes) + 3 * others
     assert galore.counts["trainable"] + galore.counts["optimizer states"] == expected

@@ -189,12 +189,15 @@ def _trace_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: t
     current: list[Optional[int]] = [None]
     block_input = [0]
     hooks = []
+    def leave(*_: Any) -> None:
+        current[0] = None
+
     for index, module in enumerate(m for m in model.modules() if isinstance(m, blocks)):
         def enter(_, args, index=index):
             current[0] = index
             block_input[0] = max(block_input[0], args[0].numel() * _float_size(args[0], dtype) if args else 0)
 
-        hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(lambda *_: current.__setitem__(0, None))]
+        hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -241,8 +244,8 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
         dtype: the weights' and activations' type, one of ``float32``, ``bfloat16``, ``float16`` (adapter parameters
             stay float32).
         batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
-        processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"`` (``fully_shard`` per
-            transformer block and at the root).
+        processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"``
+            (:func:`~poet_hf.distributed.shard_model`: per transformer block, the embeddings, the head, the root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
         cache_rotations: POET's rotation cache (:class:`~poet_hf.PoetConfig`), held under accumulation.
