@@ -119,6 +119,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
               "largest_weight_mb": max(p.numel() * p.element_size() for n, p in model.named_parameters()
                                        if "base_layer" in n) / 2**20}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
     dist.destroy_process_group()
 
 

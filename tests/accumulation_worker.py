@@ -104,6 +104,7 @@ def main() -> None:
             report[f"{engine}-{name}"] = {"error": error, "cache_bytes_held": held, "cache_bytes_left": left,
                                           "tensors": len(grads)}
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
     dist.destroy_process_group()
 
 
