@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard_model", "is_sharded", "gather_full_state_dict", "unsharded_replica", "save_pretrained_unsharded"]
+__all__ = ["shard_model", "shard_dim", "is_sharded", "gather_full_state_dict", "unsharded_replica",
+           "save_pretrained_unsharded"]
 
 
 def _rank() -> int:
