@@ -4,7 +4,7 @@
 (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
-  in ``dtype``; under FSDP2 each tensor's shard of ``ceil(rows / N)`` rows, as ``fully_shard`` pads it);
+  in ``dtype``; under FSDP2 each tensor's padded shard along :func:`~poet_hf.distributed.shard_dim`);
 - activations are the tensors autograd saves in one forward, traced on the meta device with
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
   each block keeps its input instead, and the one block being recomputed keeps its own;
@@ -13,8 +13,9 @@
 
 The total is the memory alive at the training peak, after the first optimizer step (the *steady state*): the
 backward's first step, where every saved activation is still alive. Gradients count there in full only when they
-persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held; DDP's
-buckets); otherwise only those of the output head, which the backward produces first.
+persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held);
+otherwise only those of the output head, which the backward produces first. DDP adds its buckets, a flat copy of
+every gradient; FSDP2 what it holds gathered at the head's backward (:func:`_gathered_bytes`).
 
 Paper correspondence (POET, Table 1, one ``m × n`` weight and Adam): AdamW ``3mn`` entries (weight and two
 states), POET-BS ``mn + 3/2·(m+n)(b−1)``, POET-FS ``mn + 3·b(b−1)``, GaLore ``mn + mr + 2nr``: the planner's ``W0``,
