@@ -113,7 +113,10 @@ def main() -> None:
               "peak_gathered_bytes": gathers["peak"],
               "largest_weight_bytes": max(p.numel() * p.element_size() for n, p in model.named_parameters()
                                           if "base_layer" in n),
-              "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model))}
+              "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model)),
+              # the largest share of a skew parameter one process holds (1 when unsharded)
+              "skew_local_share": max(getattr(p, "to_local", lambda: p)().numel() / p.numel()
+                                      for p in poet_parameters(model))}
     if args.steps == 30 and args.resume_from is None:
         export_merged(model, args.out / "export", overwrite=True, spectrum=False)
         save_pretrained_unsharded(model, args.out / "adapter")

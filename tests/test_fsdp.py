@@ -53,6 +53,10 @@ def test_fsdp2_trains_like_ddp_with_two_merges_and_identical_draws_on_every_rank
     assert sorted(map(int, losses_fsdp)) == list(range(1, 31))
     assert max(abs(losses_ddp[k] - losses_fsdp[k]) for k in losses_ddp) <= 1e-5
     assert losses_fsdp["30"] < losses_fsdp["1"] - 0.01  # it trained
+    # Each process holds half of every skew parameter, POET-FS's one-row vectors included (split along their long
+    # dimension: fully_shard's dim-0 split would pad one row to every process, each holding it whole).
+    assert ddp[0]["skew_local_share"] == 1.0
+    assert all(rank["skew_local_share"] <= 0.5 + 1e-3 for rank in fsdp)
 
 
 @pytest.mark.slow
