@@ -142,6 +142,7 @@ RUNS = [(1, "none"), (2, "ddp"), (2, "fsdp2")]
 
 def run(quick: bool = False, presets: tuple[str, ...] = ("llama-60m", "llama-130m")) -> list[dict]:
     from poet_hf import plan_memory
+    from poet_hf.training.pretrain import PRESETS
 
     batch, steps = (2, 2) if quick else (2, 3)
     rows = []
@@ -149,7 +150,7 @@ def run(quick: bool = False, presets: tuple[str, ...] = ("llama-60m", "llama-130
         for processes, sharding in RUNS:
             reports = _torchrun(processes, preset, batch, steps, sharding)
             worst = max(reports, key=lambda r: r["steady_peak_mb"])
-            planned = plan_memory(preset, "poet-bs", block_size=256 if preset != "tiny" else 32, batch_size=batch,
+            planned = plan_memory(preset, "poet-bs", block_size=PRESETS[preset].block_size, batch_size=batch,
                                   seq_len=SEQ, processes=processes, sharding="fsdp2" if sharding == "fsdp2" else "ddp")
             rows.append({"preset": preset, "batch / process": f"{batch}x{SEQ}", "processes": processes,
                          "sharding": sharding,
