@@ -1,5 +1,6 @@
 """Run under `accelerate launch`: a short POET run, then write losses and a hash of every parameter and buffer
-per rank to OUT/rank<k>.json. Usage: ddp_worker.py OUT PER_DEVICE_BATCH [BASE_QUANTIZATION]."""
+per rank to OUT/rank<k>.json. Without a quantised base the model is built on the meta device and PoetTrainer
+materializes it in each process. Usage: ddp_worker.py OUT PER_DEVICE_BATCH [BASE_QUANTIZATION]."""
 
 import json
 import sys
@@ -14,7 +15,8 @@ def main() -> None:
     out, batch = Path(sys.argv[1]), int(sys.argv[2])
     quantization = sys.argv[3] if len(sys.argv) > 3 else None
     dataset, tokenizer = tiny_dataset()
-    model = tiny_poet_model(len(tokenizer), base_quantization=quantization)
+    # Built on the meta device where it can be (a quantised base needs real weights): PoetTrainer materializes it.
+    model = tiny_poet_model(len(tokenizer), base_quantization=quantization, meta=quantization is None)
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, max_steps=6)
     trainer.train()
     rank = trainer.args.process_index

@@ -17,13 +17,15 @@ ALLOWED = {
     "optim": {"orthogonal"},
     "tuners": {"orthogonal"},
     "data": set(),
-    "distributed": {"tuners"},  # refuses to shard quantised bases (tuners/bnb.py)
+    "initialization": {"orthogonal", "tuners"},  # materializes meta models, sharded or not
+    "distributed": {"tuners", "initialization"},  # refuses to shard quantised bases (tuners/bnb.py)
     "checkpoints": {"tuners"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners"},
     "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
     "vision": {"orthogonal", "optim", "model_cards", "checkpoints"},
-    "training": {"orthogonal", "optim", "tuners", "data", "distributed", "diagnostics", "export", "checkpoints"},
+    "training": {"orthogonal", "optim", "tuners", "data", "initialization", "distributed", "diagnostics", "export",
+                 "checkpoints"},
     "memory_plan": {"tuners", "distributed", "training"},  # plans a training run: builds its presets on meta
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}

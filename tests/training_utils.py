@@ -37,12 +37,14 @@ def tiny_dataset(seq_len: int = 32, chars: int = 40_000):
     return pack_sequences(Dataset.from_dict({"text": [text]}), tokenizer, seq_len), tokenizer
 
 
-def tiny_poet_model(vocab: int, seed: int = 0, **poet_kwargs):
+def tiny_poet_model(vocab: int, seed: int = 0, meta: bool = False, **poet_kwargs):
+    """A tiny POET LLaMA; with ``meta`` built on the meta device, for PoetTrainer to materialize."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     fields = {"block_size": 8, "merge_every": 2, "base_init": "normalized", **poet_kwargs}
-    return get_peft_model(LlamaForCausalLM(config), PoetConfig(**fields))
+    with torch.device("meta" if meta else "cpu"):
+        return get_peft_model(LlamaForCausalLM(config), PoetConfig(**fields))
 
 
 def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
@@ -53,3 +55,29 @@ def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
     fields.update(arg_overrides)
     return PoetTrainer(model=model, args=PoetTrainingArguments(**fields), train_dataset=dataset,
                        data_collator=default_data_collator)
+
+
+# An odd vocabulary: the embeddings and head split into uneven shards.
+TINY_LLAMA = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def meta_poet_model(spo: str, base_init: str | None = "normalized", config_from: str | None = None, **poet_kwargs):
+    """A tiny POET LLaMA built on the meta device (its config from ``config_from``'s folder if given)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(config_from) if config_from else LlamaConfig(**TINY_LLAMA)
+    fields = {"spo": spo, "block_size": 8, "budget": 0.5, "base_init": base_init, "init_weights": False,
+              **poet_kwargs}
+    with torch.device("meta"):
+        return get_peft_model(AutoModelForCausalLM.from_config(config), PoetConfig(**fields))
+
+
+def randomize_rotations(model: torch.nn.Module, round_: int) -> None:
+    """Random skew vectors (operator norm about 0.3) in every POET layer, keyed by the round and the layer's name, so
+    that every process and every build draws the same ones."""
+    from poet_hf.orthogonal import spo_generator
+    from poet_hf.tuners.rotation_layer import rotation_layers
+
+    for name, layer in rotation_layers(model):
+        layer.randomize_skew("default", spo_generator(11, round_, name, "test"), op_norm=0.3)

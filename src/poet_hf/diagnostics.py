@@ -11,7 +11,7 @@ from torch import nn
 
 from .orthogonal import spo_generator
 from .tuners.poet import poet_layers
-from .tuners.rotation_layer import RotationLayer
+from .tuners.rotation_layer import RotationLayer, full_tensor
 
 PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
 
@@ -27,12 +27,12 @@ def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) 
         if not any(name.endswith(n) for n in names or []):
             continue
         if isinstance(module, BaseTunerLayer):
-            weight = module.get_base_layer().weight.detach().float()
+            weight = full_tensor(module.get_base_layer().weight).detach().float()
             for adapter in module.active_adapters:
                 weight = weight + module.get_delta_weight(adapter).detach().float()
             weights[name] = weight
         elif isinstance(module, nn.Linear):
-            weights[name] = module.weight.detach().float()
+            weights[name] = full_tensor(module.weight).detach().float()  # gathered when FSDP2 shards it
     return weights
 
 

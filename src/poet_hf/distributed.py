@@ -94,15 +94,26 @@ def _placement(processes: int):
     return lambda parameter: Shard(shard_dim(parameter.shape, processes))
 
 
-def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -> nn.Module:
+def shard_model(model: nn.Module, mesh: Any = None, seed: int = 0, checkpoint: Union[str, Path, None] = None,
+                loading: str = "scatter", **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
     tied), then the root (in place; returns ``model``). Each parameter is split along :func:`shard_dim`.
 
+    A model built on the ``meta`` device is sharded there and then materialized shard by shard
+    (:func:`~poet_hf.initialization.materialize_model` with ``seed``, ``checkpoint`` and ``loading``): no process
+    ever holds the whole model, and the result equals, bit for bit, the model one process would build.
+
     ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
     ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ``shard_placement_fn`` to place shards yourself, …).
+
+    Raises:
+        ValueError: the model holds a bitsandbytes layer (:func:`refuse_quantized_bases`) or declares no transformer
+            block class; or, for a meta model, as :func:`~poet_hf.initialization.materialize_model`.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from .initialization import has_meta_tensors, materialize_model
 
     refuse_quantized_bases(model)
     if mesh is None:
@@ -113,6 +124,9 @@ def shard_model(model: nn.Module, mesh: Any = None, **fully_shard_kwargs: Any) -
     for module in [m for m in model.modules() if isinstance(m, blocks)] + _embedding_units(model):
         fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    if has_meta_tensors(model):
+        device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+        materialize_model(model, seed=seed, device=device, checkpoint=checkpoint, loading=loading)
     return model
 
 

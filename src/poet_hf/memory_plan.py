@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import json
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -81,21 +80,15 @@ def _resolve_model_config(model: Any) -> Any:
     return AutoConfig.from_pretrained(str(model))
 
 
-@contextmanager
-def _on_meta() -> Iterator[None]:
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # build_llama seeds the global generator
-        yield
-
-
 def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from .training.pretrain import PRESETS, build_llama
 
-    with _on_meta():
+    with torch.device("meta"):
         if isinstance(model_config, str):
             model = build_llama(PRESETS[model_config], method if method.startswith("poet") else "adamw", 32000,
-                                seq_len, seed=0)
+                                seq_len, seed=0, device="meta")
         else:
             model = AutoModelForCausalLM.from_config(model_config)
         return _wrap(model, method, block_size, budget, rank)

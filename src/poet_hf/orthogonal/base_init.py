@@ -11,15 +11,15 @@ __all__ = ["BASE_INIT_SCHEMES", "init_base_weight"]
 BASE_INIT_SCHEMES = ("normalized", "xavier", "standard", "uniform_spectrum")
 
 
-def init_base_weight(weight: torch.Tensor, scheme: str, generator: torch.Generator, std: float = 0.02) -> torch.Tensor:
-    """Return a freshly drawn ``out × in`` matrix for ``scheme``, in float32.
+def init_base_weight(shape: tuple[int, int], scheme: str, generator: torch.Generator, std: float = 0.02) -> torch.Tensor:
+    """Return a freshly drawn ``out × in`` matrix of ``shape`` for ``scheme``, in float32.
 
     - ``"standard"``: ``N(0, std²)``.
     - ``"xavier"``: Glorot normal, variance ``2 / (fan_in + fan_out)``.
     - ``"normalized"``: Gaussian, then every output neuron (torch row) scaled to unit L2 norm (the paper's default).
     - ``"uniform_spectrum"``: the polar factor ``U V^T`` of a Gaussian draw (all singular values 1).
     """
-    out_features, in_features = weight.shape
+    out_features, in_features = shape
     gaussian = torch.randn(out_features, in_features, generator=generator, dtype=torch.float32)
     if scheme == "standard":
         return gaussian * std

@@ -130,6 +130,11 @@ class SideSpec:
     def num_params(self) -> int:
         return self.num_blocks * num_skew_params(self.block)
 
+    @property
+    def index_shape(self) -> tuple[int]:
+        """The shape of :meth:`sample_index`'s tensor: a permutation of ``dim``, a subset of ``block``, or empty."""
+        return ({BLOCK: self.dim, FULL: self.block}.get(self.kind, 0),)
+
     def sample_index(self, generator: torch.Generator) -> torch.Tensor:
         """The permutation (block) or sorted index subset (full) for this side; empty for contiguous blocks."""
         if self.kind == BLOCK:

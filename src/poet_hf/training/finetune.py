@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,9 +23,10 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
 
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
+from ..initialization import has_meta_tensors
 from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
 from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
@@ -166,12 +168,32 @@ def load_model(args: FinetuneArguments, num_labels: Optional[int] = None) -> tup
     they train fully and are saved beside the adapter."""
     quantized = {} if args.base_quantization is None else {
         "quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
+    if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded_by_accelerate():
+        # No process loads the checkpoint whole: built on meta, PoetTrainer shards it and materializes each
+        # process's shards from the checkpoint (pretrained_weights).
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)), []
     if args.task == "causal-lm":
         model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized)
     else:
         model, info = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels,
                                                                          output_loading_info=True, **quantized)
     return model, sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
+
+
+def sharded_by_accelerate() -> bool:
+    """Whether Accelerate will shard this run with FSDP (``accelerate launch`` with an FSDP config; it does so only
+    on accelerators)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and torch.cuda.is_available()
+
+
+def local_weights(model: str) -> str:
+    """A local folder holding the safetensors weights of ``model`` (a path, or a hub id fetched into the cache)."""
+    if Path(model).exists():
+        return model
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, allow_patterns=["*.safetensors", "*.json"])
 
 
 def load_model_tokenizer(args: FinetuneArguments):
@@ -304,6 +326,7 @@ def run_finetuning(args: FinetuneArguments, callbacks: Optional[list] = None) ->
     model = apply_method(args, model, new_modules)
     trainer = PoetTrainer(
         model=model, args=training_arguments(args), train_dataset=train, eval_dataset=evaluation,
+        pretrained_weights=local_weights(args.model) if has_meta_tensors(model) else None,
         data_collator=default_data_collator, processing_class=tokenizer,
         compute_metrics=accuracy if args.task == "sequence-classification" else None, callbacks=callbacks,
         run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},

@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..distributed import is_sharded
+from ..initialization import materialize_model
 from ..tuners.bnb import BASE_QUANTIZATIONS
 from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
@@ -257,18 +258,25 @@ def _intermediate(preset: Preset, method: str) -> int:
 def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
     """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = apply_recipe(build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed),
-                             {**recipe, "base_quantization": None}, base_init=None)
+        model = apply_recipe(build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed,
+                                         device="meta"), {**recipe, "base_quantization": None}, base_init=None)
     return count_trainable(model)
 
 
-def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int) -> LlamaForCausalLM:
-    """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column."""
-    torch.manual_seed(seed)
+def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int,
+                device: str = "cpu") -> LlamaForCausalLM:
+    """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column.
+
+    Built on the ``meta`` device and materialized on ``device`` by
+    :func:`~poet_hf.initialization.materialize_model` (transformers' initialisation, keyed by ``seed`` and each
+    module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
+    shard by shard with the same values."""
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=preset.hidden, num_hidden_layers=preset.layers,
                          intermediate_size=_intermediate(preset, method), num_attention_heads=preset.heads,
                          num_key_value_heads=preset.heads, max_position_embeddings=seq_len, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model if device == "meta" else materialize_model(model, seed=seed, device=device)
 
 
 def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Optional[str] = "recipe",
@@ -362,15 +370,19 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     if not args.streaming and len(validation) < recipe["batch_size"]:
         raise ValueError(f"the validation set has {len(validation)} sequences, fewer than one batch "
                          f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch")
-    model = apply_recipe(build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, args.seed),
-                         recipe, seed=args.seed)
-    targets = DEFAULT_TARGET_MODULES["llama"]
-    spectra_before = singular_values(model, targets)
+    # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only). LoRA's
+    # and quantised bases' adapters are added to materialized weights.
+    base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, args.seed, device="meta")
+    if args.method == "lora" or args.base_quantization:
+        materialize_model(base, seed=args.seed)
+    model = apply_recipe(base, recipe, seed=args.seed)
     run_info = {"method": args.method, "preset": args.preset, "dataset": args.dataset, "seq_len": args.seq_len,
                 **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe}}
     trainer = PoetTrainer(model=model, args=training_arguments(args, recipe), train_dataset=train,
                           eval_dataset=validation, data_collator=default_data_collator, processing_class=tokenizer,
                           run_info=run_info)
+    targets = DEFAULT_TARGET_MODULES["llama"]
+    spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     final_loss = trainer.evaluate()["eval_loss"]

@@ -10,7 +10,9 @@ import torch
 
 from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
+from ..distributed import shard_model
 from ..export.source import RUN_INFO_NAME
+from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.poet import poet_layers
 from .callback import MergeReinitCallback, unwrap
 from .optimizer import poet_param_groups
@@ -55,9 +57,22 @@ class PoetTrainer(CrashSafeTrainer):
     POET merges fold weights in place on every process, which is exact under DDP (every rank draws the same
     permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
     own shard (:mod:`poet_hf.distributed`). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
+
+    A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is
+    materialized here (:func:`~poet_hf.initialization.materialize_model`, seeded by ``args.seed``): whole on
+    ``args.device``, or, when Accelerate runs FSDP2, sharded first by :func:`~poet_hf.distributed.shard_model` with
+    the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
+
+    Args beyond ``Trainer``'s:
+        run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).
+        pretrained_weights: for a model built on the ``meta`` device, a ``save_pretrained`` folder (or
+            ``.safetensors`` file) of its base model, read tensor by tensor (under FSDP2 by rank 0, which sends each
+            process its shard) instead of initialising the base weights.
     """
 
-    def __init__(self, *args: Any, run_info: Optional[dict] = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, run_info: Optional[dict] = None, pretrained_weights: Optional[str] = None,
+                 **kwargs: Any) -> None:
+        self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(poet_layers(unwrap(self.model)))
@@ -67,6 +82,22 @@ class PoetTrainer(CrashSafeTrainer):
                            os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"))
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's set-up of Accelerate, then the materialization of a ``meta`` model (see the class docstring)."""
+        super().create_accelerator_and_postprocess()
+        if self.model is None or not has_meta_tensors(self.model):
+            return
+        if not self.is_fsdp_enabled:
+            materialize_model(self.model, seed=self.args.seed, device=self.args.device,
+                              checkpoint=self._pretrained_weights)
+            return
+        plugin = self.accelerator.state.fsdp_plugin
+        options = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload}
+        if plugin.mixed_precision_policy is not None:
+            options["mp_policy"] = plugin.mixed_precision_policy
+        # Sharded here, so Accelerate takes it as it is (an FSDPModule) instead of broadcasting rank 0's whole copy.
+        shard_model(self.model, seed=self.args.seed, checkpoint=self._pretrained_weights, **options)
 
     @property
     def poet_learning_rate(self) -> float:

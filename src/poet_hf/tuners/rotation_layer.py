@@ -76,6 +76,8 @@ class RotationSettings:
     source: Optional[str] = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold requantises a quantised W0 (tuners/bnb.py)
     cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
+    init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
+    base_init: Optional[str] = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
 
 @torch.no_grad()
@@ -285,8 +287,10 @@ class RotationLayer(BaseTunerLayer):
 
     # --- adapters ----------------------------------------------------------------------------------------------------
     def add_rotation_adapter(self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec],
-                             rows: dict[str, int], init_weights: bool) -> None:
-        """Create the skew parameters (``rows[side]`` rows, zero: the identity) and draw the index buffers."""
+                             rows: dict[str, int]) -> None:
+        """Create the skew parameters (``rows[side]`` rows) and index buffers, and give them their initial state
+        (:meth:`reset_rotation_state`); on the ``meta`` device that waits for
+        :func:`~poet_hf.initialization.materialize_model`."""
         self.poet_specs[adapter_name] = specs
         self.poet_settings[adapter_name] = settings
         device = self.get_base_layer().weight.device
@@ -294,13 +298,30 @@ class RotationLayer(BaseTunerLayer):
         for side, spec in specs.items():
             params, indices = self.side_containers(side)
             params[adapter_name] = nn.Parameter(torch.zeros(rows[side], num_skew_params(spec.block), device=device))
-            indices[adapter_name] = self._draw_index(adapter_name, side, merge_count=0).to(device)
-        if not init_weights:
-            self.randomize_skew(adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name))
+            indices[adapter_name] = torch.empty(spec.index_shape, dtype=torch.long, device=device)
         self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
-        for side in specs:  # so that zero_grad drops a deferred gradient with the rest of the gradient
-            self.skew_parameter(adapter_name, side).register_post_accumulate_grad_hook(rotation_cache.anchor_to_gradient)
+        if device.type != "meta":
+            self.reset_rotation_state(adapter_name)
         self.set_adapter(self.active_adapters)
+
+    @torch.no_grad()
+    def reset_rotation_state(self, adapter_name: str) -> None:
+        """The adapter's state at creation, drawn from generators keyed by (seed, adapter, layer, side), so that it is
+        the same on every process, whether the layer was built on a device or on ``meta`` and sharded: merge count
+        0, the merge-0 permutations / index sets, and zero skew vectors (the identity), or random ones with
+        ``init_weights=False``. Sharded (FSDP2) tensors keep their own shard of each draw."""
+        settings = self.poet_settings[adapter_name]
+        self.merge_counts[adapter_name].zero_()
+        for side in self.sides(adapter_name):
+            params, indices = self.side_containers(side)
+            indices[adapter_name].copy_(self._draw_index(adapter_name, side, merge_count=0))
+            params[adapter_name].zero_()
+            if not getattr(params[adapter_name], "_poet_anchored", False):
+                # so that zero_grad drops a deferred gradient with the rest of the gradient (rotation_cache.py)
+                params[adapter_name].register_post_accumulate_grad_hook(rotation_cache.anchor_to_gradient)
+                params[adapter_name]._poet_anchored = True
+        if not settings.init_weights:
+            self.randomize_skew(adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name))
 
     def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
         settings = self.poet_settings[adapter_name]
@@ -312,7 +333,7 @@ class RotationLayer(BaseTunerLayer):
         """Random skew parameters whose blocks have operator norm about ``op_norm`` (non-identity adapter)."""
         for side, spec in self.sides(adapter_name).items():
             param = self.skew_parameter(adapter_name, side)
-            param.copy_(random_skew_params(param.shape, spec.block, generator, op_norm))
+            write_full(param, random_skew_params(param.shape, spec.block, generator, op_norm))
 
     # --- rotations (reference path: merge, unmerge, statistics, the plain-autograd forward) --------------------------
     def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32,

@@ -75,9 +75,10 @@ class OftLayer(RotationLayer):
                                                     module_dropout=config.module_dropout)
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
                                     forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize, cache_rotations=config.cache_rotations)
+                                    requantize=config.requantize, cache_rotations=config.cache_rotations,
+                                    init_weights=config.init_weights)
         rows = 1 if config.block_share else spec.num_blocks
-        self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows}, config.init_weights)
+        self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows})
 
     @torch.no_grad()
     def project_coft(self, adapter_name: str) -> None:

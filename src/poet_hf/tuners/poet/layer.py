@@ -64,16 +64,26 @@ class PoetLayer(RotationLayer):
                                       layer_name, field) for side in wanted}
         settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
                                     forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize, cache_rotations=config.cache_rotations)
+                                    requantize=config.requantize, cache_rotations=config.cache_rotations,
+                                    init_weights=config.init_weights, base_init=config.base_init)
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
-        self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()},
-                                  config.init_weights)
-        if config.base_init is not None:
-            generator = spo_generator(config.seed, 0, layer_name, "base_init", adapter_name)
-            self.set_weight_matrix(init_base_weight(self.weight_matrix(), config.base_init, generator))
+            if self.get_base_layer().weight.device.type == "meta":
+                raise ValueError(f"`base_quantization`={config.base_quantization!r} quantises W0 when the adapter is "
+                                 f"added, but '{layer_name}' is on the meta device; materialize the base model first "
+                                 "(poet_hf.initialization.materialize_model)")
+        self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()})
         if config.base_quantization is not None:
             self.quantize_base(config.base_quantization)
+
+    def reset_rotation_state(self, adapter_name: str) -> None:
+        """The adapter's initial state (:meth:`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh
+        ``W0`` drawn from the generator keyed by (seed, adapter, layer)."""
+        super().reset_rotation_state(adapter_name)
+        settings = self.poet_settings[adapter_name]
+        if settings.base_init is not None:
+            generator = spo_generator(settings.seed, 0, settings.layer_name, "base_init", adapter_name)
+            self.set_weight_matrix(init_base_weight(self.weight_shape, settings.base_init, generator))
 
 
 class Linear(nn.Module, PoetLayer):
