@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py --suite poet_layer          # one suite
     python scripts/benchmark.py --suite all --out bench.json
+    python scripts/benchmark.py --plot bench.json --plot_dir docs/figures   # figures of the pretrain_step rows
 
 Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script only
 dispatches, prints a Markdown table per suite and optionally writes JSON.
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which suite to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats, for a smoke run")
     parser.add_argument("--out", type=Path, help="write all rows as JSON here")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="instead of running: draw the figures of a JSON "
+                        "file written by --out (its pretrain_step rows) into --plot_dir")
+    parser.add_argument("--plot_dir", type=Path, default=Path("docs/figures"), help="where --plot writes its PNGs")
     return parser
 
 
@@ -51,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    if args.plot:
+        from benchmarks.plots import plot_pretrain_step
+
+        data = json.loads(args.plot.read_text())
+        for path in plot_pretrain_step(data["pretrain_step"], args.plot_dir, data.get("machine", "")):
+            print(path)
+        return 0
     results = {"machine": machine_description()}
     print(f"machine: {results['machine']}")
     for suite in SUITES if args.suite == "all" else (args.suite,):

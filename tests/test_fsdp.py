@@ -147,7 +147,7 @@ def test_poet_trainer_refuses_an_fsdp_request_accelerate_cannot_honour_on_a_cpu(
                     "tests above drive fully_shard directly")
 def test_accelerate_fsdp2_config_trains_pretrain_script_with_merges(tmp_path):
     env = {**os.environ}
-    config = HERE.parent / "configs" / "accelerate_fsdp2.yaml"
+    config = HERE.parent / "examples" / "cluster" / "fsdp2.yaml"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
                str(min(2, torch.cuda.device_count())), str(HERE.parent / "scripts" / "pretrain.py"), "--steps",
                "8", "--merge_every", "4", "--batch_size", "2", "--seq_len", "64", "--output_dir", str(tmp_path),

@@ -1,12 +1,12 @@
 """Crash-safe checkpoints: a ``checkpoint-N`` folder exists only once all of it is on disk, and resuming picks the
 newest complete one.
 
-:class:`CrashSafeTrainer` is a ``transformers.Trainer`` whose checkpoints are written atomically:
+`CrashSafeTrainer` is a ``transformers.Trainer`` whose checkpoints are written atomically:
 
 1. every file (weights or adapter with the POET state, optimizer, scheduler, RNG, ``trainer_state.json``) is written
    into ``<output_dir>/.staging/checkpoint-N`` by the Trainer's own code;
 2. after a barrier (all of it written), each process ``fsync``s the folder, then all wait at a second barrier;
-3. the main process writes :data:`MANIFEST_NAME` (every file and its size), ``fsync``s it, and publishes the folder
+3. the main process writes `MANIFEST_NAME` (every file and its size), ``fsync``s it, and publishes the folder
    with one ``os.replace`` onto ``checkpoint-N``, then ``fsync``s the output folder;
 4. only then are old checkpoints rotated out (``save_total_limit``), each first moved out of sight, so a kill during
    a deletion never leaves a damaged folder under a checkpoint name, and the newest complete one is never deleted.

@@ -132,7 +132,7 @@ def pad_documents(corpus: Union[Dataset, IterableDataset], tokenizer, seq_len: i
 
     Padding is masked out of the attention and of the loss (``labels`` -100), so only real tokens count; with C4's
     short documents that is about 195 tokens per 256-token row, the ratio Table 2's token counts imply. A corpus of
-    few long documents (the embedded plays) gives few rows this way: pack it instead (:func:`pack_sequences`).
+    few long documents (the embedded plays) gives few rows this way: pack it instead (`pack_sequences`).
     """
     if text_column not in (corpus.column_names or [text_column]):
         raise ValueError(f"`text_column`={text_column!r} not in the corpus columns {corpus.column_names}")

@@ -18,7 +18,15 @@ PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge 
 
 def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
     """Effective out × in weights of every POET layer, or — for a baseline — of the modules whose names end
-    with one of ``names`` (a plain Linear's weight, or a PEFT layer's base weight plus its delta, e.g. LoRA)."""
+    with one of ``names`` (a plain Linear's weight, or a PEFT layer's base weight plus its delta, e.g. LoRA).
+
+    Args:
+        model: the model.
+        names: for a baseline, the module-name endings to read (e.g. ``q_proj``).
+
+    Returns:
+        ``{module name: out × in float32 weight}``.
+    """
     layers = poet_layers(model)
     if layers:
         return {name: layer.effective_weight_matrix(dtype=torch.float32).detach() for name, layer in layers}
@@ -43,13 +51,30 @@ def _svdvals(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def singular_values(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
-    """Singular values (descending, float64) of every target weight; see :func:`target_weight_matrices`."""
+    """Singular values (descending, float64) of every target weight; see [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
+
+    Args:
+        model: the model.
+        names: for a baseline, the module-name endings to read.
+
+    Returns:
+        ``{module name: singular values}``.
+    """
     return {name: _svdvals(w) for name, w in target_weight_matrices(model, names).items()}
 
 
 @torch.no_grad()
 def module_singular_values(model: nn.Module, names: list[str], progress: bool = False) -> dict[str, torch.Tensor]:
-    """Singular values (descending, float64) of the ``weight`` of each module named (exactly) in ``names``."""
+    """Singular values (descending, float64) of the ``weight`` of each module named (exactly) in ``names``.
+
+    Args:
+        model: the model.
+        names: the exact module names.
+        progress: show a progress bar.
+
+    Returns:
+        ``{module name: singular values}`` for the modules that have a weight.
+    """
     from tqdm.auto import tqdm
 
     modules = dict(model.named_modules())
@@ -59,8 +84,15 @@ def module_singular_values(model: nn.Module, names: list[str], progress: bool = 
 
 
 def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
-    """One row per module-name group (the name's last part, e.g. ``q_proj``) of :func:`singular_values` output:
-    ``count``, mean ``sigma_max``, mean ``sigma_min`` and the worst ``condition`` number of the group."""
+    """One row per module-name group (the name's last part, e.g. ``q_proj``) of [`singular_values`][poet_hf.diagnostics.singular_values] output:
+    ``count``, mean ``sigma_max``, mean ``sigma_min`` and the worst ``condition`` number of the group.
+
+    Args:
+        spectra: [`singular_values`][poet_hf.diagnostics.singular_values] output.
+
+    Returns:
+        One dict per group: ``group``, ``count``, ``sigma_max``, ``sigma_min``, ``condition``.
+    """
     groups: dict[str, list[tuple[float, float]]] = {}
     for name, s in spectra.items():
         groups.setdefault(name.rsplit(".", 1)[-1], []).append((float(s.max()), float(s.min())))
@@ -72,10 +104,17 @@ def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
 
 
 def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Spectrum drift between two :func:`singular_values` snapshots.
+    """Spectrum drift between two [`singular_values`][poet_hf.diagnostics.singular_values] snapshots.
 
     Per layer the drift is ``max_i |σ_i(after) − σ_i(before)| / σ_max(before)``; the report gives the largest
     and mean drift and the largest relative change of ``σ_max``.
+
+    Args:
+        before: the snapshot at the start.
+        after: the snapshot at the end.
+
+    Returns:
+        ``{"layers", "max_drift", "mean_drift", "max_sigma_max_change"}``.
     """
     drifts, top = [], []
     for name, s0 in before.items():
@@ -90,7 +129,21 @@ def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tens
 
 def plot_spectra(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], path: Path, title: str,
                  max_layers: int = 4) -> Path:
-    """A PNG of singular values before and after training for a few layers (like the POET paper's Figure 1)."""
+    """A PNG of singular values before and after training for a few layers (like the POET paper's Figure 1).
+
+    Args:
+        before: the snapshot at the start.
+        after: the snapshot at the end.
+        path: the PNG to write.
+        title: the figure's title.
+        max_layers: how many layers to plot.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ValueError: there are no weights to plot.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -128,10 +181,17 @@ def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, flo
     - ``poet/q_norm``: the largest ``||Q||_2`` of any block; ``poet/block_orth_error``: the largest
       ``||B Bᵀ − I||_F / √b`` of any block;
     - ``poet/e_orth_{R,P}`` and ``poet/trace_{R,P}``: the paper's ``||R Rᵀ − I||_F / ||I||_F`` and ``Tr(R)/m`` of the
-      whole rotation (:meth:`~poet_hf.tuners.rotation_layer.RotationLayer.paper_metrics`), averaged over layers and,
+      whole rotation (`paper_metrics`), averaged over layers and,
       under ``poet/<metric>/<layer type>`` (``q_proj``, ``up_proj`` …), over the layers of each type;
     - ``poet/probe_cos_{R,P}``: the mean vector-probe cosine ``vᵀ R v`` with one fixed random unit vector per layer
       and side (the paper's Fig. 2).
+
+    Args:
+        model: the model.
+        adapter: the adapter whose layers to measure.
+
+    Returns:
+        ``{statistic name: value}``; empty without POET layers.
     """
     q_norm, block_error, merge_count = 0.0, 0.0, 0
     per_type: dict[str, list[float]] = {}

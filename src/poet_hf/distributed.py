@@ -4,7 +4,7 @@ POET trains under FSDP2 as it is: every parameter (the frozen ``W0`` included) i
 all-gathers one decoder layer's parameters for its forward and backward, and the fused POET layers see ordinary
 tensors there. Merge-then-reinitialize runs outside the forward on the sharded weights: each layer gathers its own
 ``W0`` and skew vectors, folds, writes back only its shard and draws the same permutations on every rank
-(:meth:`~poet_hf.tuners.rotation_layer.RotationLayer.merge_and_reinit`), so a merge never holds more than one
+(`merge_and_reinit`), so a merge never holds more than one
 layer's full weight. This module adds what a sharded run needs around that: sharding per decoder layer (what
 Accelerate's ``fsdp_version: 2`` does inside ``Trainer``), and the gathers that end a run: an unsharded copy on
 rank 0 to export or save, written once.
@@ -36,7 +36,14 @@ def barrier() -> None:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 has sharded it)."""
+    """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 has sharded it).
+
+    Args:
+        model: the model to inspect.
+
+    Returns:
+        ``True`` when FSDP2 has sharded at least one parameter.
+    """
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
@@ -82,7 +89,15 @@ def shard_dim(shape: torch.Size, processes: int) -> int:
     """The dimension FSDP2 shards a parameter on: 0, as ``fully_shard`` does, unless it has fewer rows than
     processes (a POET-FS skew vector is ``1 × b(b−1)/2``, a POET-BS one ``m/b`` rows): ``fully_shard`` would pad
     dim 0 to one row per process and every process would hold a whole row, so such a matrix is split along its
-    longest dimension instead."""
+    longest dimension instead.
+
+    Args:
+        shape: the parameter's shape.
+        processes: how many processes share it.
+
+    Returns:
+        The dimension to split.
+    """
     if len(shape) < 2 or shape[0] >= processes:
         return 0
     return max(range(len(shape)), key=lambda d: shape[d])
@@ -97,18 +112,30 @@ def _placement(processes: int):
 def shard_model(model: nn.Module, mesh: Any = None, seed: int = 0, checkpoint: Union[str, Path, None] = None,
                 loading: str = "scatter", **fully_shard_kwargs: Any) -> nn.Module:
     """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
-    tied), then the root (in place; returns ``model``). Each parameter is split along :func:`shard_dim`.
+    tied), then the root (in place; returns ``model``). Each parameter is split along [`shard_dim`][poet_hf.distributed.shard_dim].
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
-    (:func:`~poet_hf.initialization.materialize_model` with ``seed``, ``checkpoint`` and ``loading``): no process
+    ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no process
     ever holds the whole model, and the result equals, bit for bit, the model one process would build.
 
     ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
     ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ``shard_placement_fn`` to place shards yourself, …).
 
+    Args:
+        model: the model to shard, built on the ``meta`` device or materialized.
+        mesh: the device mesh; default a 1-D mesh over every process.
+        seed: seed of the keyed initialisation of a ``meta`` model's base modules.
+        checkpoint: for a ``meta`` model, a ``save_pretrained`` folder or ``.safetensors`` file to read its base weights
+            from.
+        loading: how rank 0 hands out a checkpoint's tensors: ``"scatter"`` (each process its shard) or ``"broadcast"``.
+        **fully_shard_kwargs: passed to ``fully_shard``.
+
+    Returns:
+        ``model``, sharded in place.
+
     Raises:
-        ValueError: the model holds a bitsandbytes layer (:func:`refuse_quantized_bases`) or declares no transformer
-            block class; or, for a meta model, as :func:`~poet_hf.initialization.materialize_model`.
+        ValueError: the model holds a bitsandbytes layer (`refuse_quantized_bases`) or declares no transformer
+            block class; or, for a meta model, as [`materialize_model`][poet_hf.initialization.materialize_model].
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -131,7 +158,14 @@ def shard_model(model: nn.Module, mesh: Any = None, seed: int = 0, checkpoint: U
 
 
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0's CPU (an empty dict on the other ranks), gathered one tensor at a time."""
+    """The whole state dict on rank 0's CPU (an empty dict on the other ranks), gathered one tensor at a time.
+
+    Args:
+        model: the model, sharded or not.
+
+    Returns:
+        The state dict on rank 0, ``{}`` on the others.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not is_sharded(model):
@@ -152,6 +186,15 @@ def unsharded_replica(model: nn.Module) -> Optional[nn.Module]:
     The base model is rebuilt from its class and config, the adapters from their configs, and the gathered state
     dict (buffers included: permutations, merge counts) is loaded into it, so the copy computes what the sharded
     model computes.
+
+    Args:
+        model: the sharded model (a ``PeftModel`` or a plain one).
+
+    Returns:
+        The copy on rank 0, ``None`` on the others.
+
+    Raises:
+        RuntimeError: the gathered state dict does not fit the rebuilt model.
     """
     state = gather_full_state_dict(model)
     if _rank() != 0:
@@ -179,6 +222,11 @@ def save_pretrained_unsharded(model: nn.Module, output_dir: Union[str, Path], **
 
     A ``PeftModel`` writes its adapter folder as usual (plus the base weights POET changed, as unsharded
     ``save_pretrained`` does); every rank returns when the folder is complete.
+
+    Args:
+        model: the sharded model.
+        output_dir: the folder to write.
+        **kwargs: passed to ``save_pretrained``.
     """
     state = gather_full_state_dict(model)
     if _rank() == 0:

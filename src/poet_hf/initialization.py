@@ -2,7 +2,7 @@
 is sharded.
 
 Built under ``with torch.device("meta")``, a model (POET or OFT adapters included) holds no memory.
-:func:`materialize_model` then gives every tensor still on ``meta`` its storage (under FSDP2 only the process's
+[`materialize_model`][poet_hf.initialization.materialize_model] then gives every tensor still on ``meta`` its storage (under FSDP2 only the process's
 shard) and its value:
 
 - tensors a checkpoint holds are read from it (``safetensors``); in a sharded model rank 0 reads each tensor and
@@ -12,7 +12,7 @@ shard) and its value:
   ``nn.Module`` by its ``reset_parameters``), under a generator keyed by (seed, module name) instead of the global
   generator in construction order;
 - POET and OFT adapters draw their index sets, skew vectors and ``base_init`` weights from their own keyed
-  generators (:meth:`~poet_hf.tuners.rotation_layer.RotationLayer.reset_rotation_state`), as they do on a real
+  generators (`reset_rotation_state`), as they do on a real
   device.
 
 Each value is computed whole on the CPU from its key alone, and each process keeps its shard of it, so a model
@@ -42,7 +42,15 @@ _PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[
 
 
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
-    """Whether any parameter or buffer of ``module`` is still on the ``meta`` device."""
+    """Whether any parameter or buffer of ``module`` is still on the ``meta`` device.
+
+    Args:
+        module: the module to inspect.
+        recurse: look into submodules too.
+
+    Returns:
+        ``True`` when one is.
+    """
     tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
     return any(t.device.type == "meta" for t in tensors)
 
@@ -232,9 +240,9 @@ def materialize_model(model: nn.Module, seed: int = 0, device: Union[str, torch.
         ``model``, materialized in place.
 
     Raises:
-        ValueError: ``loading`` is not one of :data:`CHECKPOINT_LOADING`; a meta module holds another PEFT method's
+        ValueError: ``loading`` is not one of [`CHECKPOINT_LOADING`][poet_hf.initialization.CHECKPOINT_LOADING]; a meta module holds another PEFT method's
             adapter or a quantised layer, whose initialisation this cannot reproduce, or a tensor no initialisation
-            writes (:func:`initial_values`); or ``checkpoint`` lacks a persistent tensor of the base model.
+            writes (`initial_values`); or ``checkpoint`` lacks a persistent tensor of the base model.
         FileNotFoundError: ``checkpoint`` is not a folder or file with safetensors weights.
     """
     from torch.distributed.tensor import DTensor

@@ -1,10 +1,10 @@
 """How much memory one training process needs, planned from shapes alone, part by part.
 
-:func:`plan_memory` builds the model on the ``meta`` device (no memory, no initialisation), wraps it for the method
+[`plan_memory`][poet_hf.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no initialisation), wraps it for the method
 (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
-  in ``dtype``; under FSDP2 each tensor's padded shard along :func:`~poet_hf.distributed.shard_dim`);
+  in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.distributed.shard_dim]);
 - activations are the tensors autograd saves in one forward, traced on the meta device with
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
   each block keeps its input instead, and the one block being recomputed keeps its own;
@@ -15,7 +15,7 @@ The total is the memory alive at the training peak, after the first optimizer st
 backward's first step, where every saved activation is still alive. Gradients count there in full only when they
 persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held);
 otherwise only those of the output head, which the backward produces first. DDP adds its buckets, a flat copy of
-every gradient; FSDP2 what it holds gathered at the head's backward (:func:`_gathered_bytes`).
+every gradient; FSDP2 what it holds gathered at the head's backward (`_gathered_bytes`).
 
 Paper correspondence (POET, Table 1, one ``m × n`` weight and Adam): AdamW ``3mn`` entries (weight and two
 states), POET-BS ``mn + 3/2·(m+n)(b−1)``, POET-FS ``mn + 3·b(b−1)``, GaLore ``mn + mr + 2nr``: the planner's ``W0``,
@@ -46,7 +46,14 @@ ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 what
 
 @dataclass
 class MemoryPlan:
-    """The per-process bytes of one run, by part (:data:`PARTS`), and the settings they were planned for."""
+    """The per-process bytes of one run, by part (`PARTS`), and the settings they were planned for.
+
+    Args:
+        method: the method planned.
+        parts: bytes per process, per part (``W0``, trainable parameters, gradients, …).
+        settings: the inputs of the plan (model, dtype, batch, …).
+        counts: tensor entries read off the model (``W0``, trainable, optimizer states).
+    """
 
     method: str
     parts: dict[str, int]
@@ -58,12 +65,17 @@ class MemoryPlan:
         return sum(self.parts.values())
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (what ``--json`` prints).
+
+        Returns:
+            ``{"method", "parts", "total_bytes", "settings", "counts"}``.
+        """
         return {"method": self.method, "settings": self.settings, "counts": self.counts,
                 "parts_mb": {k: v / 2**20 for k, v in self.parts.items()}, "total_mb": self.total_bytes / 2**20}
 
 
 def _resolve_model_config(model: Any) -> Any:
-    """A preset name (:data:`~poet_hf.training.pretrain.PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its
+    """A preset name (`PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its
     folder), or a Hub id (its config is read through ``huggingface_hub``'s cache)."""
     from transformers import AutoConfig, PretrainedConfig
 
@@ -143,7 +155,7 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
 
 
 def _shard(shape: torch.Size, processes: int) -> int:
-    """Entries of one process's shard: FSDP2 splits one dimension (:func:`~poet_hf.distributed.shard_dim`) into
+    """Entries of one process's shard: FSDP2 splits one dimension ([`shard_dim`][poet_hf.distributed.shard_dim]) into
     ``processes`` chunks, padded to equal size."""
     from .distributed import shard_dim
 
@@ -231,7 +243,7 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
     Args:
         model: a preset name (``"llama-130m"``), a ``transformers.PretrainedConfig``, a path to a ``config.json``
             (or its folder), or a Hub id whose config is read (from the local cache when offline).
-        method: one of :data:`METHODS`.
+        method: one of `METHODS`.
         block_size: POET-BS's and OFT's block size ``b``.
         budget: POET-FS's sampling budget, a fraction of each dimension.
         rank: LoRA's rank, and GaLore's projection rank.
@@ -239,13 +251,15 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
             stay float32).
         batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
         processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"``
-            (:func:`~poet_hf.distributed.shard_model`: per transformer block, the embeddings, the head, the root).
+            ([`shard_model`][poet_hf.distributed.shard_model]: per transformer block, the embeddings, the head, the root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
-        cache_rotations: POET's rotation cache (:class:`~poet_hf.PoetConfig`), held under accumulation.
+        cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation.
+        seq_len: the sequence length.
+        sharding: ``"ddp"`` or ``"fsdp2"`` (with ``processes`` > 1).
 
     Returns:
-        A :class:`MemoryPlan`: bytes per process by part, alive together at the steady-state training peak.
+        A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state training peak.
 
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
@@ -318,7 +332,7 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
 
 def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dict[int, int], processes: int) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
-    the head's parameters gathered (its own unit, as :func:`~poet_hf.distributed.shard_model` shards it; the root
+    the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the root
     when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient twice,
     unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
     ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""

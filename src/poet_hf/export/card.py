@@ -47,7 +47,24 @@ def render_model_card(
 ) -> Any:
     """A ``huggingface_hub.ModelCard`` for an exported model, from the ``model_cards/poet.md`` template.
 
-    ``spectrum_rows`` are :func:`~poet_hf.diagnostics.spectrum_summary` rows.
+    ``spectrum_rows`` are [`spectrum_summary`][poet_hf.diagnostics.spectrum_summary] rows.
+
+    Args:
+        model: the exported (plain) model.
+        peft_config: the adapter config it was folded from.
+        export_dtype: the dtype the weights were written in.
+        run_info: training facts (learning rates, steps, merges, tokens…).
+        eval_results: the last evaluation.
+        spectrum_rows: the singular-value summary of the folded weights.
+        folded_layers: how many layers were folded.
+        datasets: the datasets' Hub ids.
+        license: the license tag.
+        merge_count: merges folded into ``W0`` during training.
+        model_id: the name the card's loading snippet uses.
+        from_scratch: the model was pretrained from scratch (no base model to cite).
+
+    Returns:
+        The rendered ``huggingface_hub.ModelCard``.
     """
     run = dict(run_info or {})
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))

@@ -23,11 +23,27 @@ def push_merged_to_hub(
     revision: Optional[str] = None,
     endpoint: Optional[str] = None,
 ) -> str:
-    """Upload an export written by :func:`export_merged` to the Hub model repo ``repo_id``; return the commit URL.
+    """Upload an export written by [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``; return the commit URL.
 
     Uses ``huggingface_hub`` (``create_repo(exist_ok=True)`` then ``upload_folder``). The token is ``token``, else
     ``HF_TOKEN``, else the one saved by ``hf auth login``; the endpoint is ``endpoint``, else ``HF_ENDPOINT``.
-    The folder on disk is only read. Errors are raised as :class:`HubPushError` with a readable message.
+    The folder on disk is only read. Errors are raised as [`HubPushError`][poet_hf.export.HubPushError] with a readable message.
+
+    Args:
+        output_dir: the export folder.
+        repo_id: the model repo (``user/name`` or ``org/name``); created if missing.
+        private: create the repo private.
+        token: the Hub token (default ``HF_TOKEN``, else ``hf auth login``'s).
+        commit_message: the commit message.
+        revision: the branch to commit to.
+        endpoint: another Hub instance (default ``HF_ENDPOINT``).
+
+    Returns:
+        The commit URL.
+
+    Raises:
+        HubPushError: no token, no network, a repo the token cannot write to, a refused upload, or a folder that is not
+            an export.
     """
     from huggingface_hub import HfApi, get_token
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -38,7 +54,8 @@ def push_merged_to_hub(
     if not token:
         raise HubPushError(f"no Hugging Face token to push {folder} to '{repo_id}': pass --hub-token / token=..., "
                            "set HF_TOKEN, or run `hf auth login`")
-    api = HfApi(endpoint=endpoint, token=token)
+    # HF_ENDPOINT read now, not when huggingface_hub was imported (it fixes its default then)
+    api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT"), token=token)
     where = f"'{repo_id}' at {api.endpoint}"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")

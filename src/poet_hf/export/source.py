@@ -1,4 +1,4 @@
-"""Loading what :func:`~poet_hf.export.export_merged` folds: a ``PeftModel``, a trainer holding one, or a directory
+"""Loading what [`export_merged`][poet_hf.export.export_merged] folds: a ``PeftModel``, a trainer holding one, or a directory
 (``save_pretrained`` output or a ``PoetTrainer`` checkpoint), as a float32 ``PeftModel`` with its training facts."""
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ class LoadedSource:
 
 
 def supported_peft_types() -> frozenset[str]:
-    """PEFT types :func:`export_merged` accepts: poet_hf's registered tuners, plus POET, OFT and ORTHOGONAL."""
+    """PEFT types [`export_merged`][poet_hf.export.export_merged] accepts: poet_hf's registered tuners, plus POET, OFT and ORTHOGONAL.
+
+    Returns:
+        The PEFT type names.
+    """
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
     ours = {str(getattr(key, "value", key)) for key, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()

@@ -10,7 +10,7 @@ TEMPLATES = ("poet.md", "lipconvnet.md")
 
 
 def template_path(name: str) -> Path:
-    """The packaged template ``name`` (one of :data:`TEMPLATES`)."""
+    """The packaged template ``name`` (one of `TEMPLATES`)."""
     if name not in TEMPLATES:
         raise ValueError(f"model card template must be one of {TEMPLATES}, got {name!r}")
     return Path(str(resources.files(__name__) / name))

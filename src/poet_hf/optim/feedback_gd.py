@@ -48,7 +48,14 @@ def _tall(tensor: torch.Tensor) -> torch.Tensor:
 
 def stiefel_deviation(tensor: torch.Tensor) -> float:
     """``||theta^T theta - I||_F`` for the tall view of ``tensor`` (``||P P^T - I||_F`` for a wide ``P``): the
-    absolute form of :func:`~poet_hf.orthogonal.orthogonality_error`, which divides by ``||I||_F = √p``."""
+    absolute form of [`orthogonality_error`][poet_hf.orthogonal.orthogonality_error], which divides by ``||I||_F = √p``.
+
+    Args:
+        tensor: a weight (2-D or more; viewed as ``out × in…``).
+
+    Returns:
+        ``||θᵀθ − I||_F``.
+    """
     theta = _tall(tensor.detach()).double()
     return float(orthogonality_error(theta)) * theta.shape[1] ** 0.5
 
@@ -109,7 +116,9 @@ class FeedbackGD(torch.optim.Optimizer):
         lr_change: ``"rescale"`` or ``"reset"`` the constrained momentum when ``lr`` changes.
         stiefel_lr_multiplier: default ``lr_multiplier`` of constrained groups (a group's own key wins): their
             step uses ``lr * lr_multiplier``.
-        weight_decay, dampening, nesterov: SGD options for unconstrained groups.
+        weight_decay: SGD weight decay of unconstrained groups.
+        dampening: SGD momentum dampening of unconstrained groups.
+        nesterov: Nesterov momentum for unconstrained groups.
     """
 
     def __init__(
@@ -259,13 +268,17 @@ class FeedbackGD(torch.optim.Optimizer):
 
     @staticmethod
     def _untall(mat: torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Inverse of :func:`_tall`: back to ``like``'s shape, and to ``dtype`` (default ``like``'s)."""
+        """Inverse of `_tall`: back to ``like``'s shape, and to ``dtype`` (default ``like``'s)."""
         rows = like.reshape(like.shape[0], -1)
         out = mat.T if rows.shape[0] <= rows.shape[1] else mat
         return out.reshape(like.shape).to(dtype or like.dtype)
 
     def stiefel_deviations(self) -> list[float]:
-        """``||theta^T theta - I||_F`` of every constrained tensor, in group order (a training diagnostic)."""
+        """``||theta^T theta - I||_F`` of every constrained tensor, in group order (a training diagnostic).
+
+        Returns:
+            One deviation per constrained tensor.
+        """
         return [stiefel_deviation(p) for g in self.param_groups if g["stiefel"] for p in g["params"]]
 
     def __setstate__(self, state: dict[str, Any]) -> None:

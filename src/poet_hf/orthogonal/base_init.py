@@ -18,6 +18,18 @@ def init_base_weight(shape: tuple[int, int], scheme: str, generator: torch.Gener
     - ``"xavier"``: Glorot normal, variance ``2 / (fan_in + fan_out)``.
     - ``"normalized"``: Gaussian, then every output neuron (torch row) scaled to unit L2 norm (the paper's default).
     - ``"uniform_spectrum"``: the polar factor ``U V^T`` of a Gaussian draw (all singular values 1).
+
+    Args:
+        shape: ``(out, in)``.
+        scheme: one of ``BASE_INIT_SCHEMES``.
+        generator: the generator to draw from.
+        std: the standard deviation of ``"standard"``.
+
+    Returns:
+        The matrix, float32.
+
+    Raises:
+        ValueError: ``scheme`` is not one of ``BASE_INIT_SCHEMES``.
     """
     out_features, in_features = shape
     gaussian = torch.randn(out_features, in_features, generator=generator, dtype=torch.float32)

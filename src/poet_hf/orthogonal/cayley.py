@@ -44,16 +44,33 @@ __all__ = [
 
 
 def num_skew_params(block_size: int) -> int:
-    """Number of free parameters of a ``block_size x block_size`` skew-symmetric matrix."""
+    """Number of free parameters of a ``block_size x block_size`` skew-symmetric matrix.
+
+    Args:
+        block_size: the side ``b``.
+
+    Returns:
+        ``b(b−1)/2``.
+    """
     return block_size * (block_size - 1) // 2
 
 
 def random_skew_params(shape: tuple[int, ...], block_size: int, generator: torch.Generator, op_norm: float = 0.1,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Gaussian skew parameters (``shape``, last axis :func:`num_skew_params`) whose ``block_size``-square skew
+    """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose ``block_size``-square skew
     matrices have operator norm about ``op_norm``: a non-identity start for adapters and tests.
 
     A ``b × b`` Gaussian skew matrix with entry std ``s`` has operator norm about ``2 s √b``.
+
+    Args:
+        shape: the parameter tensor's shape (last axis ``b(b−1)/2``).
+        block_size: the side ``b``.
+        generator: the generator to draw from.
+        op_norm: the operator norm to aim for.
+        dtype: the dtype of the result.
+
+    Returns:
+        The parameters, of ``shape``.
     """
     return torch.randn(shape, generator=generator, dtype=dtype) * (op_norm / (2 * math.sqrt(block_size)))
 
@@ -65,7 +82,15 @@ def paper_neumann_k(terms: int) -> Optional[int]:
 
 
 def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
-    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms − 2)."""
+    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms − 2).
+
+    Args:
+        terms: the value to check.
+        field: the setting's name, for the message.
+
+    Raises:
+        ValueError: ``terms`` is neither 0 nor an integer of at least 2.
+    """
     if not isinstance(terms, int) or isinstance(terms, bool) or terms < 0 or terms == 1:
         raise ValueError(
             f"`{field}` must be 0 (the exact Cayley transform) or an integer >= 2, got {terms!r}. It counts the terms "
@@ -109,6 +134,9 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
     Returns:
         ``(..., b, b)`` tensor ``Q`` with ``Q = -Q^T``.
+
+    Raises:
+        ValueError: the last axis of ``vec`` is not ``b(b−1)/2``.
     """
     expected = num_skew_params(block_size)
     if vec.shape[-1] != expected:
@@ -120,7 +148,7 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``dL/dvec`` of :func:`skew_from_vector` from ``dL/dQ``: ``Q = U − Uᵀ`` gives ``dL/dU = dQ − dQᵀ``, read on the
+    """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``: ``Q = U − Uᵀ`` gives ``dL/dU = dQ − dQᵀ``, read on the
     strict upper triangle. Only the skew part of ``grad_q`` contributes."""
     upper, lower = _triangle_flat_indices(block_size, grad_q.device)
     flat = grad_q.reshape(*grad_q.shape[:-2], block_size * block_size)
@@ -141,7 +169,15 @@ def cayley(q: torch.Tensor) -> torch.Tensor:
 
 
 def cayley_neumann(q: torch.Tensor, terms: int) -> torch.Tensor:
-    """Cayley–Neumann approximation ``I + 2Q + ... + 2Q^{terms-2} + Q^{terms-1}``; ``terms == 0`` is exact."""
+    """Cayley–Neumann approximation ``I + 2Q + ... + 2Q^{terms-2} + Q^{terms-1}``; ``terms == 0`` is exact.
+
+    Args:
+        q: skew-symmetric blocks ``(..., b, b)``.
+        terms: the number of terms ``n`` (PEFT's count; the paper's ``k = n − 2``), or 0 for the exact transform.
+
+    Returns:
+        The rotation blocks ``(..., b, b)``.
+    """
     check_neumann_terms(terms)
     if terms == 0:
         return cayley(q)
@@ -236,7 +272,7 @@ def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> t
 
 
 def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
-    """``||Q||_2`` per block of ``(..., b, b)``: the lower estimate of :func:`skew_spectral_norm_bounds`, within 2% for
+    """``||Q||_2`` per block of ``(..., b, b)``: the lower estimate of `skew_spectral_norm_bounds`, within 2% for
     blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
     return skew_spectral_norm_bounds(q)[0]
 
@@ -246,7 +282,7 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) ->
     (always for the exact transform, ``terms == 0``).
 
     Certified upper bounds decide cheaply that nothing needs doing: ``||Q||_F``, then ``||(QᵀQ)⁴||_F^(1/8)``. Only
-    when one of them exceeds the cap is ``||Q||_2`` estimated from below (:func:`skew_spectral_norm`), so every
+    when one of them exceeds the cap is ``||Q||_2`` estimated from below (`skew_spectral_norm`), so every
     process computes the same factor. The factor carries no gradient: beyond the cap the rotation is that of the
     rescaled block, like a norm clip.
     """
@@ -313,12 +349,12 @@ class SkewRotation:
     """``R = cayley_neumann(Q, terms)`` evaluated once, keeping what one vector-Jacobian product needs.
 
     The fused backward of a rotated layer builds ``R`` (it needs it to recompute the rotated weight or activations),
-    then calls :meth:`vjp` with ``dL/dR``; nothing is kept between the forward and the backward pass.
+    then calls `vjp` with ``dL/dR``; nothing is kept between the forward and the backward pass.
     """
 
     @classmethod
     def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> "SkewRotation":
-        """The rotation of the skew vectors ``vec``, with the norm cap of :func:`skew_norm_scale` applied."""
+        """The rotation of the skew vectors ``vec``, with the norm cap of `skew_norm_scale` applied."""
         q = skew_from_vector(vec, block_size)
         scale = _cached_norm_scale(vec, q, terms)
         evaluation = cls(q if scale is None else q * scale, terms)
@@ -326,7 +362,7 @@ class SkewRotation:
         return evaluation
 
     def vector_vjp(self, grad_r: torch.Tensor) -> torch.Tensor:
-        """``dL/dvec`` for an evaluation built by :meth:`from_vector`."""
+        """``dL/dvec`` for an evaluation built by `from_vector`."""
         grad_q = self.vjp(grad_r)
         return vector_from_skew(grad_q if self.scale is None else grad_q * self.scale, self._shape[-1])
 
@@ -346,7 +382,7 @@ class SkewRotation:
         self.rotation = rotation.reshape(q.shape)
 
     def vjp(self, grad_r: torch.Tensor) -> torch.Tensor:
-        """``dL/dQ`` for ``dL/dR = grad_r`` (only its skew part is meaningful: feed it to :func:`vector_from_skew`)."""
+        """``dL/dQ`` for ``dL/dR = grad_r`` (only its skew part is meaningful: feed it to `vector_from_skew`)."""
         b = self._shape[-1]
         grad = grad_r.reshape(-1, b, b)
         rotation = self.rotation.reshape(-1, b, b)
@@ -398,10 +434,18 @@ class OrthogonalFromVector(torch.autograd.Function):
 def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> torch.Tensor:
     """Rotation blocks ``(..., b, b)`` from skew parameter vectors ``(..., b(b-1)/2)``.
 
-    Evaluated by :func:`rotation_from_skew`; under autograd through :class:`OrthogonalFromVector`, which keeps only
-    ``vec`` for the backward (the plain composition :func:`cayley_neumann` ∘ :func:`skew_from_vector` is the
-    reference it is tested against). Blocks beyond :data:`MAX_SKEW_NORM` are rescaled onto it
-    (:func:`skew_norm_scale`).
+    Evaluated by `rotation_from_skew`; under autograd through `OrthogonalFromVector`, which keeps only
+    ``vec`` for the backward (the plain composition [`cayley_neumann`][poet_hf.orthogonal.cayley_neumann] ∘ [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] is the
+    reference it is tested against). Blocks beyond `MAX_SKEW_NORM` are rescaled onto it
+    (`skew_norm_scale`).
+
+    Args:
+        vec: skew parameters ``(..., b(b−1)/2)``.
+        block_size: the side ``b``.
+        terms: the number of Cayley–Neumann terms ``n`` (0: exact).
+
+    Returns:
+        The rotation blocks ``(..., b, b)``.
     """
     check_neumann_terms(terms)
     if torch.is_grad_enabled() and vec.requires_grad:
@@ -416,6 +460,13 @@ def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:
     ``R_k`` are ``|1 - (iθ)^{k-1}|`` over the eigenvalues ``iθ`` of ``Q``. That distance from 1 grows with
     ``|θ|``, so the largest is reached at ``θ = ||Q||_2``: ``θ^{k-1}`` for odd ``k`` and
     ``sqrt(1 + θ^{2(k-1)}) - 1`` for even ``k``. Zero for the exact transform (``terms == 0``).
+
+    Args:
+        q: skew-symmetric blocks ``(..., b, b)``.
+        terms: the number of terms ``n``.
+
+    Returns:
+        The bound per block, shape ``q.shape[:-2]``.
     """
     check_neumann_terms(terms)
     if terms == 0:

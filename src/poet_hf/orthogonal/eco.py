@@ -3,7 +3,7 @@
 How the kernel is built (paper §4–5, with the digest's corrections, ``research/seed-000-eco.md``):
 
 1. ``L`` skew-symmetric ``c x c`` matrices ``A_l``, one per conjugate-pair class of the ``k x k`` frequency grid
-   (``L = (k²+1)/2`` for odd ``k``, ``(k²+4)/2`` for even ``k``; Algorithm 2, :func:`construct_index_map`).
+   (``L = (k²+1)/2`` for odd ``k``, ``(k²+4)/2`` for even ``k``; Algorithm 2, [`construct_index_map`][poet_hf.orthogonal.construct_index_map]).
 2. Each is spectrally normalised (power iteration, Miyato-style) and exponentiated: a truncated Taylor series
    ``Σ_{i=0}^{T} A^i/i!`` (paper Eq. 15) in training, or ``torch.matrix_exp`` (exact), by option.
 3. The orthogonal blocks are placed on the ``k x k`` frequency grid, ``P0[i, j] = Q[I[i, j]]``, and
@@ -62,6 +62,12 @@ def construct_index_map(kernel_size: int) -> tuple[torch.Tensor, int]:
 
     Real, even blocks ``P0[i, j] = Q[I[i, j]]`` make ``ifft2(P0)`` real (conjugate symmetry, §1.4 of the digest).
     ``-1`` marks "unset" (the paper's 0 sentinel only works because (0, 0) is its own mirror).
+
+    Args:
+        kernel_size: the kernel side ``k``.
+
+    Returns:
+        ``(I, L)``: the ``k × k`` index map and the number of classes.
     """
     index, count = _index_map_list(kernel_size)
     return torch.tensor(index, dtype=torch.long, device="cpu"), count
@@ -122,7 +128,14 @@ def eco_kernel(blocks: torch.Tensor, index_map: torch.Tensor | list[list[int]]) 
     """Torch conv weight ``[c, c, k, k]`` from orthogonal blocks ``[L, c, c]``: ``real(ifft2(P0))``, centred.
 
     Equivalent to ``fftshift(ifft2(blocks[index_map], dim=(0, 1)).real)`` (tested), computed as one small real
-    matmul with :func:`synthesis_matrix` instead of ``c²`` strided length-``k`` complex FFTs.
+    matmul with `synthesis_matrix` instead of ``c²`` strided length-``k`` complex FFTs.
+
+    Args:
+        blocks: the ``L`` orthogonal ``c × c`` blocks ``(L, c, c)``.
+        index_map: the map of [`construct_index_map`][poet_hf.orthogonal.construct_index_map].
+
+    Returns:
+        The real ``[c, c, k, k]`` kernel.
     """
     coefficients = synthesis_matrix(index_map, blocks.shape[0], blocks.dtype).to(blocks.device)
     w0 = torch.einsum("pql,lab->abpq", coefficients, blocks)
@@ -192,6 +205,9 @@ def _check_int(value: object, name: str, minimum: int) -> int:
 class EcoConv2d(nn.Module):
     """Orthogonal convolution built explicitly on the frequency grid (ECO), for one fixed input size.
 
+    Attribute ``update_power_iteration`` (default True) lets a training forward refresh ``u``; set it False to
+    freeze ``u``, e.g. under ``torch.func`` transforms, which refuse in-place buffer updates.
+
     Args:
         in_channels: input channels ``c_in``.
         out_channels: output channels ``c_out``. The layer works on ``c = max(c_in·s², c_out)`` channels:
@@ -204,15 +220,18 @@ class EcoConv2d(nn.Module):
             on it, so it is fixed at construction and checked in ``forward``.
         bias: add a learned bias (it does not change the Lipschitz constant).
         orthogonal_map: ``"taylor"`` (truncated exponential, ``train_terms`` terms, the paper's default) or
-            ``"matrix_exp"`` (exact) for the training forward. Evaluation and :meth:`bake` always use
+            ``"matrix_exp"`` (exact) for the training forward. Evaluation and `bake` always use
             ``torch.matrix_exp``.
         train_terms: ``T`` of the training Taylor series ``Σ_{i=0}^{T}``; the paper uses 5.
         power_iterations: power-iteration steps per training forward for the spectral normalisation.
         baked: build the layer already baked (a plain kernel buffer, no parametrization), e.g. to load a
             baked checkpoint.
+        device: device of the parameters.
+        dtype: dtype of the parameters.
 
-    Attribute ``update_power_iteration`` (default True) lets a training forward refresh ``u``; set it False to
-    freeze ``u``, e.g. under ``torch.func`` transforms, which refuse in-place buffer updates.
+    Raises:
+        ValueError: a size does not fit (the stride must divide ``input_size``, the kernel must divide the unshuffled
+            size, or that size is 1) or an option is invalid.
     """
 
     def __init__(
@@ -270,7 +289,11 @@ class EcoConv2d(nn.Module):
 
     # ----------------------------------------------------------------------------------------------------------
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """``A`` entries ~ N(0, 2/c) (SOC's ``P̃ ~ N(0, 1/c)`` gives ``P̃ - P̃^T`` this variance), random ``u``."""
+        """``A`` entries ~ N(0, 2/c) (SOC's ``P̃ ~ N(0, 1/c)`` gives ``P̃ - P̃^T`` this variance), random ``u``.
+
+        Args:
+            generator: the generator to draw from (default: torch's global one).
+        """
         if self.baked:
             return
         with torch.no_grad():
@@ -284,18 +307,40 @@ class EcoConv2d(nn.Module):
             nn.init.zeros_(self.bias)
 
     def skew_matrices(self) -> torch.Tensor:
-        """The ``[L, c, c]`` skew-symmetric matrices ``A_l`` (before normalisation), in float32 or wider."""
+        """The ``[L, c, c]`` skew-symmetric matrices ``A_l`` (before normalisation), in float32 or wider.
+
+        Returns:
+            The ``[L, c, c]`` matrices.
+        """
         return skew_from_vector(self.skew.to(torch.promote_types(self.skew.dtype, torch.float32)), self.width)
 
     def normalized_skew(self, update: bool) -> torch.Tensor:
-        """``A_l / σ̂_l``; ``update`` runs the power iteration and stores ``u`` (training forward only)."""
+        """``A_l / σ̂_l``; ``update`` runs the power iteration and stores ``u`` (training forward only).
+
+        Args:
+            update: run the power iteration and store ``u`` first.
+
+        Returns:
+            The ``[L, c, c]`` normalized matrices.
+        """
         a = self.skew_matrices()
         if update:
             self.u.copy_(power_iteration(a, self.u, self.power_iterations))
         return normalize_skew(a, self.u)
 
     def full_kernel(self, method: OrthogonalMap, update: bool = False) -> torch.Tensor:
-        """The ``[c, c, k, k]`` ECO kernel with the given orthogonal map (before channel folding)."""
+        """The ``[c, c, k, k]`` ECO kernel with the given orthogonal map (before channel folding).
+
+        Args:
+            method: ``"taylor"`` or ``"matrix_exp"``.
+            update: refresh the power-iteration vector first.
+
+        Returns:
+            The ``[c, c, k, k]`` kernel.
+
+        Raises:
+            RuntimeError: the layer is baked (its kernel is ``weight``).
+        """
         if self.baked:
             raise RuntimeError("EcoConv2d.full_kernel: the layer is baked; its kernel is `weight`")
         a = self.normalized_skew(update)
@@ -307,6 +352,12 @@ class EcoConv2d(nn.Module):
 
         Zero-padded input channels meet zero columns and dropped outputs are never computed, so slicing the
         kernel is the same map. On a 1-pixel axis every tap lands on the same pixel, so the taps sum.
+
+        Args:
+            kernel: a ``[c, c, k, k]`` kernel.
+
+        Returns:
+            The folded ``[c_out, c_in·s², kh', kw']`` kernel.
         """
         kernel = kernel[: self.out_channels, : self.conv_in_channels]
         if self.effective_kernel_size[0] == 1 and kernel.shape[2] > 1:
@@ -319,6 +370,12 @@ class EcoConv2d(nn.Module):
         """The folded kernel the current mode uses (training map in training, cached ``matrix_exp`` in eval).
 
         ``update`` refreshes the power-iteration vector first (training forward only).
+
+        Args:
+            update: refresh the power-iteration vector first (training forward only).
+
+        Returns:
+            The folded kernel.
         """
         if self.baked:
             return self.weight
@@ -339,6 +396,9 @@ class EcoConv2d(nn.Module):
 
         Afterwards ``forward`` is ``pixel_unshuffle`` (if strided) + circular pad + one dilated ``F.conv2d`` and
         the state dict holds only ``weight`` (and ``bias``).
+
+        Returns:
+            The layer itself.
         """
         if self.baked:
             return self
@@ -372,17 +432,29 @@ class EcoConv2d(nn.Module):
 
     @torch.no_grad()
     def singular_values(self) -> torch.Tensor:
-        """All singular values of the layer's Jacobian in the current mode (float64, Sedghi's theorem)."""
+        """All singular values of the layer's Jacobian in the current mode (float64, Sedghi's theorem).
+
+        Returns:
+            The singular values, float64.
+        """
         symbol = circular_conv_symbol(self.kernel(), self.conv_size, self.dilation, self.padding)
         return torch.linalg.svdvals(symbol).flatten()
 
     def lipschitz_constant(self) -> float:
-        """Exact ℓ2 Lipschitz constant (largest singular value) of the map the current mode computes."""
+        """Exact ℓ2 Lipschitz constant (largest singular value) of the map the current mode computes.
+
+        Returns:
+            The largest singular value.
+        """
         return float(self.singular_values().max())
 
     @torch.no_grad()
     def truncation_error(self) -> float:
-        """Largest ``||exp(A_l) - S_T(A_l)||_2`` over the blocks (paper Table 8), for the current ``A_l``."""
+        """Largest ``||exp(A_l) - S_T(A_l)||_2`` over the blocks (paper Table 8), for the current ``A_l``.
+
+        Returns:
+            The largest error over the blocks.
+        """
         if self.baked:
             return 0.0
         return float(taylor_exp_error(normalize_skew(self.skew_matrices(), self.u), self.train_terms).max())

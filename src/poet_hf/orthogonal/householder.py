@@ -39,6 +39,9 @@ def householder_reflect(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     Args:
         v: ``(d,)`` reflection vector, or ``(..., d)`` broadcastable against ``x``.
         x: ``(..., d)`` vectors (one per row).
+
+    Returns:
+        ``x`` reflected, the shape of ``x``.
     """
     return x - (2 * (x * v).sum(-1, keepdim=True) / (v * v).sum(-1, keepdim=True)) * v
 
@@ -57,6 +60,13 @@ def householder_product_sequential(input: torch.Tensor, tau: torch.Tensor) -> to
     """First ``n`` columns of ``H_1 ... H_k``, one reflection at a time (``torch.linalg.householder_product`` semantics).
 
     Real dtypes only. Differentiable with respect to ``input`` and ``tau``.
+
+    Args:
+        input: the reflection vectors in LAPACK's packed form ``(..., m, n)``.
+        tau: the scale factors ``(..., k)``.
+
+    Returns:
+        The first ``n`` columns of ``H_1 ⋯ H_k``, as ``torch.linalg.householder_product``.
     """
     vecs = _unpack_lapack(input, tau)
     m, n = input.shape[-2:]
@@ -102,7 +112,16 @@ def _blocks(vecs: torch.Tensor, tau: torch.Tensor, block_size: int) -> tuple[tor
 
 
 def householder_product_blocked(input: torch.Tensor, tau: torch.Tensor, block_size: int = 32) -> torch.Tensor:
-    """Same result as :func:`householder_product_sequential`, via compact-WY blocks of ``block_size`` reflections."""
+    """Same result as [`householder_product_sequential`][poet_hf.orthogonal.householder_product_sequential], via compact-WY blocks of ``block_size`` reflections.
+
+    Args:
+        input: the reflection vectors in LAPACK's packed form ``(..., m, n)``.
+        tau: the scale factors ``(..., k)``.
+        block_size: reflections per compact-WY block.
+
+    Returns:
+        The same as ``torch.linalg.householder_product(input, tau)``.
+    """
     _check_block_size(block_size)
     vecs = _unpack_lapack(input, tau)
     m, n = input.shape[-2:]
@@ -124,6 +143,13 @@ def householder_matrix(vectors: torch.Tensor, block_size: int | None = None) -> 
     """The ``d x d`` matrix ``H(v_1) H(v_2) ... H(v_k)`` for dense vectors ``(..., k, d)``.
 
     ``block_size=None`` multiplies one reflection at a time; an integer uses compact-WY blocks.
+
+    Args:
+        vectors: dense reflection vectors ``(k, d)``.
+        block_size: reflections per compact-WY block; ``None``: one after another.
+
+    Returns:
+        ``H(v_1) ⋯ H(v_k)``, ``d × d``.
     """
     d = vectors.shape[-1]
     eye = torch.eye(d, dtype=vectors.dtype, device=vectors.device)
@@ -135,6 +161,14 @@ def apply_householder_sequence(vectors: torch.Tensor, x: torch.Tensor, block_siz
 
     ``block_size=None``: ``k`` sequential reflections (``H(v_k)`` first). Integer: blocks of that many
     reflections, each applied as one ``x <- x - (x V) T^T V^T`` update.
+
+    Args:
+        vectors: dense reflection vectors ``(k, d)``.
+        x: rows ``(..., d)``.
+        block_size: reflections per compact-WY block; ``None``: one after another.
+
+    Returns:
+        ``x`` times the product of the reflections, the shape of ``x``.
     """
     if block_size is None:
         for i in reversed(range(vectors.shape[-2])):
@@ -153,6 +187,16 @@ def householder_decompose(u: torch.Tensor, tol: float = 1e-12) -> torch.Tensor:
 
     seed-002 §6: reduce ``M = u`` column by column with ``v = M e_i - e_i``; every recorded reflection maps
     the current column onto ``e_i`` (Lemma 5), and the reduction ends at ``M = I``.
+
+    Args:
+        u: an orthogonal ``d × d`` matrix.
+        tol: below this norm a reflection vector is skipped.
+
+    Returns:
+        Vectors ``(k, d)`` with ``H(v_1) ⋯ H(v_k) = u``.
+
+    Raises:
+        ValueError: ``u`` is not square.
     """
     if u.ndim != 2 or u.shape[0] != u.shape[1]:
         raise ValueError(f"`u` must be a square matrix, got shape {tuple(u.shape)}")

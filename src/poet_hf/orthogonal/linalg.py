@@ -15,6 +15,14 @@ def power_iteration(a: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.
 
     ``u`` (``(..., rows)``) converges to the top left singular vector where the top singular value is separated; the
     estimate ``||Aᵀ u||`` approaches ``||A||_2`` from below. Computed in ``a``'s dtype (no gradient).
+
+    Args:
+        a: matrices ``(..., m, n)``.
+        u: start vectors ``(..., n)``.
+        iterations: how many steps.
+
+    Returns:
+        The right singular vector estimates ``(..., n)``, normalized.
     """
     a = a.detach()
     u = u.to(a.dtype)
@@ -25,7 +33,7 @@ def power_iteration(a: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.
 
 
 def spectral_norm_estimate(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``||Aᵀ u||``: the spectral norm estimate of :func:`power_iteration`'s vectors (differentiable through ``a``)."""
+    """``||Aᵀ u||``: the spectral norm estimate of [`power_iteration`][poet_hf.orthogonal.power_iteration]'s vectors (differentiable through ``a``)."""
     return torch.einsum("...ij,...i->...j", a, u.to(a.dtype)).norm(dim=-1)
 
 
@@ -34,6 +42,13 @@ def taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
 
     ``terms + 1`` summands, as ECO's Table 8 counts them (ECO Eq. 15, SOC's series). Horner form
     ``I + A(I + A/2(I + A/3(...)))``: one fused multiply-add per term.
+
+    Args:
+        a: matrices ``(..., n, n)``.
+        terms: how many terms of the series.
+
+    Returns:
+        ``Σ_{i<terms} Aⁱ/i!``.
     """
     n = a.shape[-1]
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
@@ -45,13 +60,29 @@ def taylor_exp(a: torch.Tensor, terms: int) -> torch.Tensor:
 
 
 def random_orthogonal(d: int, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A Haar-distributed ``d × d`` orthogonal matrix: QR of a float64 Gaussian, signs fixed by ``diag(R) > 0``."""
+    """A Haar-distributed ``d × d`` orthogonal matrix: QR of a float64 Gaussian, signs fixed by ``diag(R) > 0``.
+
+    Args:
+        d: the side.
+        generator: the generator to draw from.
+        dtype: the dtype of the result.
+
+    Returns:
+        A Haar-random ``d × d`` orthogonal matrix.
+    """
     q, r = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=torch.float64))
     return (q * torch.sign(torch.diagonal(r))).to(dtype)
 
 
 def polar_factor(matrix: torch.Tensor) -> torch.Tensor:
-    """``U Vᵀ`` for ``matrix = U S Vᵀ`` (thin SVD, in float64): the nearest matrix with orthonormal rows or columns."""
+    """``U Vᵀ`` for ``matrix = U S Vᵀ`` (thin SVD, in float64): the nearest matrix with orthonormal rows or columns.
+
+    Args:
+        matrix: a matrix ``(..., m, n)``.
+
+    Returns:
+        ``U Vᵀ`` of its SVD, the nearest matrix with orthonormal rows or columns.
+    """
     u, _, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
     return u @ vh
 
@@ -62,6 +93,13 @@ def orthogonality_error(r: torch.Tensor, ord: str | int = "fro") -> torch.Tensor
     ``G = R Rᵀ`` for a square or wide ``R`` (orthonormal rows), ``Rᵀ R`` for a tall one (orthonormal columns). With
     ``ord="fro"`` this is the POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` (appendix A); with ``ord=2`` it is
     ``max_i |σ_i² − 1|``, the bound a rounding-error analysis needs.
+
+    Args:
+        r: matrices ``(..., n, n)``.
+        ord: ``"fro"`` (the paper's ``e_orth``) or ``2`` (spectral norm).
+
+    Returns:
+        ``||R Rᵀ − I|| / ||I||`` per matrix.
     """
     gram = r @ r.transpose(-1, -2) if r.shape[-2] <= r.shape[-1] else r.transpose(-1, -2) @ r
     eye = torch.eye(gram.shape[-1], dtype=r.dtype, device=r.device)

@@ -1,13 +1,13 @@
 """The other LipConvNet building blocks, in pure PyTorch: SOC convolution, MaxMin, last-layer normalisation.
 
-- :class:`SocConv2d`: skew orthogonal convolution (Singla & Feizi, ICML 2021), the baseline the ECO paper
+- `SocConv2d`: skew orthogonal convolution (Singla & Feizi, ICML 2021), the baseline the ECO paper
   compares against. The Jacobian of a conv with kernel ``L = M - M^T_conv`` (channels swapped, taps flipped) is
   skew-symmetric, so ``exp(J_L)`` is orthogonal; it is applied as the Taylor series ``Σ_{i=0}^{T} L^{*i} x / i!``,
   i.e. ``T`` sequential convolutions, in training *and* evaluation. We pad circularly (the ECO paper's setting;
   the SOC release pads with zeros), which keeps the Jacobian block-circulant, so its exact singular values are
-  computable per frequency (:meth:`SocConv2d.singular_values`).
-- :class:`MaxMin`: GroupSort-2 (Anil et al. 2019); 1-Lipschitz and gradient-norm-preserving.
-- :class:`RowNormLinear`: last-layer normalisation (LLN), a linear layer with unit-norm rows.
+  computable per frequency (`SocConv2d.singular_values`).
+- `MaxMin`: GroupSort-2 (Anil et al. 2019); 1-Lipschitz and gradient-norm-preserving.
+- `RowNormLinear`: last-layer normalisation (LLN), a linear layer with unit-norm rows.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ class SocConv2d(nn.Module):
 
     Args:
         in_channels, out_channels: channel counts; channel changes and stride work as in
-            :class:`~poet_hf.orthogonal.eco.EcoConv2d` (zero-pad inputs to ``c = max(c_in·s², c_out)``, keep the
+            `EcoConv2d` (zero-pad inputs to ``c = max(c_in·s², c_out)``, keep the
             first ``c_out`` outputs, ``pixel_unshuffle`` for stride).
         kernel_size: odd ``k`` (the circular conv-transpose is the adjoint only for centred, odd kernels).
         stride: ``s``; must divide ``input_size``.
         input_size: ``n`` or ``(n_h, n_w)``, fixed so the exact spectrum can be computed.
         train_terms, eval_terms: Taylor terms ``T`` in training / evaluation (SOC: 5 and 10).
         correction: ``L`` is scaled to ``correction / min σ``, ``σ`` the spectral norms of its four reshapings
-            (:func:`fantastic_four`), as the SOC code does (``correction = 0.7``); the operator norm of the scaled
+            (`fantastic_four`), as the SOC code does (``correction = 0.7``); the operator norm of the scaled
             ``L`` is then about 1.2 at initialisation (at most ``correction·√(k²)``). Orthogonality needs no bound
             (``exp`` of a skew operator is orthogonal); it only keeps the truncated series accurate.
         power_iterations: power-iteration steps per training forward for the bound.

@@ -56,15 +56,32 @@ def _terms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Ten
 
 
 def auxiliary_reflection(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """``f(x) = x - 2 (W x)(x^T W x) / ||W x||^2`` for rows ``x (..., d)``; ``W`` is ``(d, d)``."""
+    """``f(x) = x - 2 (W x)(x^T W x) / ||W x||^2`` for rows ``x (..., d)``; ``W`` is ``(d, d)``.
+
+    Args:
+        x: ``(..., d)`` rows.
+        weight: the ``d × d`` matrix ``W``.
+        eps: clamp of ``||Wx||²``.
+
+    Returns:
+        ``H(Wx) x`` per row, the shape of ``x``.
+    """
     u, num, den = _terms(x, weight, eps)
     return x - 2 * u * (num / den)
 
 
 def auxiliary_reflection_jacobian(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Jacobians ``(..., d, d)`` of :func:`auxiliary_reflection` at rows ``x`` (seed-002 Theorem 3).
+    """Jacobians ``(..., d, d)`` of [`auxiliary_reflection`][poet_hf.orthogonal.auxiliary_reflection] at rows ``x`` (seed-002 Theorem 3).
 
     ``J = H(Wx) A - 2 (Wx)(x^T W) / ||Wx||^2`` with ``A = I - 2 s W`` and ``s = x^T W x / ||Wx||^2``.
+
+    Args:
+        x: ``(..., d)`` rows.
+        weight: the ``d × d`` matrix ``W``.
+        eps: clamp of ``||Wx||²``.
+
+    Returns:
+        The Jacobians ``(..., d, d)``.
     """
     u, num, den = _terms(x, weight, eps)
     s = num / den
@@ -134,6 +151,15 @@ def auxiliary_reflection_logabsdet(
 
     ``det J = -det(A) (1 + 2 v^T A^{-1} u / ||u||^2)``, ``u = W x``, ``v = W^T x``. ``symmetric=True`` uses
     ``eigh`` (the invertible construction); otherwise a complex ``eig`` (``W`` must be diagonalisable).
+
+    Args:
+        x: ``(..., d)`` rows.
+        weight: the ``d × d`` matrix ``W``.
+        symmetric: ``W`` is symmetric (``eigh``), else a complex ``eig``.
+        eps: clamp of ``||Wx||²``.
+
+    Returns:
+        ``log|det J(x)|`` per row, shape ``x.shape[:-1]``.
     """
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
@@ -187,17 +213,32 @@ def auxiliary_reflection_inverse(
     """Solve ``H(W x) x = y`` for rows ``y (..., d)`` by damped Newton from ``x_0 = y`` (seed-002 §3).
 
     Stops when every row's relative residual ``||f(x) - y|| / ||y||`` is below ``tol`` (default 100 ulp of the
-    dtype); otherwise raises :class:`NewtonConvergenceError` (``on_fail="raise"``), warns, or returns the last
+    dtype); otherwise raises [`NewtonConvergenceError`][poet_hf.orthogonal.NewtonConvergenceError] (``on_fail="raise"``), warns, or returns the last
     iterate. So whatever it returns is a verified preimage of ``y``.
 
-    The preimage is unique when ``W`` comes from :func:`invertible_weight` (the map is then a bijection, Theorem 2).
+    The preimage is unique when ``W`` comes from [`invertible_weight`][poet_hf.orthogonal.invertible_weight] (the map is then a bijection, Theorem 2).
     For an unconstrained ``W`` it need not be: in 2000 random draws of ``W = I − Q + 0.1·N(0, 1)`` (``d = 6``,
     float64), Newton from ``x_0 = y`` failed to converge in 0.1% (raised) and converged to *another* preimage than
-    the ``x`` that produced ``y`` in 1.5% — a residual cannot tell those apart. Use :func:`invertible_weight`
+    the ``x`` that produced ``y`` in 1.5% — a residual cannot tell those apart. Use [`invertible_weight`][poet_hf.orthogonal.invertible_weight]
     where the inverse must be the one.
 
     The iterations run without autograd; when a graph is wanted, one last plain Newton step is taken with autograd
     on, which gives the implicit-function gradient.
+
+    Args:
+        y: outputs ``(..., d)`` rows.
+        weight: the ``d × d`` matrix ``W``.
+        max_iter: the iteration cap.
+        tol: the relative residual to reach (default 100 ulp of the dtype).
+        on_fail: ``"raise"``, ``"warn"`` or ``"ignore"`` when it is not reached.
+        eps: clamp of ``||Wx||²``.
+
+    Returns:
+        A verified preimage ``x`` (the residual checked), the shape of ``y``.
+
+    Raises:
+        ValueError: ``on_fail`` or ``max_iter`` is invalid.
+        NewtonConvergenceError: with ``on_fail="raise"``, the residual tolerance is not met.
     """
     _check_on_fail(on_fail)
     if not isinstance(max_iter, int) or max_iter < 1:
@@ -234,6 +275,16 @@ def invertible_weight(factor: torch.Tensor, margin: float = 1e-3) -> torch.Tenso
     """``W = I + V V^T / (2 sigma_max(V V^T) (1 + margin))``: symmetric with ``1.5 lambda_min > lambda_max``.
 
     Eigenvalues lie in ``[1, 1 + 1 / (2 (1 + margin))]``, so Theorem 2 of seed-002 makes ``H(W x) x`` invertible.
+
+    Args:
+        factor: the trainable ``V`` (``d × r``).
+        margin: strictness of the construction (> 0).
+
+    Returns:
+        The symmetric ``d × d`` ``W``.
+
+    Raises:
+        ValueError: ``margin`` is not positive.
     """
     if margin <= 0:
         raise ValueError(f"`margin` must be > 0 (the paper's margin 0 attains lambda_max = 1.5), got {margin!r}")
@@ -261,9 +312,15 @@ class AuxiliaryReflection(nn.Module):
             ``invertible``.
         eps: clamp of ``||W x||^2``.
         margin: strictness of the invertible construction.
-        newton_iters, newton_tol, on_fail: the inverse's iteration cap, relative residual tolerance and what
-            to do when it is not met (``"raise"``, ``"warn"`` or ``"ignore"``).
+        newton_iters: the Newton inverse's iteration cap.
+        newton_tol: the relative residual the inverse must reach (default 100 ulp of the dtype).
+        on_fail: what an inverse that does not reach it does: ``"raise"``, ``"warn"`` or ``"ignore"``.
         seed: seed of the random init.
+        dtype: dtype of the parameters.
+        device: device of the parameters.
+
+    Raises:
+        ValueError: an argument is out of range (``features`` < 2, ``margin`` ≤ 0, a bad ``init``…).
     """
 
     def __init__(
@@ -320,7 +377,11 @@ class AuxiliaryReflection(nn.Module):
         return (torch.rand(d, d, generator=generator, dtype=torch.float64) * 2 - 1).mul(bound).to(dtype)
 
     def matrix(self) -> torch.Tensor:
-        """The auxiliary weight ``W`` (``d x d``)."""
+        """The auxiliary weight ``W`` (``d x d``).
+
+        Returns:
+            The current ``W`` (``d × d``).
+        """
         if self.invertible:
             return invertible_weight(self.factor, self.margin)
         return self.weight
@@ -345,14 +406,28 @@ class AuxiliaryReflection(nn.Module):
         return self._unrows(auxiliary_reflection(self._rows(x), self.matrix(), self.eps), x)
 
     def log_abs_det_jacobian(self, x: torch.Tensor) -> torch.Tensor:
-        """``log|det J|`` per vector, or per image summed over pixels in conv mode (seed-002 §4)."""
+        """``log|det J|`` per vector, or per image summed over pixels in conv mode (seed-002 §4).
+
+        Args:
+            x: inputs (rows, or images for ``conv1x1``).
+
+        Returns:
+            ``log|det J|`` per row (per image for ``conv1x1``).
+        """
         logdet = auxiliary_reflection_logabsdet(self._rows(x), self.matrix(), symmetric=self.invertible, eps=self.eps)
         if self.conv1x1:
             return logdet.reshape(x.shape[0], -1).sum(-1)
         return logdet
 
     def forward_and_logdet(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(f(x), log|det J|)`` with one evaluation of ``W``."""
+        """``(f(x), log|det J|)`` with one evaluation of ``W``.
+
+        Args:
+            x: inputs (rows, or images for ``conv1x1``).
+
+        Returns:
+            ``(f(x), log|det J|)``.
+        """
         w = self.matrix()
         rows = self._rows(x)
         out = self._unrows(auxiliary_reflection(rows, w, self.eps), x)
@@ -362,7 +437,15 @@ class AuxiliaryReflection(nn.Module):
         return out, logdet
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        """``x`` with ``H(W x) x = y``, by Newton's method with a residual check (see ``on_fail``)."""
+        """``x`` with ``H(W x) x = y``, by Newton's method with a residual check (see ``on_fail``).
+
+        Args:
+            y: outputs of the layer.
+
+        Returns:
+            The verified preimage (see
+                [`auxiliary_reflection_inverse`][poet_hf.orthogonal.auxiliary_reflection_inverse]).
+        """
         rows = auxiliary_reflection_inverse(
             self._rows(y), self.matrix(), max_iter=self.newton_iters, tol=self.newton_tol, on_fail=self.on_fail, eps=self.eps
         )

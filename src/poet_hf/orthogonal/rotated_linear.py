@@ -1,7 +1,7 @@
 """Fused forward and backward of a layer whose weight is used as ``Pᵀ · W0 · Rᵀ`` (POET eq. 3, torch orientation).
 
 ``R`` (input side) and ``P`` (output side) are each a block-stochastic, contiguous-block or fully stochastic
-primitive (:class:`~poet_hf.orthogonal.spo.SideSpec`) built by the Cayley–Neumann map from a skew vector; either may
+primitive (`SideSpec`) built by the Cayley–Neumann map from a skew vector; either may
 be absent (OFT is the input side alone). Two strategies compute the same function:
 
 - **weight**: ``W_eff = Pᵀ W0 Rᵀ`` is built, then the base op runs with it. Between forward and backward only the
@@ -11,17 +11,17 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
   (``T × d_out``), which the gradient of ``P`` needs; ``x R`` is recomputed. Multiply-adds:
   ``2·T·N + T·b·(3·d_in + 3·d_out)``; it skips ``∂L/∂W_eff`` entirely.
 
-Both rebuild the rotation blocks in the backward (:class:`~poet_hf.orthogonal.cayley.SkewRotation`) instead of
+Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
-:class:`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
+`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
 product runs on contiguous blocks and activations are gathered at most once per side.
 
-The frozen ``W0`` is a tensor, or a :class:`DenseWeight`: a callable that returns it dense (a quantised base
+The frozen ``W0`` is a tensor, or a `DenseWeight`: a callable that returns it dense (a quantised base
 dequantises itself). A callable is called in the forward and again in the backward and never saved, so at most one
 layer's dense ``W0`` exists at a time and the backward keeps only the layer input, as for a tensor ``W0``.
 
 These functions are the fast path of the POET and OFT layers; the plain autograd composition of
-:mod:`~poet_hf.orthogonal.spo` and :mod:`~poet_hf.orthogonal.cayley` is the reference they are tested against.
+`spo` and `cayley` is the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -146,14 +146,14 @@ WeightSource = Union[torch.Tensor, DenseWeight]
 
 
 def _save_weight(ctx: Any, weight: WeightSource) -> Optional[torch.Tensor]:
-    """What to save of ``weight`` for the backward: the tensor itself, or nothing for a :class:`DenseWeight`
+    """What to save of ``weight`` for the backward: the tensor itself, or nothing for a `DenseWeight`
     (kept on ``ctx`` and called again)."""
     ctx.weight_source = None if isinstance(weight, torch.Tensor) else weight
     return weight if isinstance(weight, torch.Tensor) else None
 
 
 def _dense(weight: Optional[WeightSource], ctx: Any = None) -> torch.Tensor:
-    """The dense ``W0``: a saved tensor, or a fresh call of the :class:`DenseWeight` (``ctx.weight_source``)."""
+    """The dense ``W0``: a saved tensor, or a fresh call of the `DenseWeight` (``ctx.weight_source``)."""
     source = getattr(ctx, "weight_source", None) if weight is None else weight
     return source if isinstance(source, torch.Tensor) else source()
 
@@ -176,7 +176,7 @@ def weight_in_block_coordinates(weight: torch.Tensor, input_side: Optional[SideR
 
 def weight_from_block_coordinates(weight: torch.Tensor, input_side: Optional[SideRotation],
                                   output_side: Optional[SideRotation]) -> torch.Tensor:
-    """The inverse of :func:`weight_in_block_coordinates`."""
+    """The inverse of `weight_in_block_coordinates`."""
     rows, cols = _permutation(output_side), _permutation(input_side)
     if rows is not None:
         weight = weight.index_select(0, inverse_permutation(rows))
@@ -421,11 +421,11 @@ def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, 
 def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: Optional[torch.Tensor],
                     input_side: Optional[SideRotation], r_vec: Optional[torch.Tensor],
                     output_side: Optional[SideRotation], p_vec: Optional[torch.Tensor], op: Any = None) -> torch.Tensor:
-    """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of :data:`STRATEGIES`.
+    """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of `STRATEGIES`.
 
-    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight) or a :class:`DenseWeight` that returns
+    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight) or a `DenseWeight` that returns
     it (a quantised base: dequantised in the forward and again in the backward, never kept); ``r_vec`` / ``p_vec``
-    are the skew vectors of the input / output side (``None`` with the side). ``op`` defaults to :class:`LinearOp`; the
+    are the skew vectors of the input / output side (``None`` with the side). ``op`` defaults to `LinearOp`; the
     activation strategies support it only.
     """
     if strategy not in STRATEGIES:
@@ -441,7 +441,7 @@ def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: 
 
 def polynomial_products(terms: int, phase: str) -> int:
     """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays, by its place in the
-    optimizer step (:class:`RotationCache`):
+    optimizer step (`RotationCache`):
 
     - ``"uncached"``: built in the forward, rebuilt in the backward, and its VJP (no accumulation window);
     - ``"building"``: the window's first micro-batch builds the blocks, its VJP is deferred;
@@ -459,7 +459,7 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
                    polynomial: int = 0) -> dict[str, dict[str, float]]:
     """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
     strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
-    pays for the Cayley–Neumann polynomial (:func:`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
+    pays for the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
     block and side.
 
     With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
@@ -472,7 +472,7 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
 
     Inference is ``T·N`` plus one rotation per side (of the weight, or of the rows).
 
-    A quantised ``W0`` (:class:`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
+    A quantised ``W0`` (`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
     and the backward in training (every strategy), the forward in inference. It is the same for every strategy, so
     it moves the totals, never the choice. So does the polynomial: amortizing it over an accumulation window (a
     deferred micro-batch pays none of it) makes every strategy cheaper by the same amount.
@@ -486,7 +486,7 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
 
 def _rotation_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
                     output_side: Optional[SideSpec], training: bool) -> dict[str, dict[str, float]]:
-    """:func:`strategy_costs` for a dense ``W0``."""
+    """`strategy_costs` for a dense ``W0``."""
     n = d_in * d_out
     rotate_weight = {side: spec.apply_cost(other) for side, spec, other in
                      (("R", input_side, d_out), ("P", output_side, d_in)) if spec is not None}

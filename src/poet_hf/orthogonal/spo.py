@@ -3,7 +3,7 @@
 Block-stochastic (eq. 5): ``G = Ψ^T · Diag(G̃_1, …, G̃_{d/b}) · Ψ`` with ``Ψ = I[perm]`` (``Ψ x = x[perm]``).
 Fully stochastic (eq. 4): ``G = I + D(S) (G̃ − I) D(S)^T``, a ``b×b`` block placed on the index subset ``S``.
 
-Every function takes the rotation blocks already built (see :mod:`poet_hf.orthogonal.cayley`) and applies
+Every function takes the rotation blocks already built (see `cayley`) and applies
 ``x @ G`` (on the last dimension) or ``G @ x`` (on the first dimension) by gather, batched matmul and
 scatter. ``perm=None`` means contiguous blocks (plain OFT). Transposing ``G`` is transposing its blocks.
 """
@@ -38,7 +38,14 @@ __all__ = [
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    """``inv`` with ``inv[perm[i]] = i``."""
+    """``inv`` with ``inv[perm[i]] = i``.
+
+    Args:
+        perm: a permutation of ``range(d)``.
+
+    Returns:
+        The inverse permutation.
+    """
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
     return inv
@@ -49,6 +56,14 @@ def block_matmul_right(x: torch.Tensor, perm: torch.Tensor | None, blocks: torch
 
     ``x Ψ^T`` gathers ``x[..., perm]``; the block-diagonal product is one batched matmul; ``· Ψ`` scatters back,
     i.e. gathers with the inverse permutation.
+
+    Args:
+        x: the tensor ``(..., d)`` to multiply.
+        perm: the permutation ``Ψ`` (``None``: contiguous blocks).
+        blocks: the ``(d/b, b, b)`` blocks ``G̃_i``.
+
+    Returns:
+        ``x @ G``, the shape of ``x``.
     """
     num_blocks, b, _ = blocks.shape
     lead = x.shape[:-1]
@@ -59,7 +74,16 @@ def block_matmul_right(x: torch.Tensor, perm: torch.Tensor | None, blocks: torch
 
 
 def block_matmul_left(x: torch.Tensor, perm: torch.Tensor | None, blocks: torch.Tensor) -> torch.Tensor:
-    """``G @ x`` for ``G = Ψ^T Diag(blocks) Ψ``, acting on the first dimension of a matrix ``x``."""
+    """``G @ x`` for ``G = Ψ^T Diag(blocks) Ψ``, acting on the first dimension of a matrix ``x``.
+
+    Args:
+        x: the matrix ``(d, n)`` to multiply.
+        perm: the permutation ``Ψ`` (``None``: contiguous blocks).
+        blocks: the ``(d/b, b, b)`` blocks ``G̃_i``.
+
+    Returns:
+        ``G @ x``, the shape of ``x``.
+    """
     num_blocks, b, _ = blocks.shape
     z = x if perm is None else x.index_select(0, perm)
     y = torch.bmm(blocks, z.reshape(num_blocks, b, -1)).reshape(x.shape)
@@ -67,12 +91,30 @@ def block_matmul_left(x: torch.Tensor, perm: torch.Tensor | None, blocks: torch.
 
 
 def subset_matmul_right(x: torch.Tensor, index: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """``x @ G`` for ``G = I + D(S)(G̃ − I)D(S)^T``: only the columns in ``S`` change, to ``x[..., S] @ G̃``."""
+    """``x @ G`` for ``G = I + D(S)(G̃ − I)D(S)^T``: only the columns in ``S`` change, to ``x[..., S] @ G̃``.
+
+    Args:
+        x: the tensor ``(..., d)``.
+        index: the sorted index set ``S`` (``b`` entries).
+        block: the ``b × b`` block ``G̃``.
+
+    Returns:
+        ``x @ G``, the shape of ``x``.
+    """
     return x.index_copy(-1, index, x.index_select(-1, index) @ block)
 
 
 def subset_matmul_left(x: torch.Tensor, index: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-    """``G @ x`` for ``G = I + D(S)(G̃ − I)D(S)^T``: only the rows in ``S`` change, to ``G̃ @ x[S]``."""
+    """``G @ x`` for ``G = I + D(S)(G̃ − I)D(S)^T``: only the rows in ``S`` change, to ``G̃ @ x[S]``.
+
+    Args:
+        x: the matrix ``(d, n)``.
+        index: the sorted index set ``S`` (``b`` entries).
+        block: the ``b × b`` block ``G̃``.
+
+    Returns:
+        ``G @ x``, the shape of ``x``.
+    """
     return x.index_copy(0, index, block @ x.index_select(0, index))
 
 
@@ -83,6 +125,16 @@ def spo_generator(seed: int, merge_count: int, layer_name: str, side: str,
     The seed is a stable hash (not Python's salted ``hash``), so every process and every resumed run draws the same
     permutations without communication, and two adapters of one model draw different ones. The ``"default"`` adapter
     keeps the key it had before adapter names were part of it, so earlier runs resume with the same draws.
+
+    Args:
+        seed: the adapter's seed.
+        merge_count: how many merges came before the draw.
+        layer_name: the layer's name in the base model.
+        side: ``"input"`` (R), ``"output"`` (P), or another purpose (``"init"``, ``"base_init"``…).
+        adapter_name: the adapter's name.
+
+    Returns:
+        A seeded CPU ``torch.Generator``.
     """
     adapter = "" if adapter_name == "default" else f"{adapter_name}|"
     key = f"{seed}|{adapter}{merge_count}|{layer_name}|{side}".encode()
@@ -92,17 +144,42 @@ def spo_generator(seed: int, merge_count: int, layer_name: str, side: str,
 
 
 def sample_permutation(dim: int, generator: torch.Generator) -> torch.Tensor:
-    """A uniformly random permutation of ``range(dim)``."""
+    """A uniformly random permutation of ``range(dim)``.
+
+    Args:
+        dim: the length ``d``.
+        generator: the generator to draw from.
+
+    Returns:
+        A permutation of ``range(dim)`` (int64).
+    """
     return torch.randperm(dim, generator=generator)
 
 
 def subset_size(dim: int, budget: float) -> int:
-    """``⌈budget·dim⌉``, the fully stochastic block size for one side."""
+    """``⌈budget·dim⌉``, the fully stochastic block size for one side.
+
+    Args:
+        dim: the side's dimension ``d``.
+        budget: the fraction of ``d``, in (0, 1].
+
+    Returns:
+        The block size ``b`` (at least 1).
+    """
     return max(1, math.ceil(budget * dim - 1e-9))
 
 
 def sample_subset(dim: int, size: int, generator: torch.Generator) -> torch.Tensor:
-    """A uniformly random index subset of ``range(dim)`` of the given size, sorted."""
+    """A uniformly random index subset of ``range(dim)`` of the given size, sorted.
+
+    Args:
+        dim: the dimension ``d``.
+        size: how many indices, ``b``.
+        generator: the generator to draw from.
+
+    Returns:
+        The ``size`` sorted indices (int64).
+    """
     return torch.randperm(dim, generator=generator)[:size].sort().values
 
 
@@ -132,7 +209,7 @@ class SideSpec:
 
     @property
     def index_shape(self) -> tuple[int]:
-        """The shape of :meth:`sample_index`'s tensor: a permutation of ``dim``, a subset of ``block``, or empty."""
+        """The shape of `sample_index`'s tensor: a permutation of ``dim``, a subset of ``block``, or empty."""
         return ({BLOCK: self.dim, FULL: self.block}.get(self.kind, 0),)
 
     def sample_index(self, generator: torch.Generator) -> torch.Tensor:

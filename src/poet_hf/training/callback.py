@@ -50,7 +50,18 @@ def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "de
 
 def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, factor: float) -> float:
     """Clip threshold for optimizer step ``step`` (1-based): after each merge it ramps linearly from
-    ``factor·base`` back to ``base`` over ``ramp_steps`` steps (the POET code's post-merge clipping)."""
+    ``factor·base`` back to ``base`` over ``ramp_steps`` steps (the POET code's post-merge clipping).
+
+    Args:
+        step: the optimizer step, 1-based.
+        merge_every: the merge interval.
+        base: the clip threshold away from merges (``max_grad_norm``).
+        ramp_steps: how many steps the ramp lasts.
+        factor: the fraction of ``base`` right after a merge.
+
+    Returns:
+        The threshold for this step.
+    """
     since_merge = step - (step - 1) // merge_every * merge_every  # 1 … merge_every
     if step <= merge_every or ramp_steps == 0 or since_merge > ramp_steps:
         return base
@@ -66,7 +77,11 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     restored on resume, so a resumed run knows the merges before it. On a merge step that is also a logging step,
     the POET statistics are taken just before the fold (``statistics_before_merge``), since the fold resets them.
 
-    Works with a plain ``Trainer``; :class:`~poet_hf.PoetTrainer` adds it automatically.
+    Works with a plain ``Trainer``; `PoetTrainer` adds it automatically.
+
+    Args:
+        merge_every: optimizer steps between merges; ``None``: ``args.merge_every``, else the adapter config's.
+        adapter_name: the adapter to merge.
     """
 
     def __init__(self, merge_every: Optional[int] = None, adapter_name: str = "default") -> None:
@@ -81,7 +96,15 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
                 "attributes": {"history": self.history}}
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
-        """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's."""
+        """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's.
+
+        Args:
+            args: the training arguments.
+            model: the model being trained.
+
+        Returns:
+            The interval in optimizer steps, or ``None`` when nothing sets one (no merges).
+        """
         return self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):

@@ -1,6 +1,6 @@
 """Fine-tune a pretrained model with POET, OFT or LoRA (the POET paper's Table 6 setting, any HF model).
 
-``scripts/finetune.py`` is the command-line face of :func:`run_finetuning`. The steps, top to bottom:
+``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.training.finetune.run_finetuning]. The steps, top to bottom:
 
 1. load the model by hub name or local path (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``)
    and its tokenizer;
@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from peft import LoraConfig
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
 
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
@@ -80,16 +81,17 @@ class FinetuneArguments:
                         "budget 1/2): about 10x the trainable parameters and, on the testbed, about 1.9x (LM) to 3x "
                         "(encoder) OFT's time per step, for less improvement at the same rate"})
     block_size: Optional[int] = field(default=None, metadata={"help": "POET / OFT block size (must divide the "
-                                      "targeted dims); default: the POET recipe's, OftConfig's (32) for OFT"})
+                                      f"targeted dims); default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"})
     neumann_terms: Optional[int] = field(default=None, metadata={"help": "Cayley–Neumann terms, PEFT's count (the "
-                                         "paper's k = n − 2; 0 = exact Cayley); default: the config's (POET 6, OFT 5)"})
+                                         "paper's k = n − 2; 0 = exact Cayley); default: the config's (POET "
+                                         f"{PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"})
     spo: Optional[str] = field(default=None, metadata={"help": "POET: 'contiguous', 'block' (permuted) or 'full' "
                                "(default: the recipe's); OFT: 'contiguous' (default, PEFT's blocks) or 'block'"})
     budget: Optional[float] = field(default=None, metadata={"help": "POET spo='full': index-set size per side as a "
-                                    "fraction of the dimension (default: the recipe's, else PoetConfig's 0.5)"})
+                                    f"fraction of the dimension (default: the recipe's, else PoetConfig's {PoetConfig.budget})"})
     merge_every: Optional[int] = field(default=None, metadata={"help": "merge-then-reinitialize interval; default: the "
-                                       "config's (POET 400, OFT never)"})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r (--method lora)"})
+                                       f"config's (POET {PoetConfig.merge_every}, OFT never)"})
+    lora_rank: int = field(default=LoraConfig.r, metadata={"help": "LoRA rank r (--method lora); default: LoraConfig's"})
     lora_alpha: Optional[float] = field(default=None, metadata={"help": "default: 2 × lora_rank"})
     target_modules: Optional[str] = field(default=None, metadata={"help": "comma-separated module names; default "
                                           "per model type (every Linear in the blocks)"})
@@ -257,7 +259,7 @@ def target_modules(args: FinetuneArguments, model: torch.nn.Module):
 def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: Optional[list[str]] = None):
     """The PEFT config of ``args.method``; ``new_modules`` (and, through the task type, classification heads) are
     trained fully and saved beside the adapter."""
-    from peft import LoraConfig, TaskType
+    from peft import TaskType
 
     task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
     common = {"target_modules": target_modules(args, model), "task_type": task_type,
@@ -315,7 +317,15 @@ def _metrics(result: dict[str, float], task: str) -> dict[str, float]:
 
 def run_finetuning(args: FinetuneArguments, callbacks: Optional[list] = None) -> dict[str, Any]:
     """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
-    also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``."""
+    also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
+
+    Args:
+        args: the run's options (``scripts/finetune.py``'s flags).
+        callbacks: extra ``TrainerCallback`` objects.
+
+    Returns:
+        The report (also written to ``results.json``), with the trainer under ``"trainer"``.
+    """
     started = time.time()
     torch.manual_seed(args.seed)
     tokenizer = load_model_tokenizer(args)

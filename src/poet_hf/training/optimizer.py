@@ -11,7 +11,14 @@ from ..tuners.rotation_layer import RotationLayer
 
 
 def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The trainable skew parameters of every POET layer (found structurally, not by name)."""
+    """The trainable skew parameters of every POET layer (found structurally, not by name).
+
+    Args:
+        model: the model to search.
+
+    Returns:
+        The skew parameters, in module order.
+    """
     return [p for module in model.modules() if isinstance(module, RotationLayer)
             for p in module.skew_parameters() if p.requires_grad]
 
@@ -40,6 +47,19 @@ def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate
     rate per step, which turns a ``b``-block by about ``lr·b`` while the gradient keeps its direction, so this keeps
     the rotation per step the same for every block size. It is the tie of the POET paper's Tables 8–9
     (``1e-3 · 256/b``) applied per side; POET groups carry ``"poet": True`` and their ``"block_size"``.
+
+    Args:
+        model: the model (its trainable parameters are grouped).
+        learning_rate: the rate of the non-POET parameters.
+        poet_learning_rate: the rate of the POET parameters (of a ``reference_block`` side, with ``reference_block``).
+        weight_decay: the weight decay of the non-POET parameters that decay.
+        decay_parameter_names: the names of the parameters that decay (``Trainer.get_decay_parameter_names``).
+        reference_block: a side of block size ``b`` trains at ``poet_learning_rate · reference_block / b``; ``None``:
+            one rate for every side.
+
+    Returns:
+        Optimizer parameter groups (dicts with ``params``, ``lr``, ``weight_decay``; the POET ones with ``poet=True``
+            and their ``block_size``).
     """
     poet = {id(p) for p in poet_parameters(model)}
     decay = set(decay_parameter_names)
@@ -66,6 +86,13 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
     for Adam-family optimizers step 0 with zero moments *is* the fresh state, and keeping the entries keeps one state
     layout, so a sharded checkpoint taken right after a merge resumes exactly (``torch.distributed.checkpoint``
     would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2).
+
+    Args:
+        optimizer: the optimizer holding the state.
+        params: the parameters whose state to reset.
+
+    Returns:
+        How many parameters had a state that was reset.
     """
     state = optimizer.state
     reset = 0

@@ -1,7 +1,7 @@
 """LLaMA pretraining from scratch with POET or a baseline, as in the POET paper's Table 2.
 
 Every method runs through the same data, model presets and ``PoetTrainer``, so a comparison is one command
-per row. ``scripts/pretrain.py`` is the command-line face of :func:`run_pretraining`.
+per row. ``scripts/pretrain.py`` is the command-line face of [`run_pretraining`][poet_hf.training.pretrain.run_pretraining].
 """
 
 from __future__ import annotations
@@ -50,12 +50,17 @@ class Preset:
     steps: int = 1000  # the default length: a short run of the paper's recipe
     batch_size: int = 32  # sequences per micro-batch per process (the official 60M script's)
     global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
-    block_size: int = 256
-    budget: float = 0.5
-    merge_every: int = 400  # §5.2
+    block_size: Optional[int] = None  # None: PoetConfig's (256, the paper's)
+    budget: Optional[float] = None  # None: PoetConfig's (½, the paper's)
+    merge_every: Optional[int] = None  # None: PoetConfig's (400, §5.2)
     max_grad_norm: float = 0.1  # appendix E
     weight_decay: float = 0.01  # appendix E
     poet_learning_rate: Optional[float] = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "budget", "merge_every"):  # one default, PoetConfig's
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(PoetConfig, name))
 
 
 PRESETS = {
@@ -83,24 +88,26 @@ def tied_poet_learning_rate(method: str, size: float) -> float:
 class PretrainArguments:
     """Command-line options of ``scripts/pretrain.py`` (parsed by ``transformers.HfArgumentParser``).
 
-    Every recipe value left ``None`` comes from the preset (:func:`resolve_recipe`): for the paper's presets, the
+    Every recipe value left ``None`` comes from the preset (`resolve_recipe`): for the paper's presets, the
     paper's run except its length (``--steps paper`` for that too).
     """
 
     preset: str = field(default="tiny", metadata={"help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
                         "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"})
     method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)}"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "POET-BS block size (default per preset: 256)"})
+    block_size: Optional[int] = field(default=None, metadata={"help": "POET-BS block size (default: the preset's, "
+                                      f"else PoetConfig's {PoetConfig.block_size})"})
     block_size_input: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of R only"})
     block_size_output: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of P only"})
     budget: Optional[float] = field(default=None, metadata={"help": "POET-FS index-set size per side: a fraction of "
-                                    "the dimension (<= 1, default 0.5) or an absolute size (> 1)"})
+                                    f"the dimension (<= 1, default PoetConfig's {PoetConfig.budget}) or an absolute size (> 1)"})
     budget_input: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
     budget_output: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of P only"})
     neumann_terms: Optional[int] = field(default=None, metadata={"help": "Cayley–Neumann terms n, PEFT's count "
-                                         "(the paper's k = n − 2); default 6, the paper's k = 4; 0 = exact Cayley"})
+                                         f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
+                                         f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"})
     merge_every: Optional[int] = field(default=None, metadata={"help": "optimizer steps between merges (default per "
-                                       "preset: the paper's 400)"})
+                                       f"preset, else PoetConfig's {PoetConfig.merge_every}, the paper's)"})
     base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
     base_quantization: Optional[str] = field(default=None, metadata={"help": "POET: quantise every W0 with "
                                              "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
@@ -268,9 +275,21 @@ def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed
     """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column.
 
     Built on the ``meta`` device and materialized on ``device`` by
-    :func:`~poet_hf.initialization.materialize_model` (transformers' initialisation, keyed by ``seed`` and each
+    [`materialize_model`][poet_hf.initialization.materialize_model] (transformers' initialisation, keyed by ``seed`` and each
     module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
-    shard by shard with the same values."""
+    shard by shard with the same values.
+
+    Args:
+        preset: the shape (one of ``PRESETS``).
+        method: the method whose FFN size to use (``poet-bs``, ``poet-fs`` or a baseline).
+        vocab_size: the vocabulary size.
+        seq_len: the longest sequence (``max_position_embeddings``).
+        seed: the seed of the keyed initialisation.
+        device: where to materialize it, or ``"meta"`` to leave it unmaterialized.
+
+    Returns:
+        The ``LlamaForCausalLM``.
+    """
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=preset.hidden, num_hidden_layers=preset.layers,
                          intermediate_size=_intermediate(preset, method), num_attention_heads=preset.heads,
                          num_key_value_heads=preset.heads, max_position_embeddings=seq_len, tie_word_embeddings=False)
@@ -362,7 +381,19 @@ def _perplexity(loss: float) -> float:
 
 
 def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
-    """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``args.output_dir``."""
+    """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``args.output_dir``.
+
+    Args:
+        args: the run's options (``scripts/pretrain.py``'s flags).
+
+    Returns:
+        The report written to ``results.json``: the resolved recipe, validation loss and perplexity (initial and final),
+            tokens seen, trainable parameters, merges, spectrum drift and its Cayley–Neumann bound, the training losses.
+
+    Raises:
+        ValueError: the validation set holds fewer sequences than one batch (and, from the arguments, any invalid
+            option).
+    """
     started = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
     recipe = resolve_recipe(args, vocab_size=len(tokenizer))

@@ -30,7 +30,7 @@ def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = No
     if deepspeed:
         raise ValueError("POET merge-then-reinitialize cannot fold weights DeepSpeed partitions; shard with FSDP2 "
                          "instead (an Accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`, see "
-                         "`configs/accelerate_fsdp2.yaml`), or use DDP")
+                         "`examples/cluster/fsdp2.yaml`), or use DDP")
     if fsdp and fsdp_version != 2:
         raise ValueError(f"POET needs FSDP2 (`fsdp_version: 2`), got FSDP version {fsdp_version}: FSDP1's flat "
                          "parameters cannot be folded one layer at a time")
@@ -46,21 +46,21 @@ class PoetTrainer(CrashSafeTrainer):
 
     - Optimizer: POET parameters at ``args.poet_learning_rate`` without weight decay; the rest at
       ``args.learning_rate`` with Trainer's usual decay rules. The scheduler scales both groups.
-    - Adds :class:`MergeReinitCallback` (merge every ``merge_every`` steps, optimizer-state reset, post-merge
+    - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback] (merge every ``merge_every`` steps, optimizer-state reset, post-merge
       clip ramp).
     - Logs the POET learning rate, merge count, ``||Q||``, orthogonality error and vector-probe cosines.
     - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json``, so a model pretrained
       from scratch can be rebuilt and exported without a hub id. They are written atomically, and
       ``train(resume_from_checkpoint="auto")`` resumes from the newest complete one
-      (:class:`~poet_hf.checkpoints.CrashSafeTrainer`).
+      (`CrashSafeTrainer`).
 
     POET merges fold weights in place on every process, which is exact under DDP (every rank draws the same
     permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
-    own shard (:mod:`poet_hf.distributed`). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
+    own shard ([`distributed`][poet_hf.distributed]). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
 
     A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is
-    materialized here (:func:`~poet_hf.initialization.materialize_model`, seeded by ``args.seed``): whole on
-    ``args.device``, or, when Accelerate runs FSDP2, sharded first by :func:`~poet_hf.distributed.shard_model` with
+    materialized here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole on
+    ``args.device``, or, when Accelerate runs FSDP2, sharded first by [`shard_model`][poet_hf.distributed.shard_model] with
     the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
 
     Args beyond ``Trainer``'s:
@@ -68,6 +68,18 @@ class PoetTrainer(CrashSafeTrainer):
         pretrained_weights: for a model built on the ``meta`` device, a ``save_pretrained`` folder (or
             ``.safetensors`` file) of its base model, read tensor by tensor (under FSDP2 by rank 0, which sends each
             process its shard) instead of initialising the base weights.
+
+    Args:
+        run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).
+        pretrained_weights: for a model built on the ``meta`` device, a ``save_pretrained`` folder (or ``.safetensors``
+            file) of its base model, read tensor by tensor (under FSDP2 by rank 0, which sends each process its shard)
+            instead of initialising the base weights.
+        *args: as ``transformers.Trainer``.
+        **kwargs: as ``transformers.Trainer``.
+
+    Raises:
+        ValueError: the model has POET layers and Accelerate runs DeepSpeed or FSDP1, or FSDP was requested on a machine
+            where Accelerate does not enable it.
     """
 
     def __init__(self, *args: Any, run_info: Optional[dict] = None, pretrained_weights: Optional[str] = None,

@@ -5,8 +5,8 @@ A rotation layer whose base is a ``bnb.nn.Linear4bit`` (nf4 or fp4, with or with
 (``peft/tuners/lora/bnb.py``) through PEFT's quantisation backends (``peft.utils.quantization_utils``):
 
 - the logical ``(out, in)`` shape is the layer's, never the packed storage's;
-- the forward gets a :class:`QuantizedWeight`, which dequantises ``W0`` when called (once in the forward, once in the
-  backward; :class:`~poet_hf.orthogonal.rotated_linear.DenseWeight`);
+- the forward gets a `QuantizedWeight`, which dequantises ``W0`` when called (once in the forward, once in the
+  backward; `DenseWeight`);
 - a fold (merge, unmerge, merge-then-reinitialise) dequantises, rotates and requantises with the same quantisation
   settings (type, block size, double quantisation, storage), by PEFT's backends.
 
@@ -146,14 +146,14 @@ def requantize(peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest",
     """Store the dense ``matrix`` into the quantised base of ``peft_layer`` with the same quantisation settings
     (PEFT's backends), and return the relative error this requantisation caused, ``‖dequant(Q(M)) − M‖/‖M‖``.
 
-    ``mode`` (:data:`REQUANTIZE_MODES`):
+    ``mode`` (`REQUANTIZE_MODES`):
 
     - ``"nearest"``: every entry to its nearest code.
     - ``"stochastic"`` (needs ``generator``): to a neighbouring code at random, unbiased, so that an update smaller
       than half a quantisation step survives on average instead of vanishing.
     - ``"feedback"``: error feedback. ``matrix`` is taken to include the residual the previous requantisation left
-      (the caller adds :func:`residual`), and the new residual ``M − dequant(Q(M))`` is stored beside the codes
-      (int8 per block of :data:`RESIDUAL_BLOCK`, about 1 byte per entry) for the next fold. The error of the stored
+      (the caller adds `residual`), and the new residual ``M − dequant(Q(M))`` is stored beside the codes
+      (int8 per block of `RESIDUAL_BLOCK`, about 1 byte per entry) for the next fold. The error of the stored
       weight then stays one quantisation step instead of growing with every fold.
     """
     module = peft_layer.get_base_layer()
@@ -180,7 +180,7 @@ def requantize(peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest",
 
 def encode_residual(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scales)``: ``residual`` as int8 codes (its shape) and one float32 absmax scale per
-    :data:`RESIDUAL_BLOCK` consecutive entries (the last block zero-padded)."""
+    `RESIDUAL_BLOCK` consecutive entries (the last block zero-padded)."""
     flat = residual.reshape(-1)
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % RESIDUAL_BLOCK)).reshape(-1, RESIDUAL_BLOCK)
     scales = padded.abs().amax(dim=1, keepdim=True) / 127
@@ -189,7 +189,7 @@ def encode_residual(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def decode_residual(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 residual :func:`encode_residual` stored."""
+    """The float32 residual `encode_residual` stored."""
     flat = codes.reshape(-1).float()
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % RESIDUAL_BLOCK)).reshape(-1, RESIDUAL_BLOCK)
     return (padded * scales[:, None]).reshape(-1)[: flat.numel()].reshape(codes.shape)
@@ -295,7 +295,7 @@ def dense_linear(module: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.L
 
 
 def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
-    """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (:func:`dense_linear`) and drop
+    """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (`dense_linear`) and drop
     ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``), so that the model
     saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
     ``BitsAndBytesConfig`` as a dict, or one describing the layers found), ``None`` if nothing was quantised."""

@@ -43,7 +43,7 @@ def check_bool(field_name: str, value: object) -> None:
 
 def requantize_field() -> Any:
     """The ``requantize`` field of the rotation configs: how a fold into a quantised ``W0`` rounds
-    (:func:`poet_hf.tuners.bnb.requantize`)."""
+    (`requantize`)."""
     return field(default="feedback", metadata={
         "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' (nearest code, "
                 "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
@@ -51,8 +51,24 @@ def requantize_field() -> Any:
                 "rounding, seeded per layer and merge). Ignored for a float W0."})
 
 
+_PEFT_FIELD_HELP = {
+    "layers_to_transform": "Only these layer indices (an int or a list) are wrapped; None: all. Needs layers_pattern "
+                           "for models whose layer list has another name.",
+    "layers_pattern": "The name of the layer list that layers_to_transform indexes (e.g. 'layers', 'h'); must be set "
+                      "with layers_to_transform.",
+    "modules_to_save": "Modules (beside the adapters) that are trained fully and saved with the adapter, e.g. a new "
+                       "classification head.",
+}
+
+
+def peft_field(name: str) -> Any:
+    """One of PEFT's standard config fields (``layers_to_transform``, ``layers_pattern``, ``modules_to_save``),
+    default ``None``, with its help: one definition for the three tuners."""
+    return field(default=None, metadata={"help": _PEFT_FIELD_HELP[name]})
+
+
 def cache_rotations_field() -> Any:
-    """The ``cache_rotations`` field of the rotation configs (:mod:`poet_hf.tuners.rotation_cache`)."""
+    """The ``cache_rotations`` field of the rotation configs (`rotation_cache`)."""
     return field(default=True, metadata={
         "help": "Under gradient accumulation, build each rotation once per optimizer step and run its Cayley-Neumann "
                 "VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
@@ -91,7 +107,7 @@ def holds_full_model(config: Any) -> bool:
 class CheckedLoadConfig:
     """Mixin for a ``PeftConfig``: ``from_pretrained`` checks that the adapter weights beside the config are a whole
     safetensors file, and records where they are (``loaded_from``, not serialized), so that the layers' load checks
-    (:mod:`~poet_hf.tuners.state_checks`) name the file when a tensor in it is wrong."""
+    (`state_checks`) name the file when a tensor in it is wrong."""
 
     loaded_from: Optional[str] = None
 

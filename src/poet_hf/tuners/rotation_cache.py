@@ -1,13 +1,13 @@
 """When the rotation layers build their rotations once per optimizer step instead of once per micro-batch.
 
 With gradient accumulation, every micro-batch but the last of an optimizer step *defers*: its layers read the
-rotation blocks from a :class:`~poet_hf.orthogonal.rotated_linear.RotationCache` (built by the step's first forward)
+rotation blocks from a `RotationCache` (built by the step's first forward)
 and add their ``∂L/∂blocks`` to it; the last micro-batch's backward runs the Cayley–Neumann VJP once, on the sum,
 inside the backward where DDP and FSDP2 reduce gradients. A micro-batch defers when
 
 - ``transformers.Trainer`` / ``PoetTrainer`` or ``accelerate``'s ``accumulate`` say it is not the step's last
   (``accelerate``'s ``GradientState.sync_gradients`` is ``False``), or
-- it runs inside :func:`defer_rotation_grads` (a plain loop: wrap every micro-batch but the last, as DDP's ``no_sync``).
+- it runs inside [`defer_rotation_grads`][poet_hf.defer_rotation_grads] (a plain loop: wrap every micro-batch but the last, as DDP's ``no_sync``).
 
 Outside both, a layer behaves as without accumulation (nothing is cached). A cache is emptied by the last
 micro-batch's backward; its pending gradient is applied to the skew parameters' ``.grad`` ("flushed") and the cache
@@ -47,6 +47,9 @@ def defer_rotation_grads() -> Iterator[None]:
         optimizer.step()
 
     Under DDP, use it together with ``model.no_sync()``. Gradients equal those of the loop without it, to rounding.
+
+    Returns:
+        A context manager.
     """
     global _explicit_deferrals
     _explicit_deferrals += 1

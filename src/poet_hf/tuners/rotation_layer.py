@@ -1,12 +1,12 @@
 """The PEFT layer plumbing shared by the POET and OFT tuners: adapters made of orthogonal side rotations.
 
-A :class:`RotationLayer` wraps an ``nn.Linear``, a ``transformers`` ``Conv1D`` or an ``nn.Conv2d`` and holds, per
+A `RotationLayer` wraps an ``nn.Linear``, a ``transformers`` ``Conv1D`` or an ``nn.Conv2d`` and holds, per
 adapter, up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × out). Each side is a skew
 parameter (one row per block) and an index buffer (permutation or subset) placing it. The effective weight is
 ``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation); every base weight is handled as the torch matrix ``W_t``
 (out × in): ``Linear.weight``, ``Conv1D.weight.T`` (GPT-2 stores in × out), ``Conv2d.weight`` viewed as
 out × (in/groups·kh·kw), and the dequantised weight of a bitsandbytes ``Linear4bit`` / ``Linear8bitLt``
-(:mod:`~poet_hf.tuners.bnb`: QOFT, QPOET), which every fold requantises. The bias is not rotated.
+(`bnb`: QOFT, QPOET), which every fold requantises. The bias is not rotated.
 
 Subclasses (POET, OFT) declare where their tensors live (PEFT finds adapter state by the tuner's prefix), how a
 config becomes sides, and their forward; everything else (merge, unmerge, merge-then-reinitialize, the reference
@@ -111,8 +111,8 @@ class RotationLayer(BaseTunerLayer):
     """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them.
 
     A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
-    :meth:`_init_containers`, maps a side to them in :meth:`side_containers`, and adds adapters with
-    :meth:`add_rotation_adapter`.
+    `_init_containers`, maps a side to them in `side_containers`, and adds adapters with
+    `add_rotation_adapter`.
     """
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
@@ -164,7 +164,7 @@ class RotationLayer(BaseTunerLayer):
 
     def _check_loaded_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
         """``load_state_dict`` pre-hook: every incoming index, skew and merge-count tensor of this layer must be what
-        the math needs (:mod:`~poet_hf.tuners.state_checks`); raises :class:`AdapterStateError` naming it."""
+        the math needs (`state_checks`); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming it."""
         names = {id(child): name for name, child in self.named_children()}
         for adapter_name, specs in self.poet_specs.items():
             checks = [(self.merge_counts, merge_count_problem)]
@@ -227,9 +227,9 @@ class RotationLayer(BaseTunerLayer):
                           generator: Optional[torch.Generator] = None) -> None:
         """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard.
 
-        A quantised base is requantised by :func:`~poet_hf.tuners.bnb.requantize` (``requantize``: "feedback",
+        A quantised base is requantised by `requantize` (``requantize``: "feedback",
         "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
-        :attr:`requantization_error`."""
+        `requantization_error`."""
         if self.base_quantization is not None:
             self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
             return
@@ -289,8 +289,8 @@ class RotationLayer(BaseTunerLayer):
     def add_rotation_adapter(self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec],
                              rows: dict[str, int]) -> None:
         """Create the skew parameters (``rows[side]`` rows) and index buffers, and give them their initial state
-        (:meth:`reset_rotation_state`); on the ``meta`` device that waits for
-        :func:`~poet_hf.initialization.materialize_model`."""
+        (`reset_rotation_state`); on the ``meta`` device that waits for
+        [`materialize_model`][poet_hf.initialization.materialize_model]."""
         self.poet_specs[adapter_name] = specs
         self.poet_settings[adapter_name] = settings
         device = self.get_base_layer().weight.device
@@ -361,7 +361,7 @@ class RotationLayer(BaseTunerLayer):
 
         The inverse uses each side's transpose where the blocks are orthogonal to the working precision of the
         stored weight, and an exact blockwise inverse otherwise; ``report`` (if given) receives, per side, the
-        method, the orthogonality error and the estimated relative restoration error (see :func:`invert_blocks`).
+        method, the orthogonality error and the estimated relative restoration error (see `invert_blocks`).
         """
         for side, spec in self.sides(adapter_name).items():
             index = self.index_buffer(adapter_name, side)
@@ -448,13 +448,13 @@ class RotationLayer(BaseTunerLayer):
                             self.poet_settings[adapter_name].neumann_terms, keep, cache, defer)
 
     def choose_strategy(self, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached") -> str:
-        """The fused strategy for one call (:data:`~poet_hf.orthogonal.rotated_linear.STRATEGIES`).
+        """The fused strategy for one call (`STRATEGIES`).
 
         ``forward="weight"`` / ``"activation"`` are taken as given; ``"auto"`` takes the fewest multiply-adds by
-        :func:`~poet_hf.orthogonal.rotated_linear.strategy_costs` among the strategies that keep nothing but the
+        `strategy_costs` among the strategies that keep nothing but the
         layer input for the backward, so that ``auto`` never costs more memory than the frozen layer would. The
         polynomial is counted as this call pays it (``polynomial_phase``, see
-        :func:`~poet_hf.orthogonal.rotated_linear.polynomial_products`): the same in every strategy, so amortizing
+        `polynomial_products`): the same in every strategy, so amortizing
         it over an accumulation window lowers every total and leaves the choice as it was.
         Conv2d always uses the weight strategy.
         """
@@ -474,7 +474,7 @@ class RotationLayer(BaseTunerLayer):
         return min(affordable, key=affordable.get)
 
     def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``base(x, P^T W0 R^T)`` through the fused functions of :mod:`poet_hf.orthogonal.rotated_linear`."""
+        """``base(x, P^T W0 R^T)`` through the fused functions of `rotated_linear`."""
         sides = self.sides(adapter_name)
         training = torch.is_grad_enabled() and any(self.skew_parameter(adapter_name, s).requires_grad for s in sides)
         tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
@@ -641,9 +641,9 @@ class RotationLayer(BaseTunerLayer):
         """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
 
         A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
-        (:func:`~poet_hf.tuners.bnb.requantize`).
+        (`requantize`).
 
-        Returns the pre-merge statistics of :meth:`rotation_stats`, with ``requantization_error`` for a quantised
+        Returns the pre-merge statistics of `rotation_stats`, with ``requantization_error`` for a quantised
         base.
         """
         if self.merged:
@@ -689,7 +689,7 @@ class RotationLayer(BaseTunerLayer):
     def rotation_stats(self, adapter_name: str) -> dict[str, float]:
         """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||R R^T − I||_F/√b``) and ``neumann_bound``
         (the bound on any singular value's relative change the live rotations cause, from
-        :func:`~poet_hf.orthogonal.neumann_error_bound`), over blocks and sides."""
+        [`neumann_error_bound`][poet_hf.orthogonal.neumann_error_bound]), over blocks and sides."""
         stats = {"q_norm": 0.0, "orth_error": 0.0, "neumann_bound": 0.0}
         bound = 1.0
         terms = self.poet_settings[adapter_name].neumann_terms
@@ -734,7 +734,7 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 
 def _polynomial_phase(cache: Optional[RotationCache], defer: bool) -> str:
-    """Where a call stands in its optimizer step (:func:`~poet_hf.orthogonal.rotated_linear.polynomial_products`)."""
+    """Where a call stands in its optimizer step (`polynomial_products`)."""
     if cache is None:
         return "uncached"
     if not defer:
@@ -745,7 +745,11 @@ def _polynomial_phase(cache: Optional[RotationCache], defer: bool) -> str:
 def flush_rotation_caches(model: nn.Module) -> None:
     """Apply every deferred rotation gradient of ``model`` to its skew parameter's ``.grad`` and free the rotation
     caches (under FSDP2 a collective: every process calls it). Needed only after changing skew parameters by hand in
-    the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it themselves."""
+    the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it themselves.
+
+    Args:
+        model: the model whose layers to flush.
+    """
     for _, layer in rotation_layers(model):
         layer.flush_rotation_caches()
 

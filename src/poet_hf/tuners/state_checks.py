@@ -4,7 +4,7 @@ A POET or OFT adapter is only a rotation if each side's index tensor is a permut
 sorted index subset (fully stochastic) of the right size, its skew parameter has the shape its block size implies,
 and its merge count is a non-negative integer that agrees across the adapter's layers (they merge together). A file
 that breaks any of these would otherwise load silently and compute a wrong, non-orthogonal function, or fail at the
-first forward with a bare ``IndexError``. :class:`AdapterStateError` names the file, the tensor and what is wrong.
+first forward with a bare ``IndexError``. [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] names the file, the tensor and what is wrong.
 """
 
 from __future__ import annotations
@@ -22,19 +22,31 @@ __all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew
 
 
 class AdapterStateError(ValueError):
-    """A saved adapter or checkpoint that cannot be a valid rotation state (or a damaged file)."""
+    """A saved adapter or checkpoint that cannot be a valid rotation state (or a damaged file).
+
+    Args:
+        problem: what is wrong.
+        source: the file it was read from, if known.
+    """
 
     def __init__(self, problem: str, source: Optional[str] = None) -> None:
         self.problem, self.source = problem, source
         super().__init__(f"{source}: {problem}" if source else problem)
 
     def in_file(self, source: str) -> "AdapterStateError":
-        """The same error naming ``source``, unless it names a file already."""
+        """The same error naming ``source``, unless it names a file already.
+
+        Args:
+            source: the file.
+
+        Returns:
+            A new error, or this one.
+        """
         return self if self.source else AdapterStateError(self.problem, source)
 
 
 def check_safetensors_file(path: str | os.PathLike) -> None:
-    """Raise :class:`AdapterStateError` unless ``path`` is a whole safetensors file: its header parses and the data
+    """Raise [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] unless ``path`` is a whole safetensors file: its header parses and the data
     it describes ends exactly at the end of the file (a truncated or extended file fails). Reads the header only."""
     path = os.fspath(path)
     size = os.path.getsize(path)

@@ -58,6 +58,19 @@ def certified_accuracy(
 
     Returns ``clean_accuracy``, ``certified_accuracy``, ``eps``, ``lipschitz_constant``, ``num_examples`` and,
     with ``return_radii``, the per-example ``radii`` and ``correct`` tensors.
+
+    Args:
+        model: a classifier with ``lipschitz_constant()`` (LipConvNet).
+        dataset: the examples (see above).
+        eps: the ℓ2 radius, in pixel space.
+        batch_size: images per forward.
+        return_radii: also return the per-example radii and correctness.
+
+    Returns:
+        The dict described above.
+
+    Raises:
+        ValueError: ``eps`` is negative.
     """
     if eps < 0:
         raise ValueError(f"certified_accuracy: `eps` must be >= 0, got {eps}")
@@ -123,7 +136,7 @@ def pgd_l2_attack(model: Any, pixels: torch.Tensor, labels: torch.Tensor, eps: f
 
 def pgd_accuracy(model: Any, dataset: Any, radii_to_report: dict[str, float], steps: int = 20,
                  batch_size: int = 256) -> dict[str, float]:
-    """Accuracy under :func:`pgd_l2_attack` at each radius (an upper bound on robust accuracy), in eval mode."""
+    """Accuracy under `pgd_l2_attack` at each radius (an upper bound on robust accuracy), in eval mode."""
     was_training = model.training
     model.eval()
     try:

@@ -2,7 +2,7 @@
 offline default (scikit-learn's 8x8 ``load_digits``, 1,797 images, resized to the model's input size).
 
 Every source is normalised to a ``DatasetDict`` with ``train`` / ``test`` splits and columns ``img`` (PIL image)
-and ``label`` (int), the CIFAR-10 layout on the Hub (``uoft-cs/cifar10``). :func:`image_to_tensor` turns an image
+and ``label`` (int), the CIFAR-10 layout on the Hub (``uoft-cs/cifar10``). `image_to_tensor` turns an image
 into the ``[C, H, W]`` float tensor in ``[0, 1]`` the models take; normalisation happens inside the model.
 """
 
@@ -160,7 +160,7 @@ def iterate_batches(
     data: Any, num_channels: int, image_size: int, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(pixel_values, labels)`` batches from a ``(images, labels)`` tensor pair, or any sequence of examples
-    with ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are converted with :func:`image_to_tensor`)."""
+    with ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are converted with `image_to_tensor`)."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):
         images, labels = data
         for start in range(0, len(labels), batch_size):

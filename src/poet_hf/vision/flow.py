@@ -36,7 +36,7 @@ __all__ = ["ReflectionFlowConfig", "ReflectionFlowModel", "ReflectionFlowOutput"
 
 
 class ReflectionFlowConfig(PretrainedConfig):
-    """Configuration of :class:`ReflectionFlowModel`.
+    """Configuration of [`ReflectionFlowModel`][poet_hf.vision.flow.ReflectionFlowModel].
 
     Args:
         image_size: side of the square input; divisible by ``2 ** num_levels``.
@@ -46,8 +46,12 @@ class ReflectionFlowConfig(PretrainedConfig):
         hidden_channels: width of each coupling network.
         invertible: use the provably invertible reflection parameterisation (default; see module docstring).
         num_bins: quantisation levels of the data (256 for 8-bit images, 17 for ``load_digits``).
-        newton_iters, newton_on_fail: Newton inverse cap and failure policy (``"raise"``, ``"warn"``, ``"ignore"``).
+        newton_iters: Newton iterations of the inverse, at most.
+        newton_on_fail: what a Newton inverse that does not converge does: ``"raise"``, ``"warn"`` or ``"ignore"``.
         seed: seed of the random orthogonal initialisations.
+
+    Raises:
+        ValueError: a field is out of range (the image size must be divisible by ``2 ** num_levels``).
     """
 
     model_type = "reflection_flow"
@@ -113,7 +117,7 @@ def squeeze(x: torch.Tensor) -> torch.Tensor:
 
 
 def unsqueeze(x: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`squeeze`."""
+    """Inverse of `squeeze`."""
     b, c, h, w = x.shape
     x = x.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
     return x.reshape(b, c // 4, 2 * h, 2 * w)
@@ -234,7 +238,11 @@ class FlowStep(nn.Module):
 
 
 class ReflectionFlowModel(PreTrainedModel):
-    """Multi-scale flow with auxiliary-reflection 1x1 convolutions, reporting bits per dimension."""
+    """Multi-scale flow with auxiliary-reflection 1x1 convolutions, reporting bits per dimension.
+
+    Args:
+        config: the model's configuration.
+    """
 
     config_class = ReflectionFlowConfig
     base_model_prefix = "flow"
@@ -262,7 +270,14 @@ class ReflectionFlowModel(PreTrainedModel):
         return self.config.num_channels * self.config.image_size**2
 
     def encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat latents ``(B, D)`` and ``log|det dz/dx|`` per image, for continuous ``pixel_values`` in ``[0, 1)``."""
+        """Flat latents ``(B, D)`` and ``log|det dz/dx|`` per image, for continuous ``pixel_values`` in ``[0, 1)``.
+
+        Args:
+            pixel_values: images ``(B, C, H, W)`` in ``[0, 1)``.
+
+        Returns:
+            ``(latents, log|det|)``.
+        """
         x = pixel_values - 0.5
         logdet = x.new_zeros(x.shape[0])
         latents = []
@@ -291,7 +306,14 @@ class ReflectionFlowModel(PreTrainedModel):
         return shapes
 
     def inverse(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images ``(B, C, H, W)`` in ``[0, 1)`` scale from flat latents ``(B, D)`` (Newton for the reflections)."""
+        """Images ``(B, C, H, W)`` in ``[0, 1)`` scale from flat latents ``(B, D)`` (Newton for the reflections).
+
+        Args:
+            latents: flat latents ``(B, D)``.
+
+        Returns:
+            The images.
+        """
         shapes = self._level_shapes()
         sizes = [math.prod(s) for s in shapes]
         pieces = [p.reshape(-1, *s) for p, s in zip(latents.split(sizes, dim=1), shapes)]
@@ -306,7 +328,16 @@ class ReflectionFlowModel(PreTrainedModel):
 
     @torch.no_grad()
     def sample(self, num_samples: int, temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Draw ``num_samples`` images by inverting ``z ~ N(0, temperature^2 I)``."""
+        """Draw ``num_samples`` images by inverting ``z ~ N(0, temperature^2 I)``.
+
+        Args:
+            num_samples: how many images.
+            temperature: the latents' standard deviation.
+            generator: the generator to draw from.
+
+        Returns:
+            The images ``(num_samples, C, H, W)``.
+        """
         param = next(self.parameters())
         z = torch.randn(num_samples, self.num_dims, generator=generator, dtype=param.dtype, device=param.device)
         return self.inverse(temperature * z)
@@ -322,7 +353,7 @@ class ReflectionFlowModel(PreTrainedModel):
         return pixel_values + noise / self.config.num_bins
 
     def forward(self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs) -> ReflectionFlowOutput | tuple:
-        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see :meth:`dequantize`)."""
+        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see [`dequantize`][poet_hf.vision.flow.ReflectionFlowModel.dequantize])."""
         latents, logdet = self.encode(self.dequantize(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)
         log_likelihood = log_prior + logdet

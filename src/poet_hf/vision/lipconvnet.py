@@ -10,7 +10,7 @@ per ``conv_types`` (paper default: SOC in blocks 1–2, ECO in 3–5, Table 3). 
 (first ``num_labels`` rows of an orthogonal matrix) or a row-normalised linear layer (LLN).
 
 The model takes ``pixel_values`` in pixel space (``[0, 1]``) and normalises inside, so its Lipschitz constant,
-:meth:`LipConvNetForImageClassification.lipschitz_constant`, includes the ``1/min(std)`` factor.
+[`LipConvNetForImageClassification.lipschitz_constant`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.lipschitz_constant], includes the ``1/min(std)`` factor.
 """
 
 from __future__ import annotations
@@ -47,11 +47,16 @@ class LipConvNetConfig(PretrainedConfig):
         strides: downsampling stride per block (paper: 2, 2, 2, 3, 1).
         conv_types: ``"soc"`` or ``"eco"`` per block (paper: soc, soc, eco, eco, eco).
         last_layer: ``"orthogonal"`` (certificate ``margin/(√2·L)``) or ``"lln"`` (row-normalised linear).
-        image_mean, image_std: per-channel input normalisation, applied inside the model.
+        image_mean: per-channel input mean, subtracted inside the model.
+        image_std: per-channel input standard deviation, divided out inside the model.
         eco_orthogonal_map: ``"taylor"`` or ``"matrix_exp"`` for ECO layers in training.
         eco_train_terms: Taylor terms of ECO in training (paper: 5).
-        soc_train_terms, soc_eval_terms: SOC Taylor terms (SOC: 5 and 10).
-        baked: ECO layers hold a stored kernel (set by :meth:`LipConvNetForImageClassification.bake`).
+        soc_train_terms: SOC Taylor terms in training (SOC: 5).
+        soc_eval_terms: SOC Taylor terms in evaluation (SOC: 10).
+        baked: ECO layers hold a stored kernel (set by [`LipConvNetForImageClassification.bake`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.bake]).
+
+    Raises:
+        ValueError: a field is out of range, or a block's stride does not divide its input size.
     """
 
     model_type = "poet-lipconvnet"
@@ -136,7 +141,11 @@ def _make_conv(config: LipConvNetConfig, kind: str, c_in: int, c_out: int, kerne
 
 
 class LipConvNetForImageClassification(PreTrainedModel):
-    """LipConvNet-``depth`` classifier; ``forward(pixel_values, labels=None)`` returns logits (and CE loss)."""
+    """LipConvNet-``depth`` classifier; ``forward(pixel_values, labels=None)`` returns logits (and CE loss).
+
+    Args:
+        config: the model's configuration.
+    """
 
     config_class = LipConvNetConfig
     base_model_prefix = "lipconvnet"
@@ -212,7 +221,11 @@ class LipConvNetForImageClassification(PreTrainedModel):
 
     # ---------------------------------------------------------------------------------------------------------
     def conv_layers(self) -> list[nn.Module]:
-        """The orthogonal conv layers, in order."""
+        """The orthogonal conv layers, in order.
+
+        Returns:
+            The conv layers.
+        """
         return [m for m in self.features if isinstance(m, (EcoConv2d, SocConv2d))]
 
     def lipschitz_constant(self, include_head: bool = True) -> float:
@@ -221,6 +234,12 @@ class LipConvNetForImageClassification(PreTrainedModel):
         ``1/min(std)`` (input normalisation) times the exact spectral norm of every conv layer in the current
         mode (Sedghi per-frequency SVDs); MaxMin, flattening and pixel-unshuffle are 1-Lipschitz. The head is
         included for the orthogonal head; an LLN head is handled by the pairwise certificate instead.
+
+        Args:
+            include_head: include the head (orthogonal heads only).
+
+        Returns:
+            The bound.
         """
         bound = 1.0 / min(self.config.image_std)
         for layer in self.conv_layers():
@@ -231,7 +250,11 @@ class LipConvNetForImageClassification(PreTrainedModel):
 
     @torch.no_grad()
     def head_weight(self) -> torch.Tensor:
-        """The head as a dense ``[num_labels, feature_dim]`` matrix in the current mode."""
+        """The head as a dense ``[num_labels, feature_dim]`` matrix in the current mode.
+
+        Returns:
+            The matrix.
+        """
         if isinstance(self.head, EcoConv2d):
             return self.head.kernel()[:, :, 0, 0]
         return self.head.normalized_weight()
@@ -240,6 +263,9 @@ class LipConvNetForImageClassification(PreTrainedModel):
         """Bake every ECO layer (stored ``matrix_exp`` kernel, no parametrization); sets ``config.baked``.
 
         SOC layers cannot be baked (their output is a power series in the input) and stay as they are.
+
+        Returns:
+            The model itself.
         """
         for module in self.modules():
             if isinstance(module, EcoConv2d):

@@ -83,7 +83,7 @@ class SvdLinear(nn.Module):
 
 
 class SvdNetwork(nn.Module):
-    """``depth`` :class:`SvdLinear` layers of width ``features`` with ReLU between them, then ``Linear(features, classes)``."""
+    """``depth`` `SvdLinear` layers of width ``features`` with ReLU between them, then ``Linear(features, classes)``."""
 
     def __init__(self, features: int, method: str, depth: int = 3, classes: int = 10, seed: int = 0) -> None:
         super().__init__()
@@ -103,7 +103,7 @@ class SvdNetwork(nn.Module):
 
 @dataclass
 class SvdExperimentArgs:
-    """What :func:`run_svd_experiment` trains; defaults take about a minute on 2 CPU cores."""
+    """What `run_svd_experiment` trains; defaults take about a minute on 2 CPU cores."""
 
     dataset: str = field(default="digits", metadata={"help": "'digits' (scikit-learn's 8×8 digits: a 64-wide network, "
                          "offline) or 'mnist-5k' (5,000 MNIST images: the paper's 784-wide network; fetched once from "
@@ -140,7 +140,7 @@ def train_svd_network(
     args: SvdExperimentArgs,
     progress: Callable[[Any], Any] = lambda it: it,
 ) -> dict[str, Any]:
-    """Train one :class:`SvdNetwork`; returns its validation error after every epoch (epoch 0: at initialisation)
+    """Train one `SvdNetwork`; returns its validation error after every epoch (epoch 0: at initialisation)
     and the cumulative training seconds (evaluation excluded)."""
     x_train, y_train = train
     model = SvdNetwork(x_train.shape[1], method, depth=args.depth, seed=args.seed)

@@ -1,6 +1,6 @@
 """Training a LipConvNet with ``transformers.Trainer``, then certifying and exporting it (model card included).
 
-``scripts/train_vision.py`` is a thin command line over :func:`train_lipconvnet` and :func:`export_lipconvnet`.
+``scripts/train_vision.py`` is a thin command line over `train_lipconvnet` and `export_lipconvnet`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 
 @dataclass
 class VisionTrainArgs:
-    """What :func:`train_lipconvnet` trains; the defaults train LipConvNet-5 on the offline digits in minutes."""
+    """What `train_lipconvnet` trains; the defaults train LipConvNet-5 on the offline digits in minutes."""
 
     dataset: str = field(default=DEFAULT_DATASET, metadata={"help": "image dataset: 'digits' (offline default, "
                          "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"})
@@ -172,7 +172,7 @@ def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps
 
 def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
     """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics: clean accuracy and
-    certified accuracy at ``args.eps`` and at :data:`REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``)."""
+    certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``)."""
     from transformers import TrainingArguments, set_seed
 
     from ..checkpoints import CrashSafeTrainer

@@ -12,7 +12,7 @@ from ..registry import peft_type_member
 from ...orthogonal import check_neumann_terms
 from ..bnb import REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..config_utils import (CheckedLoadConfig, cache_rotations_field, check_bool, check_choice, check_positive_int,
+from ..config_utils import (peft_field, CheckedLoadConfig, cache_rotations_field, check_bool, check_choice, check_positive_int,
                             normalize_peft_target_fields, requantize_field)
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
@@ -31,7 +31,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
     The field names follow PEFT's ``OFTConfig`` where the meaning is the same (``r``, ``module_dropout``, ``coft``,
     ``eps``, ``block_share``, ``bias``, …); ``block_size`` is PEFT's ``oft_block_size`` and ``neumann_terms`` its
     ``num_cayley_neumann_terms`` (0 = exact Cayley, PEFT's ``use_cayley_neumann=False``). Use
-    :meth:`from_peft_config` to convert a PEFT config and :func:`poet_hf.tuners.oft.peft_oft_state_dict_to_ours`
+    [`from_peft_config`][poet_hf.OftConfig.from_peft_config] to convert a PEFT config and [`peft_oft_state_dict_to_ours`][poet_hf.tuners.oft.peft_oft_state_dict_to_ours]
     to convert its weights.
     """
 
@@ -82,9 +82,9 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
     )
     bias: Literal["none", "all", "oft_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
-    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
-    modules_to_save: Optional[list[str]] = field(default=None)
+    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
+    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
+    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -123,6 +123,16 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
 
         Unlike PEFT, which silently snaps a non-dividing size to a nearby divisor (with a warning), a size that
         does not divide is an error here, raised when the model is built.
+
+        Args:
+            dim: the rotated (input) dimension.
+            layer_name: the module's name, for the message.
+
+        Returns:
+            The block size.
+
+        Raises:
+            ValueError: the size (or ``r``) does not divide ``dim``, or gives 1 × 1 blocks.
         """
         if self.r:
             if dim % self.r:
@@ -151,6 +161,16 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         ``I + 2Q + 2Q² + Q³`` (its loop adds one term too many there), so 3 maps to 4; PEFT's 1 and 2 terms give
         ``I`` and ``I + 2Q``, which are no Cayley–Neumann truncation and are refused. PEFT's default target modules
         (q_proj, v_proj for LLaMA) differ from ours, so the targets are copied explicitly.
+
+        Args:
+            peft_config: PEFT's ``OFTConfig``.
+            **overrides: fields to set differently.
+
+        Returns:
+            The ``OftConfig``.
+
+        Raises:
+            ValueError: PEFT's 1- or 2-term series (not a rotation).
         """
         if peft_config.use_cayley_neumann:
             terms = peft_config.num_cayley_neumann_terms

@@ -3,7 +3,7 @@
 R is block-diagonal (PEFT's contiguous blocks, or block-stochastic with a permutation resampled at each
 merge-then-reinitialize); beyond POET, OFT offers a block size given per layer by ``r``, ``block_share`` (one skew
 block for all), the COFT projection and multiplicative block dropout. State lives under the ``poet_oft_`` prefix it
-is registered with in PEFT. The forward (:meth:`OftLayer.adapter_forward`) is all on this page.
+is registered with in PEFT. The forward (`OftLayer.adapter_forward`) is all on this page.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..rotation_layer import SIDE_INPUT, RotationLayer, RotationSettings
 
 @dataclass(frozen=True)
 class OftOptions:
-    """OFT's options beyond the rotation itself (see :class:`~poet_hf.tuners.oft.OftConfig`)."""
+    """OFT's options beyond the rotation itself (see `OftConfig`)."""
 
     block_share: bool
     coft: bool

@@ -30,6 +30,13 @@ def peft_oft_state_dict_to_ours(state_dict: dict[str, torch.Tensor], exact_cayle
     """Convert a PEFT OFT checkpoint state dict into ours (for an ``OftConfig.from_peft_config`` model).
 
     ``exact_cayley`` is PEFT's ``not use_cayley_neumann``.
+
+    Args:
+        state_dict: PEFT's adapter state dict.
+        exact_cayley: PEFT's ``not use_cayley_neumann``.
+
+    Returns:
+        Our adapter state dict (load it with ``set_peft_model_state_dict``).
     """
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
@@ -44,7 +51,18 @@ def peft_oft_state_dict_to_ours(state_dict: dict[str, torch.Tensor], exact_cayle
 
 
 def our_oft_state_dict_to_peft(state_dict: dict[str, torch.Tensor], exact_cayley: bool) -> dict[str, torch.Tensor]:
-    """Convert our OFT checkpoint state dict into PEFT's; only plain OFT (contiguous blocks, never merged) maps."""
+    """Convert our OFT checkpoint state dict into PEFT's; only plain OFT (contiguous blocks, never merged) maps.
+
+    Args:
+        state_dict: our adapter state dict.
+        exact_cayley: PEFT's ``not use_cayley_neumann``.
+
+    Returns:
+        PEFT's adapter state dict.
+
+    Raises:
+        ValueError: the adapter uses permuted blocks or changed base weights, which PEFT's OFT cannot hold.
+    """
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         if key.endswith(OUR_KEY):

@@ -11,7 +11,7 @@ from ..registry import peft_type_member
 
 from ...orthogonal import check_neumann_terms
 from ..constants import BIAS_CHOICES
-from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields
+from ..config_utils import peft_field, check_choice, check_positive_int, normalize_peft_target_fields
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
 PARAMETERIZATIONS = ("cayley", "householder", "reflection", "fgd")
@@ -34,7 +34,7 @@ class OrthogonalConfig(PeftConfig):
     - ``"householder"``: ``R`` a product of ``num_reflections`` Householder reflections (compact-WY blocks);
     - ``"reflection"``: ``y = -O0 H(W x) x`` with one auxiliary reflection on the input (``W = I`` at start, where
       ``H(x) x = -x``). Input-dependent, so it cannot be merged into a plain weight;
-    - ``"fgd"``: a plain weight ``O0``, kept orthogonal by :class:`poet_hf.optim.FeedbackGD` (pass
+    - ``"fgd"``: a plain weight ``O0``, kept orthogonal by [`FeedbackGD`][poet_hf.optim.FeedbackGD] (pass
       ``OrthogonalModel.stiefel_parameters()`` as its ``stiefel_params``).
     """
 
@@ -69,9 +69,9 @@ class OrthogonalConfig(PeftConfig):
                   "perturbation of it, for tests."},
     )
     bias: Literal["none", "all", "orthogonal_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
-    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
-    modules_to_save: Optional[list[str]] = field(default=None)
+    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
+    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
+    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -98,7 +98,14 @@ class OrthogonalConfig(PeftConfig):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
 
     def input_size_for(self, layer_name: str) -> Optional[int]:
-        """The ``conv_input_size`` that applies to ``layer_name`` (exact name or dotted suffix), if any."""
+        """The ``conv_input_size`` that applies to ``layer_name`` (exact name or dotted suffix), if any.
+
+        Args:
+            layer_name: the module's name.
+
+        Returns:
+            The spatial size, or ``None``.
+        """
         if isinstance(self.conv_input_size, dict):
             for key, value in self.conv_input_size.items():
                 if layer_name == key or layer_name.endswith("." + key):

@@ -86,7 +86,7 @@ class OrthogonalLayer(BaseTunerLayer):
         return "; ".join(parts)
 
     def unmerge(self) -> None:
-        """Restore the base layer exactly as it was before :meth:`merge` (a stashed copy, not an inverse)."""
+        """Restore the base layer exactly as it was before `merge` (a stashed copy, not an inverse)."""
         while self.merged_adapters:
             adapter = self.merged_adapters.pop()
             stash = self._stash.pop(adapter)
@@ -214,7 +214,7 @@ class Linear(_OrthogonalModule):
         )
 
     def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
-        """Write the orthogonal weight into the base layer (its old weight is kept for :meth:`unmerge`)."""
+        """Write the orthogonal weight into the base layer (its old weight is kept for `unmerge`)."""
         for adapter_name in self._adapters_to_merge(adapter_names):
             with torch.no_grad():
                 matrix = self.orthogonal_matrix(adapter_name).detach()

@@ -40,7 +40,7 @@ class OrthogonalModel(BaseTuner):
 
     Use it through PEFT: ``get_peft_model(model, OrthogonalConfig(...))``. ``merge_and_unload()`` gives plain
     layers holding the orthogonal weights (not possible for ``parameterization="reflection"``, an input-dependent
-    map). :meth:`init_change_report` says how much each layer changed when it was made orthogonal.
+    map). `init_change_report` says how much each layer changed when it was made orthogonal.
     """
 
     prefix: str = "orthogonal_"

@@ -8,7 +8,7 @@ from typing import Literal, Optional, Union
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..config_utils import (CheckedLoadConfig, cache_rotations_field, check_bool, check_budget, check_choice,
+from ..config_utils import (peft_field, CheckedLoadConfig, cache_rotations_field, check_bool, check_budget, check_choice,
                             check_positive_int, normalize_peft_target_fields, per_side, requantize_field)
 from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
@@ -23,7 +23,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
 
     ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built by the Cayley–Neumann map from
     skew-symmetric blocks that start at zero, so the wrapped model starts as the base model. Every
-    ``merge_every`` optimizer steps :func:`poet_hf.merge_and_reinit` folds them into ``W0`` and draws new
+    ``merge_every`` optimizer steps [`merge_and_reinit`][poet_hf.merge_and_reinit] folds them into ``W0`` and draws new
     permutations / index sets.
 
     ``neumann_terms`` counts as PEFT does (``R = I + 2Q + … + 2Q^(n−2) + Q^(n−1)``, ``n`` terms); the POET paper's
@@ -60,11 +60,11 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     )
     neumann_terms: int = field(
         default=6, metadata={"help": "Cayley–Neumann terms n, counted as PEFT does (R = I + 2Q + … + 2Q^(n-2) + "
-                             "Q^(n-1)); the paper's eq. 6 counts k = n − 2, so the default 6 is its recipe k = 4. "
+                             "Q^(n-1)); the paper's eq. 6 counts k = n − 2 (its recipe k = 4 is n = 6, the default). "
                              "0 = the exact Cayley transform."}
     )
     merge_every: int = field(default=400, metadata={"help": "Optimizer steps between merge-then-reinitialize (the "
-                                                    "paper's §5.2 default, 400)."})
+                                                    "default is the paper's §5.2 value)."})
     base_init: Optional[str] = field(
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
@@ -92,9 +92,9 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
     )
     bias: Literal["none", "all", "poet_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = field(default=None)
-    layers_pattern: Optional[Union[list[str], str]] = field(default=None)
-    modules_to_save: Optional[list[str]] = field(default=None)
+    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
+    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
+    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -2,7 +2,7 @@
 
 The effective weight is ``P^T · W_t0 · R^T``: R (in×in) rotates inputs and P (out×out) rotates outputs,
 ``Y = ((X @ R) @ W_t0.T) @ P`` (POET eq. 3). Each side is block-stochastic (eq. 5) or fully stochastic (eq. 4);
-the shared plumbing (merge, reference forward, statistics) is :class:`~poet_hf.tuners.rotation_layer.RotationLayer`.
+the shared plumbing (merge, reference forward, statistics) is `RotationLayer`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class PoetLayer(RotationLayer):
             self.quantize_base(config.base_quantization)
 
     def reset_rotation_state(self, adapter_name: str) -> None:
-        """The adapter's initial state (:meth:`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh
+        """The adapter's initial state (`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh
         ``W0`` drawn from the generator keyed by (seed, adapter, layer)."""
         super().reset_rotation_state(adapter_name)
         settings = self.poet_settings[adapter_name]

@@ -23,8 +23,8 @@ def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer
     a ``ValueError`` naming the type.
 
     bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` targets are dispatched first (as PEFT dispatches LoRA's): they
-    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through :mod:`~poet_hf.tuners.bnb`
-    (:func:`~poet_hf.tuners.bnb.quantization_of` raises for any other bitsandbytes module)."""
+    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through `bnb`
+    (`quantization_of` raises for any other bitsandbytes module)."""
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
@@ -52,7 +52,7 @@ class PoetModel(BaseTuner):
     """Turns a model into a POET model: every target weight ``W0`` is used as ``P^T W0 R^T``.
 
     Use it through PEFT: ``get_peft_model(model, PoetConfig(...))``. Beyond PEFT's usual calls
-    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers :meth:`merge_and_reinit`, the
+    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers [`merge_and_reinit`][poet_hf.merge_and_reinit], the
     training-time POET step.
     """
 
@@ -117,13 +117,13 @@ class PoetModel(BaseTuner):
         return model
 
     def merge_and_reinit(self, adapter_name: Optional[str] = None) -> dict[str, Any]:
-        """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see :func:`merge_and_reinit`."""
+        """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
 
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
     """The layers of one adapter merge together, so after a load their merge counts must agree (a
-    ``load_state_dict`` post-hook); raises :class:`~poet_hf.tuners.state_checks.AdapterStateError` naming two that
+    ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming two that
     disagree."""
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
@@ -153,6 +153,16 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
     Returns ``{"layers": n, "merge_count": c, "max_q_norm": …, "max_orth_error": …, "max_neumann_bound": …}``
     computed just before the merge, for logging; with quantised bases also ``max_requantization_error``, the largest
     relative change the requantisation made to a folded ``W0``.
+
+    Args:
+        model: the model with POET (or OFT) layers.
+        adapter_name: the adapter to merge.
+
+    Returns:
+        The statistics described above.
+
+    Raises:
+        ValueError: no POET layer holds the adapter.
     """
     layers = poet_layers(model, adapter_name)
     if not layers:

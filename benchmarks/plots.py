@@ -1,0 +1,84 @@
+"""Figures of ``--suite pretrain_step`` rows (what ``scripts/benchmark.py --out`` writes): each measured ratio beside
+the floor that bounds it, and how both move with the model size and the batch.
+
+    python scripts/benchmark.py --plot docs/data/pretrain_step.json --plot_dir docs/figures
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+METHODS = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½"}
+SIZE = {"llama-60m": 60, "llama-130m": 130, "llama-350m": 350, "llama-1.3b": 1300}
+
+
+def _label(row: dict) -> str:
+    return f"{row['preset'].removeprefix('llama-')}, {row['batch'].replace('x', ' × ')}"
+
+
+def _bars(axis, rows: list[dict], measured: str, floor: str, ylabel: str, reference: float) -> None:
+    """Measured bars with the floor drawn on each; one group per (model, batch), one bar per method."""
+    labels = list(dict.fromkeys(_label(r) for r in rows))
+    width = 0.8 / len(METHODS)
+    for k, (method, name) in enumerate(METHODS.items()):
+        picked = {_label(r): r for r in rows if r["method"] == method}
+        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i, label in enumerate(labels) if label in picked]
+        values = [picked[label] for label in labels if label in picked]
+        axis.bar(xs, [r[measured] for r in values], width * 0.9, label=f"{name}, measured")
+        axis.scatter(xs, [r[floor] for r in values], marker="_", s=400, color="black", zorder=3,
+                     label="floor" if k == 0 else None)
+    axis.axhline(reference, color="grey", linewidth=0.8, linestyle="--")
+    axis.set_xticks(range(len(labels)), labels, rotation=20)
+    axis.set_ylabel(ylabel)
+    axis.legend(fontsize=8)
+
+
+def _scaling(axis, rows: list[dict], x_of, xlabel: str) -> None:
+    for method, name in METHODS.items():
+        picked = sorted((x_of(r), r) for r in rows if r["method"] == method and x_of(r) is not None)
+        xs = [x for x, _ in picked]
+        axis.plot(xs, [r["memory ratio"] for _, r in picked], "o-", label=f"{name}: memory / AdamW")
+        axis.plot(xs, [r["time ratio"] for _, r in picked], "s--", label=f"{name}: time / AdamW")
+    axis.axhline(1.0, color="grey", linewidth=0.8)
+    axis.set_xlabel(xlabel)
+    axis.legend(fontsize=7)
+
+
+def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "") -> list[Path]:
+    """Write ``pretrain_step_floors.png`` (memory and time ratios against AdamW with their floors) and
+    ``pretrain_step_scaling.png`` (the ratios against model size at the suite's smallest batch, and against the
+    batch at llama-130m); returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r for r in rows if r.get("accumulation", 1) == 1]
+    figure, (memory, time) = plt.subplots(1, 2, figsize=(12, 4.2))
+    _bars(memory, rows, "memory ratio", "analytic floor ratio", "peak memory / AdamW's (lower is better)", 1.0)
+    _bars(time, rows, "time ratio", "flop floor", "step time / AdamW's (lower is better)", 1.0)
+    figure.suptitle(f"One pretraining step against AdamW, with the floor each ratio can reach\n{machine}", fontsize=9)
+    figure.tight_layout()
+    paths = [out / "pretrain_step_floors.png"]
+    figure.savefig(paths[0], dpi=110)
+    plt.close(figure)
+
+    figure, (by_size, by_batch) = plt.subplots(1, 2, figsize=(11, 4))
+    smallest = {}
+    for r in rows:  # per model, its smallest batch
+        batch = int(r["batch"].split("x")[0])
+        key = (r["preset"], r["method"])
+        if key not in smallest or batch < smallest[key][0]:
+            smallest[key] = (batch, r)
+    _scaling(by_size, [r for _, r in smallest.values()], lambda r: SIZE.get(r["preset"]), "model size (M parameters)")
+    by_size.set_xticks(sorted({SIZE[r["preset"]] for _, r in smallest.values() if r["preset"] in SIZE}))
+    _scaling(by_batch, [r for r in rows if r["preset"] == "llama-130m"], lambda r: int(r["batch"].split("x")[0]),
+             "micro-batch (sequences of 256 tokens), llama-130m")
+    figure.suptitle(f"How the ratios move with model size and batch\n{machine}", fontsize=9)
+    figure.tight_layout()
+    paths.append(out / "pretrain_step_scaling.png")
+    figure.savefig(paths[1], dpi=110)
+    plt.close(figure)
+    return paths
