@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils import benchmark
@@ -18,8 +18,9 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable[[], torch.Tensor],
-                   accumulation: int = 1) -> dict:
+def optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_of: Callable[[], torch.Tensor], accumulation: int = 1
+) -> dict:
     """One optimizer step over ``accumulation`` micro-batches, the way a plain loop accumulates with poet_hf: every
     micro-batch but the last under :func:`poet_hf.defer_rotation_grads` (a no-op for models without rotations).
     Returns ``{"cache_mb": the rotation caches' size after the first micro-batch}``."""

@@ -79,13 +79,15 @@ def run(quick: bool = False) -> list[dict]:
         with torch.inference_mode():
             timings = _interleaved_medians({k: (lambda b=b: b(x)) for k, b in blocks.items()}, repeats)
         for kind, seconds in timings.items():
-            rows.append({
-                "what": f"eval, block 3 of LipConvNet-{depth}",
-                "shape": f"B{batch} C{channels} 6x6 k3",
-                "layer": kind,
-                "ms_per_batch": 1e3 * seconds,
-                "ratio_vs_eco_baked": seconds / timings["eco_baked"],
-            })
+            rows.append(
+                {
+                    "what": f"eval, block 3 of LipConvNet-{depth}",
+                    "shape": f"B{batch} C{channels} 6x6 k3",
+                    "layer": kind,
+                    "ms_per_batch": 1e3 * seconds,
+                    "ratio_vs_eco_baked": seconds / timings["eco_baked"],
+                }
+            )
     # One training step of a single stride-1 layer: ECO builds its kernel (Taylor T=5), SOC runs 5 convs.
     layers = {
         "eco_train": EcoConv2d(channels, channels, 3, input_size=6).to(dev).train(),
@@ -95,11 +97,13 @@ def run(quick: bool = False) -> list[dict]:
     steps = {k: (lambda m=m: m(xg).square().mean().backward()) for k, m in layers.items()}
     train_times = _interleaved_medians(steps, repeats)
     for kind, seconds in train_times.items():
-        rows.append({
-            "what": "train fwd+bwd, one stride-1 layer",
-            "shape": f"B{batch} C{channels} 6x6 k3",
-            "layer": kind,
-            "ms_per_batch": 1e3 * seconds,
-            "ratio_vs_eco_baked": seconds / train_times["eco_train"],  # here: vs eco_train
-        })
+        rows.append(
+            {
+                "what": "train fwd+bwd, one stride-1 layer",
+                "shape": f"B{batch} C{channels} 6x6 k3",
+                "layer": kind,
+                "ms_per_batch": 1e3 * seconds,
+                "ratio_vs_eco_baked": seconds / train_times["eco_train"],  # here: vs eco_train
+            }
+        )
     return rows

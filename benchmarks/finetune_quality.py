@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("lora", "oft", "poet")
@@ -35,7 +35,7 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def task_argv(task: str, steps: Optional[int] = None) -> list[str]:
+def task_argv(task: str, steps: int | None = None) -> list[str]:
     """The model, data and run length of ``task``, as ``scripts/finetune.py`` arguments (builds the testbed if
     needed)."""
     from benchmarks import testbed
@@ -44,11 +44,33 @@ def task_argv(task: str, steps: Optional[int] = None) -> list[str]:
     if task == "causal-lm":
         data = ["--model", str(testbed.ensure_causal_lm()), "--dataset", str(testbed.milton_corpus())]
     else:
-        data = ["--model", str(testbed.ensure_encoder()), "--task", "sequence-classification",
-                "--dataset", str(testbed.classification_files()["train"].parent)]
-    return [*data, "--max_steps", str(steps or shape["steps"]), "--seq_len", str(shape["seq_len"]), "--batch_size",
-            str(shape["batch_size"]), "--max_eval_samples", str(shape["max_eval_samples"]), "--eval_steps", "5",
-            "--logging_steps", "1000", "--disable_tqdm", "true", "--seed", "0"]
+        data = [
+            "--model",
+            str(testbed.ensure_encoder()),
+            "--task",
+            "sequence-classification",
+            "--dataset",
+            str(testbed.classification_files()["train"].parent),
+        ]
+    return [
+        *data,
+        "--max_steps",
+        str(steps or shape["steps"]),
+        "--seq_len",
+        str(shape["seq_len"]),
+        "--batch_size",
+        str(shape["batch_size"]),
+        "--max_eval_samples",
+        str(shape["max_eval_samples"]),
+        "--eval_steps",
+        "5",
+        "--logging_steps",
+        "1000",
+        "--disable_tqdm",
+        "true",
+        "--seed",
+        "0",
+    ]
 
 
 def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
@@ -58,17 +80,22 @@ def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
     from poet_hf.training.finetune import FinetuneArguments, run_finetuning
 
     after_imports = _rss_mb()
-    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(
-        args=[*argv, "--output_dir", output_dir])
+    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(args=[*argv, "--output_dir", output_dir])
     record: dict[str, Any] = {}
     results = run_finetuning(args, callbacks=[_Probe(record)])
     trainer = results.pop("trainer")
     evaluations = {log["step"]: log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log}
-    return {"before": results["before"], "after": results["after"], "loss_at_5": evaluations.get(5),
-            "evaluations": evaluations, "angle_at_5": record.get("angle_at_5"),
-            "step_s": statistics.median(record["steps"][1:]), "trainable": results["trainable_params"],
-            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
-            "learning_rate": trainer.args.learning_rate}
+    return {
+        "before": results["before"],
+        "after": results["after"],
+        "loss_at_5": evaluations.get(5),
+        "evaluations": evaluations,
+        "angle_at_5": record.get("angle_at_5"),
+        "step_s": statistics.median(record["steps"][1:]),
+        "trainable": results["trainable_params"],
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
+        "learning_rate": trainer.args.learning_rate,
+    }
 
 
 class _Probe:
@@ -89,15 +116,18 @@ class _Probe:
             def on_step_end(self, args, state, control, model=None, **kwargs):
                 record.setdefault("steps", []).append(time.perf_counter() - record["started"])
                 if state.global_step == 5:
-                    record["angle_at_5"] = max((layer.rotation_angle("default") for _, layer in poet_layers(model)),
-                                               default=0.0)
+                    record["angle_at_5"] = max(
+                        (layer.rotation_angle("default") for _, layer in poet_layers(model)), default=0.0
+                    )
 
         return Probe()
 
 
 def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_quality import measure; "
-            f"print('RESULT ' + json.dumps(measure({argv!r}, {str(output_dir)!r})))")
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_quality import measure; "
+        f"print('RESULT ' + json.dumps(measure({argv!r}, {str(output_dir)!r})))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"fine-tuning {argv} failed:\n{out.stderr[-3000:]}")
@@ -108,17 +138,30 @@ def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any
     metric = "perplexity" if task == "causal-lm" else "accuracy"
     gain = {m: result["after"][m] - result["before"][m] for m in ("loss", metric)}
     oft_gain = oft["after"]["loss"] - oft["before"]["loss"]
-    return {"task": task, "method": label, f"{metric} before": result["before"][metric],
-            f"{metric} after": result["after"][metric], "loss before": result["before"]["loss"],
-            "loss @5": result["loss_at_5"], "loss after": result["after"]["loss"], "angle @5": result["angle_at_5"],
-            "loss gain / OFT's": gain["loss"] / oft_gain if oft_gain else float("nan"),
-            "step s": result["step_s"], "time / OFT": result["step_s"] / oft["step_s"],
-            "peak MB": result["peak_mb"], "memory / OFT": result["peak_mb"] / oft["peak_mb"],
-            "trainable (M)": result["trainable"] / 1e6}
+    return {
+        "task": task,
+        "method": label,
+        f"{metric} before": result["before"][metric],
+        f"{metric} after": result["after"][metric],
+        "loss before": result["before"]["loss"],
+        "loss @5": result["loss_at_5"],
+        "loss after": result["after"]["loss"],
+        "angle @5": result["angle_at_5"],
+        "loss gain / OFT's": gain["loss"] / oft_gain if oft_gain else float("nan"),
+        "step s": result["step_s"],
+        "time / OFT": result["step_s"] / oft["step_s"],
+        "peak MB": result["peak_mb"],
+        "memory / OFT": result["peak_mb"] / oft["peak_mb"],
+        "trainable (M)": result["trainable"] / 1e6,
+    }
 
 
-def run(quick: bool = False, repeats: int = 3, tasks: tuple[str, ...] = tuple(TASKS),
-        variants: Optional[dict[str, list[str]]] = None) -> list[dict[str, Any]]:
+def run(
+    quick: bool = False,
+    repeats: int = 3,
+    tasks: tuple[str, ...] = tuple(TASKS),
+    variants: dict[str, list[str]] | None = None,
+) -> list[dict[str, Any]]:
     """Every method at its defaults, or the ``variants`` (a row label → extra ``scripts/finetune.py`` arguments,
     the method included), each in its own process, repeats interleaved; time and memory are medians."""
     import tempfile

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -35,16 +35,23 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def smollm_shape(layers: int) -> "LlamaConfig":
+def smollm_shape(layers: int) -> LlamaConfig:
     """SmolLM-135M's architecture with ``layers`` decoder layers."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=49152, hidden_size=576, num_hidden_layers=layers, intermediate_size=1536,
-                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                       tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        num_hidden_layers=layers,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
 
 
-def quantized_checkpoint(layers: int, quantization: str) -> "LlamaForCausalLM":
+def quantized_checkpoint(layers: int, quantization: str) -> LlamaForCausalLM:
     """A random SmolLM-shaped checkpoint (saved once into the git-ignored ``.cache/bench``) loaded the way a user
     loads one for QLoRA: ``from_pretrained`` with a ``BitsAndBytesConfig`` (nf4 with double quantisation, float32
     compute on CPU; or int8)."""
@@ -54,14 +61,28 @@ def quantized_checkpoint(layers: int, quantization: str) -> "LlamaForCausalLM":
     if not (folder / "config.json").exists():
         torch.manual_seed(0)
         LlamaForCausalLM(smollm_shape(layers)).save_pretrained(folder)
-    bnb_config = (BitsAndBytesConfig(load_in_8bit=True) if quantization == "int8" else
-                  BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
-                                     bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32))
+    bnb_config = (
+        BitsAndBytesConfig(load_in_8bit=True)
+        if quantization == "int8"
+        else BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quantization,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.float32,
+        )
+    )
     return LlamaForCausalLM.from_pretrained(folder, quantization_config=bnb_config, dtype=torch.float32)
 
 
-def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = None, lora_rank: int = 16,
-            poet_spo: str = "block", accumulation: int = 1) -> dict:
+def measure(
+    method: str,
+    quick: bool,
+    steps: int,
+    quantization: str | None = None,
+    lora_rank: int = 16,
+    poet_spo: str = "block",
+    accumulation: int = 1,
+) -> dict:
     """In the child process: one warm-up step, then ``steps`` timed optimizer steps of ``method`` (each of
     ``accumulation`` micro-batches) on a float32 base, or on a base loaded quantised (``quantization``: ``"nf4"``,
     ``"int8"``); POET's blocks laid out by ``poet_spo``."""
@@ -77,9 +98,11 @@ def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = 
     after_imports = _rss_mb()
     torch.manual_seed(0)
     model = quantized_checkpoint(layers, quantization) if quantization else LlamaForCausalLM(smollm_shape(layers))
-    adapter = {"poet": PoetConfig(spo=poet_spo, block_size=32, target_modules=TARGETS),
-               "oft": OftConfig(block_size=32, target_modules=TARGETS),
-               "lora": LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS)}[method]
+    adapter = {
+        "poet": PoetConfig(spo=poet_spo, block_size=32, target_modules=TARGETS),
+        "oft": OftConfig(block_size=32, target_modules=TARGETS),
+        "lora": LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS),
+    }[method]
     model = get_peft_model(model, adapter)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 49152, (batch, seq))
@@ -93,14 +116,18 @@ def measure(method: str, quick: bool, steps: int, quantization: Optional[str] = 
         start = time.perf_counter()
         optimizer_step(model, optimizer, loss, accumulation)
         times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times),
-            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
-            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    return {
+        "step_s": statistics.median(times),
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
+        "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
 
 
-def _child(method: str, quick: bool, steps: int, env: Optional[dict] = None, **options: Any) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_step import measure; "
-            f"print(json.dumps(measure({method!r}, {quick}, {steps}, **{options!r})))")
+def _child(method: str, quick: bool, steps: int, env: dict | None = None, **options: Any) -> dict:
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_step import measure; "
+        f"print(json.dumps(measure({method!r}, {quick}, {steps}, **{options!r})))"
+    )
     env = {**os.environ, **(env or {})}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -118,7 +145,16 @@ def run(quick: bool = False, repeats: int = 3) -> list[dict]:
                 runs[method].append(_child(method, quick, steps, accumulation=accumulation))
         result = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
         oft = result["oft"]
-        rows += [{"method": m, "accumulation": accumulation, "trainable (M)": r["trainable"] / 1e6,
-                  "step s": r["step_s"], "peak MB": r["peak_mb"], "time / OFT": r["step_s"] / oft["step_s"],
-                  "memory / OFT": r["peak_mb"] / oft["peak_mb"]} for m, r in result.items()]
+        rows += [
+            {
+                "method": m,
+                "accumulation": accumulation,
+                "trainable (M)": r["trainable"] / 1e6,
+                "step s": r["step_s"],
+                "peak MB": r["peak_mb"],
+                "time / OFT": r["step_s"] / oft["step_s"],
+                "memory / OFT": r["peak_mb"] / oft["peak_mb"],
+            }
+            for m, r in result.items()
+        ]
     return rows

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .finetune_quality import TASKS, run as run_variants
+from .finetune_quality import TASKS
+from .finetune_quality import run as run_variants
 
 BS = ["--method", "poet", "--spo", "block"]  # the rate, size, merge and Neumann rows vary permuted 32-blocks
 VARIANTS = {
@@ -26,8 +27,16 @@ VARIANTS = {
     "poet BS 32, 5 Neumann terms": [*BS, "--neumann_terms", "5"],
     "poet --recipe paper (FS 1/2)": ["--method", "poet", "--recipe", "paper"],
     "poet --recipe paper, lr 3e-3": ["--method", "poet", "--recipe", "paper", "--learning_rate", "3e-3"],
-    "poet FS 1/2, one rate 2e-4 (before)": ["--method", "poet", "--recipe", "paper", "--learning_rate", "2e-4",
-                                            "--poet_reference_block", "0"],
+    "poet FS 1/2, one rate 2e-4 (before)": [
+        "--method",
+        "poet",
+        "--recipe",
+        "paper",
+        "--learning_rate",
+        "2e-4",
+        "--poet_reference_block",
+        "0",
+    ],
 }
 
 

@@ -153,12 +153,19 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
     merge_and_reinit(model)
     merge_s = time.perf_counter() - start
     sampler.stop()
-    report = {"world": world, "step_s": statistics.median(times[1:]), "train_peak_mb": train_peak,
-              "steady_peak_mb": steady_peak, "construction_peak_mb": construction_peak, **_full_copies_mb(model),
-              "merge_s": merge_s, "merge_extra_mb": sampler.peak - steady,
-              "merge_gathered_mb": gathered["peak"] / 2**20,
-              "largest_weight_mb": max(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                       if "base_layer" in n) / 2**20}
+    report = {
+        "world": world,
+        "step_s": statistics.median(times[1:]),
+        "train_peak_mb": train_peak,
+        "steady_peak_mb": steady_peak,
+        "construction_peak_mb": construction_peak,
+        **_full_copies_mb(model),
+        "merge_s": merge_s,
+        "merge_extra_mb": sampler.peak - steady,
+        "merge_gathered_mb": gathered["peak"] / 2**20,
+        "largest_weight_mb": max(p.numel() * p.element_size() for n, p in model.named_parameters() if "base_layer" in n)
+        / 2**20,
+    }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
     dist.destroy_process_group()
@@ -181,8 +188,11 @@ def load_worker(out: str, preset_name: str, checkpoint: str, loading: str) -> No
     if loading == "whole":
         shard_model(_poet(AutoModelForCausalLM.from_pretrained(checkpoint), base_init=None, block_size=block_size))
     else:
-        model = _poet(build_llama(PRESETS[preset_name], "poet-bs", VOCAB, SEQ, seed=0, device="meta"),
-                      base_init=None, block_size=block_size)
+        model = _poet(
+            build_llama(PRESETS[preset_name], "poet-bs", VOCAB, SEQ, seed=0, device="meta"),
+            base_init=None,
+            block_size=block_size,
+        )
         shard_model(model, checkpoint=checkpoint, loading=loading)
     dist.barrier()
     report = {"peak_mb": _peak_rss_mb() - after_imports, "load_s": time.perf_counter() - start}
@@ -233,15 +243,33 @@ def _torchrun(processes: int, call: str, timeout: int = 3600, check: bool = True
     (``{}`` for a process that wrote none, when ``check`` is off)."""
     with tempfile.TemporaryDirectory() as out:
         name, arguments = call.split("(", 1)
-        code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.fsdp import {name}; "
-                f"{name}({out!r}, {arguments}")
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.fsdp import {name}; "
+            f"{name}({out!r}, {arguments}"
+        )
         script = Path(out, "run.py")
         script.write_text(code)
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes)),
-               "MALLOC_MMAP_THRESHOLD_": "131072"}
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                        "--master_port", str(29600 + processes), str(script)], env=env, check=check,
-                       capture_output=True, timeout=timeout)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes)),
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+        }
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(processes),
+                "--master_port",
+                str(29600 + processes),
+                str(script),
+            ],
+            env=env,
+            check=check,
+            capture_output=True,
+            timeout=timeout,
+        )
         reports = [Path(out, f"rank{r}.json") for r in range(processes)]
         return [json.loads(r.read_text()) if r.exists() else {} for r in reports]
 
@@ -259,24 +287,40 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
     for processes, sharding in RUNS:
         reports = _torchrun(processes, f"worker({preset!r}, {batch}, {steps}, {sharding!r})")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
-        planned = plan_memory(preset, "poet-bs", block_size=PRESETS[preset].block_size, batch_size=batch,
-                              seq_len=SEQ, processes=processes, sharding="fsdp2" if sharding == "fsdp2" else "ddp")
-        rows.append({"measurement": "train", "preset": preset, "batch / process": f"{batch}x{SEQ}",
-                     "processes": processes, "sharding": sharding,
-                     "steady-state peak MB / process": worst["steady_peak_mb"],
-                     "from-start peak MB / process": max(r["train_peak_mb"] for r in reports),
-                     "construction peak MB / process": max(r["construction_peak_mb"] for r in reports),
-                     "one full copy: parameters MB": worst["params_mb"],
-                     "one full copy: training state MB": worst["state_mb"],
-                     "planned MB / process": planned.total_bytes / 2**20,
-                     "steady / planned": worst["steady_peak_mb"] / (planned.total_bytes / 2**20),
-                     "step s": worst["step_s"], "merge s": max(r["merge_s"] for r in reports),
-                     "merge extra RSS MB": max(r["merge_extra_mb"] for r in reports),
-                     "merge gathered MB (peak alive)": max(r["merge_gathered_mb"] for r in reports),
-                     "largest W0 MB": worst["largest_weight_mb"]})
+        planned = plan_memory(
+            preset,
+            "poet-bs",
+            block_size=PRESETS[preset].block_size,
+            batch_size=batch,
+            seq_len=SEQ,
+            processes=processes,
+            sharding="fsdp2" if sharding == "fsdp2" else "ddp",
+        )
+        rows.append(
+            {
+                "measurement": "train",
+                "preset": preset,
+                "batch / process": f"{batch}x{SEQ}",
+                "processes": processes,
+                "sharding": sharding,
+                "steady-state peak MB / process": worst["steady_peak_mb"],
+                "from-start peak MB / process": max(r["train_peak_mb"] for r in reports),
+                "construction peak MB / process": max(r["construction_peak_mb"] for r in reports),
+                "one full copy: parameters MB": worst["params_mb"],
+                "one full copy: training state MB": worst["state_mb"],
+                "planned MB / process": planned.total_bytes / 2**20,
+                "steady / planned": worst["steady_peak_mb"] / (planned.total_bytes / 2**20),
+                "step s": worst["step_s"],
+                "merge s": max(r["merge_s"] for r in reports),
+                "merge extra RSS MB": max(r["merge_extra_mb"] for r in reports),
+                "merge gathered MB (peak alive)": max(r["merge_gathered_mb"] for r in reports),
+                "largest W0 MB": worst["largest_weight_mb"],
+            }
+        )
     for row in rows[1:]:
-        row["steady / 1-process steady"] = row["steady-state peak MB / process"] / rows[0][
-            "steady-state peak MB / process"]
+        row["steady / 1-process steady"] = (
+            row["steady-state peak MB / process"] / rows[0]["steady-state peak MB / process"]
+        )
     return rows
 
 
@@ -289,9 +333,17 @@ def loading_rows(preset: str) -> list[dict]:
         build_llama(PRESETS[preset], "poet-bs", VOCAB, SEQ, seed=0).save_pretrained(checkpoint)
         for loading in ("whole", "broadcast", "scatter"):
             reports = _torchrun(2, f"load_worker({preset!r}, {checkpoint!r}, {loading!r})")
-            rows.append({"measurement": f"load: {loading}", "preset": preset, "processes": 2, "sharding": "fsdp2",
-                         "rank 0 peak MB": reports[0]["peak_mb"], "rank 1 peak MB": reports[1]["peak_mb"],
-                         "load s": max(r["load_s"] for r in reports)})
+            rows.append(
+                {
+                    "measurement": f"load: {loading}",
+                    "preset": preset,
+                    "processes": 2,
+                    "sharding": "fsdp2",
+                    "rank 0 peak MB": reports[0]["peak_mb"],
+                    "rank 1 peak MB": reports[1]["peak_mb"],
+                    "load s": max(r["load_s"] for r in reports),
+                }
+            )
     return rows
 
 
@@ -305,8 +357,13 @@ def limit_rows(preset: str, batch: int, seq: int, budget_fraction: float = 0.8) 
     budget = int(budget_fraction * state_mb)
     root = memory_cgroup_root()
     if root is None:
-        return [{"measurement": "limit: memory cgroup", "preset": preset,
-                 "error": "no cgroup-v1 memory controller this process can write to; nothing measured"}]
+        return [
+            {
+                "measurement": "limit: memory cgroup",
+                "preset": preset,
+                "error": "no cgroup-v1 memory controller this process can write to; nothing measured",
+            }
+        ]
     rows = []
     for processes in (1, 2):
         cgroups = root / f"poet_limit_{os.getpid()}"
@@ -314,21 +371,28 @@ def limit_rows(preset: str, batch: int, seq: int, budget_fraction: float = 0.8) 
             (cgroups / f"rank{rank}").mkdir(parents=True)
             (cgroups / f"rank{rank}" / "memory.limit_in_bytes").write_text(str(budget * 2**20))
         try:
-            reports = _torchrun(processes, f"limit_worker({preset!r}, {batch}, {seq}, {str(cgroups)!r})",
-                                check=False)
-            peaks = [int((cgroups / f"rank{r}" / "memory.max_usage_in_bytes").read_text()) / 2**20
-                     for r in range(processes)]
+            reports = _torchrun(processes, f"limit_worker({preset!r}, {batch}, {seq}, {str(cgroups)!r})", check=False)
+            peaks = [
+                int((cgroups / f"rank{r}" / "memory.max_usage_in_bytes").read_text()) / 2**20 for r in range(processes)
+            ]
         finally:
             for rank in range(processes):
                 (cgroups / f"rank{rank}").rmdir()
             cgroups.rmdir()
-        rows.append({"measurement": "limit: memory cgroup", "preset": preset, "batch / process": f"{batch}x{seq}",
-                     "processes": processes, "sharding": "fsdp2" if processes > 1 else "none",
-                     "one full copy: training state MB": state_mb, "limit MB / process": budget,
-                     "peak charged MB / process": max(peaks),
-                     "trained 3 steps": all("loss" in r for r in reports)})
+        rows.append(
+            {
+                "measurement": "limit: memory cgroup",
+                "preset": preset,
+                "batch / process": f"{batch}x{seq}",
+                "processes": processes,
+                "sharding": "fsdp2" if processes > 1 else "none",
+                "one full copy: training state MB": state_mb,
+                "limit MB / process": budget,
+                "peak charged MB / process": max(peaks),
+                "trained 3 steps": all("loss" in r for r in reports),
+            }
+        )
     return rows
-
 
 
 def run(quick: bool = False, presets: tuple[str, ...] = ("llama-60m", "llama-130m")) -> list[dict]:

@@ -18,8 +18,9 @@ _TIMER = "import time; t = time.perf_counter(); import {module}; print(time.perf
 
 def import_seconds(module: str) -> float:
     """Seconds to import ``module`` in a new interpreter (the interpreter's own start-up excluded)."""
-    out = subprocess.run([sys.executable, "-c", _TIMER.format(module=module)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _TIMER.format(module=module)], capture_output=True, text=True, check=True
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -14,9 +14,10 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -36,8 +37,11 @@ def _checks_off() -> Iterator[None]:
     try:
         yield
     finally:
-        (RotationLayer._check_loaded_state, poet_model.check_merge_counts_agree,
-         config_utils.check_safetensors_file) = saved
+        (
+            RotationLayer._check_loaded_state,
+            poet_model.check_merge_counts_agree,
+            config_utils.check_safetensors_file,
+        ) = saved
 
 
 def _checks_alone(model, folder: str) -> float:
@@ -60,9 +64,16 @@ def _base(quick: bool):
 
     hidden, ffn, layers, heads = (256, 512, 2, 4) if quick else (768, 2048, 12, 12)
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=ffn,
-                                        num_hidden_layers=layers, num_attention_heads=heads,
-                                        num_key_value_heads=heads))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32000,
+            hidden_size=hidden,
+            intermediate_size=ffn,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+        )
+    )
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -85,7 +96,15 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                         loads[checked].append(time.perf_counter() - start)
             alone = statistics.median(_checks_alone(model, folder) for _ in range(3))
         on, off = statistics.median(loads[True]), statistics.median(loads[False])
-        rows.append({"adapter": label, "adapter MB": size / 2**20, "load s (checked)": on, "load s (unchecked)": off,
-                     "checked / unchecked": on / off, "checks alone ms": alone * 1e3,
-                     "checks alone / load": alone / on})
+        rows.append(
+            {
+                "adapter": label,
+                "adapter MB": size / 2**20,
+                "load s (checked)": on,
+                "load s (unchecked)": off,
+                "checked / unchecked": on / off,
+                "checks alone ms": alone * 1e3,
+                "checks alone / load": alone / on,
+            }
+        )
     return rows

@@ -84,11 +84,19 @@ def run(quick: bool = False) -> list[dict]:
                     times[name].append(time.perf_counter() - start)
             median = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             overhead = {k: median[k] - median["plain"] for k in ("peft", "ours")}
-            rows.append({
-                "in=out": dim, "tokens": tokens, "block": block, "frozen Linear ms": median["plain"],
-                "PEFT ms": median["peft"], "ours ms": median["ours"],
-                "PEFT overhead ms": overhead["peft"], "ours overhead ms": overhead["ours"],
-                "overhead ours / PEFT": overhead["ours"] / overhead["peft"], "max |Δy|": diff,
-            })
+            rows.append(
+                {
+                    "in=out": dim,
+                    "tokens": tokens,
+                    "block": block,
+                    "frozen Linear ms": median["plain"],
+                    "PEFT ms": median["peft"],
+                    "ours ms": median["ours"],
+                    "PEFT overhead ms": overhead["peft"],
+                    "ours overhead ms": overhead["ours"],
+                    "overhead ours / PEFT": overhead["ours"] / overhead["peft"],
+                    "max |Δy|": diff,
+                }
+            )
             del models
     return rows

@@ -25,8 +25,15 @@ def _bars(axis, rows: list[dict], measured: str, floor: str, ylabel: str, refere
         xs = [i + (k - (len(METHODS) - 1) / 2) * width for i, label in enumerate(labels) if label in picked]
         values = [picked[label] for label in labels if label in picked]
         axis.bar(xs, [r[measured] for r in values], width * 0.9, label=f"{name}, measured")
-        axis.scatter(xs, [r[floor] for r in values], marker="_", s=400, color="black", zorder=3,
-                     label="floor" if k == 0 else None)
+        axis.scatter(
+            xs,
+            [r[floor] for r in values],
+            marker="_",
+            s=400,
+            color="black",
+            zorder=3,
+            label="floor" if k == 0 else None,
+        )
     axis.axhline(reference, color="grey", linewidth=0.8, linestyle="--")
     axis.set_xticks(range(len(labels)), labels, rotation=20)
     axis.set_ylabel(ylabel)
@@ -74,8 +81,12 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
             smallest[key] = (batch, r)
     _scaling(by_size, [r for _, r in smallest.values()], lambda r: SIZE.get(r["preset"]), "model size (M parameters)")
     by_size.set_xticks(sorted({SIZE[r["preset"]] for _, r in smallest.values() if r["preset"] in SIZE}))
-    _scaling(by_batch, [r for r in rows if r["preset"] == "llama-130m"], lambda r: int(r["batch"].split("x")[0]),
-             "micro-batch (sequences of 256 tokens), llama-130m")
+    _scaling(
+        by_batch,
+        [r for r in rows if r["preset"] == "llama-130m"],
+        lambda r: int(r["batch"].split("x")[0]),
+        "micro-batch (sequences of 256 tokens), llama-130m",
+    )
     figure.suptitle(f"How the ratios move with model size and batch\n{machine}", fontsize=9)
     figure.tight_layout()
     paths.append(out / "pretrain_step_scaling.png")

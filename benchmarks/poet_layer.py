@@ -37,6 +37,7 @@ def step_fn(model: nn.Module, x: torch.Tensor):
         model.zero_grad(set_to_none=True)
         x.grad = None
         model(x).sum().backward()
+
     return step
 
 
@@ -48,8 +49,9 @@ def run(quick: bool = False) -> list[dict]:
         x = torch.randn(tokens, dim, device=dev, requires_grad=True)
         plain_time = time_call(step_fn(OneLinear(dim).to(dev), x))
         for block in (64, 256):
-            model = get_peft_model(OneLinear(dim).to(dev), PoetConfig(target_modules=["proj"], block_size=block,
-                                                                      init_weights=False))
+            model = get_peft_model(
+                OneLinear(dim).to(dev), PoetConfig(target_modules=["proj"], block_size=block, init_weights=False)
+            )
             layer = poet_layers(model)[0][1]
             auto = layer.poet_settings["default"]
             times = {}
@@ -59,8 +61,15 @@ def run(quick: bool = False) -> list[dict]:
             layer.poet_settings["default"] = auto
             pick = layer.choose_strategy("default", tokens, training=True)
             fastest = min(MEMORY_NEUTRAL, key=times.get)
-            rows.append({"dim": dim, "block": block, "tokens": tokens,
-                         **{f"{s} / plain": t / plain_time for s, t in times.items()},
-                         "auto picks": pick, "faster (memory-neutral)": fastest,
-                         "pick within 10% of it": times[pick] <= 1.1 * times[fastest]})
+            rows.append(
+                {
+                    "dim": dim,
+                    "block": block,
+                    "tokens": tokens,
+                    **{f"{s} / plain": t / plain_time for s, t in times.items()},
+                    "auto picks": pick,
+                    "faster (memory-neutral)": fastest,
+                    "pick within 10% of it": times[pick] <= 1.1 * times[fastest],
+                }
+            )
     return rows

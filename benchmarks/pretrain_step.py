@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,8 +38,14 @@ ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ = 32000, 256
 
 # (preset, micro-batch, optimizer steps timed, micro-batches per optimizer step)
-CONFIGS = [("llama-60m", 4, 5, 1), ("llama-130m", 4, 5, 1), ("llama-130m", 16, 3, 1), ("llama-130m", 4, 2, 2),
-           ("llama-130m", 4, 2, 8), ("llama-350m", 2, 3, 1)]
+CONFIGS = [
+    ("llama-60m", 4, 5, 1),
+    ("llama-130m", 4, 5, 1),
+    ("llama-130m", 16, 3, 1),
+    ("llama-130m", 4, 2, 2),
+    ("llama-130m", 4, 2, 8),
+    ("llama-350m", 2, 3, 1),
+]
 QUICK_CONFIGS = [("tiny", 4, 2, 1), ("tiny", 4, 2, 4)]
 METHODS = ("adamw", "poet-bs", "poet-fs")
 
@@ -49,8 +55,16 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def measure(method: str, preset_name: str, batch: int, steps: int, quantization: Optional[str] = None,
-            requantize: str = "feedback", accumulation: int = 1, cache_rotations: bool = True) -> dict:
+def measure(
+    method: str,
+    preset_name: str,
+    batch: int,
+    steps: int,
+    quantization: str | None = None,
+    requantize: str = "feedback",
+    accumulation: int = 1,
+    cache_rotations: bool = True,
+) -> dict:
     """In the child process: build, warm up one step, then time ``steps`` optimizer steps of ``accumulation``
     micro-batches of ``batch`` sequences each; report memory and its parts (``cache_mb``: the rotation caches held
     across the micro-batches of a step).
@@ -63,8 +77,8 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
     import poet_hf  # noqa: F401
     from poet_hf import PoetConfig, merge_and_reinit
     from poet_hf.training import poet_param_groups
-    from poet_hf.tuners.rotation_layer import rotation_layers
     from poet_hf.training.pretrain import PRESETS, build_llama
+    from poet_hf.tuners.rotation_layer import rotation_layers
 
     after_imports = _rss_mb()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -72,8 +86,16 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
     model = build_llama(preset, "poet-bs" if method == "poet-bs" else "adamw", VOCAB, SEQ, seed=0)
     if method != "adamw":
         spo = {"spo": "block", "block_size": preset.block_size} if method == "poet-bs" else {"spo": "full"}
-        model = get_peft_model(model, PoetConfig(**spo, base_init="normalized", base_quantization=quantization,
-                                                 requantize=requantize, cache_rotations=cache_rotations))
+        model = get_peft_model(
+            model,
+            PoetConfig(
+                **spo,
+                base_init="normalized",
+                base_quantization=quantization,
+                requantize=requantize,
+                cache_rotations=cache_rotations,
+            ),
+        )
         if quantization:
             merge_and_reinit(model)
     model.to(dev)
@@ -101,25 +123,44 @@ def measure(method: str, preset_name: str, batch: int, steps: int, quantization:
         frozen = sum(layer.in_features * layer.out_features for layer in layers)
     w0_bytes = sum(layer.base_weight_bytes() for layer in layers) if layers else 4 * frozen
     skew = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "poet_" in n)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports)
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if dev.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports
+    )
     params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {
         "step_s": statistics.median(times),
         "peak_mb": peak,
         "params_mb": params_mb,
         "grads_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20,
-        "states_mb": sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-                         if torch.is_tensor(t) and t.dim() > 0) / 2**20,
-        "frozen": frozen, "skew": skew, "w0_bytes": w0_bytes, "cache_mb": cache_mb,
-        "cache_floor_mb": 4 * sum(2 * layer.skew_parameter(a, side).shape[0] * spec.block ** 2 for layer in layers
-                                  for a, specs in layer.poet_specs.items() for side, spec in specs.items()) / 2**20
-        if accumulation > 1 and cache_rotations else 0.0,
+        "states_mb": sum(
+            t.numel() * t.element_size()
+            for s in optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        / 2**20,
+        "frozen": frozen,
+        "skew": skew,
+        "w0_bytes": w0_bytes,
+        "cache_mb": cache_mb,
+        "cache_floor_mb": 4
+        * sum(
+            2 * layer.skew_parameter(a, side).shape[0] * spec.block**2
+            for layer in layers
+            for a, specs in layer.poet_specs.items()
+            for side, spec in specs.items()
+        )
+        / 2**20
+        if accumulation > 1 and cache_rotations
+        else 0.0,
     }
 
 
-def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5, accumulation: int = 1,
-                   amortized: bool = True) -> float:
+def flops_per_step(
+    preset_name: str, batch: int, method: str, terms: int = 5, accumulation: int = 1, amortized: bool = True
+) -> float:
     """Multiply-adds ×2 of one optimizer step of ``accumulation`` micro-batches, counted from the shapes (see the
     module docstring). Each POET layer is counted at its cheapest strategy that keeps nothing but the layer input
     (:func:`~poet_hf.orthogonal.rotated_linear.strategy_costs`, what ``forward="auto"`` picks). ``amortized``: the
@@ -139,8 +180,12 @@ def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5, ac
         if method == "adamw":
             total += accumulation * 3 * tokens * d_in * d_out  # y, ∂L/∂x, ∂L/∂W
             continue
-        r, p = (SideSpec("block", dim, preset.block_size) if method == "poet-bs"
-                else SideSpec("full", dim, subset_size(dim, 0.5)) for dim in (d_in, d_out))
+        r, p = (
+            SideSpec("block", dim, preset.block_size)
+            if method == "poet-bs"
+            else SideSpec("full", dim, subset_size(dim, 0.5))
+            for dim in (d_in, d_out)
+        )
         costs = strategy_costs(tokens, d_in, d_out, r, p, training=True)
         total += accumulation * min(cost["macs"] for cost in costs.values() if cost["kept"] == 0)
         total += (1 if amortized else accumulation) * polynomial * sum(s.num_blocks * s.block**3 for s in (r, p))
@@ -150,22 +195,26 @@ def flops_per_step(preset_name: str, batch: int, method: str, terms: int = 5, ac
     return total
 
 
-def _child(method: str, preset: str, batch: int, steps: int, env: Optional[dict] = None, **options: Any) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_step import measure; "
-            f"print(json.dumps(measure({method!r}, {preset!r}, {batch}, {steps}, **{options!r})))")
+def _child(method: str, preset: str, batch: int, steps: int, env: dict | None = None, **options: Any) -> dict:
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_step import measure; "
+        f"print(json.dumps(measure({method!r}, {preset!r}, {batch}, {steps}, **{options!r})))"
+    )
     env = {**os.environ, **(env or {})}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(quick: bool = False, repeats: int = 1, configs: Optional[list[tuple]] = None) -> list[dict]:
+def run(quick: bool = False, repeats: int = 1, configs: list[tuple] | None = None) -> list[dict]:
     rows = []
     for preset, batch, steps, accumulation in configs or (QUICK_CONFIGS if quick else CONFIGS):
         variants = {m: (m, {}) for m in METHODS}
         if accumulation > 1:  # the same run rebuilding the rotations per micro-batch, as before the cache
             variants["poet-bs, cache off"] = ("poet-bs", {"cache_rotations": False})
-        runs = {name: [_child(m, preset, batch, steps, accumulation=accumulation, **options) for _ in range(repeats)]
-                for name, (m, options) in variants.items()}
+        runs = {
+            name: [_child(m, preset, batch, steps, accumulation=accumulation, **options) for _ in range(repeats)]
+            for name, (m, options) in variants.items()
+        }
         result = {m: {key: statistics.median(r[key] for r in rs) for key in rs[0]} for m, rs in runs.items()}
         adamw = result["adamw"]
         for method in [name for name in result if name != "adamw"]:
@@ -175,21 +224,37 @@ def run(quick: bool = False, repeats: int = 1, configs: Optional[list[tuple]] = 
             analytic = (12 * frozen - 16 * skew) / 2**20 - poet["cache_floor_mb"]
             at_peak = analytic if accumulation > 1 else (8 * frozen - 12 * skew) / 2**20
             saved = adamw["peak_mb"] - poet["peak_mb"]
-            rows.append({
-                "preset": preset, "batch": f"{batch}x{SEQ}", "accumulation": accumulation, "method": method,
-                "AdamW peak MB": adamw["peak_mb"], "POET peak MB": poet["peak_mb"],
-                "memory ratio": poet["peak_mb"] / adamw["peak_mb"],
-                "analytic floor ratio": (adamw["peak_mb"] - analytic) / adamw["peak_mb"],
-                "saving / analytic": saved / analytic,
-                "saving / at-peak": saved / at_peak,
-                "POET params MB": poet["params_mb"], "POET grads MB": poet["grads_mb"],
-                "POET states MB": poet["states_mb"],
-                "POET other MB": poet["peak_mb"] - poet["params_mb"] - poet["grads_mb"] - poet["states_mb"],
-                "POET cache MB": poet["cache_mb"], "cache floor MB": poet["cache_floor_mb"],
-                "AdamW step s": adamw["step_s"], "POET step s": poet["step_s"],
-                "time ratio": poet["step_s"] / adamw["step_s"],
-                "flop floor": (flops_per_step(preset, batch, variants[method][0], accumulation=accumulation,
-                                              amortized="cache off" not in method)
-                               / flops_per_step(preset, batch, "adamw", accumulation=accumulation)),
-            })
+            rows.append(
+                {
+                    "preset": preset,
+                    "batch": f"{batch}x{SEQ}",
+                    "accumulation": accumulation,
+                    "method": method,
+                    "AdamW peak MB": adamw["peak_mb"],
+                    "POET peak MB": poet["peak_mb"],
+                    "memory ratio": poet["peak_mb"] / adamw["peak_mb"],
+                    "analytic floor ratio": (adamw["peak_mb"] - analytic) / adamw["peak_mb"],
+                    "saving / analytic": saved / analytic,
+                    "saving / at-peak": saved / at_peak,
+                    "POET params MB": poet["params_mb"],
+                    "POET grads MB": poet["grads_mb"],
+                    "POET states MB": poet["states_mb"],
+                    "POET other MB": poet["peak_mb"] - poet["params_mb"] - poet["grads_mb"] - poet["states_mb"],
+                    "POET cache MB": poet["cache_mb"],
+                    "cache floor MB": poet["cache_floor_mb"],
+                    "AdamW step s": adamw["step_s"],
+                    "POET step s": poet["step_s"],
+                    "time ratio": poet["step_s"] / adamw["step_s"],
+                    "flop floor": (
+                        flops_per_step(
+                            preset,
+                            batch,
+                            variants[method][0],
+                            accumulation=accumulation,
+                            amortized="cache off" not in method,
+                        )
+                        / flops_per_step(preset, batch, "adamw", accumulation=accumulation)
+                    ),
+                }
+            )
     return rows

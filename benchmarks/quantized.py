@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-from typing import Optional
 
 import torch
 
@@ -30,8 +29,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def drift(quantization: Optional[str], requantize: str, q_norm: float = TRAINING_Q_NORM, merges: tuple = MERGES,
-          dim: int = 512, block: int = 32, seed: int = 0) -> dict[int, dict[str, float]]:
+def drift(
+    quantization: str | None,
+    requantize: str,
+    q_norm: float = TRAINING_Q_NORM,
+    merges: tuple = MERGES,
+    dim: int = 512,
+    block: int = 32,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
     """``{K: {"weight": …, "spectrum": …}}`` after ``K`` merges (see the module docstring)."""
     from peft import get_peft_model
 
@@ -40,8 +46,15 @@ def drift(quantization: Optional[str], requantize: str, q_norm: float = TRAINING
     from poet_hf.orthogonal import random_skew_params
 
     torch.manual_seed(seed)
-    config = PoetConfig(target_modules=["proj"], block_size=block, base_init="normalized", seed=seed,
-                        base_quantization=quantization, requantize=requantize, train_other_params=False)
+    config = PoetConfig(
+        target_modules=["proj"],
+        block_size=block,
+        base_init="normalized",
+        seed=seed,
+        base_quantization=quantization,
+        requantize=requantize,
+        train_other_params=False,
+    )
     model = get_peft_model(_holder(dim), config)
     layer = next(m for m in model.modules() if hasattr(m, "poet_specs"))
     exact = layer.weight_matrix().double()
@@ -90,8 +103,13 @@ def drift_rows(q_norms: tuple = (TRAINING_Q_NORM, TRAINING_Q_NORM / 10)) -> list
 # tensors. Memory is therefore measured with the threshold fixed (every method alike); time under the default.
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 PRETRAIN = ("llama-130m", 4)  # preset, micro-batch (× 256 tokens)
-PRETRAIN_METHODS = (("adamw", None, "nearest"), ("poet-bs", None, "nearest"), ("poet-bs", "nf4", "feedback"),
-                    ("poet-bs", "nf4", "nearest"), ("poet-bs", "int8", "feedback"))
+PRETRAIN_METHODS = (
+    ("adamw", None, "nearest"),
+    ("poet-bs", None, "nearest"),
+    ("poet-bs", "nf4", "feedback"),
+    ("poet-bs", "nf4", "nearest"),
+    ("poet-bs", "int8", "feedback"),
+)
 
 
 def _median(runs: list[dict]) -> dict:
@@ -128,15 +146,24 @@ def pretrain_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
         analytic = (16 * n - stored - 16 * skew) / 2**20
         at_peak = (12 * n - stored - 12 * skew) / 2**20
         saved = adamw_peak - mem["peak_mb"]
-        rows.append({
-            "model, batch": f"{preset}, {batch}x256", "W0": quantization or "float32",
-            "requantize": requantize if quantization else "", "W0 bytes/entry": stored / n,
-            "AdamW peak MB": adamw_peak, "POET peak MB": mem["peak_mb"], "memory ratio": mem["peak_mb"] / adamw_peak,
-            "analytic floor": (adamw_peak - analytic) / adamw_peak,
-            "at-peak floor": (adamw_peak - at_peak) / adamw_peak,
-            "saving / analytic": saved / analytic, "saving / at-peak": saved / at_peak,
-            "step s": step, "time / POET fp32 W0": step / poet_time, "time / AdamW": step / adamw_time,
-        })
+        rows.append(
+            {
+                "model, batch": f"{preset}, {batch}x256",
+                "W0": quantization or "float32",
+                "requantize": requantize if quantization else "",
+                "W0 bytes/entry": stored / n,
+                "AdamW peak MB": adamw_peak,
+                "POET peak MB": mem["peak_mb"],
+                "memory ratio": mem["peak_mb"] / adamw_peak,
+                "analytic floor": (adamw_peak - analytic) / adamw_peak,
+                "at-peak floor": (adamw_peak - at_peak) / adamw_peak,
+                "saving / analytic": saved / analytic,
+                "saving / at-peak": saved / at_peak,
+                "step s": step,
+                "time / POET fp32 W0": step / poet_time,
+                "time / AdamW": step / adamw_time,
+            }
+        )
     return rows
 
 
@@ -164,9 +191,17 @@ def finetune_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
         baseline = ("lora", quantization)
         mem, base_mem = _median(memory[key]), _median(memory[baseline])
         step, base_step = _median(timing[key])["step_s"], _median(timing[baseline])["step_s"]
-        rows.append({"base": quantization, "method": {"lora": "LoRA r 8", "oft": "QOFT", "poet": "QPOET"}[method],
-                     "trainable (M)": mem["trainable"] / 1e6, "step s": step, "peak MB": mem["peak_mb"],
-                     "time / QLoRA": step / base_step, "memory / QLoRA": mem["peak_mb"] / base_mem["peak_mb"]})
+        rows.append(
+            {
+                "base": quantization,
+                "method": {"lora": "LoRA r 8", "oft": "QOFT", "poet": "QPOET"}[method],
+                "trainable (M)": mem["trainable"] / 1e6,
+                "step s": step,
+                "peak MB": mem["peak_mb"],
+                "time / QLoRA": step / base_step,
+                "memory / QLoRA": mem["peak_mb"] / base_mem["peak_mb"],
+            }
+        )
     return rows
 
 
@@ -184,22 +219,34 @@ def quality_rows(quick: bool = False) -> list[dict]:
         with tempfile.TemporaryDirectory() as out:
             extra = ["--base_quantization", quantization] if quantization else []
             extra += ["--steps", "20", "--merge_every", "5"] if quick else []
-            subprocess.run([sys.executable, str(root / "scripts" / "pretrain.py"), "--output_dir", out, *extra],
-                           check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, str(root / "scripts" / "pretrain.py"), "--output_dir", out, *extra],
+                check=True,
+                capture_output=True,
+            )
             results = json.loads((Path(out) / "results.json").read_text())
         perplexity = results["val_perplexity"]
         reference = reference or perplexity
-        rows.append({"W0": quantization or "float32", "steps": results["steps"], "merges": results["merges"],
-                     "val perplexity": perplexity, "vs float32": perplexity / reference - 1})
+        rows.append(
+            {
+                "W0": quantization or "float32",
+                "steps": results["steps"],
+                "merges": results["merges"],
+                "val perplexity": perplexity,
+                "vs float32": perplexity / reference - 1,
+            }
+        )
     return rows
 
 
 def run(quick: bool = False, repeats: int = 3) -> list[dict]:
     drift_table = drift_rows((TRAINING_Q_NORM,) if quick else (TRAINING_Q_NORM, TRAINING_Q_NORM / 10))
-    return [{"table": "drift", **row} for row in drift_table] + \
-        [{"table": "pretrain step", **row} for row in pretrain_rows(quick, repeats)] + \
-        [{"table": "fine-tune step", **row} for row in finetune_rows(quick, repeats)] + \
-        [{"table": "quality", **row} for row in quality_rows(quick)]
+    return (
+        [{"table": "drift", **row} for row in drift_table]
+        + [{"table": "pretrain step", **row} for row in pretrain_rows(quick, repeats)]
+        + [{"table": "fine-tune step", **row} for row in finetune_rows(quick, repeats)]
+        + [{"table": "quality", **row} for row in quality_rows(quick)]
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ matrix exponential and the Cayley map; ``speedup_vs_*`` columns check that claim
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ def _step(forward: Callable[[], torch.Tensor], params: list[torch.Tensor]) -> Ca
         for p in params:
             p.grad = None
         forward().sum().backward()
+
     return step
 
 

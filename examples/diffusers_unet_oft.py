@@ -40,10 +40,18 @@ def small_unet():
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
-    return UNet2DConditionModel(sample_size=16, in_channels=1, out_channels=1, layers_per_block=1,
-                                block_out_channels=(32, 64), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
-                                attention_head_dim=8, norm_num_groups=8)
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=1,
+        out_channels=1,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
 
 
 def oft_config(block_size: int):
@@ -106,9 +114,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reload_gap = float((reloaded(sample, probe_steps, **condition).sample - trained_out).abs().max())
         merged = reloaded.merge_and_unload()  # a plain UNet2DConditionModel
         merge_gap = float((merged(sample, probe_steps, **condition).sample - trained_out).abs().max())
-    result = {"denoising_loss_before": before, "denoising_loss_after": after, "reload_max_abs_gap": reload_gap,
-              "merged_max_abs_gap": merge_gap, "output_scale": float(trained_out.abs().max()),
-              "merged_class": type(merged).__name__, "adapter_dir": str(adapter_dir)}
+    result = {
+        "denoising_loss_before": before,
+        "denoising_loss_after": after,
+        "reload_max_abs_gap": reload_gap,
+        "merged_max_abs_gap": merge_gap,
+        "output_scale": float(trained_out.abs().max()),
+        "merged_class": type(merged).__name__,
+        "adapter_dir": str(adapter_dir),
+    }
     (Path(args.output_dir) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -20,13 +20,14 @@ import argparse
 import json
 from typing import Any
 
-import torch
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", default="digits", help="'digits' (offline), an HF dataset id with img/label "
-                        "columns, or an image folder")
+    parser.add_argument(
+        "--dataset",
+        default="digits",
+        help="'digits' (offline), an HF dataset id with img/label columns, or an image folder",
+    )
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--recipe", default=None, help="'eco-paper' for the papers' recipe (default: the quick one)")
     parser.add_argument("--epochs", type=float, default=None)
@@ -45,8 +46,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from poet_hf.vision.data import load_image_dataset
     from poet_hf.vision.train import VisionTrainArgs, export_lipconvnet, summary_line, train_lipconvnet
 
-    training = VisionTrainArgs(dataset=args.dataset, depth=args.depth, recipe=args.recipe, epochs=args.epochs,
-                               output_dir=args.output_dir)
+    training = VisionTrainArgs(
+        dataset=args.dataset, depth=args.depth, recipe=args.recipe, epochs=args.epochs, output_dir=args.output_dir
+    )
     model, metrics = train_lipconvnet(training)
     print(summary_line(metrics))
     folder = export_lipconvnet(model, metrics, training, args.output_dir)
@@ -55,12 +57,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reloaded = AutoModelForImageClassification.from_pretrained(folder).eval()
     test = load_image_dataset(args.dataset, seed=training.seed)["test"]
     again = certified_accuracy(reloaded, test, eps=training.eps)
-    result = {"clean_accuracy": metrics["clean_accuracy"], "certified_accuracy": metrics["certified_accuracy"],
-              "certified_accuracy_at": metrics["certified_accuracy_at"],
-              "lipschitz_constant": metrics["lipschitz_constant"],
-              "reloaded_clean_accuracy": again["clean_accuracy"],
-              "reloaded_certified_accuracy": again["certified_accuracy"],
-              "reloaded_lipschitz_constant": again["lipschitz_constant"], "folder": str(folder)}
+    result = {
+        "clean_accuracy": metrics["clean_accuracy"],
+        "certified_accuracy": metrics["certified_accuracy"],
+        "certified_accuracy_at": metrics["certified_accuracy_at"],
+        "lipschitz_constant": metrics["lipschitz_constant"],
+        "reloaded_clean_accuracy": again["clean_accuracy"],
+        "reloaded_certified_accuracy": again["certified_accuracy"],
+        "reloaded_lipschitz_constant": again["lipschitz_constant"],
+        "folder": str(folder),
+    }
     if args.push_to_hub:
         result["commit_url"] = push_merged_to_hub(folder, args.push_to_hub, private=args.hub_private)
     return result

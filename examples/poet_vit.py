@@ -28,8 +28,11 @@ import torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", default=None, help="an HF image dataset with `img` and `label` columns; "
-                        "default: scikit-learn's digits")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="an HF image dataset with `img` and `label` columns; default: scikit-learn's digits",
+    )
     parser.add_argument("--image_size", type=int, default=16)
     parser.add_argument("--patch_size", type=int, default=4)
     parser.add_argument("--epochs", type=float, default=3)
@@ -63,9 +66,18 @@ def vit(num_channels: int, image_size: int, patch_size: int, num_labels: int):
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    return ViTForImageClassification(ViTConfig(
-        image_size=image_size, patch_size=patch_size, num_channels=num_channels, hidden_size=64,
-        num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=num_labels))
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=image_size,
+            patch_size=patch_size,
+            num_channels=num_channels,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            num_labels=num_labels,
+        )
+    )
 
 
 def accuracy(model, data) -> float:
@@ -83,15 +95,26 @@ def train_vit(args: argparse.Namespace, splits) -> dict[str, Any]:
     base = vit(splits["train"][0]["pixel_values"].shape[0], args.image_size, args.patch_size, num_labels)
     # Pretraining from scratch: a fresh, well-conditioned W0 (the paper's normalized init); the classifier head and
     # the embeddings train fully beside the rotations.
-    model = get_peft_model(base, PoetConfig(block_size=32, base_init="normalized", merge_every=20,
-                                            modules_to_save=["classifier"]))
+    model = get_peft_model(
+        base, PoetConfig(block_size=32, base_init="normalized", merge_every=20, modules_to_save=["classifier"])
+    )
     test = splits["test"][:]
     before = accuracy(model.eval(), test)
     training = PoetTrainingArguments(
-        output_dir=args.output_dir, num_train_epochs=args.epochs, per_device_train_batch_size=32,
-        learning_rate=3e-3, poet_learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=10,
-        save_strategy="no", report_to="none", seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
-        remove_unused_columns=False)
+        output_dir=args.output_dir,
+        num_train_epochs=args.epochs,
+        per_device_train_batch_size=32,
+        learning_rate=3e-3,
+        poet_learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
     trainer = PoetTrainer(model=model, args=training, train_dataset=splits["train"])
     trainer.train()
     model.eval()
@@ -101,9 +124,14 @@ def train_vit(args: argparse.Namespace, splits) -> dict[str, Any]:
         adapter_logits = model(pixel_values=test["pixel_values"]).logits
         plain = model.merge_and_unload()  # a stock ViTForImageClassification
         merged_gap = float((plain(pixel_values=test["pixel_values"]).logits - adapter_logits).abs().max())
-    return {"vit_accuracy_before": before, "vit_accuracy_after": after, "vit_merges": len(merges),
-            "vit_merged_max_abs_gap": merged_gap, "vit_logit_scale": float(adapter_logits.abs().max()),
-            "vit_merged_class": type(plain).__name__}
+    return {
+        "vit_accuracy_before": before,
+        "vit_accuracy_after": after,
+        "vit_merges": len(merges),
+        "vit_merged_max_abs_gap": merged_gap,
+        "vit_logit_scale": float(adapter_logits.abs().max()),
+        "vit_merged_class": type(plain).__name__,
+    }
 
 
 def train_mlp(splits) -> dict[str, Any]:
@@ -117,10 +145,10 @@ def train_mlp(splits) -> dict[str, Any]:
     train, test = splits["train"][:], splits["test"][:]
     inputs = train["pixel_values"].flatten(1)
     torch.manual_seed(0)
-    mlp = nn.Sequential(nn.Linear(inputs.shape[1], 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
-                        nn.Linear(128, 10))
-    model = get_peft_model(mlp, PoetConfig(target_modules=["0", "2"], block_size=32, base_init="normalized",
-                                           modules_to_save=["4"]))
+    mlp = nn.Sequential(nn.Linear(inputs.shape[1], 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 10))
+    model = get_peft_model(
+        mlp, PoetConfig(target_modules=["0", "2"], block_size=32, base_init="normalized", modules_to_save=["4"])
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
     def test_accuracy() -> float:

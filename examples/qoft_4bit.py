@@ -42,17 +42,29 @@ def small_checkpoint(folder: str, vocab_size: int) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                 max_position_embeddings=128)).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(folder)
     return folder
 
 
 def load_4bit(path: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                      bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
 
 
@@ -73,11 +85,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train = pack_sequences(corpus["train"], tokenizer, 64).select(range(256))
         evaluation = pack_sequences(corpus["validation"], tokenizer, 64).select(range(32))
         training = PoetTrainingArguments(
-            output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
-            learning_rate=args.learning_rate, lr_scheduler_type="constant", logging_steps=10, save_strategy="no",
-            report_to="none", seed=0, use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
-        trainer = PoetTrainer(model=model, args=training, train_dataset=train, eval_dataset=evaluation,
-                              data_collator=default_data_collator)
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            per_device_train_batch_size=8,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+            logging_steps=10,
+            save_strategy="no",
+            report_to="none",
+            seed=0,
+            use_cpu=not torch.cuda.is_available(),
+            disable_tqdm=True,
+        )
+        trainer = PoetTrainer(
+            model=model,
+            args=training,
+            train_dataset=train,
+            eval_dataset=evaluation,
+            data_collator=default_data_collator,
+        )
         before = trainer.evaluate()["eval_loss"]
         trainer.train()
         after = trainer.evaluate()["eval_loss"]
@@ -97,10 +123,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with torch.no_grad():
             export_gap = float((plain(input_ids=ids).logits - adapter_logits).abs().max())
     base_layer = type(reloaded.base_model.model.model.layers[0].self_attn.q_proj.get_base_layer()).__name__
-    result = {"eval_loss_before": before, "eval_loss_after": after, "perplexity_before": math.exp(before),
-              "perplexity_after": math.exp(after), "base_layer": base_layer, "reload_max_abs_gap": reload_gap,
-              "export_max_abs_gap": export_gap, "logit_scale": float(adapter_logits.abs().max()),
-              "export_has_quantization": (export_dir / "config.json").read_text().count('"quantization_config"') > 0}
+    result = {
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "perplexity_before": math.exp(before),
+        "perplexity_after": math.exp(after),
+        "base_layer": base_layer,
+        "reload_max_abs_gap": reload_gap,
+        "export_max_abs_gap": export_gap,
+        "logit_scale": float(adapter_logits.abs().max()),
+        "export_has_quantization": (export_dir / "config.json").read_text().count('"quantization_config"') > 0,
+    }
     (Path(args.output_dir) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

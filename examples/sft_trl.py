@@ -38,12 +38,19 @@ CHAT_TEMPLATE = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a hub id or local folder; default: a small LLaMA from a config")
-    parser.add_argument("--dataset", default=None, help="an HF chat dataset with a `messages` column; default: "
-                        "built from the bundled plays")
+    parser.add_argument(
+        "--dataset",
+        default=None,
+        help="an HF chat dataset with a `messages` column; default: built from the bundled plays",
+    )
     parser.add_argument("--method", choices=["oft", "poet"], default="oft")
     parser.add_argument("--max_steps", type=int, default=30)
-    parser.add_argument("--learning_rate", type=float, default=None, help="default: 3e-3 on the default model, "
-                        "else 1e-3 (the fine-tuning default of scripts/finetune.py)")
+    parser.add_argument(
+        "--learning_rate",
+        type=float,
+        default=None,
+        help="default: 3e-3 on the default model, else 1e-3 (the fine-tuning default of scripts/finetune.py)",
+    )
     parser.add_argument("--output_dir", default="outputs/sft-trl")
     return parser.parse_args(argv)
 
@@ -57,8 +64,14 @@ def chat_dataset(rows: int = 256):
     text = load_embedded_corpus()["train"][0]["text"]
     lines = [line.strip() for line in text.splitlines() if len(line.strip()) > 20]
     pairs = list(zip(lines[:-1], lines[1:]))[:rows]
-    return Dataset.from_dict({"messages": [[{"role": "user", "content": f"Continue this line: {a}"},
-                                            {"role": "assistant", "content": b}] for a, b in pairs]})
+    return Dataset.from_dict(
+        {
+            "messages": [
+                [{"role": "user", "content": f"Continue this line: {a}"}, {"role": "assistant", "content": b}]
+                for a, b in pairs
+            ]
+        }
+    )
 
 
 def small_model_and_tokenizer():
@@ -71,10 +84,17 @@ def small_model_and_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return LlamaForCausalLM(config), tokenizer
 
 
@@ -106,14 +126,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     data = chat_dataset() if args.dataset is None else load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=32, seed=0)
     learning_rate = args.learning_rate or (3e-3 if args.model is None else 1e-3)
-    config = SFTConfig(output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=8,
-                       learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=5,
-                       assistant_only_loss=True, max_length=128, report_to="none", save_strategy="no", seed=0,
-                       use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(), eval_strategy="no",
-                       disable_tqdm=True)
+    config = SFTConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=8,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        assistant_only_loss=True,
+        max_length=128,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),
+        eval_strategy="no",
+        disable_tqdm=True,
+    )
     callbacks = [MergeReinitCallback()] if args.method == "poet" else []
-    trainer = SFTTrainer(model=model, args=config, train_dataset=split["train"], eval_dataset=split["test"],
-                         processing_class=tokenizer, peft_config=peft_config(args.method), callbacks=callbacks)
+    trainer = SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=split["train"],
+        eval_dataset=split["test"],
+        processing_class=tokenizer,
+        peft_config=peft_config(args.method),
+        callbacks=callbacks,
+    )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     after = trainer.evaluate()["eval_loss"]
@@ -127,9 +166,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.model.eval()
     with torch.no_grad():
         gap = (reloaded(**ids).logits - trainer.model(**ids).logits).abs().max().item()
-    result = {"method": args.method, "eval_loss_before": before, "eval_loss_after": after,
-              "perplexity_before": math.exp(before), "perplexity_after": math.exp(after),
-              "reload_max_abs_gap": gap, "adapter_dir": str(adapter_dir)}
+    result = {
+        "method": args.method,
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "perplexity_before": math.exp(before),
+        "perplexity_after": math.exp(after),
+        "reload_max_abs_gap": gap,
+        "adapter_dir": str(adapter_dir),
+    }
     (Path(args.output_dir) / "result.json").write_text(json.dumps(result, indent=2))
     return result
 

@@ -20,12 +20,28 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = ("poet_layer", "pretrain_step", "finetune_step", "finetune_quality", "finetune_sweep", "oft_layer", "fsdp",
-          "eco", "reflection", "import_time", "load_checks", "quantized")
+SUITES = (
+    "poet_layer",
+    "pretrain_step",
+    "finetune_step",
+    "finetune_quality",
+    "finetune_sweep",
+    "oft_layer",
+    "fsdp",
+    "eco",
+    "reflection",
+    "import_time",
+    "load_checks",
+    "quantized",
+)
 
 
 def machine_description() -> str:
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
+    device = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU ({platform.processor() or platform.machine()})"
+    )
     return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
@@ -45,8 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite", choices=(*SUITES, "all"), default="all", help="which suite to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats, for a smoke run")
     parser.add_argument("--out", type=Path, help="write all rows as JSON here")
-    parser.add_argument("--plot", type=Path, metavar="JSON", help="instead of running: draw the figures of a JSON "
-                        "file written by --out (its pretrain_step rows) into --plot_dir")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="JSON",
+        help="instead of running: draw the figures of a JSON "
+        "file written by --out (its pretrain_step rows) into --plot_dir",
+    )
     parser.add_argument("--plot_dir", type=Path, default=Path("docs/figures"), help="where --plot writes its PNGs")
     return parser
 

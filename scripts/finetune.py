@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> dict:
         summary["export_dir"] = results["export_dir"]
     print(json.dumps(summary, indent=2))
     name = "perplexity" if args.task == "causal-lm" else "accuracy"
-    print(f"eval {name}: {results['before'][name]:.4g} -> {results['after'][name]:.4g} "
-          f"(eval loss {results['before']['loss']:.4f} -> {results['after']['loss']:.4f})")
+    print(
+        f"eval {name}: {results['before'][name]:.4g} -> {results['after'][name]:.4g} "
+        f"(eval loss {results['before']['loss']:.4f} -> {results['after']['loss']:.4f})"
+    )
     return results
 
 

@@ -20,26 +20,47 @@ def build_parser() -> argparse.ArgumentParser:
     from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True,
-                        help="a preset (tiny, llama-60m, llama-130m, llama-350m, llama-1.3b), a config.json or its "
-                             "folder, or a Hub id (its config.json only, from the local cache when offline)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="a preset (tiny, llama-60m, llama-130m, llama-350m, llama-1.3b), a config.json or its "
+        "folder, or a Hub id (its config.json only, from the local cache when offline)",
+    )
     parser.add_argument("--method", default="poet-bs", choices=METHODS, help="training method (default: poet-bs)")
-    parser.add_argument("--compare", default="",
-                        help=f"comma-separated methods to plan side by side with --method (from {', '.join(METHODS)})")
+    parser.add_argument(
+        "--compare",
+        default="",
+        help=f"comma-separated methods to plan side by side with --method (from {', '.join(METHODS)})",
+    )
     parser.add_argument("--block_size", type=int, default=256, help="POET-BS / OFT block size b (default: 256)")
-    parser.add_argument("--budget", type=float, default=0.5,
-                        help="POET-FS budget, a fraction of each dimension in (0, 1] (default: 0.5)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=0.5,
+        help="POET-FS budget, a fraction of each dimension in (0, 1] (default: 0.5)",
+    )
     parser.add_argument("--rank", type=int, default=128, help="LoRA rank and GaLore projection rank (default: 128)")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES),
-                        help="weights' and activations' dtype; adapter parameters stay float32 (default: float32)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="weights' and activations' dtype; adapter parameters stay float32 (default: float32)",
+    )
     parser.add_argument("--batch_size", type=int, default=4, help="sequences per micro-batch per process (default: 4)")
     parser.add_argument("--seq_len", type=int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument("--accumulation", type=int, default=1,
-                        help="micro-batches per optimizer step: gradients and POET's rotation caches persist "
-                             "between them (default: 1)")
+    parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step: gradients and POET's rotation caches persist between them (default: 1)",
+    )
     parser.add_argument("--processes", type=int, default=1, help="data-parallel processes (default: 1)")
-    parser.add_argument("--sharding", default="ddp", choices=SHARDINGS,
-                        help="ddp: every process holds the whole model; fsdp2: fully_shard per block (default: ddp)")
+    parser.add_argument(
+        "--sharding",
+        default="ddp",
+        choices=SHARDINGS,
+        help="ddp: every process holds the whole model; fsdp2: fully_shard per block (default: ddp)",
+    )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON instead of the table")
     return parser
@@ -50,8 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     from poet_hf.memory_plan import format_plans, plan_memory
 
     methods = [args.method] + [m for m in args.compare.split(",") if m and m != args.method]
-    options = {key: getattr(args, key) for key in ("block_size", "budget", "rank", "dtype", "batch_size", "seq_len",
-                                                   "accumulation", "processes", "sharding", "checkpointing")}
+    options = {
+        key: getattr(args, key)
+        for key in (
+            "block_size",
+            "budget",
+            "rank",
+            "dtype",
+            "batch_size",
+            "seq_len",
+            "accumulation",
+            "processes",
+            "sharding",
+            "checkpointing",
+        )
+    }
     try:
         plans = [plan_memory(args.model, method, **options) for method in methods]
     except ValueError as error:

@@ -31,12 +31,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(recipe, indent=2))
         return recipe
     results = run_pretraining(args)
-    summary = {k: results[k] for k in ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen",
-                                       "trainable_params", "merges", "wall_time_s")}
+    summary = {
+        k: results[k]
+        for k in (
+            "method",
+            "preset",
+            "initial_val_perplexity",
+            "val_perplexity",
+            "tokens_seen",
+            "trainable_params",
+            "merges",
+            "wall_time_s",
+        )
+    }
     summary["spectrum_max_drift"] = results["spectrum_drift"].get("max_drift")
     print(json.dumps(summary, indent=2))
-    print(f"validation perplexity: {results['val_perplexity']:.2f} "
-          f"(initial {results['initial_val_perplexity']:.1f}) -> {args.output_dir}/results.json")
+    print(
+        f"validation perplexity: {results['val_perplexity']:.2f} "
+        f"(initial {results['initial_val_perplexity']:.1f}) -> {args.output_dir}/results.json"
+    )
     return results
 
 

@@ -24,14 +24,16 @@ CASES = [("k1", 1), ("k2", 2), ("k4", 4), ("merge", 2)]  # "merge": k = 2 with m
 
 
 def build():
+    from models import tiny_gpt2
     from peft import get_peft_model
 
-    from models import tiny_gpt2
     from poet_hf import PoetConfig
 
     # float64 GPT-2 in eval mode: no float32 norms, no dropout draws (as in tests/test_rotation_cache.py)
-    return get_peft_model(tiny_gpt2().double(), PoetConfig(spo="block", block_size=16, init_weights=False,
-                                                           target_modules=["c_attn", "c_proj", "c_fc"]))
+    return get_peft_model(
+        tiny_gpt2().double(),
+        PoetConfig(spo="block", block_size=16, init_weights=False, target_modules=["c_attn", "c_proj", "c_fc"]),
+    )
 
 
 def micro_batches(k: int, world: int) -> torch.Tensor:
@@ -42,8 +44,11 @@ def micro_batches(k: int, world: int) -> torch.Tensor:
 def trainable_grads(model) -> dict[str, torch.Tensor]:
     from poet_hf.tuners.rotation_layer import full_tensor
 
-    return {name: full_tensor(p.grad).detach().clone() for name, p in model.named_parameters()
-            if p.requires_grad and p.grad is not None}
+    return {
+        name: full_tensor(p.grad).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
 
 
 def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
@@ -101,8 +106,12 @@ def main() -> None:
             grads, held, left = distributed_step(engine, k, merge=name == "merge")
             assert grads.keys() == expected.keys(), sorted(set(grads) ^ set(expected))
             error = max(float((grads[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in expected)
-            report[f"{engine}-{name}"] = {"error": error, "cache_bytes_held": held, "cache_bytes_left": left,
-                                          "tensors": len(grads)}
+            report[f"{engine}-{name}"] = {
+                "error": error,
+                "cache_bytes_held": held,
+                "cache_bytes_left": left,
+                "tensors": len(grads),
+            }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
     dist.destroy_process_group()

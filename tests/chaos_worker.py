@@ -47,6 +47,7 @@ def install_kill_point(point: str) -> None:
         def killed_after_rng(self, output_dir):
             save_rng(self, output_dir)
             die()
+
         Trainer._save_rng_state = killed_after_rng
     elif point == "publish":
         replace = os.replace
@@ -55,6 +56,7 @@ def install_kill_point(point: str) -> None:
             if Path(src).parent.name == checkpoints.STAGING_DIR:
                 die()
             replace(src, dst)
+
         checkpoints.os.replace = killed_replace
     elif point == "rotate":
         rmtree = shutil.rmtree
@@ -64,6 +66,7 @@ def install_kill_point(point: str) -> None:
                 next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
                 die()
             rmtree(path, *args, **kwargs)
+
         checkpoints.shutil.rmtree = killed_rmtree
     elif point == "merge":
         merge, calls = RotationLayer.merge_and_reinit, []
@@ -73,6 +76,7 @@ def install_kill_point(point: str) -> None:
             if len(calls) == 3:  # of the tiny model's 14 layers
                 die()
             return merge(self, *args, **kwargs)
+
         RotationLayer.merge_and_reinit = killed_merge
     elif point:
         raise ValueError(f"unknown kill point {point!r}")
@@ -92,15 +96,31 @@ def main() -> None:
     install_kill_point(sys.argv[2] if len(sys.argv) > 2 else "")
     dataset, tokenizer = tiny_dataset()
     model = tiny_poet_model(len(tokenizer), merge_every=MERGE_EVERY)
-    trainer = tiny_trainer(out / "run", model, dataset, max_steps=MAX_STEPS, save_strategy="steps",
-                           save_steps=SAVE_STEPS, save_total_limit=2, per_device_train_batch_size=2)
+    trainer = tiny_trainer(
+        out / "run",
+        model,
+        dataset,
+        max_steps=MAX_STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=2,
+        per_device_train_batch_size=2,
+    )
     trainer.add_callback(MarkStarted(out))
     output = trainer.train(resume_from_checkpoint="auto")
     if trainer.args.process_index == 0:
         losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
-        (out / "result.json").write_text(json.dumps({
-            "losses": losses, "hash": state_hash(model), "global_step": trainer.state.global_step,
-            "complete": bool(output.metrics.get("run_complete")), "world": trainer.args.world_size}))
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "hash": state_hash(model),
+                    "global_step": trainer.state.global_step,
+                    "complete": bool(output.metrics.get("run_complete")),
+                    "world": trainer.args.world_size,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

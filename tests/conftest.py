@@ -1,9 +1,8 @@
 import os
 
 import pytest
-import torch
-
 import tolerance_audit
+import torch
 from tolerance_audit import pytest_assertion_pass  # noqa: F401  (records figures when POET_TOLERANCE_AUDIT is set)
 
 # The tests use tiny models: one thread avoids OpenMP spin-waits, which on 2 cores cost more than they give.

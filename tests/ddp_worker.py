@@ -6,7 +6,6 @@ import json
 import sys
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
@@ -22,8 +21,9 @@ def main() -> None:
     rank = trainer.args.process_index
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     merges = int(next(m for m in model.modules() if hasattr(m, "poet_merge_count")).poet_merge_count["default"])
-    (out / f"rank{rank}.json").write_text(json.dumps({"hash": state_hash(model), "losses": losses,
-                                                      "merges": merges, "world": trainer.args.world_size}))
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"hash": state_hash(model), "losses": losses, "merges": merges, "world": trainer.args.world_size})
+    )
 
 
 if __name__ == "__main__":

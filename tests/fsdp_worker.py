@@ -65,12 +65,12 @@ def main() -> None:
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from training_utils import tiny_dataset, tiny_poet_model
 
     import poet_hf  # noqa: F401
     from poet_hf import export_merged, merge_and_reinit
     from poet_hf.distributed import save_pretrained_unsharded, shard_model
     from poet_hf.training import poet_parameters, reset_optimizer_state
-    from training_utils import tiny_dataset, tiny_poet_model
 
     dataset, tokenizer = tiny_dataset()
     model = tiny_poet_model(len(tokenizer), spo=args.spo, budget=0.5, merge_every=MERGE_EVERY)
@@ -109,14 +109,21 @@ def main() -> None:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(args.out / "ckpt"))
             if rank == 0:
                 (args.out / "ckpt" / "step.json").write_text(json.dumps({"step": step + 1}))
-    report = {"losses": losses, "merges": merges, "buffers": buffer_hash(model), "world": world,
-              "peak_gathered_bytes": gathers["peak"],
-              "largest_weight_bytes": max(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                          if "base_layer" in n),
-              "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model)),
-              # the largest share of a skew parameter one process holds (1 when unsharded)
-              "skew_local_share": max(getattr(p, "to_local", lambda: p)().numel() / p.numel()
-                                      for p in poet_parameters(model))}
+    report = {
+        "losses": losses,
+        "merges": merges,
+        "buffers": buffer_hash(model),
+        "world": world,
+        "peak_gathered_bytes": gathers["peak"],
+        "largest_weight_bytes": max(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if "base_layer" in n
+        ),
+        "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model)),
+        # the largest share of a skew parameter one process holds (1 when unsharded)
+        "skew_local_share": max(
+            getattr(p, "to_local", lambda: p)().numel() / p.numel() for p in poet_parameters(model)
+        ),
+    }
     if args.steps == 30 and args.resume_from is None:
         export_merged(model, args.out / "export", overwrite=True, spectrum=False)
         save_pretrained_unsharded(model, args.out / "adapter")

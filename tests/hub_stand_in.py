@@ -54,8 +54,11 @@ class StandInHub:
             return 404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
         if match and match.group(2) == "preupload":
             files = json.loads(body)["files"]
-            return 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                   for f in files]}, {}
+            return (
+                200,
+                {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]},
+                {},
+            )
         if match:
             for line in body.splitlines():
                 item = json.loads(line)
@@ -65,7 +68,7 @@ class StandInHub:
             return 200, {"commitUrl": f"{base}/{match.group(1)}/commit/{oid}", "commitOid": oid}, {}
         return 404, {"error": f"the stand-in Hub does not implement {path}"}, {}
 
-    def __enter__(self) -> "StandInHub":
+    def __enter__(self) -> StandInHub:
         self.thread.start()
         return self
 

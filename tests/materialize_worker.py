@@ -28,16 +28,21 @@ def gathered(model) -> dict:
 
 
 def run_case(out: Path, case: str, checkpoint: str) -> None:
+    from training_utils import meta_poet_model, randomize_rotations
+
     from poet_hf import merge_and_reinit
     from poet_hf.distributed import shard_model
-    from training_utils import meta_poet_model, randomize_rotations
 
     source, variant = case.split("-")
     if source == "init":
         model = shard_model(meta_poet_model(variant), seed=3)
     else:
-        model = shard_model(meta_poet_model("full", base_init=None, config_from=checkpoint), seed=3,
-                            checkpoint=checkpoint, loading=variant)
+        model = shard_model(
+            meta_poet_model("full", base_init=None, config_from=checkpoint),
+            seed=3,
+            checkpoint=checkpoint,
+            loading=variant,
+        )
     stages = {"init": gathered(model)}
     if source == "init":
         for merge in (1, 2):

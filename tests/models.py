@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import (BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama(hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 128) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=128)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -23,8 +29,14 @@ def tiny_gpt2(hidden: int = 64, layers: int = 2, vocab: int = 128) -> GPT2LMHead
 
 def tiny_bert(hidden: int = 64, layers: int = 2, vocab: int = 128) -> BertModel:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     return BertModel(config).eval()
 
 

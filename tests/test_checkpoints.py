@@ -23,15 +23,32 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from poet_hf.checkpoints import (MANIFEST_NAME, STAGING_DIR, checkpoint_problem, latest_complete_checkpoint,
-                                 resolve_resume_checkpoint)
+from poet_hf.checkpoints import (
+    MANIFEST_NAME,
+    STAGING_DIR,
+    checkpoint_problem,
+    latest_complete_checkpoint,
+    resolve_resume_checkpoint,
+)
 from poet_hf.tuners.state_checks import AdapterStateError
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "chaos_worker.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONWARNINGS": "ignore"}
-LAUNCH_DDP = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--num_processes", "2"]
+LAUNCH_DDP = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--num_processes",
+    "2",
+]
 
 
 # --- chaos -----------------------------------------------------------------------------------------------------------
@@ -41,8 +58,9 @@ def _start(out: Path, point: str = "", ddp: bool = False) -> subprocess.Popen:
 
     launcher = [*LAUNCH_DDP, "--main_process_port", str(free_port())] if ddp else [sys.executable]
     command = [*launcher, WORKER, str(out), point]
-    return subprocess.Popen(command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=open(out / "stderr.log", "a"))
+    return subprocess.Popen(
+        command, env=ENV, start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "a")
+    )
 
 
 def _finish(process: subprocess.Popen, out: Path, timeout: float = 300) -> int:
@@ -154,8 +172,9 @@ def finished_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("finished")
     dataset, tokenizer = tiny_dataset()
-    trainer = tiny_trainer(out, tiny_poet_model(len(tokenizer)), dataset, save_strategy="steps", save_steps=2,
-                           save_total_limit=2)
+    trainer = tiny_trainer(
+        out, tiny_poet_model(len(tokenizer)), dataset, save_strategy="steps", save_steps=2, save_total_limit=2
+    )
     trainer.train(resume_from_checkpoint="auto")  # nothing there yet: a fresh start
     return out, dataset, tokenizer
 
@@ -215,8 +234,16 @@ def saved_adapter(tmp_path):
 
     def base():
         torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=2, num_key_value_heads=2))
+        return LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+            )
+        )
 
     from peft import get_peft_model
 
@@ -255,13 +282,16 @@ def _out_of_range(index):
     return index
 
 
-@pytest.mark.parametrize("key_part, change, message", [
-    ("q_proj.poet_R_index", _duplicate, "is not a permutation"),
-    ("q_proj.poet_P_index", _out_of_range, "out of range"),
-    ("v_proj.poet_R_index", lambda index: index[:-1], r"has shape \(31,\)"),
-    ("up_proj.poet_R", lambda skew: skew[:, :-1], "implies"),
-    ("down_proj.poet_merge_count", lambda count: count + 1, "merge counts disagree"),
-])
+@pytest.mark.parametrize(
+    "key_part, change, message",
+    [
+        ("q_proj.poet_R_index", _duplicate, "is not a permutation"),
+        ("q_proj.poet_P_index", _out_of_range, "out of range"),
+        ("v_proj.poet_R_index", lambda index: index[:-1], r"has shape \(31,\)"),
+        ("up_proj.poet_R", lambda skew: skew[:, :-1], "implies"),
+        ("down_proj.poet_merge_count", lambda count: count + 1, "merge counts disagree"),
+    ],
+)
 def test_a_damaged_tensor_fails_at_load_naming_file_tensor_and_fault(saved_adapter, key_part, change, message):
     path, load, _ = saved_adapter
     key = _damage(path, key_part, change)

@@ -47,20 +47,38 @@ def test_every_error_message_is_on_the_troubleshooting_page():
 
 
 # --- the API reference's docstrings ----------------------------------------------------------------------------------
-PUBLIC_MODULES = ["poet_hf.training", "poet_hf.export", "poet_hf.distributed", "poet_hf.initialization",
-                  "poet_hf.orthogonal", "poet_hf.optim", "poet_hf.diagnostics"]
-PUBLIC_OBJECTS = ["poet_hf.tuners.poet.PoetConfig", "poet_hf.tuners.oft.OftConfig",
-                  "poet_hf.tuners.orthogonal.OrthogonalConfig", "poet_hf.tuners.poet.merge_and_reinit",
-                  "poet_hf.tuners.rotation_cache.defer_rotation_grads",
-                  "poet_hf.tuners.rotation_layer.flush_rotation_caches",
-                  "poet_hf.tuners.oft.peft_oft_state_dict_to_ours", "poet_hf.tuners.oft.our_oft_state_dict_to_peft",
-                  "poet_hf.tuners.state_checks.AdapterStateError", "poet_hf.memory_plan.plan_memory",
-                  "poet_hf.memory_plan.MemoryPlan", "poet_hf.training.pretrain.PretrainArguments",
-                  "poet_hf.training.pretrain.run_pretraining", "poet_hf.training.pretrain.build_llama",
-                  "poet_hf.training.finetune.FinetuneArguments", "poet_hf.training.finetune.run_finetuning",
-                  "poet_hf.vision.lipconvnet.LipConvNetConfig", "poet_hf.vision.lipconvnet.LipConvNetForImageClassification",
-                  "poet_hf.vision.certify.certified_accuracy", "poet_hf.vision.flow.ReflectionFlowConfig",
-                  "poet_hf.vision.flow.ReflectionFlowModel"]
+PUBLIC_MODULES = [
+    "poet_hf.training",
+    "poet_hf.export",
+    "poet_hf.distributed",
+    "poet_hf.initialization",
+    "poet_hf.orthogonal",
+    "poet_hf.optim",
+    "poet_hf.diagnostics",
+]
+PUBLIC_OBJECTS = [
+    "poet_hf.tuners.poet.PoetConfig",
+    "poet_hf.tuners.oft.OftConfig",
+    "poet_hf.tuners.orthogonal.OrthogonalConfig",
+    "poet_hf.tuners.poet.merge_and_reinit",
+    "poet_hf.tuners.rotation_cache.defer_rotation_grads",
+    "poet_hf.tuners.rotation_layer.flush_rotation_caches",
+    "poet_hf.tuners.oft.peft_oft_state_dict_to_ours",
+    "poet_hf.tuners.oft.our_oft_state_dict_to_peft",
+    "poet_hf.tuners.state_checks.AdapterStateError",
+    "poet_hf.memory_plan.plan_memory",
+    "poet_hf.memory_plan.MemoryPlan",
+    "poet_hf.training.pretrain.PretrainArguments",
+    "poet_hf.training.pretrain.run_pretraining",
+    "poet_hf.training.pretrain.build_llama",
+    "poet_hf.training.finetune.FinetuneArguments",
+    "poet_hf.training.finetune.run_finetuning",
+    "poet_hf.vision.lipconvnet.LipConvNetConfig",
+    "poet_hf.vision.lipconvnet.LipConvNetForImageClassification",
+    "poet_hf.vision.certify.certified_accuracy",
+    "poet_hf.vision.flow.ReflectionFlowConfig",
+    "poet_hf.vision.flow.ReflectionFlowModel",
+]
 
 
 def _package():
@@ -75,8 +93,14 @@ def public_objects() -> list:
     roots = []
     for name in PUBLIC_MODULES:
         module = package[name.removeprefix("poet_hf.")]
-        names = list(module.exports or [n for n, m in module.members.items() if not n.startswith("_")
-                                        and not m.is_alias and (m.is_function or m.is_class)])
+        names = list(
+            module.exports
+            or [
+                n
+                for n, m in module.members.items()
+                if not n.startswith("_") and not m.is_alias and (m.is_function or m.is_class)
+            ]
+        )
         roots += [module[n] for n in names]
     roots += [package[name.removeprefix("poet_hf.")] for name in PUBLIC_OBJECTS]
     objects = []
@@ -86,8 +110,11 @@ def public_objects() -> list:
             continue
         objects.append(obj)
         if obj.is_class:
-            objects += [m for n, m in obj.members.items() if m.is_function and not m.is_alias
-                        and (not n.startswith("_") or n == "__init__")]
+            objects += [
+                m
+                for n, m in obj.members.items()
+                if m.is_function and not m.is_alias and (not n.startswith("_") or n == "__init__")
+            ]
     return list({o.path: o for o in objects}.values())
 
 
@@ -148,15 +175,24 @@ def docstring_problems(obj) -> list[str]:
     documented = {p.name for p in sections.get("parameters", []) + sections.get("other parameters", [])}
     if obj.name == "__init__":
         documented |= _help_fields(obj.parent)
-    params = [p.name for p in obj.parameters if p.name not in ("self", "cls") and p.kind.value not in
-              ("variadic positional", "variadic keyword")]
+    params = [
+        p.name
+        for p in obj.parameters
+        if p.name not in ("self", "cls") and p.kind.value not in ("variadic positional", "variadic keyword")
+    ]
     problems = []
     missing = [p for p in params if p not in documented]
     if missing:
         problems.append(f"arguments not under Args: {missing}")
     returns = obj.returns
-    if obj.name != "__init__" and returns is not None and str(returns) not in ("None", "NoReturn") and \
-            "returns" not in sections and "yields" not in sections and not obj.name.startswith("__"):
+    if (
+        obj.name != "__init__"
+        and returns is not None
+        and str(returns) not in ("None", "NoReturn")
+        and "returns" not in sections
+        and "yields" not in sections
+        and not obj.name.startswith("__")
+    ):
         problems.append("no Returns section")
     if _raises(obj) and "raises" not in sections:
         problems.append("raises but has no Raises section")
@@ -173,12 +209,26 @@ def test_readme_is_a_landing_page_that_starts_with_the_two_commands_and_links_in
     readme = (ROOT / "README.md").read_text()
     lines = readme.splitlines()
     assert len(lines) <= 200
-    assert lines[:4] == ["```bash",
-                         'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python scripts/pretrain.py',
-                         'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python -m pytest', "```"]
+    assert lines[:4] == [
+        "```bash",
+        'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python scripts/pretrain.py',
+        'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python -m pytest',
+        "```",
+    ]
     linked = set(re.findall(r"\]\((docs/[^)#]+)", readme))
-    assert {f"docs/{page}" for page in ("index.md", "concepts.md", "pretraining.md", "finetuning.md", "distributed.md",
-                                        "export.md", "troubleshooting.md", "benchmarks.md")} <= linked
+    assert {
+        f"docs/{page}"
+        for page in (
+            "index.md",
+            "concepts.md",
+            "pretraining.md",
+            "finetuning.md",
+            "distributed.md",
+            "export.md",
+            "troubleshooting.md",
+            "benchmarks.md",
+        )
+    } <= linked
     assert all((ROOT / path).exists() for path in linked)
 
 

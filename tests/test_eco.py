@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tolerances import gamma
 from torch.func import jacrev
 
 from poet_hf.orthogonal.eco import (
@@ -26,7 +27,6 @@ from poet_hf.orthogonal.eco import (
 )
 from poet_hf.orthogonal.linalg import taylor_exp
 from poet_hf.orthogonal.lipschitz_layers import MaxMin, RowNormLinear, SocConv2d
-from tolerances import gamma
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -160,7 +160,9 @@ def test_training_taylor_truncation_is_bounded_and_reported(c_in, c_out, k, s, n
     assert deviation <= err + 1e-12
     assert 1e-5 < err < 2e-3  # T=5 with ||A|| ≈ 1: paper Table 8 reports 0.001; the scalar bound is 0.0014
     # The FFT (Sedghi) spectrum the layer reports is the Jacobian's.
-    torch.testing.assert_close(layer.singular_values().sort().values[-sv.numel():], sv.sort().values, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        layer.singular_values().sort().values[-sv.numel() :], sv.sort().values, rtol=0, atol=1e-12
+    )
 
 
 def test_zero_padding_negative_control_is_not_orthogonal():
@@ -285,18 +287,23 @@ def taylor_remainder(theta: float, terms: int) -> float:
     return math.exp(theta) - sum(theta**i / math.factorial(i) for i in range(terms + 1))
 
 
-@pytest.mark.parametrize("c_in, c_out, s, n", [(4, 4, 1, 6), (3, 6, 1, 5), (6, 3, 1, 4), (2, 8, 2, 8), (3, 5, 1, 1),
-                                                (16, 16, 1, 6)])
-def test_soc_is_orthogonal_up_to_its_taylor_remainder_with_the_fantastic_four_scaling(c_in, c_out, s, n,
-                                                                                       record_property):
+@pytest.mark.parametrize(
+    "c_in, c_out, s, n", [(4, 4, 1, 6), (3, 6, 1, 5), (6, 3, 1, 4), (2, 8, 2, 8), (3, 5, 1, 1), (16, 16, 1, 6)]
+)
+def test_soc_is_orthogonal_up_to_its_taylor_remainder_with_the_fantastic_four_scaling(
+    c_in, c_out, s, n, record_property
+):
     layer = SocConv2d(c_in, c_out, 3, s, input_size=n, dtype=F64)
     layer.update_power_iteration = False
     kernel = layer.skew_kernel().detach()
     # ||J_L||_2 from the materialised Jacobian of the convolution with the scaled kernel alone.
     size = layer.conv_size
     conv = lambda z: F.conv2d(F.pad(z, layer.padding, mode="circular"), kernel).flatten()  # noqa: E731
-    theta = float(torch.linalg.svdvals(jacrev(conv)(torch.randn(1, layer.width, *size, dtype=F64))
-                                       .reshape(-1, layer.width * size[0] * size[1])).max())
+    theta = float(
+        torch.linalg.svdvals(
+            jacrev(conv)(torch.randn(1, layer.width, *size, dtype=F64)).reshape(-1, layer.width * size[0] * size[1])
+        ).max()
+    )
     record_property("soc_operator_norm_at_init", theta)
     assert theta <= layer.correction * layer.kernel_size * (1 + 1e-9)  # √(k²)·min σ bounds the operator
     if n > 1:
@@ -328,5 +335,6 @@ def test_maxmin_is_a_pairwise_sort_and_1_lipschitz():
 def test_row_normalised_linear_has_unit_rows():
     layer = RowNormLinear(16, 5)
     # Normalising a float32 row of 16 and measuring it again each sum 16 squares: within γ_18 of 1 on both counts.
-    torch.testing.assert_close(layer.normalized_weight().norm(dim=1), torch.ones(5), rtol=0,
-                               atol=2 * gamma(18, torch.float32))
+    torch.testing.assert_close(
+        layer.normalized_weight().norm(dim=1), torch.ones(5), rtol=0, atol=2 * gamma(18, torch.float32)
+    )

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from hub_stand_in import StandInHub
 from tolerances import tiny_model_tolerance
 from training_utils import free_port
@@ -74,13 +73,18 @@ def test_lipconvnet_is_certified_reloaded_and_pushed_to_a_hub(tmp_path, monkeypa
     with StandInHub() as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_TOKEN", "hf_stand_in_token")
-        result = lipconvnet.run(lipconvnet.parse_args(["--epochs", "2", "--output_dir", str(tmp_path / "model"),
-                                                       "--push_to_hub", "someone/lipconvnet-5"]))
+        result = lipconvnet.run(
+            lipconvnet.parse_args(
+                ["--epochs", "2", "--output_dir", str(tmp_path / "model"), "--push_to_hub", "someone/lipconvnet-5"]
+            )
+        )
     at = result["certified_accuracy_at"]
     assert at["1.0"] <= at["108/255"] <= at["72/255"] <= at["36/255"] <= result["clean_accuracy"]
     assert result["certified_accuracy"] > 0.5  # ten classes: chance is 0.1
-    assert (result["reloaded_clean_accuracy"], result["reloaded_certified_accuracy"]) == \
-        (result["clean_accuracy"], result["certified_accuracy"])
+    assert (result["reloaded_clean_accuracy"], result["reloaded_certified_accuracy"]) == (
+        result["clean_accuracy"],
+        result["certified_accuracy"],
+    )
     assert result["reloaded_lipschitz_constant"] == result["lipschitz_constant"]
     assert {"config.json", "model.safetensors", "README.md"} <= set(hub.files)
     assert "someone/lipconvnet-5/commit/" in result["commit_url"]
@@ -126,16 +130,41 @@ def test_each_accelerate_config_is_one_pretrain_py_accepts(name):
 
 
 def pretrain_arguments(output_dir: Path) -> list[str]:
-    return ["--steps", "2", "--batch_size", "2", "--global_batch_size", "4", "--seq_len", "64", "--merge_every", "1",
-            "--max_eval_sequences", "4", "--logging_steps", "1", "--output_dir", str(output_dir)]
+    return [
+        "--steps",
+        "2",
+        "--batch_size",
+        "2",
+        "--global_batch_size",
+        "4",
+        "--seq_len",
+        "64",
+        "--merge_every",
+        "1",
+        "--max_eval_sequences",
+        "4",
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        str(output_dir),
+    ]
 
 
 def test_the_cpu_config_runs_pretrain_py(tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CLUSTER / "cpu.yaml"),
-               "--main_process_port", str(free_port()), str(REPO / "scripts" / "pretrain.py"),
-               *pretrain_arguments(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CLUSTER / "cpu.yaml"),
+        "--main_process_port",
+        str(free_port()),
+        str(REPO / "scripts" / "pretrain.py"),
+        *pretrain_arguments(tmp_path),
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["recipe"]["processes"] == 1 and results["merges"] == 2
@@ -147,16 +176,30 @@ def test_the_slurm_script_launches_pretrain_py_on_every_node(tmp_path):
     names this host), with the 2-process CPU config: pretrain.py trains under DDP and writes its results."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    fakes = {"srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
-             "scontrol": "#!/usr/bin/env bash\necho 127.0.0.1\n"}
+    fakes = {
+        "srun": '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=0 exec "$@"\n',
+        "scontrol": "#!/usr/bin/env bash\necho 127.0.0.1\n",
+    }
     for name, body in fakes.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_NNODES": "1",
-           "SLURM_JOB_NODELIST": "localhost", "GPUS_PER_NODE": "2", "PORT": str(free_port()),
-           "CONFIG": str(CLUSTER / "cpu_ddp.yaml"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", str(CLUSTER / "slurm_pretrain.sh"), *pretrain_arguments(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=600, env=env)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "GPUS_PER_NODE": "2",
+        "PORT": str(free_port()),
+        "CONFIG": str(CLUSTER / "cpu_ddp.yaml"),
+        "OMP_NUM_THREADS": "1",
+    }
+    result = subprocess.run(
+        ["bash", str(CLUSTER / "slurm_pretrain.sh"), *pretrain_arguments(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["recipe"]["processes"] == 2 and results["merges"] == 2

@@ -9,8 +9,8 @@ the Hub.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_stand_in import StandInHub
+from models import tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, ViTConfig, ViTForImageClassification
@@ -27,8 +29,6 @@ from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
 from poet_hf.model_cards import template_path
 from poet_hf.tuners.poet import poet_layers
-from hub_stand_in import StandInHub
-from models import tiny_gpt2, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -37,14 +37,20 @@ LABELS = torch.tensor([1, 3])
 SUBPROCESS_TIMEOUT = 180
 
 
-
-
 # --- building and training tiny POET models ------------------------------------------------------------------------
 def tiny_vit() -> ViTForImageClassification:
     """A ViT whose conv patch embedding (an nn.Conv2d) is a POET target, beside its Linear layers."""
     torch.manual_seed(0)
-    config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, intermediate_size=64, num_labels=5)
+    config = ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=5,
+    )
     return ViTForImageClassification(config).eval()
 
 
@@ -118,11 +124,21 @@ def check_in_fresh_process(export_dir: Path, kind: str, expected: torch.Tensor, 
     side.mkdir(exist_ok=True)
     torch.save(inputs_for(kind), side / "inputs.pt")
     torch.save(expected, side / "expected.pt")
-    spec = {"dir": str(export_dir), "inputs": str(side / "inputs.pt"), "expected": str(side / "expected.pt"),
-            "auto": "AutoModelForImageClassification" if kind == "vit" else "AutoModelForCausalLM"}
+    spec = {
+        "dir": str(export_dir),
+        "inputs": str(side / "inputs.pt"),
+        "expected": str(side / "expected.pt"),
+        "auto": "AutoModelForImageClassification" if kind == "vit" else "AutoModelForCausalLM",
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", FRESH_PROCESS, json.dumps(spec)], capture_output=True, text=True,
-                          cwd=tmp_path, env=env, timeout=SUBPROCESS_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=SUBPROCESS_TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["poet_hf_imported"] is False
@@ -172,8 +188,9 @@ def test_export_oft_and_orthogonal_models(tmp_path):
     expected = logits(orth, "llama")
     plain = StockAuto.from_pretrained(export_merged(orth, tmp_path / "orth", spectrum=False), dtype=torch.float32)
     assert (logits(plain, "llama") - expected).abs().max() <= 1e-5
-    reflection = get_peft_model(tiny_llama(), OrthogonalConfig(target_modules=["q_proj"],
-                                                                parameterization="reflection"))
+    reflection = get_peft_model(
+        tiny_llama(), OrthogonalConfig(target_modules=["q_proj"], parameterization="reflection")
+    )
     with pytest.raises(ExportError, match="cannot be folded into plain weights.*reflection"):
         export_merged(reflection, tmp_path / "reflection")
     assert not (tmp_path / "reflection").exists()
@@ -200,8 +217,9 @@ def saved_adapter_dir(tmp_path: Path, **config) -> tuple[Path, torch.Tensor]:
     """Base saved locally (so base_model_name_or_path is a local path), POET trained, adapter saved."""
     base_dir = tmp_path / "base"
     tiny_llama().save_pretrained(base_dir)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                           PoetConfig(block_size=16, **config))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), PoetConfig(block_size=16, **config)
+    )
     train(model, "llama")
     adapter_dir = tmp_path / "adapter"
     model.save_pretrained(adapter_dir)
@@ -228,12 +246,25 @@ def test_export_from_poet_trainer_checkpoint(tmp_path):
 
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, base_init="normalized", merge_every=2))
     rows = [{"input_ids": IDS[i % 2], "labels": IDS[i % 2]} for i in range(8)]
-    args = PoetTrainingArguments(output_dir=str(tmp_path / "run"), max_steps=5, save_steps=5,
-                                 per_device_train_batch_size=2, learning_rate=1e-2, poet_learning_rate=5e-3,
-                                 logging_steps=2, report_to=[], use_cpu=True, save_strategy="steps",
-                                 eval_strategy="steps", eval_steps=5, dataloader_num_workers=0, seed=0)
-    trainer = PoetTrainer(model=model, args=args, train_dataset=rows, eval_dataset=rows[:2],
-                          processing_class=word_tokenizer())
+    args = PoetTrainingArguments(
+        output_dir=str(tmp_path / "run"),
+        max_steps=5,
+        save_steps=5,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        poet_learning_rate=5e-3,
+        logging_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="steps",
+        eval_strategy="steps",
+        eval_steps=5,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = PoetTrainer(
+        model=model, args=args, train_dataset=rows, eval_dataset=rows[:2], processing_class=word_tokenizer()
+    )
     trainer.train()
     model.eval()
     expected = logits(model, "llama")
@@ -286,10 +317,14 @@ def test_model_card_metadata_and_body(tmp_path, spo):
 
     model = trained("llama", spo=spo, neumann_terms=4, merge_every=50)
     model.peft_config["default"].base_model_name_or_path = "meta-llama/Llama-3.2-1B"  # a hub id, metadata only
-    run = {"learning_rate": 1e-3, "poet_learning_rate": 5e-4, "num_input_tokens_seen": 123456,
-           "datasets": ["roneneldan/TinyStories"], "eval": {"eval_loss": 2.5, "eval_perplexity": 12.18}}
-    path = export_merged(model, tmp_path / "export", run_info=run, repo_id="someone/tiny-poet",
-                         license="apache-2.0")
+    run = {
+        "learning_rate": 1e-3,
+        "poet_learning_rate": 5e-4,
+        "num_input_tokens_seen": 123456,
+        "datasets": ["roneneldan/TinyStories"],
+        "eval": {"eval_loss": 2.5, "eval_perplexity": 12.18},
+    }
+    path = export_merged(model, tmp_path / "export", run_info=run, repo_id="someone/tiny-poet", license="apache-2.0")
     meta = metadata_load(path / "README.md")
     assert meta["library_name"] == "transformers" and meta["license"] == "apache-2.0"
     assert {"poet", "orthogonal", "peft"} <= set(meta["tags"])
@@ -300,9 +335,16 @@ def test_model_card_metadata_and_body(tmp_path, spo):
     body = card.text
     assert "**POET**" in body and "| spo | " + spo + " |" in body
     assert ("| block_size | 16 |" in body) == (spo == "block") and ("| budget | 0.5 |" in body) == (spo == "full")
-    for row in ("| neumann_terms | 4 |", "| merge_every | 50 |", "| learning rate | 0.001 |",
-                "| POET learning rate | 0.0005 |", "| tokens seen | 123,456 |",
-                "| merges (merge-then-reinitialize) | 1 |", "| eval_loss | 2.5 |", "| eval_perplexity | 12.18 |"):
+    for row in (
+        "| neumann_terms | 4 |",
+        "| merge_every | 50 |",
+        "| learning rate | 0.001 |",
+        "| POET learning rate | 0.0005 |",
+        "| tokens seen | 123,456 |",
+        "| merges (merge-then-reinitialize) | 1 |",
+        "| eval_loss | 2.5 |",
+        "| eval_perplexity | 12.18 |",
+    ):
         assert row in body, row
     assert 'AutoModelForCausalLM.from_pretrained("someone/tiny-poet"' in body
     # spectrum rows against an independent float64 SVD of the exported weights
@@ -411,16 +453,29 @@ def test_partial_checkpoint_without_base_is_refused(tmp_path):
 # --- pushing, through huggingface_hub, to a stand-in for the Hub ---------------------------------------
 def hub_env(tmp_path: Path, endpoint: str, token: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env.update({"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1",
-                "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    env.update(
+        {
+            "HF_ENDPOINT": endpoint,
+            "HF_HOME": str(tmp_path / "hf_home"),
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "OMP_NUM_THREADS": str(torch.get_num_threads()),
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        }
+    )
     if token:
         env["HF_TOKEN"] = token
     return env
 
 
 def run_cli(args: list[str], env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "export.py"), *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT,
+        cwd=REPO,
+    )
 
 
 def folder_bytes(path: Path) -> dict[str, bytes]:
@@ -430,13 +485,27 @@ def folder_bytes(path: Path) -> dict[str, bytes]:
 def test_cli_exports_and_pushes_through_huggingface_hub_to_a_stand_in(tmp_path, adapter_dir):
     adapter_dir, _ = adapter_dir
     with StandInHub() as hub:
-        done = run_cli([adapter_dir, tmp_path / "export", "--push-to-hub", "someone/tiny-poet", "--hub-private",
-                        "--dtype", "fp32"], hub_env(tmp_path, hub.url, token="hf_stand_in_token"))
+        done = run_cli(
+            [
+                adapter_dir,
+                tmp_path / "export",
+                "--push-to-hub",
+                "someone/tiny-poet",
+                "--hub-private",
+                "--dtype",
+                "fp32",
+            ],
+            hub_env(tmp_path, hub.url, token="hf_stand_in_token"),
+        )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pushed" in done.stdout
     paths = [c["path"] for c in hub.calls]
-    assert paths == ["/api/repos/create", "/api/validate-yaml", "/api/models/someone/tiny-poet/preupload/main",
-                     "/api/models/someone/tiny-poet/commit/main"]
+    assert paths == [
+        "/api/repos/create",
+        "/api/validate-yaml",
+        "/api/models/someone/tiny-poet/preupload/main",
+        "/api/models/someone/tiny-poet/commit/main",
+    ]
     assert all(c["auth"] == "Bearer hf_stand_in_token" for c in hub.calls)
     create = json.loads(hub.calls[0]["body"])
     assert create == {"name": "tiny-poet", "organization": "someone", "visibility": "private", "type": "model"}
@@ -450,8 +519,10 @@ def test_cli_without_token_fails_before_exporting_and_touches_nothing(tmp_path, 
     existing = export_merged(adapter_dir, tmp_path / "export", spectrum=False)
     before = folder_bytes(existing)
     with StandInHub() as hub:
-        done = run_cli([adapter_dir, existing, "--overwrite", "--push-to-hub", "someone/tiny-poet"],
-                       hub_env(tmp_path, hub.url, token=None))
+        done = run_cli(
+            [adapter_dir, existing, "--overwrite", "--push-to-hub", "someone/tiny-poet"],
+            hub_env(tmp_path, hub.url, token=None),
+        )
     assert done.returncode == 2
     assert "no Hugging Face token" in done.stderr and "HF_TOKEN" in done.stderr
     assert hub.calls == [] and folder_bytes(existing) == before

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
+from tolerances import gamma, unit_roundoff
 from torch import nn
 
 from poet_hf.optim import FeedbackGD, stiefel_deviation
-from tolerances import gamma, unit_roundoff
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -107,7 +107,10 @@ def paper_step(theta, phi, grad, lr, mu, beta, exact_inverse=True):
     sym = lambda x: (x + x.T) / 2  # noqa: E731
     alpha = 4 * beta / lr
     d = -(1 - mu) * phi - grad
-    x_phi = theta @ ainv @ (ainv @ theta.T @ phi @ sym(theta.T @ phi) - phi.T @ phi) + (d - theta @ ainv @ sym(theta.T @ d)) / lr
+    x_phi = (
+        theta @ ainv @ (ainv @ theta.T @ phi @ sym(theta.T @ phi) - phi.T @ phi)
+        + (d - theta @ ainv @ sym(theta.T @ d)) / lr
+    )
     phi_new = phi + lr * (x_phi - alpha / 4 * theta @ ainv @ (phi.T @ theta @ ainv + theta.T @ phi))
     eye = torch.eye(theta.shape[1], dtype=theta.dtype)
     return theta + lr * phi_new - beta * theta @ (eye - ainv), phi_new
@@ -286,7 +289,9 @@ def test_clipping_keeps_noisy_run_finite():
     results = {}
     for clip in (None, 0.3):
         gen = torch.Generator().manual_seed(7)
-        w = nn.Parameter(torch.linalg.qr(torch.randn(72, 16, generator=gen, dtype=F64))[0].T.reshape(16, 8, 3, 3).clone())
+        w = nn.Parameter(
+            torch.linalg.qr(torch.randn(72, 16, generator=gen, dtype=F64))[0].T.reshape(16, 8, 3, 3).clone()
+        )
         opt = FeedbackGD([w], lr=0.2, momentum_clip=clip)
         worst = 0.0
         for _ in range(400):
@@ -341,9 +346,17 @@ def test_works_with_trainer(tmp_path, route):
     data = Dataset.from_dict({"x": x.tolist(), "labels": x[:, 0].tolist()}).with_format("torch")
     model = _TinyRegressor()
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=16, learning_rate=0.05,
-        lr_scheduler_type="linear", report_to=[], save_strategy="no", use_cpu=True, logging_steps=100,
-        weight_decay=0.01, dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        max_steps=8,
+        per_device_train_batch_size=16,
+        learning_rate=0.05,
+        lr_scheduler_type="linear",
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=100,
+        weight_decay=0.01,
+        dataloader_num_workers=0,
     )
     kwargs = {"lr": 0.05, "stiefel_params": [model.hidden.weight]}
     extra = (
@@ -354,7 +367,9 @@ def test_works_with_trainer(tmp_path, route):
     start = model.hidden.weight.detach().clone()
     trainer = Trainer(model=model, args=args, train_dataset=data, **extra)
     trainer.train()
-    assert isinstance(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, FeedbackGD)
+    assert isinstance(
+        trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer, FeedbackGD
+    )
     assert not torch.equal(start, model.hidden.weight)
     assert stiefel_deviation(model.hidden.weight) <= 1e-2
 
@@ -382,13 +397,18 @@ def test_a_groups_lr_multiplier_scales_its_step_and_survives_state_dict_and_sche
     gen = torch.Generator().manual_seed(21)
     weight = torch.linalg.qr(torch.randn(8, 5, generator=gen, dtype=torch.float64))[0].T.contiguous()
     bias = torch.randn(5, generator=gen, dtype=torch.float64)
-    grads = [(torch.randn(5, 8, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64))
-             for _ in range(4)]
+    grads = [
+        (torch.randn(5, 8, generator=gen, dtype=torch.float64), torch.randn(5, generator=gen, dtype=torch.float64))
+        for _ in range(4)
+    ]
 
     def run(lr, multiplier, stiefel_lr):
         w, b = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
-        optimizer = FeedbackGD([{"params": [w], "lr": stiefel_lr}, {"params": [b], "stiefel": False}], lr=lr,
-                               stiefel_lr_multiplier=multiplier)
+        optimizer = FeedbackGD(
+            [{"params": [w], "lr": stiefel_lr}, {"params": [b], "stiefel": False}],
+            lr=lr,
+            stiefel_lr_multiplier=multiplier,
+        )
         for gw, gb in grads:
             w.grad, b.grad = gw.clone(), gb.clone()
             optimizer.step()

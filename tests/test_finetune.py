@@ -34,9 +34,16 @@ def workspace(tmp_path_factory):
     corpus = load_corpus()
     train = pack_sequences(corpus["train"].select(range(3)), tokenizer, seq_len=64)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
@@ -56,23 +63,56 @@ def workspace(tmp_path_factory):
     return root
 
 
-COMMON = ["--seq_len", "64", "--block_size", "16", "--max_steps", "20", "--batch_size", "8",
-          "--max_eval_samples", "16", "--logging_steps", "1000", "--seed", "0", "--disable_tqdm", "true"]
+COMMON = [
+    "--seq_len",
+    "64",
+    "--block_size",
+    "16",
+    "--max_steps",
+    "20",
+    "--batch_size",
+    "8",
+    "--max_eval_samples",
+    "16",
+    "--logging_steps",
+    "1000",
+    "--seed",
+    "0",
+    "--disable_tqdm",
+    "true",
+]
 
 
-@pytest.mark.parametrize("method,extra", [("oft", ["--learning_rate", "1e-2"]),
-                                          ("poet", ["--learning_rate", "1e-2", "--merge_every", "7"]),
-                                          ("lora", ["--learning_rate", "3e-3"]),
-                                          ("oft", ["--learning_rate", "1e-2", "--base_quantization", "nf4"]),
-                                          ("poet", ["--learning_rate", "1e-2", "--merge_every", "7",
-                                                    "--base_quantization", "int8"])])
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("oft", ["--learning_rate", "1e-2"]),
+        ("poet", ["--learning_rate", "1e-2", "--merge_every", "7"]),
+        ("lora", ["--learning_rate", "3e-3"]),
+        ("oft", ["--learning_rate", "1e-2", "--base_quantization", "nf4"]),
+        ("poet", ["--learning_rate", "1e-2", "--merge_every", "7", "--base_quantization", "int8"]),
+    ],
+)
 def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, method, extra):
     quantization = extra[-1] if "--base_quantization" in extra else None
     out = workspace / f"out_{method}_{quantization}"
     export = workspace / f"export_{method}_{quantization}"
-    results = finetune_main(["--model", str(workspace / "pretrained"), "--method", method,
-                             "--dataset", str(workspace / "heldout.txt"), "--output_dir", str(out),
-                             "--export_dir", str(export), *COMMON, *extra])
+    results = finetune_main(
+        [
+            "--model",
+            str(workspace / "pretrained"),
+            "--method",
+            method,
+            "--dataset",
+            str(workspace / "heldout.txt"),
+            "--output_dir",
+            str(out),
+            "--export_dir",
+            str(export),
+            *COMMON,
+            *extra,
+        ]
+    )
     before, after = results["before"]["loss"], results["after"]["loss"]
     assert after < before - 0.05, (before, after)
     assert results["steps"] == 20
@@ -101,34 +141,65 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
     # Label: is the line a question? A decoder classifier reads the last token, so this is learnable quickly.
     lines = [line.strip() for line in (workspace / "heldout.txt").read_text().splitlines() if len(line.split()) >= 3]
     questions = [line for line in lines if line.endswith("?")][:150]
-    others = [line for line in lines if not line.endswith("?")][:len(questions)]
+    others = [line for line in lines if not line.endswith("?")][: len(questions)]
     rows = [{"text": line, "label": int(line.endswith("?"))} for pair in zip(questions, others) for line in pair]
     assert len(rows) >= 200
     data = tmp_path / "lines.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    results = finetune_main(["--model", str(workspace / "pretrained"), "--method", "oft", "--task",
-                             "sequence-classification", "--dataset", str(data), "--output_dir", str(tmp_path / "o"),
-                             "--seq_len", "32", "--block_size", "16", "--max_steps", "30", "--batch_size", "16",
-                             "--learning_rate", "3e-3", "--logging_steps", "1000", "--disable_tqdm", "true"])
+    results = finetune_main(
+        [
+            "--model",
+            str(workspace / "pretrained"),
+            "--method",
+            "oft",
+            "--task",
+            "sequence-classification",
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--seq_len",
+            "32",
+            "--block_size",
+            "16",
+            "--max_steps",
+            "30",
+            "--batch_size",
+            "16",
+            "--learning_rate",
+            "3e-3",
+            "--logging_steps",
+            "1000",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert set(results["before"]) == {"loss", "accuracy"}
     assert results["after"]["loss"] < results["before"]["loss"]
     assert results["after"]["accuracy"] >= 0.8 > results["before"]["accuracy"]
 
 
-@pytest.mark.parametrize("fields,named", [({"method": "adapter"}, "`method`"), ({"task": "ner"}, "`task`"),
-                                          ({"method": "oft", "spo": "full"}, "`spo`"),
-                                          ({"method": "poet", "recipe": "fast"}, "`recipe`"),
-                                          ({"method": "oft", "recipe": "paper"}, "`recipe`"),
-                                          ({"task": "sequence-classification"}, "`dataset`")])
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ({"method": "adapter"}, "`method`"),
+        ({"task": "ner"}, "`task`"),
+        ({"method": "oft", "spo": "full"}, "`spo`"),
+        ({"method": "poet", "recipe": "fast"}, "`recipe`"),
+        ({"method": "oft", "recipe": "paper"}, "`recipe`"),
+        ({"task": "sequence-classification"}, "`dataset`"),
+    ],
+)
 def test_bad_arguments_are_named(fields, named):
     with pytest.raises(ValueError, match=named):
         FinetuneArguments(model="x", **fields)
 
 
 def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
+    from models import tiny_llama
+
     from poet_hf import OftConfig, PoetConfig
     from poet_hf.training.finetune import POET_RECIPES, method_config, training_arguments
-    from models import tiny_llama
 
     model = tiny_llama()
     for method, config_class in (("poet", PoetConfig), ("oft", OftConfig)):
@@ -156,9 +227,25 @@ def testbed():
 
 def run_on_testbed(testbed, tmp_path, *argv: str) -> tuple[dict, dict[int, float]]:
     model, data = testbed
-    results = finetune_main(["--model", str(model), "--dataset", str(data), "--output_dir", str(tmp_path),
-                             "--max_eval_samples", "64", "--eval_steps", "5", "--logging_steps", "1000",
-                             "--disable_tqdm", "true", *argv])
+    results = finetune_main(
+        [
+            "--model",
+            str(model),
+            "--dataset",
+            str(data),
+            "--output_dir",
+            str(tmp_path),
+            "--max_eval_samples",
+            "64",
+            "--eval_steps",
+            "5",
+            "--logging_steps",
+            "1000",
+            "--disable_tqdm",
+            "true",
+            *argv,
+        ]
+    )
     history = results["trainer"].state.log_history
     return results, {log["step"]: log["eval_loss"] for log in history if "eval_loss" in log}
 
@@ -195,12 +282,28 @@ def test_poet_rates_scale_with_the_block_size_so_large_blocks_do_not_damage_the_
     for reference in (None, 32):
         model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), PoetConfig(spo="full", seed=0))
         optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-2, 1e-2, 0.0, [], reference_block=reference))
-        args = TrainingArguments(output_dir=str(tmp_path), max_steps=5, per_device_train_batch_size=8,
-                                 per_device_eval_batch_size=32, lr_scheduler_type="constant", report_to="none",
-                                 seed=0, data_seed=0, use_cpu=True, disable_tqdm=True, save_strategy="no")
-        trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
-                          data_collator=default_data_collator, optimizers=(optimizer, None),
-                          callbacks=[MergeReinitCallback()])
+        args = TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=5,
+            per_device_train_batch_size=8,
+            per_device_eval_batch_size=32,
+            lr_scheduler_type="constant",
+            report_to="none",
+            seed=0,
+            data_seed=0,
+            use_cpu=True,
+            disable_tqdm=True,
+            save_strategy="no",
+        )
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=train,
+            eval_dataset=validation,
+            data_collator=default_data_collator,
+            optimizers=(optimizer, None),
+            callbacks=[MergeReinitCallback()],
+        )
         start = trainer.evaluate()["eval_loss"]
         trainer.train()
         losses[reference] = (start, trainer.evaluate()["eval_loss"])
@@ -211,8 +314,9 @@ def test_poet_rates_scale_with_the_block_size_so_large_blocks_do_not_damage_the_
 @pytest.mark.testbed
 def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(testbed, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
-        results, _ = run_on_testbed(testbed, tmp_path, "--method", "poet", "--learning_rate", "3e-2",
-                                    "--max_steps", "10")
+        results, _ = run_on_testbed(
+            testbed, tmp_path, "--method", "poet", "--learning_rate", "3e-2", "--max_steps", "10"
+        )
     warnings = [r.getMessage() for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
     assert len(warnings) == 1 and "0.03" in warnings[0]
     layers = [layer for _, layer in poet_layers(results["trainer"].model)]

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from tolerances import gamma
 from torch.autograd.functional import jacobian
 
 from poet_hf.vision import ReflectionFlowConfig, ReflectionFlowModel
 from poet_hf.vision.flow import squeeze, unsqueeze
-from tolerances import gamma
 
 F64 = torch.float64
 
@@ -91,8 +91,9 @@ def test_float32_round_trip_is_within_its_rounding_bound(trained):
     exact = exact.double().eval()
     with torch.no_grad():
         latents = exact.encode(x.double())[0]
-    lipschitz = max(float(jacobian(lambda v: exact.inverse(v[None])[0].flatten(), row).abs().sum(1).max())
-                    for row in latents)
+    lipschitz = max(
+        float(jacobian(lambda v: exact.inverse(v[None])[0].flatten(), row).abs().sum(1).max()) for row in latents
+    )
     assert error <= 2 * lipschitz * gamma(2400, torch.float32) * float(z.abs().max())
 
 
@@ -100,22 +101,35 @@ def test_float32_round_trip_is_within_its_rounding_bound(trained):
 def test_logdet_matches_jacobian_of_whole_flow():
     torch.manual_seed(0)
     for invertible in (True, False):
-        config = ReflectionFlowConfig(image_size=4, num_channels=1, num_levels=2, steps_per_level=2, hidden_channels=8,
-                                      invertible=invertible, seed=3)
+        config = ReflectionFlowConfig(
+            image_size=4,
+            num_channels=1,
+            num_levels=2,
+            steps_per_level=2,
+            hidden_channels=8,
+            invertible=invertible,
+            seed=3,
+        )
         model = ReflectionFlowModel(config).double()
         with torch.no_grad():  # move every layer off its identity-like start
             for p in model.parameters():
                 p.add_(0.1 * torch.randn_like(p))
         model.eval()
         x = torch.rand(1, 1, 4, 4, dtype=F64)
-        jac = torch.autograd.functional.jacobian(lambda v: model.encode(v.reshape(1, 1, 4, 4))[0].reshape(-1), x.reshape(-1))
+        jac = torch.autograd.functional.jacobian(
+            lambda v: model.encode(v.reshape(1, 1, 4, 4))[0].reshape(-1), x.reshape(-1)
+        )
         _, logdet = model.encode(x)
         assert abs(float(logdet.detach()) - float(torch.linalg.slogdet(jac)[1])) <= 1e-8
 
 
 def test_bits_per_dim_formula():
     torch.manual_seed(0)
-    model = ReflectionFlowModel(ReflectionFlowConfig(image_size=4, num_levels=1, steps_per_level=1, num_bins=17)).double().eval()
+    model = (
+        ReflectionFlowModel(ReflectionFlowConfig(image_size=4, num_levels=1, steps_per_level=1, num_bins=17))
+        .double()
+        .eval()
+    )
     x = torch.randint(0, 17, (3, 1, 4, 4), generator=torch.Generator().manual_seed(1)).double() / 17
     out = model(x)
     # Glow's evaluation: uniform dequantisation noise u / num_bins, here drawn from the fixed evaluation seed.

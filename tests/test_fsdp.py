@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from peft import PeftModel
+from tolerances import tiny_model_tolerance
+from training_utils import free_port
 from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
-from tolerances import tiny_model_tolerance
-from training_utils import free_port
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "fsdp_worker.py")
@@ -24,8 +24,18 @@ WORKER = str(HERE / "fsdp_worker.py")
 
 def torchrun(out: Path, *args: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), WORKER, str(out), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        WORKER,
+        str(out),
+        *args,
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -100,12 +110,14 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
         tolerance = tiny_model_tolerance(torch.float32) * float(expected.abs().max())
         assert (plain(input_ids=ids).logits - expected).abs().max() <= tolerance
         assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-6
-    assert sorted(p.name for p in (directory / "export").iterdir() if p.suffix == ".safetensors") == \
-        ["model.safetensors"]  # written once, by rank 0
+    assert sorted(p.name for p in (directory / "export").iterdir() if p.suffix == ".safetensors") == [
+        "model.safetensors"
+    ]  # written once, by rank 0
 
 
-@pytest.mark.parametrize("engine, refusal", [("deepspeed", "shard with FSDP2"), ("fsdp1", "fsdp_version: 2"),
-                                             ("fsdp2", None)])
+@pytest.mark.parametrize(
+    "engine, refusal", [("deepspeed", "shard with FSDP2"), ("fsdp1", "fsdp_version: 2"), ("fsdp2", None)]
+)
 def test_poet_trainer_takes_fsdp2_and_refuses_deepspeed_and_fsdp1(monkeypatch, tmp_path, engine, refusal):
     """PoetTrainer decides from what Accelerate reports about the engine it set up. Neither engine can start on a
     CPU, so Trainer's own report (``is_deepspeed_enabled``, ``is_fsdp_enabled``, the FSDP plugin's version) is set
@@ -120,8 +132,9 @@ def test_poet_trainer_takes_fsdp2_and_refuses_deepspeed_and_fsdp1(monkeypatch, t
         self.is_deepspeed_enabled = engine == "deepspeed"
         self.is_fsdp_enabled = engine.startswith("fsdp")
         if self.is_fsdp_enabled:
-            monkeypatch.setattr(self.accelerator.state, "fsdp_plugin", SimpleNamespace(fsdp_version=int(engine[-1])),
-                                raising=False)
+            monkeypatch.setattr(
+                self.accelerator.state, "fsdp_plugin", SimpleNamespace(fsdp_version=int(engine[-1])), raising=False
+            )
 
     monkeypatch.setattr(transformers.Trainer, "create_accelerator_and_postprocess", report_engine)
     dataset, tokenizer = tiny_dataset()
@@ -143,15 +156,37 @@ def test_poet_trainer_refuses_an_fsdp_request_accelerate_cannot_honour_on_a_cpu(
         tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Accelerate enables FSDP only on accelerators; the CPU "
-                    "tests above drive fully_shard directly")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="Accelerate enables FSDP only on accelerators; the CPU tests above drive fully_shard directly",
+)
 def test_accelerate_fsdp2_config_trains_pretrain_script_with_merges(tmp_path):
     env = {**os.environ}
     config = HERE.parent / "examples" / "cluster" / "fsdp2.yaml"
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               str(min(2, torch.cuda.device_count())), str(HERE.parent / "scripts" / "pretrain.py"), "--steps",
-               "8", "--merge_every", "4", "--batch_size", "2", "--seq_len", "64", "--output_dir", str(tmp_path),
-               "--max_eval_sequences", "8", "--export_dir", str(tmp_path / "export")]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        str(min(2, torch.cuda.device_count())),
+        str(HERE.parent / "scripts" / "pretrain.py"),
+        "--steps",
+        "8",
+        "--merge_every",
+        "4",
+        "--batch_size",
+        "2",
+        "--seq_len",
+        "64",
+        "--output_dir",
+        str(tmp_path),
+        "--max_eval_sequences",
+        "8",
+        "--export_dir",
+        str(tmp_path / "export"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

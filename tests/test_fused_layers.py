@@ -6,21 +6,20 @@ import itertools
 
 import pytest
 import torch
+from models import TinyCNN, tiny_llama
 from peft import get_peft_model
+from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
+from tolerances import tiny_model_tolerance
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import num_skew_params, orthogonal_from_vector
 from poet_hf.orthogonal.cayley import MAX_SKEW_NORM
-from poet_hf.orthogonal.rotated_linear import (STRATEGIES, Conv2dOp, SideRotation, rotated_forward,
-                                               strategy_costs)
+from poet_hf.orthogonal.rotated_linear import STRATEGIES, Conv2dOp, SideRotation, rotated_forward, strategy_costs
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners.poet import poet_layers
 from poet_hf.tuners.rotation_layer import plain_autograd
-from models import TinyCNN, tiny_llama
-from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
-from tolerances import tiny_model_tolerance
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -30,15 +29,20 @@ def make_side(kind: str, dim: int, block: int, terms: int, seed: int, shared: bo
     index = spec.sample_index(torch.Generator().manual_seed(seed))
     rows = 1 if shared else spec.num_blocks
     # ||Q||_2 ≈ 2·std·√b ≈ 0.4: well inside the Cayley–Neumann domain (MAX_SKEW_NORM), where the math is exact.
-    vec = torch.randn(rows, num_skew_params(block), dtype=torch.float64,
-                      generator=torch.Generator().manual_seed(seed + 1)) * (0.2 / block**0.5)
+    vec = torch.randn(
+        rows, num_skew_params(block), dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1)
+    ) * (0.2 / block**0.5)
     return SideRotation(spec, index, terms, keep), vec.requires_grad_()
 
 
 def dense_rotation(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
     """The side's d × d rotation in float64 from explicit loops, powers / inverses and selection matrices."""
-    blocks = torch.stack([cayley_inverse(q) if side.terms == 0 else neumann_series(q, side.terms)
-                          for q in (skew_dense(row, side.spec.block) for row in vec.detach())])
+    blocks = torch.stack(
+        [
+            cayley_inverse(q) if side.terms == 0 else neumann_series(q, side.terms)
+            for q in (skew_dense(row, side.spec.block) for row in vec.detach())
+        ]
+    )
     if blocks.shape[0] != side.spec.num_blocks:
         blocks = blocks.expand(side.spec.num_blocks, -1, -1)
     if side.keep is not None:
@@ -87,8 +91,9 @@ def test_shared_and_dropped_blocks_have_exact_gradients(strategy):
     for s, v in ((side, vec), (side_masked, vec_masked)):
         y = rotated_forward(strategy, x, weight, None, s, v, None, None)
         torch.testing.assert_close(y, x.detach() @ dense_rotation(s, v) @ weight.T, rtol=0, atol=1e-12)
-        assert torch.autograd.gradcheck(lambda x_, v_: rotated_forward(strategy, x_, weight, None, s, v_, None, None),
-                                        (x, v))
+        assert torch.autograd.gradcheck(
+            lambda x_, v_: rotated_forward(strategy, x_, weight, None, s, v_, None, None), (x, v)
+        )
     # A dropped block's parameters get no gradient.
     y = rotated_forward(strategy, x, weight, None, side_masked, vec_masked, None, None)
     (grad,) = torch.autograd.grad(y.square().sum(), vec_masked)
@@ -107,28 +112,36 @@ def test_conv2d_weight_strategy_matches_conv_with_dense_rotated_weight(kind):
     x = torch.randn(2, 4, 7, 7, dtype=torch.float64, requires_grad=True)
     y = rotated_forward("weight", x, flat, conv.bias, r_side, r_vec, p_side, p_vec, op=op)
     dense = dense_rotation(p_side, p_vec).T @ flat @ dense_rotation(r_side, r_vec).T
-    torch.testing.assert_close(y, F.conv2d(x.detach(), dense.reshape(conv.weight.shape), conv.bias.detach(), 2, 1),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        y, F.conv2d(x.detach(), dense.reshape(conv.weight.shape), conv.bias.detach(), 2, 1), rtol=0, atol=1e-12
+    )
     assert torch.autograd.gradcheck(
         lambda x_, rv, pv: rotated_forward("weight", x_, flat, conv.bias.detach(), r_side, rv, p_side, pv, op=op),
-        (x, r_vec, p_vec))
+        (x, r_vec, p_vec),
+    )
 
 
 @pytest.mark.parametrize("terms", [0, 3, 5, 6, 8])
 def test_fused_cayley_neumann_equals_the_series_of_eq_6_with_its_gradient(terms):
     vec = torch.randn(3, num_skew_params(6), dtype=torch.float64, requires_grad=True)
     fused = orthogonal_from_vector(vec * 0.1, 6, terms)  # ||Q||_2 ≈ 0.5: inside the series' domain
-    reference = torch.stack([cayley_inverse(q) if terms == 0 else neumann_series(q, terms)
-                             for q in (skew_dense(row, 6) for row in (vec * 0.1))])
+    reference = torch.stack(
+        [
+            cayley_inverse(q) if terms == 0 else neumann_series(q, terms)
+            for q in (skew_dense(row, 6) for row in (vec * 0.1))
+        ]
+    )
     torch.testing.assert_close(fused, reference, rtol=0, atol=1e-13)
     assert torch.autograd.gradcheck(lambda v: orthogonal_from_vector(v * 0.1, 6, terms), (vec,))
 
 
 # --- whole models: the fused path against the plain autograd path ---------------------------------------------------
-CONFIGS = [PoetConfig(block_size=16, base_init="normalized"),
-           PoetConfig(spo="full", budget=0.5, base_init="normalized", forward="activation"),
-           PoetConfig(block_size=16, sides="output", forward="activation"),
-           OftConfig(block_size=16, spo="block", merge_every=8)]
+CONFIGS = [
+    PoetConfig(block_size=16, base_init="normalized"),
+    PoetConfig(spo="full", budget=0.5, base_init="normalized", forward="activation"),
+    PoetConfig(block_size=16, sides="output", forward="activation"),
+    OftConfig(block_size=16, spo="block", merge_every=8),
+]
 CONFIG_IDS = ["poet-bs", "poet-fs-activation", "poet-output-activation", "oft-block"]
 
 
@@ -231,9 +244,17 @@ def _saved_bytes(model, ids) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("config", [PoetConfig(block_size=16), PoetConfig(spo="full"), OftConfig(block_size=16),
-                                    PoetConfig(block_size=16, forward="weight"), OftConfig(block_size=16, forward="weight")],
-                         ids=["poet-auto", "poet-fs", "oft", "poet-weight", "oft-weight"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        PoetConfig(block_size=16),
+        PoetConfig(spo="full"),
+        OftConfig(block_size=16),
+        PoetConfig(block_size=16, forward="weight"),
+        OftConfig(block_size=16, forward="weight"),
+    ],
+    ids=["poet-auto", "poet-fs", "oft", "poet-weight", "oft-weight"],
+)
 def test_backward_keeps_no_more_than_training_the_targeted_weights_would(config):
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     model = get_peft_model(tiny_llama(), config).train()
@@ -268,8 +289,11 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [PoetConfig(block_size=16, init_weights=False),
-                                    OftConfig(block_size=16, init_weights=False)], ids=["poet", "oft"])
+@pytest.mark.parametrize(
+    "config",
+    [PoetConfig(block_size=16, init_weights=False), OftConfig(block_size=16, init_weights=False)],
+    ids=["poet", "oft"],
+)
 def test_bfloat16_autocast_runs_products_in_bfloat16_and_keeps_float32_gradients(config):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
     model = get_peft_model(tiny_llama(), config)
@@ -301,8 +325,9 @@ def test_auto_never_keeps_more_than_the_input_and_counts_match_by_hand():
 
 
 def test_conv2d_model_trains_through_the_fused_weight_strategy():
-    model = get_peft_model(TinyCNN(), PoetConfig(block_size=4, target_modules=["conv1", "conv2", "head"],
-                                                 init_weights=False))
+    model = get_peft_model(
+        TinyCNN(), PoetConfig(block_size=4, target_modules=["conv1", "conv2", "head"], init_weights=False)
+    )
     images = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(4))
     fused = model(images)
     fused.square().mean().backward()

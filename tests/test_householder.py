@@ -17,7 +17,6 @@ from poet_hf.orthogonal.householder import (
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
 
-
 F64 = torch.float64
 
 

@@ -24,8 +24,17 @@ ALLOWED = {
     "diagnostics": {"orthogonal", "tuners"},
     "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
     "vision": {"orthogonal", "optim", "model_cards", "checkpoints"},
-    "training": {"orthogonal", "optim", "tuners", "data", "initialization", "distributed", "diagnostics", "export",
-                 "checkpoints"},
+    "training": {
+        "orthogonal",
+        "optim",
+        "tuners",
+        "data",
+        "initialization",
+        "distributed",
+        "diagnostics",
+        "export",
+        "checkpoints",
+    },
     "memory_plan": {"tuners", "distributed", "training"},  # plans a training run: builds its presets on meta
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
@@ -51,7 +60,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[str]:
             if not node.level:
                 names.append(node.module)
                 continue
-            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
             target = ".".join(base + ([node.module] if node.module else []))
             names.append(target if node.module else f"{target}.{node.names[0].name}")
     return names
@@ -92,21 +101,26 @@ def test_no_module_imports_a_layer_above_its_own(path):
     assert layering_violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
 
 
-@pytest.mark.parametrize("source, module, expected", [
-    ("from ...training import PoetTrainer", "poet_hf.tuners.poet.layer", "imports poet_hf.training"),
-    ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation_layer", "imports poet_hf.export"),
-    ("import poet_hf.vision.lipconvnet", "poet_hf.export", "imports poet_hf.vision"),
-    ("from transformers import PreTrainedModel", "poet_hf.orthogonal.eco", "is pure PyTorch"),
-    ("from ..tuners import poet", "poet_hf.orthogonal.cayley", "imports poet_hf.tuners"),
-])
+@pytest.mark.parametrize(
+    "source, module, expected",
+    [
+        ("from ...training import PoetTrainer", "poet_hf.tuners.poet.layer", "imports poet_hf.training"),
+        ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation_layer", "imports poet_hf.export"),
+        ("import poet_hf.vision.lipconvnet", "poet_hf.export", "imports poet_hf.vision"),
+        ("from transformers import PreTrainedModel", "poet_hf.orthogonal.eco", "is pure PyTorch"),
+        ("from ..tuners import poet", "poet_hf.orthogonal.cayley", "imports poet_hf.tuners"),
+    ],
+)
 def test_the_layering_check_catches_upward_imports(source, module, expected):
     problems = layering_violations(source, module)
     assert len(problems) == 1 and expected in problems[0], problems
 
 
 def test_the_layering_check_accepts_downward_and_relative_sibling_imports():
-    assert layering_violations("from ..orthogonal import cayley\nfrom .layer import Linear",
-                               "poet_hf.tuners.poet.model") == []
+    assert (
+        layering_violations("from ..orthogonal import cayley\nfrom .layer import Linear", "poet_hf.tuners.poet.model")
+        == []
+    )
     assert layering_violations("from .cayley import cayley", "poet_hf.orthogonal", is_package=True) == []
 
 
@@ -118,6 +132,9 @@ def test_scripts_are_thin_command_lines(path):
     """A script parses arguments and calls the library: no classes, short functions, nothing that needs reuse."""
     tree = ast.parse(path.read_text())
     classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
-    long_functions = [node.name for node in tree.body if isinstance(node, ast.FunctionDef)
-                      and node.end_lineno - node.lineno + 1 > MAX_SCRIPT_FUNCTION_LINES]
+    long_functions = [
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > MAX_SCRIPT_FUNCTION_LINES
+    ]
     assert classes == [] and long_functions == [], (classes, long_functions)

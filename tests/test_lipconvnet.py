@@ -21,8 +21,13 @@ F64 = torch.float64
 SMALL = dict(init_channels=4, num_labels=10)
 # A 12x12 layout (12 -> 6 -> 3 -> 1 -> 1 -> 1) for the tests that need many forwards.
 TINY = dict(
-    image_size=12, strides=[2, 2, 3, 1, 1], kernel_sizes=[3, 3, 3, 1, 1],
-    num_channels=1, image_mean=[0.3], image_std=[0.3], **SMALL,
+    image_size=12,
+    strides=[2, 2, 3, 1, 1],
+    kernel_sizes=[3, 3, 3, 1, 1],
+    num_channels=1,
+    image_mean=[0.3],
+    image_std=[0.3],
+    **SMALL,
 )
 
 
@@ -249,7 +254,9 @@ def test_certified_accuracy_agrees_with_a_direct_check(digits, digits_model, rec
     # that close to eps may disagree.
     disagree = certified != (result["correct"] & (result["radii"] >= eps))
     assert bool(((radius - eps).abs()[disagree] < 1e-5 * eps).all())
-    torch.testing.assert_close(result["radii"], torch.where(correct, radius, torch.zeros_like(radius)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        result["radii"], torch.where(correct, radius, torch.zeros_like(radius)), rtol=1e-5, atol=1e-6
+    )
     assert result["clean_accuracy"] == pytest.approx(float(correct.double().mean()), abs=1e-12)
     record_property("clean_accuracy", result["clean_accuracy"])
     record_property("certified_accuracy", result["certified_accuracy"])

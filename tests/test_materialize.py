@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from training_utils import TINY_LLAMA, free_port, meta_poet_model, randomize_rotations
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.initialization import has_meta_tensors, materialize_model
-from training_utils import TINY_LLAMA, free_port, meta_poet_model, randomize_rotations
 
 HERE = Path(__file__).resolve().parent
 
@@ -26,8 +26,7 @@ def plain_poet_model(spo: str, base_init="normalized", **poet_kwargs):
     with torch.device("meta"):
         base = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
     materialize_model(base, seed=3)
-    fields = {"spo": spo, "block_size": 8, "budget": 0.5, "base_init": base_init, "init_weights": False,
-              **poet_kwargs}
+    fields = {"spo": spo, "block_size": 8, "budget": 0.5, "base_init": base_init, "init_weights": False, **poet_kwargs}
     return get_peft_model(base, PoetConfig(**fields))
 
 
@@ -58,10 +57,21 @@ def checkpoint(tmp_path_factory):
 def sharded(tmp_path_factory, checkpoint):
     """The four cases of tests/materialize_worker.py, run once by two processes: their output folder."""
     out = tmp_path_factory.mktemp("sharded")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(HERE / "materialize_worker.py"), str(out), str(checkpoint)]
-    result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                            timeout=600)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(HERE / "materialize_worker.py"),
+        str(out),
+        str(checkpoint),
+    ]
+    result = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -94,8 +104,9 @@ def test_a_meta_built_sharded_model_equals_the_plain_model_at_init_and_after_two
 def test_a_checkpoint_loaded_shard_by_shard_equals_one_loaded_whole(sharded, checkpoint, loading):
     folder = sharded / f"checkpoint-{loading}"
     assert max(largest_shares(folder)) <= HALF
-    whole = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint),
-                           PoetConfig(spo="full", budget=0.5, init_weights=False))
+    whole = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(checkpoint), PoetConfig(spo="full", budget=0.5, init_weights=False)
+    )
     assert_identical(state_of(whole), torch.load(folder / "init.pt"))
 
 
@@ -111,8 +122,9 @@ def test_adapters_added_on_meta_then_materialized_equal_adapters_added_to_real_w
 def test_one_process_materializes_a_checkpoint_as_from_pretrained_does(checkpoint):
     meta = meta_poet_model("block", base_init=None, config_from=str(checkpoint))
     materialize_model(meta, seed=3, checkpoint=checkpoint)
-    whole = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint),
-                           PoetConfig(spo="block", block_size=8, init_weights=False))
+    whole = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(checkpoint), PoetConfig(spo="block", block_size=8, init_weights=False)
+    )
     assert_identical(state_of(whole), state_of(meta))
 
 
@@ -179,8 +191,9 @@ def test_poet_trainer_materializes_a_meta_model_from_pretrained_weights(tmp_path
     args = PoetTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", seed=3)
     PoetTrainer(model=meta, args=args, pretrained_weights=str(checkpoint))
     assert not has_meta_tensors(meta)
-    whole = get_peft_model(AutoModelForCausalLM.from_pretrained(checkpoint),
-                           PoetConfig(spo="block", block_size=8, init_weights=False))
+    whole = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(checkpoint), PoetConfig(spo="block", block_size=8, init_weights=False)
+    )
     assert_identical(state_of(whole), state_of(meta))
 
 

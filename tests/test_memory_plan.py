@@ -19,8 +19,9 @@ TINY = PRESETS["tiny"]  # hidden 128, FFN 256, 4 layers: every targeted weight i
 
 
 def _real_poet_model(block_size: int) -> torch.nn.Module:
-    return get_peft_model(build_llama(TINY, "poet-bs", 32000, 64, seed=0),
-                          PoetConfig(block_size=block_size, train_other_params=True))
+    return get_peft_model(
+        build_llama(TINY, "poet-bs", 32000, 64, seed=0), PoetConfig(block_size=block_size, train_other_params=True)
+    )
 
 
 def _one_optimizer_step(model: torch.nn.Module) -> torch.optim.AdamW:
@@ -45,16 +46,22 @@ def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
     assert plan.parts["trainable parameters"] == sum(p.numel() * p.element_size() for p in trainable)
     assert plan.parts["gradients"] == sum(p.grad.numel() * p.grad.element_size() for p in trainable)
     assert plan.parts["optimizer states"] == sum(t.numel() * t.element_size() for t in states)
-    caches = sum(2 * spec.num_blocks * spec.block**2 * 4 for _, layer in poet_layers(model)
-                 for spec in layer.poet_specs["default"].values())
+    caches = sum(
+        2 * spec.num_blocks * spec.block**2 * 4
+        for _, layer in poet_layers(model)
+        for spec in layer.poet_specs["default"].values()
+    )
     assert plan.parts["rotation caches"] == caches
 
 
 def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
     b, r = 32, 16
     model = build_llama(TINY, "poet-bs", 32000, 64, seed=0)
-    shapes = [module.weight.shape for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
+    shapes = [
+        module.weight.shape
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and "lm_head" not in name
+    ]
     others = sum(p.numel() for n, p in model.named_parameters() if p.dim() != 2 or "proj" not in n)
     poet = plan_memory("tiny", "poet-bs", block_size=b, seq_len=64)
     # POET (BS): m·n + 3/2·(m+n)(b−1): the frozen weight, the skew parameters and their two Adam states.
@@ -70,8 +77,11 @@ def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
 def test_fully_stochastic_blocks_follow_table_1_per_side():
     plan = plan_memory("tiny", "poet-fs", budget=0.25, seq_len=64)
     model = build_llama(TINY, "poet-fs", 32000, 64, seed=0)
-    shapes = [module.weight.shape for name, module in model.named_modules()
-              if isinstance(module, torch.nn.Linear) and "lm_head" not in name]
+    shapes = [
+        module.weight.shape
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and "lm_head" not in name
+    ]
     # POET (FS) with one b × b block per side, b = budget · dimension: b(b−1)/2 skew entries per side.
     assert plan.counts["adapter"] == sum(d // 4 * (d // 4 - 1) // 2 for shape in shapes for d in shape)
 
@@ -92,16 +102,30 @@ def test_checkpointing_keeps_one_input_per_block_instead_of_its_activations():
     assert checkpointed.parts["activations"] < full.parts["activations"] / 2
 
 
-@pytest.mark.parametrize("argument, value", [("method", "sgd"), ("sharding", "zero3"), ("dtype", "int8"),
-                                             ("batch_size", 0), ("budget", 1.5)])
+@pytest.mark.parametrize(
+    "argument, value", [("method", "sgd"), ("sharding", "zero3"), ("dtype", "int8"), ("batch_size", 0), ("budget", 1.5)]
+)
 def test_bad_arguments_name_the_field(argument, value):
     with pytest.raises(ValueError, match=f"`{argument}`"):
         plan_memory("tiny", **{"method": "poet-bs", argument: value})
 
 
 def test_command_line_prints_parts_and_ends_with_the_total(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--model", "llama-60m",
-                             "--method", "poet-bs", "--compare", "adamw"], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "plan_memory.py"),
+            "--model",
+            "llama-60m",
+            "--method",
+            "poet-bs",
+            "--compare",
+            "adamw",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = result.stdout.strip().splitlines()
     plan = plan_memory("llama-60m", "poet-bs")
     assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"

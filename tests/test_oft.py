@@ -7,17 +7,17 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from models import tiny_gpt2, tiny_llama
 from peft import OFTConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense
 from safetensors.torch import load_file
+from tolerances import gamma, unit_roundoff
 from torch import nn
 
 import poet_hf  # noqa: F401  (registers the tuners)
-from poet_hf.tuners.oft import (OftConfig, OftLayer, our_oft_state_dict_to_peft, peft_oft_state_dict_to_ours)
 from poet_hf.orthogonal.cayley import MAX_SKEW_NORM
+from poet_hf.tuners.oft import OftConfig, OftLayer, our_oft_state_dict_to_peft, peft_oft_state_dict_to_ours
 from poet_hf.tuners.poet import merge_and_reinit
-from models import tiny_gpt2, tiny_llama
-from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense
-from tolerances import gamma, unit_roundoff
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -75,8 +75,13 @@ def dense_rotation(layer, adapter="default") -> torch.Tensor:
 @pytest.mark.parametrize("forward", ["activation", "weight"])
 def test_linear_matches_peft_oft_outputs_and_gradients(peft_terms, exact, block_share, forward):
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4))
-    peft_config = OFTConfig(oft_block_size=16, target_modules=["lin"], use_cayley_neumann=not exact,
-                            num_cayley_neumann_terms=peft_terms, block_share=block_share)
+    peft_config = OFTConfig(
+        oft_block_size=16,
+        target_modules=["lin"],
+        use_cayley_neumann=not exact,
+        num_cayley_neumann_terms=peft_terms,
+        block_share=block_share,
+    )
     theirs = get_peft_model(OneLinear(), peft_config)
     with torch.no_grad():
         param = theirs.base_model.model.lin.oft_R["default"].weight
@@ -133,8 +138,9 @@ def test_coft_projection_matches_peft():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
     assert (theirs(x) - ours(x)).abs().max() <= 1e-6
     projected = ours.base_model.model.lin.poet_oft_R["default"].detach()
-    torch.testing.assert_close(projected, theirs.base_model.model.lin.oft_R["default"].weight.detach(),
-                               rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(
+        projected, theirs.base_model.model.lin.oft_R["default"].weight.detach(), rtol=1e-6, atol=1e-9
+    )
     # Independent check of the projection: ||Q_i||_F = min(original, eps / sqrt(num_blocks)).
     radius = 1e-2 / math.sqrt(4)
     norms = torch.stack([torch.linalg.matrix_norm(skew_dense(row.double(), 16)) for row in projected])
@@ -209,8 +215,9 @@ CONV_CASES = [(k, s, p, 1) for k, s, p in itertools.product([1, 3, 5], [1, 2], [
 def test_conv2d_is_base_conv_at_init_and_merged_conv_after(kernel, stride, padding, dilation):
     x = torch.randn(2, 4, 11, 11, generator=torch.Generator().manual_seed(8))
     base = OneConv(kernel, stride, padding, dilation)
-    model = get_peft_model(OneConv(kernel, stride, padding, dilation),
-                           OftConfig(r=2, block_size=0, target_modules=["conv"]))
+    model = get_peft_model(
+        OneConv(kernel, stride, padding, dilation), OftConfig(r=2, block_size=0, target_modules=["conv"])
+    )
     with torch.no_grad():
         assert (model(x) - base(x)).abs().max() <= 1e-6
     set_random_skew(model, std=0.05)
@@ -384,7 +391,7 @@ def test_module_dropout_replaces_exactly_int_p_blocks_by_identity_in_training_on
     for dropped in itertools.combinations(range(4), 2):  # int(0.5 · 4) = 2 blocks become I
         rotation = full.clone()
         for i in dropped:
-            rotation[16 * i:16 * (i + 1), 16 * i:16 * (i + 1)] = torch.eye(16, dtype=torch.float64)
+            rotation[16 * i : 16 * (i + 1), 16 * i : 16 * (i + 1)] = torch.eye(16, dtype=torch.float64)
         candidates.append(x.double() @ rotation @ w.T + bias)
     model.eval()
     with torch.no_grad():
@@ -422,7 +429,7 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=5e-3)
     data = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(10))
     for step in range(8):
-        batch = data[(step % 4) * 2:(step % 4) * 2 + 2]
+        batch = data[(step % 4) * 2 : (step % 4) * 2 + 2]
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad()
         loss.backward()
@@ -433,8 +440,10 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
     eps, rotations = {}, {}
     for name, layer in oft_layers(model):
         key = name.removeprefix("base_model.model.")
-        thetas = [torch.linalg.matrix_norm(skew_dense(row.detach().double(), 16), ord=2)
-                  for row in layer.poet_oft_R["default"]]
+        thetas = [
+            torch.linalg.matrix_norm(skew_dense(row.detach().double(), 16), ord=2)
+            for row in layer.poet_oft_R["default"]
+        ]
         eps[key] = 0.0 if terms == 0 else float(max(thetas)) ** (terms - 1)
         rotations[key] = dense_rotation(layer)
     assert max(thetas) > 0.05  # training really rotated
@@ -452,19 +461,30 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
         delta = module.weight.detach().double() - w0[name].double()
         g = torch.Generator().manual_seed(11)
         low_rank = torch.randn(delta.shape[0], 1, generator=g, dtype=torch.float64) @ torch.randn(
-            1, delta.shape[1], generator=g, dtype=torch.float64)
+            1, delta.shape[1], generator=g, dtype=torch.float64
+        )
         control = w0[name].double() + low_rank * delta.norm() / low_rank.norm()
         assert abs(hyperspherical_energy(control) / he0 - 1) > 1e-5, name
 
 
 # --- config validation --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fields,named", [
-    ({"r": 4}, "`r`"), ({"r": 0, "block_size": 0}, "`r`"), ({"block_size": 1}, "`block_size`"),
-    ({"neumann_terms": 1}, "`neumann_terms`"), ({"module_dropout": 1.0}, "`module_dropout`"),
-    ({"module_dropout": 0.1, "block_share": True}, "`module_dropout`"), ({"eps": 0.0}, "`eps`"),
-    ({"spo": "full"}, "`spo`"), ({"bias": "poet_only"}, "`bias`"), ({"forward": "fast"}, "`forward`"),
-    ({"merge_every": 0}, "`merge_every`"), ({"coft": "yes"}, "`coft`"),
-])
+@pytest.mark.parametrize(
+    "fields,named",
+    [
+        ({"r": 4}, "`r`"),
+        ({"r": 0, "block_size": 0}, "`r`"),
+        ({"block_size": 1}, "`block_size`"),
+        ({"neumann_terms": 1}, "`neumann_terms`"),
+        ({"module_dropout": 1.0}, "`module_dropout`"),
+        ({"module_dropout": 0.1, "block_share": True}, "`module_dropout`"),
+        ({"eps": 0.0}, "`eps`"),
+        ({"spo": "full"}, "`spo`"),
+        ({"bias": "poet_only"}, "`bias`"),
+        ({"forward": "fast"}, "`forward`"),
+        ({"merge_every": 0}, "`merge_every`"),
+        ({"coft": "yes"}, "`coft`"),
+    ],
+)
 def test_bad_config_fields_are_named(fields, named):
     with pytest.raises(ValueError, match=named):
         OftConfig(**fields)

@@ -5,12 +5,24 @@ import sys
 
 import pytest
 import torch
-
-from poet_hf.orthogonal import (block_matmul_left, block_matmul_right, cayley, cayley_neumann, neumann_error_bound,
-                                num_skew_params, orthogonal_from_vector, sample_permutation, sample_subset,
-                                skew_from_vector, spo_generator, subset_matmul_left, subset_matmul_right)
-from reference import (block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense)
+from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
 from tolerances import gamma
+
+from poet_hf.orthogonal import (
+    block_matmul_left,
+    block_matmul_right,
+    cayley,
+    cayley_neumann,
+    neumann_error_bound,
+    num_skew_params,
+    orthogonal_from_vector,
+    sample_permutation,
+    sample_subset,
+    skew_from_vector,
+    spo_generator,
+    subset_matmul_left,
+    subset_matmul_right,
+)
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -47,8 +59,9 @@ def test_cayley_neumann_equals_truncated_series(terms):
     for i in range(3):
         rho = float(q[i].abs().sum(-1).max())
         magnitude = sum(c * rho**power for power, c in enumerate([1] + [2] * (terms - 2) + [1]))
-        torch.testing.assert_close(r[i], neumann_series(q[i], terms), rtol=0,
-                                   atol=2 * terms * gamma(6, torch.float64) * magnitude)
+        torch.testing.assert_close(
+            r[i], neumann_series(q[i], terms), rtol=0, atol=2 * terms * gamma(6, torch.float64) * magnitude
+        )
 
 
 @pytest.mark.parametrize("terms", [2, 3, 5, 8])
@@ -100,8 +113,9 @@ def test_select_last_gathers_the_columns_a_permutation_matrix_picks(layout):
     from poet_hf.orthogonal.spo import select_last
 
     base = torch.randn(6, 8, dtype=torch.float64)
-    x = {"row-major": base, "column-major": base.T.contiguous().T, "3-d": base.reshape(2, 3, 8),
-         "strided": base[::2]}[layout]
+    x = {"row-major": base, "column-major": base.T.contiguous().T, "3-d": base.reshape(2, 3, 8), "strided": base[::2]}[
+        layout
+    ]
     index = torch.randperm(8)
     picks = torch.eye(8, dtype=torch.float64)[:, index]  # column j of x @ picks is column index[j] of x
     assert torch.equal(select_last(x, index), x @ picks)
@@ -124,16 +138,22 @@ def test_generators_are_keyed_by_seed_merge_count_layer_and_side():
 
     base = draw(0, 3, "model.layers.0.q_proj", "input")
     torch.testing.assert_close(base, draw(0, 3, "model.layers.0.q_proj", "input"), rtol=0, atol=0)
-    for other in [(1, 3, "model.layers.0.q_proj", "input"), (0, 4, "model.layers.0.q_proj", "input"),
-                  (0, 3, "model.layers.1.q_proj", "input"), (0, 3, "model.layers.0.q_proj", "output")]:
+    for other in [
+        (1, 3, "model.layers.0.q_proj", "input"),
+        (0, 4, "model.layers.0.q_proj", "input"),
+        (0, 3, "model.layers.1.q_proj", "input"),
+        (0, 3, "model.layers.0.q_proj", "output"),
+    ]:
         assert not torch.equal(base, draw(*other))
     subset = sample_subset(64, 20, spo_generator(0, 0, "x", "input"))
     assert subset.numel() == 20 and subset.unique().numel() == 20 and torch.equal(subset, subset.sort().values)
 
 
 def test_same_seed_gives_same_permutation_in_a_fresh_process():
-    code = ("from poet_hf.orthogonal import sample_permutation, spo_generator;"
-            "print(sample_permutation(32, spo_generator(7, 2, 'layers.3.mlp.up_proj', 'output')).tolist())")
+    code = (
+        "from poet_hf.orthogonal import sample_permutation, spo_generator;"
+        "print(sample_permutation(32, spo_generator(7, 2, 'layers.3.mlp.up_proj', 'output')).tolist())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     here = sample_permutation(32, spo_generator(7, 2, "layers.3.mlp.up_proj", "output")).tolist()
     assert eval(out) == here

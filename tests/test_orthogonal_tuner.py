@@ -17,17 +17,22 @@ from poet_hf.tuners.orthogonal.layer import Linear as OrthLinear
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
 
-
-
 F64 = torch.float64
 LINEAR_KINDS = ["cayley", "householder", "reflection", "fgd"]
 
 
 def tiny_bert(seed: int = 0) -> BertModel:
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=24,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertModel(config).eval()
 
 

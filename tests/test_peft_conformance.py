@@ -10,13 +10,13 @@ import pickle
 
 import pytest
 import torch
+from models import TinyCNN, tiny_gpt2, tiny_llama
 from peft import PeftConfig, PeftModel, PeftType, get_peft_model
 from peft.utils.other import fsdp_auto_wrap_policy
 from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, OrthogonalConfig, PoetConfig, merge_and_reinit
-from models import TinyCNN, tiny_gpt2, tiny_llama
 
 IDS = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
 TUNERS = {
@@ -42,9 +42,13 @@ def test_peft_type_is_the_enum_member_everywhere_and_the_string_on_disk(tmp_path
     raw = json.loads((tmp_path / "adapter_config.json").read_text())
     assert raw["peft_type"] == config.peft_type.value and type(raw["peft_type"]) is str
     fields = {k: v for k, v in raw.items() if k != "peft_type"}
-    for loaded in (PeftConfig.from_pretrained(tmp_path), type(config).from_pretrained(tmp_path),
-                   PeftConfig.from_peft_type(peft_type=raw["peft_type"], **fields),
-                   pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
+    for loaded in (
+        PeftConfig.from_pretrained(tmp_path),
+        type(config).from_pretrained(tmp_path),
+        PeftConfig.from_peft_type(peft_type=raw["peft_type"], **fields),
+        pickle.loads(pickle.dumps(config)),
+        copy.deepcopy(config),
+    ):
         assert type(loaded) is type(config) and loaded.peft_type is config.peft_type
     reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     assert reloaded.peft_config["default"].peft_type is config.peft_type
@@ -80,15 +84,21 @@ class EcoCNN(nn.Module):
 TARGETS = {  # (model, config fields, input) per target type and tuner
     "linear": (tiny_llama, {}, IDS),
     "conv1d": (tiny_gpt2, {}, IDS),
-    "conv2d": (TinyCNN, {"target_modules": ["conv1", "conv2", "head"], "block_size": 4},
-               torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))),
+    "conv2d": (
+        TinyCNN,
+        {"target_modules": ["conv1", "conv2", "head"], "block_size": 4},
+        torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2)),
+    ),
 }
 
 
 def _build(tuner: str, kind: str, dtype: torch.dtype, autocast_adapter_dtype: bool):
     if tuner == "orthogonal":
-        build, fields, x = ((EcoCNN, {"target_modules": ["conv1", "head"], "conv_input_size": 6},
-                             torch.randn(2, 4, 6, 6)) if kind == "conv2d" else TARGETS[kind])
+        build, fields, x = (
+            (EcoCNN, {"target_modules": ["conv1", "head"], "conv_input_size": 6}, torch.randn(2, 4, 6, 6))
+            if kind == "conv2d"
+            else TARGETS[kind]
+        )
     else:
         build, fields, x = TARGETS[kind]
     fields = {"block_size": 16, **fields} if tuner != "orthogonal" else fields
@@ -100,8 +110,11 @@ def _run(model, x, dtype):
     return model(x.to(dtype) if x.is_floating_point() else x) if x.is_floating_point() else model(input_ids=x).logits
 
 
-DTYPE_CASES = [c for c in itertools.product(TUNERS, ["linear", "conv1d", "conv2d"], [torch.float16, torch.bfloat16],
-                                            [True, False]) if not (c[0] == "orthogonal" and c[1] == "conv1d")]
+DTYPE_CASES = [
+    c
+    for c in itertools.product(TUNERS, ["linear", "conv1d", "conv2d"], [torch.float16, torch.bfloat16], [True, False])
+    if not (c[0] == "orthogonal" and c[1] == "conv1d")
+]
 
 
 @pytest.mark.parametrize("tuner,kind,dtype,autocast_adapter_dtype", DTYPE_CASES)
@@ -116,8 +129,11 @@ def test_adapter_dtype_follows_autocast_adapter_dtype(tuner, kind, dtype, autoca
     with torch.autocast("cpu", dtype=dtype):
         y_autocast = _run(model, x, dtype)
     y_autocast.float().square().mean().backward()
-    assert all(p.grad is not None and p.grad.dtype == expected and torch.isfinite(p.grad).all()
-               for p in model.parameters() if p.requires_grad)
+    assert all(
+        p.grad is not None and p.grad.dtype == expected and torch.isfinite(p.grad).all()
+        for p in model.parameters()
+        if p.requires_grad
+    )
     model.merge_adapter()
     model.unmerge_adapter()
     if tuner != "orthogonal":
@@ -135,8 +151,9 @@ def test_add_load_and_from_pretrained_follow_autocast_adapter_dtype(tmp_path, tu
     second = {p.dtype for n, p in model.named_parameters() if ".second" in n and p.is_floating_point()}
     assert second == {expected}
     model.save_pretrained(tmp_path)
-    reloaded = PeftModel.from_pretrained(tiny_llama().to(torch.bfloat16), tmp_path,
-                                         autocast_adapter_dtype=autocast_adapter_dtype)
+    reloaded = PeftModel.from_pretrained(
+        tiny_llama().to(torch.bfloat16), tmp_path, autocast_adapter_dtype=autocast_adapter_dtype
+    )
     reloaded.load_adapter(tmp_path / "second", "second", autocast_adapter_dtype=autocast_adapter_dtype)
     for name in ("default", "second"):
         dtypes = {p.dtype for n, p in reloaded.named_parameters() if f".{name}" in n and p.is_floating_point()}
@@ -166,8 +183,11 @@ def _three_large_steps(config) -> torch.Tensor:
         return model(x)
 
 
-@pytest.mark.parametrize("config", [PoetConfig(block_size=8, target_modules=["a", "b"]),
-                                    PoetConfig(spo="full", target_modules=["a", "b"])], ids=["block", "full"])
+@pytest.mark.parametrize(
+    "config",
+    [PoetConfig(block_size=8, target_modules=["a", "b"]), PoetConfig(spo="full", target_modules=["a", "b"])],
+    ids=["block", "full"],
+)
 def test_large_steps_leave_finite_outputs_and_the_cap_is_what_keeps_them(monkeypatch, caplog, config):
     with caplog.at_level("WARNING"):
         assert torch.isfinite(_three_large_steps(config)).all()
@@ -218,7 +238,7 @@ def test_the_spectral_norm_bounds_bracket_the_svd(block):
     assert (lower <= exact * (1 + 1e-12)).all() and (upper >= exact * (1 - 1e-12)).all()
     assert (lower >= 0.98 * exact).all()
     _, coarse_upper = cayley.skew_spectral_norm_bounds(q, 2)
-    assert (coarse_upper >= exact * (1 - 1e-12)).all() and (coarse_upper <= exact * block ** 0.125).all()
+    assert (coarse_upper >= exact * (1 - 1e-12)).all() and (coarse_upper <= exact * block**0.125).all()
 
 
 def test_the_cap_warns_once_per_run(monkeypatch, caplog):
@@ -238,8 +258,11 @@ def test_two_adapters_with_one_config_differ_and_each_name_reproduces(tuner):
         model.add_adapter(name_pairs[1], TUNERS[tuner](init_weights=False))
         model.base_model.set_adapter(list(name_pairs))  # every adapter's parameters trainable
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        return {k: v.clone() for k, v in model.state_dict().items() if "base_layer" not in k and
-                any(f".{n}" in k for n in name_pairs)}, trainable
+        return {
+            k: v.clone()
+            for k, v in model.state_dict().items()
+            if "base_layer" not in k and any(f".{n}" in k for n in name_pairs)
+        }, trainable
 
     first, trainable = state(["default", "other"])
     again, _ = state(["default", "other"])

@@ -6,15 +6,14 @@ import textwrap
 
 import pytest
 import torch
+from models import TinyCNN, tiny_bert, tiny_gpt2, tiny_llama
 from peft import PeftModel, get_peft_model
+from reference import block_rotation_dense, cayley_inverse, neumann_series, subset_rotation_dense
+from tolerances import gamma, tiny_model_tolerance
 
-import poet_hf
 from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import neumann_error_bound, skew_from_vector
 from poet_hf.tuners.poet import PoetLayer, poet_layers
-from models import TinyCNN, tiny_bert, tiny_gpt2, tiny_llama
-from reference import block_rotation_dense, cayley_inverse, neumann_series, subset_rotation_dense
-from tolerances import gamma, tiny_model_tolerance
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 IMAGES = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
@@ -57,7 +56,9 @@ def test_identity_at_init(kind, spo):
         reference = outputs(build(kind).double(), kind)
         model = poet(kind, spo=spo).double()
         assert len(poet_layers(model)) > 0
-        assert (outputs(model, kind) - reference).abs().max() <= tiny_model_tolerance(torch.float64) * reference.abs().max()
+        assert (outputs(model, kind) - reference).abs().max() <= tiny_model_tolerance(
+            torch.float64
+        ) * reference.abs().max()
 
 
 @pytest.mark.parametrize("kind", ["vit", "gpt_neox"])
@@ -65,11 +66,22 @@ def test_default_targets_of_other_architectures(kind):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, ViTConfig, ViTModel
 
     if kind == "vit":
-        base = ViTModel(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                  image_size=16, patch_size=8))
+        base = ViTModel(
+            ViTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=64,
+                image_size=16,
+                patch_size=8,
+            )
+        )
     else:
-        base = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                                intermediate_size=64, vocab_size=64))
+        base = GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=64
+            )
+        )
     names = [n for n, _ in poet_layers(get_peft_model(base, PoetConfig(block_size=16)))]
     assert len(names) == 2 * (6 if kind == "vit" else 4)
     assert not any("pooler" in n or "lm_head" in n or "embed" in n for n in names)
@@ -122,9 +134,11 @@ def test_effective_weight_spectrum_and_dense_reference(kind, spo, terms):
             assert rel <= 1e-5, name
         else:
             # σ_i(P^T W R^T) / σ_i(W) lies in [(1-ε_R)(1-ε_P), (1+ε_R)(1+ε_P)] (multiplicative Weyl).
-            eps = [float(neumann_error_bound(skew_from_vector(p.detach().double(), spec.block), terms).max())
-                   for side, spec in layer.poet_specs["default"].items()
-                   for p in [(layer.poet_R if side == "input" else layer.poet_P)["default"]]]
+            eps = [
+                float(neumann_error_bound(skew_from_vector(p.detach().double(), spec.block), terms).max())
+                for side, spec in layer.poet_specs["default"].items()
+                for p in [(layer.poet_R if side == "input" else layer.poet_P)["default"]]
+            ]
             bound = torch.prod(torch.tensor(eps) + 1) - 1
             assert bound > 1e-9  # the check is not vacuous: CNP really is inexact here
             assert ((s - s0).abs() / s0).max() <= bound * (1 + 1e-6) + 1e-12, name
@@ -168,20 +182,33 @@ def test_merge_permutations_reproduce_in_a_fresh_process():
 
 
 # --- 4. parameter counts of the paper's Table 2 -----------------------------------------------------------------------
-@pytest.mark.parametrize("size,spo,value,expected", [
-    ("60m", "block", 256, 9.66), ("130m", "block", 256, 22.33),
-    ("60m", "block", 128, 4.81), ("130m", "block", 128, 11.12),
-    ("60m", "full", 0.5, 8.54), ("130m", "full", 0.5, 28.56),
-])
+@pytest.mark.parametrize(
+    "size,spo,value,expected",
+    [
+        ("60m", "block", 256, 9.66),
+        ("130m", "block", 256, 22.33),
+        ("60m", "block", 128, 4.81),
+        ("130m", "block", 128, 11.12),
+        ("60m", "full", 0.5, 8.54),
+        ("130m", "full", 0.5, 28.56),
+    ],
+)
 def test_trainable_parameter_counts_match_table_2(size, spo, value, expected):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, heads, layers = {"60m": (512, 8, 8), "130m": (768, 12, 12)}[size]
     # Table 7: BS uses 1280 / 2048; FS uses GaLore's 1376 / 2048.
-    intermediate = {("60m", "block"): 1280, ("130m", "block"): 2048, ("60m", "full"): 1376,
-                    ("130m", "full"): 2048}[(size, spo)]
-    config = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads)
+    intermediate = {("60m", "block"): 1280, ("130m", "block"): 2048, ("60m", "full"): 1376, ("130m", "full"): 2048}[
+        (size, spo)
+    ]
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
     with torch.device("meta"):
         base = LlamaForCausalLM(config)
     kwargs = {"block_size": value} if spo == "block" else {"budget": value}
@@ -271,7 +298,7 @@ def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path):
         import sys, torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).eval()
-        ids, expected = torch.load({str(tmp_path / 'ids.pt')!r}), torch.load({str(tmp_path / 'expected.pt')!r})
+        ids, expected = torch.load({str(tmp_path / "ids.pt")!r}), torch.load({str(tmp_path / "expected.pt")!r})
         with torch.no_grad():
             diff = (model(input_ids=ids).logits - expected).abs().max().item()
         assert 'poet_hf' not in sys.modules
@@ -293,16 +320,30 @@ def test_peft_merge_unmerge_restores_base_and_keeps_adapter():
     with torch.no_grad():
         expected = outputs(model, "llama")
         model.merge_adapter()
-        assert (outputs(model, "llama") - expected).abs().max() <= tiny_model_tolerance(torch.float64) * expected.abs().max()
+        assert (outputs(model, "llama") - expected).abs().max() <= tiny_model_tolerance(
+            torch.float64
+        ) * expected.abs().max()
         model.unmerge_adapter()
     assert ((layer.weight_matrix() - w0).abs().max() / w0.abs().max()) <= tiny_model_tolerance(torch.float64)
     assert torch.equal(layer.poet_R["default"].detach(), skew)
 
 
 # --- 8. bad configs ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,value", [("spo", "diagonal"), ("budget", 0.0), ("budget", 1.5), ("block_size", 1),
-                                         ("sides", "left"), ("neumann_terms", 1), ("merge_every", 0),
-                                         ("base_init", "orthogonal"), ("forward", "fast"), ("bias", "lora_only")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("spo", "diagonal"),
+        ("budget", 0.0),
+        ("budget", 1.5),
+        ("block_size", 1),
+        ("sides", "left"),
+        ("neumann_terms", 1),
+        ("merge_every", 0),
+        ("base_init", "orthogonal"),
+        ("forward", "fast"),
+        ("bias", "lora_only"),
+    ],
+)
 def test_bad_config_fields_are_named(field, value):
     with pytest.raises(ValueError, match=f"`{field}`"):
         PoetConfig(**{field: value})
@@ -330,8 +371,9 @@ def test_normalized_base_init_gives_unit_norm_neurons_and_trainable_non_targets(
     for name, layer in poet_layers(model):
         norms = layer.weight_matrix().detach().norm(dim=1)
         # Normalising a float32 row and measuring it again each sum n squares: within γ_(n+2) of 1 on both counts.
-        torch.testing.assert_close(norms, torch.ones_like(norms), rtol=0,
-                                   atol=2 * gamma(layer.in_features + 2, torch.float32))
+        torch.testing.assert_close(
+            norms, torch.ones_like(norms), rtol=0, atol=2 * gamma(layer.in_features + 2, torch.float32)
+        )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("embed_tokens" in n for n in trainable) and any("norm" in n for n in trainable)
     assert not any("base_layer" in n for n in trainable)

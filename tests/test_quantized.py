@@ -27,7 +27,6 @@ from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners import bnb as quant
 from poet_hf.tuners.rotation_layer import QuantizedMergeWarning, rotation_layers
 
-
 QUANTIZATIONS = ["nf4", "fp4", "int8"]
 TARGETS = ["up", "down"]
 
@@ -118,8 +117,10 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 12, dtype=torch.float64, generator=gen)
     sides = [SideRotation(SideSpec("block", d, 4), torch.randperm(d, generator=gen), 5) for d in (12, 8)]
-    vecs = [torch.randn(spec.spec.num_blocks, 6, dtype=torch.float64, generator=gen).mul(0.05).requires_grad_()
-            for spec in sides]
+    vecs = [
+        torch.randn(spec.spec.num_blocks, 6, dtype=torch.float64, generator=gen).mul(0.05).requires_grad_()
+        for spec in sides
+    ]
     x = torch.randn(3, 12, dtype=torch.float64, generator=gen, requires_grad=True)
     source = CountingWeight(weight)
     y = rotated_forward(strategy, x, source, None, sides[0], vecs[0], sides[1], vecs[1])
@@ -132,7 +133,8 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     assert source.calls == 2  # rebuilt in the backward, never kept
     assert torch.autograd.gradcheck(
         lambda x_, r_, p_: rotated_forward(strategy, x_, CountingWeight(weight), None, sides[0], r_, sides[1], p_),
-        (x.detach().requires_grad_(), *vecs))
+        (x.detach().requires_grad_(), *vecs),
+    )
 
 
 def test_the_cost_model_counts_each_dequantisation_of_w0():
@@ -165,8 +167,10 @@ def test_an_identity_adapter_reproduces_the_quantised_bases_own_forward(quantiza
         expected = base(x)
         model = get_peft_model(copy.deepcopy(base), config_cls(target_modules=TARGETS, block_size=32))
         assert {layer.base_quantization for _, layer in rotation_layers(model)} == {quantization}
-        assert [(layer.out_features, layer.in_features) for _, layer in rotation_layers(model)] == [(256, 128),
-                                                                                                  (128, 256)]
+        assert [(layer.out_features, layer.in_features) for _, layer in rotation_layers(model)] == [
+            (256, 128),
+            (128, 256),
+        ]
         got = model(x)
     # Identity rotations are exact and the permutations only move entries: both sides compute the same products of
     # the dequantised weights, in possibly different float32 summation orders.
@@ -195,8 +199,9 @@ def test_a_live_adapter_is_the_dense_math_on_the_dequantised_weight(quantization
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)
 def test_identity_rotations_requantise_to_the_same_codes(quantization):
-    model = get_peft_model(quantized_base(quantization), PoetConfig(target_modules=TARGETS, block_size=32,
-                                                                     requantize="nearest"))
+    model = get_peft_model(
+        quantized_base(quantization), PoetConfig(target_modules=TARGETS, block_size=32, requantize="nearest")
+    )
     before = {name: code_values(layer.get_base_layer()) for name, layer in rotation_layers(model)}
     stats = merge_and_reinit(model)
     for name, layer in rotation_layers(model):
@@ -209,8 +214,10 @@ def test_identity_rotations_requantise_to_the_same_codes(quantization):
 def test_unmerge_after_merge_is_off_by_at_most_one_quantisation_step(quantization, requantize):
     """Merge and unmerge each round to a code once (at most half a step per entry, measured on the weight they
     produce); the rotation between them is orthogonal, so in Frobenius norm the round trip is within one step."""
-    model = get_peft_model(quantized_base(quantization), PoetConfig(target_modules=TARGETS, block_size=32,
-                                                                     init_weights=False, requantize=requantize))
+    model = get_peft_model(
+        quantized_base(quantization),
+        PoetConfig(target_modules=TARGETS, block_size=32, init_weights=False, requantize=requantize),
+    )
     layers = dict(rotation_layers(model))
     before = {name: bnb_dense(layer.get_base_layer()) for name, layer in layers.items()}
     with pytest.warns(QuantizedMergeWarning, match=r"requantised W0: relative error \d\.\d\de-0\d"):
@@ -229,8 +236,9 @@ def test_error_feedback_keeps_repeated_merges_within_one_step_of_the_exact_path(
     float64 path (each fold's rounding is carried to the next), and without the residual it does not."""
     gaps = {}
     for requantize in ("feedback", "nearest"):
-        model = get_peft_model(quantized_base(quantization), PoetConfig(target_modules=["up"], block_size=32,
-                                                                         requantize=requantize))
+        model = get_peft_model(
+            quantized_base(quantization), PoetConfig(target_modules=["up"], block_size=32, requantize=requantize)
+        )
         layer = rotation_layers(model)[0][1]
         exact = bnb_dense(layer.get_base_layer())
         generator = torch.Generator().manual_seed(3)
@@ -286,8 +294,13 @@ def test_training_with_merges_stays_within_the_measured_requantisation_error(qua
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
 def test_save_and_load_on_a_quantised_base_is_exact_after_merges(tmp_path, quantization):
-    config = PoetConfig(target_modules=TARGETS, block_size=32, base_init="normalized", base_quantization=quantization,
-                        train_other_params=False)
+    config = PoetConfig(
+        target_modules=TARGETS,
+        block_size=32,
+        base_init="normalized",
+        base_quantization=quantization,
+        train_other_params=False,
+    )
     torch.manual_seed(0)
     model = get_peft_model(TwoLayers(), config)
     _train(model, 4, 2)
@@ -308,14 +321,18 @@ def test_save_and_load_on_a_quantised_base_is_exact_after_merges(tmp_path, quant
 
 
 def test_an_oft_adapter_on_a_transformers_4bit_model_round_trips_and_exports(tmp_path):
+    from models import tiny_llama
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from models import tiny_llama
     from poet_hf.export import export_merged
 
     tiny_llama().save_pretrained(tmp_path / "base")
-    bnb_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                    bnb_4bit_compute_dtype=torch.float32)
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
 
     def load_base():
         return AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=bnb_config)
@@ -336,7 +353,8 @@ def test_an_oft_adapter_on_a_transformers_4bit_model_round_trips_and_exports(tmp
     assert "quantization_config" not in config  # still a full-precision checkpoint
     assert recorded["load_in_4bit"] and recorded["bnb_4bit_quant_type"] == "nf4"
     requantized = AutoModelForCausalLM.from_pretrained(
-        tmp_path / "recorded", quantization_config=BitsAndBytesConfig.from_dict(recorded))
+        tmp_path / "recorded", quantization_config=BitsAndBytesConfig.from_dict(recorded)
+    )
     assert quant.quantization_of(requantized.model.layers[0].mlp.down_proj) == "nf4"
 
     export_merged(model, tmp_path / "export", spectrum=False)
@@ -399,7 +417,8 @@ def test_a_trainer_run_on_a_quantised_w0_resumes_bit_for_bit(tmp_path, quantizat
     assert all(quant.residual(layer.get_base_layer()) is not None for _, layer in rotation_layers(model))
     resumed = tiny_poet_model(len(tokenizer), seed=1, base_quantization=quantization)
     tiny_trainer(tmp_path / "resumed", resumed, dataset).train(
-        resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+        resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3")
+    )
     assert state_hash(resumed) == state_hash(model)
 
 
@@ -411,8 +430,13 @@ def test_tiny_pretraining_on_an_int8_w0_reaches_the_float32_perplexity(tmp_path)
 
     results = {}
     for quantization in (None, "int8"):
-        args = PretrainArguments(output_dir=str(tmp_path / str(quantization)), steps="60", merge_every=15,
-                                 base_quantization=quantization, logging_steps=1000)
+        args = PretrainArguments(
+            output_dir=str(tmp_path / str(quantization)),
+            steps="60",
+            merge_every=15,
+            base_quantization=quantization,
+            logging_steps=1000,
+        )
         results[quantization] = run_pretraining(args)
     assert results["int8"]["merges"] == 4
     assert results["int8"]["val_perplexity"] < results["int8"]["initial_val_perplexity"] / 5  # it trained

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import tiny_llama
 from peft import get_peft_model
+from reference import block_rotation_dense, subset_rotation_dense
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig
@@ -18,8 +20,6 @@ from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_
 from poet_hf.orthogonal.cayley import paper_neumann_k
 from poet_hf.training.pretrain import PretrainArguments, resolve_recipe
 from poet_hf.tuners.poet import poet_layers
-from models import tiny_llama
-from reference import block_rotation_dense, subset_rotation_dense
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,15 @@ def test_the_default_is_the_papers_k_4_and_the_error_speaks_both_conventions():
 
 
 # --- 2. presets ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset,lr,paper_steps", [("llama-60m", 1e-2, 300_000), ("llama-130m", 5e-3, 400_000),
-                                                   ("llama-350m", 5e-3, 400_000), ("llama-1.3b", 1e-3, 500_000)])
+@pytest.mark.parametrize(
+    "preset,lr,paper_steps",
+    [
+        ("llama-60m", 1e-2, 300_000),
+        ("llama-130m", 5e-3, 400_000),
+        ("llama-350m", 5e-3, 400_000),
+        ("llama-1.3b", 1e-3, 500_000),
+    ],
+)
 def test_a_preset_alone_is_the_papers_run_but_for_its_length(preset, lr, paper_steps):
     recipe = print_recipe("--preset", preset)
     assert recipe["merge_every"] == 400 and recipe["max_grad_norm"] == 0.1 and recipe["weight_decay"] == 0.01
@@ -77,19 +84,44 @@ def test_a_preset_alone_is_the_papers_run_but_for_its_length(preset, lr, paper_s
     assert paper["steps"] == paper_steps and paper["total_tokens"] == paper_steps * 512 * 256
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--block_size", "256"], 1e-3), (["--block_size", "128"], 2e-3), (["--block_size", "64"], 4e-3),
-    (["--method", "poet-fs", "--budget", "0.5"], 1e-3), (["--method", "poet-fs", "--budget", "0.25"], 2e-3),
-    (["--method", "poet-fs", "--budget", "0.125"], 4e-3),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--block_size", "256"], 1e-3),
+        (["--block_size", "128"], 2e-3),
+        (["--block_size", "64"], 4e-3),
+        (["--method", "poet-fs", "--budget", "0.5"], 1e-3),
+        (["--method", "poet-fs", "--budget", "0.25"], 2e-3),
+        (["--method", "poet-fs", "--budget", "0.125"], 4e-3),
+    ],
+)
 def test_the_poet_learning_rate_is_tied_to_the_rotation_size_as_tables_8_and_9(flags, expected):
     assert print_recipe("--preset", "llama-60m", *flags)["poet_learning_rate"] == pytest.approx(expected)
 
 
 def test_flags_override_every_recipe_value():
-    recipe = print_recipe("--preset", "llama-130m", "--merge_every", "200", "--max_grad_norm", "1.0",
-                          "--weight_decay", "0", "--learning_rate", "3e-3", "--poet_learning_rate", "5e-4",
-                          "--batch_size", "16", "--global_batch_size", "256", "--neumann_terms", "5", "--steps", "77")
+    recipe = print_recipe(
+        "--preset",
+        "llama-130m",
+        "--merge_every",
+        "200",
+        "--max_grad_norm",
+        "1.0",
+        "--weight_decay",
+        "0",
+        "--learning_rate",
+        "3e-3",
+        "--poet_learning_rate",
+        "5e-4",
+        "--batch_size",
+        "16",
+        "--global_batch_size",
+        "256",
+        "--neumann_terms",
+        "5",
+        "--steps",
+        "77",
+    )
     assert (recipe["merge_every"], recipe["max_grad_norm"], recipe["weight_decay"]) == (200, 1.0, 0.0)
     assert (recipe["learning_rate"], recipe["poet_learning_rate"], recipe["neumann_terms"]) == (3e-3, 5e-4, 5)
     assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 16, 77)
@@ -99,13 +131,15 @@ def test_flags_override_every_recipe_value():
 
 # --- Table 2: every cell the paper's numbers determine -------------------------------------------------------------
 TABLE_2 = {  # trainable parameters of the blocks' Linear layers, in millions
-    ("llama-60m", "poet-bs"): {64: 2.39, 128: 4.81, 256: 9.66}, ("llama-60m", "poet-fs"): {0.125: 0.53, 0.25: 2.13, 0.5: 8.54},
+    ("llama-60m", "poet-bs"): {64: 2.39, 128: 4.81, 256: 9.66},
+    ("llama-60m", "poet-fs"): {0.125: 0.53, 0.25: 2.13, 0.5: 8.54},
     ("llama-130m", "poet-bs"): {64: 5.52, 128: 11.12, 256: 22.33},
     ("llama-130m", "poet-fs"): {0.125: 1.78, 0.25: 7.13, 0.5: 28.56},
     ("llama-350m", "poet-bs"): {64: 14.90, 128: 30.04, 256: 60.32},
     ("llama-350m", "poet-fs"): {0.125: 6.34, 0.25: 25.44, 0.5: 101.86},
     # 1.3B BS-256's 118.26M fits no FFN divisible by 256 (Table 7's 5376 gives 118.29M), so it is not checked.
-    ("llama-1.3b", "poet-bs"): {64: 29.22, 128: 58.91}, ("llama-1.3b", "poet-fs"): {0.125: 25.39, 0.25: 101.66, 0.5: 406.88},
+    ("llama-1.3b", "poet-bs"): {64: 29.22, 128: 58.91},
+    ("llama-1.3b", "poet-fs"): {0.125: 25.39, 0.25: 101.66, 0.5: 406.88},
 }
 CELLS = [(p, m, size, value) for (p, m), row in TABLE_2.items() for size, value in row.items()]
 
@@ -119,12 +153,15 @@ def test_every_determined_table_2_count_is_reproduced(preset, method, size, mill
 
 # --- 3. configurations the paper uses --------------------------------------------------------------------------------
 def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
-    recipe = resolve_recipe(PretrainArguments(preset="llama-60m", method="poet-fs", budget_input=0.75,
-                                              budget_output=0.25), vocab_size=32000)
+    recipe = resolve_recipe(
+        PretrainArguments(preset="llama-60m", method="poet-fs", budget_input=0.75, budget_output=0.25), vocab_size=32000
+    )
     hidden, ffn, layers = 512, 1376, 8
     shapes = [(hidden, hidden)] * 4 + [(hidden, ffn)] * 2 + [(ffn, hidden)]
-    expected = layers * sum(-(-3 * d_in // 4) * (-(-3 * d_in // 4) - 1) // 2 + -(-d_out // 4) * (-(-d_out // 4) - 1)
-                            // 2 for d_in, d_out in shapes)
+    expected = layers * sum(
+        -(-3 * d_in // 4) * (-(-3 * d_in // 4) - 1) // 2 + -(-d_out // 4) * (-(-d_out // 4) - 1) // 2
+        for d_in, d_out in shapes
+    )
     assert recipe["trainable_block_params"] == expected
     assert recipe["budget"] == {"input": 0.75, "output": 0.25}
 
@@ -142,9 +179,10 @@ def test_fully_stochastic_sides_take_an_absolute_size_and_per_side_block_sizes_w
 
 
 def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp_path):
+    from datasets import Dataset
+
     from poet_hf.data import load_tokenizer, pad_documents
     from poet_hf.training.pretrain import run_pretraining
-    from datasets import Dataset
 
     tokenizer = load_tokenizer(None)
     docs = ["To be, or not to be.", "All the world's a stage, and all the men and women merely players. " * 8]
@@ -155,9 +193,19 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
     corpus = tmp_path / "short.jsonl"
     lines = [" ".join(["Speak the speech, I pray you."] * (1 + i % 5)) for i in range(60)]
     corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
-    results = run_pretraining(PretrainArguments(packing=False, dataset=str(corpus), seq_len=64, steps=3,
-                                                batch_size=2, global_batch_size=2, max_eval_sequences=2,
-                                                output_dir=str(tmp_path / "run"), logging_steps=1))
+    results = run_pretraining(
+        PretrainArguments(
+            packing=False,
+            dataset=str(corpus),
+            seq_len=64,
+            steps=3,
+            batch_size=2,
+            global_batch_size=2,
+            max_eval_sequences=2,
+            output_dir=str(tmp_path / "run"),
+            logging_steps=1,
+        )
+    )
     assert 0 < results["tokens_seen"] < 3 * 2 * 64  # only real tokens were counted
     assert results["recipe"]["packing"] is False and results["recipe"]["steps"] == 3
 
@@ -172,11 +220,18 @@ def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
                 layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
         metrics = layer.paper_metrics("default")
         for side, spec in layer.poet_specs["default"].items():
-            blocks = torch.stack([cayley_neumann(skew_from_vector(row.double(), spec.block), 3)
-                                  for row in layer.skew_parameter("default", side).detach()])
+            blocks = torch.stack(
+                [
+                    cayley_neumann(skew_from_vector(row.double(), spec.block), 3)
+                    for row in layer.skew_parameter("default", side).detach()
+                ]
+            )
             index = layer.index_buffer("default", side)
-            dense = (subset_rotation_dense(index, blocks[0], spec.dim) if spo == "full"
-                     else block_rotation_dense(index, blocks))
+            dense = (
+                subset_rotation_dense(index, blocks[0], spec.dim)
+                if spo == "full"
+                else block_rotation_dense(index, blocks)
+            )
             eye = torch.eye(spec.dim, dtype=torch.float64)
             e_orth = float(torch.linalg.matrix_norm(dense @ dense.T - eye) / torch.linalg.matrix_norm(eye))
             assert metrics[side]["e_orth"] == pytest.approx(e_orth, rel=1e-10) and e_orth > 1e-4

@@ -21,7 +21,6 @@ from poet_hf.orthogonal.reflection import (
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
 
-
 F64 = torch.float64
 
 

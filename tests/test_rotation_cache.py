@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import tiny_gpt2
 from peft import get_peft_model
+from tolerances import gamma, tiny_model_tolerance
+from training_utils import free_port
 
 import poet_hf  # noqa: F401
-from models import tiny_gpt2
 from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation
 from poet_hf.tuners.rotation_layer import plain_autograd, rotation_layers
-from tolerances import gamma, tiny_model_tolerance
-from training_utils import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -35,9 +35,13 @@ TARGETS = ["c_attn", "c_proj", "c_fc"]
 def build(tuner: str = "poet", spo: str = "block", forward: str = "auto", **fields):
     """A float64 GPT-2 (LLaMA's RMSNorm computes in float32 whatever the model's dtype, which would cap every float64
     comparison at float32 rounding) without dropout, with random rotations."""
-    config = (PoetConfig(spo=spo, block_size=16, budget=0.5, init_weights=False, forward=forward, target_modules=TARGETS,
-                         **fields) if tuner == "poet"
-              else OftConfig(block_size=16, init_weights=False, forward=forward, target_modules=TARGETS, **fields))
+    config = (
+        PoetConfig(
+            spo=spo, block_size=16, budget=0.5, init_weights=False, forward=forward, target_modules=TARGETS, **fields
+        )
+        if tuner == "poet"
+        else OftConfig(block_size=16, init_weights=False, forward=forward, target_modules=TARGETS, **fields)
+    )
     model = tiny_gpt2().double()
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -88,8 +92,11 @@ def cache_bytes(model) -> int:
 
 
 def skew_grads_nonzero(model) -> bool:
-    return all(p.grad is not None and bool(p.grad.abs().sum() > 0) for n, p in model.named_parameters()
-               if "poet_" in n and p.requires_grad)
+    return all(
+        p.grad is not None and bool(p.grad.abs().sum() > 0)
+        for n, p in model.named_parameters()
+        if "poet_" in n and p.requires_grad
+    )
 
 
 @pytest.fixture
@@ -107,12 +114,15 @@ def count_polynomials(monkeypatch):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("tuner,spo,forward", [("poet", "block", "weight"), ("poet", "block", "activation"),
-                                               ("poet", "full", "auto"), ("oft", "block", "auto")])
+@pytest.mark.parametrize(
+    "tuner,spo,forward",
+    [("poet", "block", "weight"), ("poet", "block", "activation"), ("poet", "full", "auto"), ("oft", "block", "auto")],
+)
 def test_accumulated_gradients_equal_the_float64_reference(tuner, spo, forward, k):
     micro_batches = batches(k)
-    expected = reference_grads(lambda: build(tuner, spo, forward),
-                               [lambda m, ids=ids: backward(m, ids) for ids in micro_batches])
+    expected = reference_grads(
+        lambda: build(tuner, spo, forward), [lambda m, ids=ids: backward(m, ids) for ids in micro_batches]
+    )
     model = build(tuner, spo, forward)
     accumulate(model, micro_batches)
     assert_grads_equal(grads_of(model), expected, k)
@@ -137,8 +147,11 @@ def test_the_cache_holds_the_blocks_and_their_gradient_and_nothing_more():
     """While deferred: per side the ``rows × b × b`` blocks and the pending ``∂L/∂blocks`` of the same size."""
     model = build()
     backward(model, batches(1)[0], defer=True)
-    expected = sum(2 * 8 * layer.skew_parameter("default", side).shape[0] * spec.block ** 2
-                   for _, layer in rotation_layers(model) for side, spec in layer.poet_specs["default"].items())
+    expected = sum(
+        2 * 8 * layer.skew_parameter("default", side).shape[0] * spec.block**2
+        for _, layer in rotation_layers(model)
+        for side, spec in layer.poet_specs["default"].items()
+    )
     assert cache_bytes(model) == expected
 
 
@@ -146,8 +159,15 @@ def test_a_merge_inside_the_accumulation_window_keeps_the_gradients_exact():
     """A merge between micro-batches applies the deferred gradients against the rotations it folds, as the
     micro-batches would have without deferral."""
     first, second, third = batches(3)
-    expected = reference_grads(build, [lambda m: backward(m, first), lambda m: merge_and_reinit(m),
-                                       lambda m: backward(m, second), lambda m: backward(m, third)])
+    expected = reference_grads(
+        build,
+        [
+            lambda m: backward(m, first),
+            lambda m: merge_and_reinit(m),
+            lambda m: backward(m, second),
+            lambda m: backward(m, third),
+        ],
+    )
     model = build()
     backward(model, first, defer=True)
     merge_and_reinit(model)
@@ -232,10 +252,10 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
     """PoetTrainer with gradient_accumulation_steps=4 (accelerate's ``sync_gradients`` tells the layers which
     micro-batch is last): the polynomial runs twice per side per optimizer step instead of eight times, and the first
     step's clipped gradients equal those of the same run with deferral switched off, to float32 rounding."""
+    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
     from transformers import TrainerCallback
 
     from poet_hf.tuners import rotation_cache
-    from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
 
     dataset, tokenizer = tiny_dataset()
 
@@ -251,8 +271,15 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
             if not defer:
                 patch.setattr(rotation_cache, "deferring", lambda: False)
             model = tiny_poet_model(len(tokenizer))
-            trainer = tiny_trainer(tmp_path / str(defer), model, dataset, per_device_train_batch_size=2,
-                                   gradient_accumulation_steps=4, max_steps=2, max_grad_norm=0.5)
+            trainer = tiny_trainer(
+                tmp_path / str(defer),
+                model,
+                dataset,
+                per_device_train_batch_size=2,
+                gradient_accumulation_steps=4,
+                max_steps=2,
+                max_grad_norm=0.5,
+            )
             capture = FirstStepGrads(model)
             trainer.add_callback(capture)
             trainer.train()
@@ -273,8 +300,17 @@ def test_ddp_and_fsdp2_accumulation_equals_the_single_process_reference(tmp_path
     """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first
     k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), str(HERE / "accumulation_worker.py"), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(HERE / "accumulation_worker.py"),
+        str(tmp_path),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(8, torch.float64)
@@ -296,17 +332,19 @@ def test_the_cost_model_counts_the_polynomial_as_each_micro_batch_pays_it():
     from poet_hf.orthogonal.spo import SideSpec
 
     block = SideSpec("block", 768, 256)
-    per_product = 2 * 3 * 256 ** 3  # two sides of three 256-blocks
+    per_product = 2 * 3 * 256**3  # two sides of three 256-blocks
     base = strategy_costs(1024, 768, 768, block, block, training=True)
     products = {phase: polynomial_products(5, phase) for phase in ("uncached", "building", "deferred", "closing")}
     assert products == {"uncached": 7, "building": 2, "deferred": 0, "closing": 5}
     for phase, count in products.items():
         costs = strategy_costs(1024, 768, 768, block, block, training=True, polynomial=count)
-        assert {name: cost["macs"] - base[name]["macs"] for name, cost in costs.items()} == \
-            dict.fromkeys(base, count * per_product)
+        assert {name: cost["macs"] - base[name]["macs"] for name, cost in costs.items()} == dict.fromkeys(
+            base, count * per_product
+        )
     layer = rotation_layers(build())[0][1]
-    assert {layer.choose_strategy("default", 64, True, phase) for phase in products} == \
-        {layer.choose_strategy("default", 64, True)}
+    assert {layer.choose_strategy("default", 64, True, phase) for phase in products} == {
+        layer.choose_strategy("default", 64, True)
+    }
 
 
 def test_cache_rotations_false_rebuilds_per_micro_batch_and_holds_nothing(count_polynomials):

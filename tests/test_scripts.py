@@ -24,6 +24,9 @@ def test_help_runs_and_every_flag_is_explained(path):
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--help"])
     assert exit_info.value.code == 0 and out.getvalue().startswith("usage:")
-    bare = [action.option_strings[0] if action.option_strings else action.dest
-            for action in parser._actions if not action.help and action.dest != "help"]
+    bare = [
+        action.option_strings[0] if action.option_strings else action.dest
+        for action in parser._actions
+        if not action.help and action.dest != "help"
+    ]
     assert not bare, f"{path.name}: flags without a help text: {bare}"

@@ -8,21 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_utils import free_port, tiny_dataset, tiny_poet_model, tiny_trainer
 from transformers import TrainerCallback
 
 from poet_hf import MergeReinitCallback
 from poet_hf.training import clip_threshold, poet_parameters
 from poet_hf.training.pretrain import PretrainArguments, run_pretraining
 from poet_hf.tuners.poet import poet_layers
-from training_utils import free_port, tiny_dataset, tiny_poet_model, tiny_trainer
 
 HERE = Path(__file__).resolve().parent
 
 
 def _fresh(adam_state: dict) -> bool:
     """Adam's state as it starts: step 0 and zero moments."""
-    return float(adam_state["step"]) == 0 and all(float(adam_state[k].abs().max()) == 0
-                                                  for k in ("exp_avg", "exp_avg_sq"))
+    return float(adam_state["step"]) == 0 and all(
+        float(adam_state[k].abs().max()) == 0 for k in ("exp_avg", "exp_avg_sq")
+    )
 
 
 class Recorder(TrainerCallback):
@@ -35,14 +36,18 @@ class Recorder(TrainerCallback):
         layers = poet_layers(model)
         poet_ids = {id(p) for p in poet_parameters(model)}
         base = [p for p in model.parameters() if p.requires_grad and id(p) not in poet_ids]
-        self.rows.append({
-            "step": state.global_step,
-            "merges": int(layers[0][1].poet_merge_count["default"]),
-            "poet_live": sum(p in optimizer.state and not _fresh(optimizer.state[p]) for p in poet_parameters(model)),
-            "base_state": sum(p in optimizer.state for p in base),
-            "base_count": len(base),
-            "q_zero": all(float(p.abs().max()) == 0 for p in poet_parameters(model)),
-        })
+        self.rows.append(
+            {
+                "step": state.global_step,
+                "merges": int(layers[0][1].poet_merge_count["default"]),
+                "poet_live": sum(
+                    p in optimizer.state and not _fresh(optimizer.state[p]) for p in poet_parameters(model)
+                ),
+                "base_state": sum(p in optimizer.state for p in base),
+                "base_count": len(base),
+                "q_zero": all(float(p.abs().max()) == 0 for p in poet_parameters(model)),
+            }
+        )
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +58,15 @@ def data():
 def test_merges_every_k_steps_with_gradient_accumulation_and_reset_poet_state_only(tmp_path, data):
     dataset, tokenizer = data
     model = tiny_poet_model(len(tokenizer), merge_every=5)  # the args override it below
-    trainer = tiny_trainer(tmp_path, model, dataset, max_steps=7, merge_every=3, gradient_accumulation_steps=2,
-                           per_device_train_batch_size=2)
+    trainer = tiny_trainer(
+        tmp_path,
+        model,
+        dataset,
+        max_steps=7,
+        merge_every=3,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=2,
+    )
     recorder = Recorder()
     trainer.add_callback(recorder)
     trainer.train()
@@ -70,15 +82,23 @@ def test_merges_every_k_steps_with_gradient_accumulation_and_reset_poet_state_on
 
 def test_two_learning_rates_in_two_param_groups(tmp_path, data):
     dataset, tokenizer = data
-    trainer = tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset, learning_rate=1e-2,
-                           poet_learning_rate=2e-3, weight_decay=0.1, max_steps=1)
+    trainer = tiny_trainer(
+        tmp_path,
+        tiny_poet_model(len(tokenizer)),
+        dataset,
+        learning_rate=1e-2,
+        poet_learning_rate=2e-3,
+        weight_decay=0.1,
+        max_steps=1,
+    )
     optimizer = trainer.create_optimizer()
     poet_group = [g for g in optimizer.param_groups if g.get("poet")]
     assert len(poet_group) == 1 and poet_group[0]["lr"] == 2e-3 and poet_group[0]["weight_decay"] == 0
     others = [g for g in optimizer.param_groups if not g.get("poet")]
     assert {g["lr"] for g in others} == {1e-2} and {g["weight_decay"] for g in others} == {0.1, 0.0}
     assert sum(len(g["params"]) for g in optimizer.param_groups) == sum(
-        p.requires_grad for p in trainer.model.parameters())
+        p.requires_grad for p in trainer.model.parameters()
+    )
 
 
 def test_a_reference_block_gives_each_side_its_rate_by_block_size():
@@ -90,8 +110,10 @@ def test_a_reference_block_gives_each_side_its_rate_by_block_size():
     assert {b: g["lr"] for b, g in poet.items()} == pytest.approx({8: 2e-3 * 4, 16: 2e-3 * 2})
     sides = {b: sum(p.numel() for p in g["params"]) for b, g in poet.items()}
     layers = poet_layers(model)
-    assert sides == {8: sum(l.poet_R["default"].numel() for _, l in layers),
-                     16: sum(l.poet_P["default"].numel() for _, l in layers)}
+    assert sides == {
+        8: sum(l.poet_R["default"].numel() for _, l in layers),
+        16: sum(l.poet_P["default"].numel() for _, l in layers),
+    }
     assert [g["lr"] for g in poet_param_groups(model, 1e-2, 2e-3, 0.0, []) if g.get("poet")] == [2e-3]
 
 
@@ -105,8 +127,15 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, data):
     dataset, tokenizer = data
 
     def run(directory, max_steps, resume=None):
-        trainer = tiny_trainer(directory, tiny_poet_model(len(tokenizer)), dataset, max_steps=8, merge_every=3,
-                               save_strategy="steps", save_steps=4)
+        trainer = tiny_trainer(
+            directory,
+            tiny_poet_model(len(tokenizer)),
+            dataset,
+            max_steps=8,
+            merge_every=3,
+            save_strategy="steps",
+            save_steps=4,
+        )
         if max_steps < 8:
             trainer.add_callback(StopAt(max_steps))
         trainer.train(resume_from_checkpoint=resume)
@@ -152,14 +181,36 @@ class StopAt(TrainerCallback):
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quantization):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     # On a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
     worker = str(HERE / "ddp_worker.py")
     extra = [quantization] if quantization else []
-    subprocess.run([*launch, "--num_processes", "2", worker, str(tmp_path / "ddp"), "2", *extra], check=True, env=env,
-                   capture_output=True, timeout=600)
-    subprocess.run([sys.executable, worker, str(tmp_path / "single"), "4", *extra], check=True, env=env,
-                   capture_output=True, timeout=600)
+    subprocess.run(
+        [*launch, "--num_processes", "2", worker, str(tmp_path / "ddp"), "2", *extra],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    subprocess.run(
+        [sys.executable, worker, str(tmp_path / "single"), "4", *extra],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((tmp_path / "single" / "rank0.json").read_text())
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == 3
@@ -174,15 +225,25 @@ def local_corpus(tmp_path_factory):
     from poet_hf.data import load_embedded_corpus
 
     path = tmp_path_factory.mktemp("corpus") / "passages.jsonl"
-    texts = [play["text"][i * 3000:(i + 1) * 3000] for play in load_embedded_corpus()["train"] for i in range(2)]
+    texts = [play["text"][i * 3000 : (i + 1) * 3000] for play in load_embedded_corpus()["train"] for i in range(2)]
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]))
     return str(path)
 
 
 def small_args(tmp_path, method, corpus, **overrides):
-    fields = dict(method=method, steps=4, batch_size=2, global_batch_size=2, seq_len=64, merge_every=2,
-                  max_eval_sequences=8,
-                  logging_steps=1, output_dir=str(tmp_path / method), block_size=32, dataset=corpus)
+    fields = dict(
+        method=method,
+        steps=4,
+        batch_size=2,
+        global_batch_size=2,
+        seq_len=64,
+        merge_every=2,
+        max_eval_sequences=8,
+        logging_steps=1,
+        output_dir=str(tmp_path / method),
+        block_size=32,
+        dataset=corpus,
+    )
     fields.update(overrides)
     return PretrainArguments(**fields)
 
@@ -209,6 +270,7 @@ def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
 def test_galore_without_package_says_how_to_install(tmp_path, local_corpus):
     try:
         import galore_torch  # noqa: F401
+
         pytest.skip("galore-torch is installed here")
     except ImportError:
         pass
@@ -228,8 +290,7 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_co
 @pytest.mark.slow
 def test_pretraining_lowers_validation_perplexity_fivefold(tmp_path):
     # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset.
-    results = run_pretraining(PretrainArguments(steps=30, max_eval_sequences=32,
-                                                output_dir=str(tmp_path / "main")))
+    results = run_pretraining(PretrainArguments(steps=30, max_eval_sequences=32, output_dir=str(tmp_path / "main")))
     assert results["val_perplexity"] * 5 <= results["initial_val_perplexity"]
     losses = results["train_losses"]
     assert losses[-1] < losses[0] - 0.5  # the logged training loss falls by more than half a nat
@@ -239,15 +300,34 @@ def test_tensorboard_logs_both_learning_rates_and_poet_statistics(tmp_path, data
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     dataset, tokenizer = data
-    trainer = tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset, max_steps=3,
-                           report_to="tensorboard", learning_rate=1e-2, poet_learning_rate=2e-3)
+    trainer = tiny_trainer(
+        tmp_path,
+        tiny_poet_model(len(tokenizer)),
+        dataset,
+        max_steps=3,
+        report_to="tensorboard",
+        learning_rate=1e-2,
+        poet_learning_rate=2e-3,
+    )
     trainer.train()
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "train/learning_rate", "train/poet_learning_rate", "train/poet/merge_count",
-                "train/poet/q_norm", "train/poet/block_orth_error", "train/poet/e_orth_R", "train/poet/e_orth_P",
-                "train/poet/trace_R", "train/poet/trace_P", "train/poet/e_orth_R/q_proj", "train/poet/trace_P/down_proj",
-                "train/poet/probe_cos_R", "train/poet/probe_cos_P"):
+    for tag in (
+        "train/loss",
+        "train/learning_rate",
+        "train/poet_learning_rate",
+        "train/poet/merge_count",
+        "train/poet/q_norm",
+        "train/poet/block_orth_error",
+        "train/poet/e_orth_R",
+        "train/poet/e_orth_P",
+        "train/poet/trace_R",
+        "train/poet/trace_P",
+        "train/poet/e_orth_R/q_proj",
+        "train/poet/trace_P/down_proj",
+        "train/poet/probe_cos_R",
+        "train/poet/probe_cos_P",
+    ):
         assert tag in tags, tags
     assert [e.value for e in events.Scalars("train/poet/merge_count")] == [0, 1, 1]
     assert events.Scalars("train/poet_learning_rate")[0].value == pytest.approx(2e-3)

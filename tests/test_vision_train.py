@@ -17,10 +17,36 @@ from poet_hf.vision.data import image_to_tensor, load_image_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_ARGS = [
-    "--image-size", "12", "--strides", "2", "2", "3", "1", "1", "--kernel-sizes", "3", "3", "3", "1", "1",
-    "--init-channels", "4", "--epochs", "1", "--batch-size", "32", "--max-train-examples", "192",
-    "--max-eval-examples", "64", "--learning-rate", "0.01", "--logging-steps", "100",
-    "--torch-threads", "0",  # keep the test session's thread setting
+    "--image-size",
+    "12",
+    "--strides",
+    "2",
+    "2",
+    "3",
+    "1",
+    "1",
+    "--kernel-sizes",
+    "3",
+    "3",
+    "3",
+    "1",
+    "1",
+    "--init-channels",
+    "4",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "32",
+    "--max-train-examples",
+    "192",
+    "--max-eval-examples",
+    "64",
+    "--learning-rate",
+    "0.01",
+    "--logging-steps",
+    "100",
+    "--torch-threads",
+    "0",  # keep the test session's thread setting
 ]
 
 
@@ -118,9 +144,21 @@ def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
 def test_recipe_trains_with_sgd_momentum_and_decays_the_rate_at_its_milestones(tmp_path):
     from poet_hf.vision.train import VisionTrainArgs, train_lipconvnet
 
-    args = VisionTrainArgs(recipe="eco-paper", image_size=12, strides=[2, 2, 3, 1, 1], kernel_sizes=[3, 3, 3, 1, 1],
-                           init_channels=4, epochs=3, batch_size=64, max_train_examples=128, max_eval_examples=32,
-                           lr_milestones=[1, 2], logging_steps=1, output_dir=str(tmp_path), torch_threads=0)
+    args = VisionTrainArgs(
+        recipe="eco-paper",
+        image_size=12,
+        strides=[2, 2, 3, 1, 1],
+        kernel_sizes=[3, 3, 3, 1, 1],
+        init_channels=4,
+        epochs=3,
+        batch_size=64,
+        max_train_examples=128,
+        max_eval_examples=32,
+        lr_milestones=[1, 2],
+        logging_steps=1,
+        output_dir=str(tmp_path),
+        torch_threads=0,
+    )
     captured = {}
     original = torch.optim.SGD.__init__
 
@@ -170,6 +208,6 @@ def test_certificate_regularised_loss_is_cross_entropy_minus_gamma_times_the_rad
     labels = torch.tensor([0, 1, 1])
     loss = certificate_regularized_loss(0.3, lipschitz=2.0)(SimpleNamespace(logits=logits), labels)
     margins = [3.0 - 1.0, 0.0, 1.5 - 1.0]  # the second point is misclassified: no radius
-    radius = sum(m / (2.0 ** 0.5 * 2.0) for m in margins) / 3
+    radius = sum(m / (2.0**0.5 * 2.0) for m in margins) / 3
     expected = torch.nn.functional.cross_entropy(logits, labels) - 0.3 * radius
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)

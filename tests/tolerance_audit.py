@@ -21,14 +21,14 @@ import math
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any
 
 AUDIT_ENV = "POET_TOLERANCE_AUDIT"
 _LITERAL = re.compile(r"(?<![\w.])(\d+\.?\d*[eE][-+]?\d+|\d*\.\d+)(?![\w.])")
 _OPERATORS = ("<=", ">=", "<", ">")
 
 
-def audit_file() -> Optional[str]:
+def audit_file() -> str | None:
     return os.environ.get(AUDIT_ENV) or None
 
 
@@ -74,7 +74,7 @@ def _strip_parens(text: str) -> str:
     return text
 
 
-def _comparison(text: str) -> Optional[tuple[str, str, str]]:
+def _comparison(text: str) -> tuple[str, str, str] | None:
     for operator in _OPERATORS:
         sides = _top_level_split(text, f" {operator} ")
         if len(sides) == 2:
@@ -82,7 +82,7 @@ def _comparison(text: str) -> Optional[tuple[str, str, str]]:
     return None
 
 
-def _number(text: str) -> Optional[float]:
+def _number(text: str) -> float | None:
     def tensor(value: Any, *args: Any, **kwargs: Any) -> Any:
         return value
 
@@ -93,7 +93,7 @@ def _number(text: str) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def ratio_of(left: float, operator: str, right: float) -> Optional[float]:
+def ratio_of(left: float, operator: str, right: float) -> float | None:
     """How near a passing comparison is to failing: the smaller side over the larger (``figure / bound`` for an
     upper bound, ``bound / figure`` for a lower one)."""
     small, large = (left, right) if operator in ("<", "<=") else (right, left)
@@ -119,11 +119,21 @@ def pytest_assertion_pass(item, lineno: int, orig: str, expl: str) -> None:
         ratio = ratio_of(left, operator, right)
         if ratio is None:
             continue
-        record({"test": item.nodeid, "line": lineno, "check": source.strip(), "ratio": ratio,
-                "literal": bool(_LITERAL.search(source)), "left": left, "op": operator, "right": right})
+        record(
+            {
+                "test": item.nodeid,
+                "line": lineno,
+                "check": source.strip(),
+                "ratio": ratio,
+                "literal": bool(_LITERAL.search(source)),
+                "left": left,
+                "op": operator,
+                "right": right,
+            }
+        )
 
 
-def _closeness_ratio(actual: Any, expected: Any, rtol: Optional[float], atol: Optional[float]) -> Optional[float]:
+def _closeness_ratio(actual: Any, expected: Any, rtol: float | None, atol: float | None) -> float | None:
     import torch
     from torch.testing._comparison import default_tolerances
 
@@ -138,8 +148,9 @@ def _closeness_ratio(actual: Any, expected: Any, rtol: Optional[float], atol: Op
     allowed = atol + rtol * e.abs()
     if difference.numel() == 0:
         return None
-    ratios = torch.where(allowed > 0, difference / allowed.clamp_min(1e-300),
-                         torch.where(difference > 0, math.inf, 0.0))
+    ratios = torch.where(
+        allowed > 0, difference / allowed.clamp_min(1e-300), torch.where(difference > 0, math.inf, 0.0)
+    )
     return float(ratios.max())
 
 
@@ -155,15 +166,30 @@ def install(current_test: Any) -> None:
         original_assert_close(actual, expected, *args, rtol=rtol, atol=atol, **kwargs)
         ratio = _closeness_ratio(actual, expected, rtol, atol)
         if ratio is not None:
-            record({"test": current_test(), "line": _caller_line(), "check": "assert_close", "ratio": ratio,
-                    "literal": rtol is not None or atol is not None})
+            record(
+                {
+                    "test": current_test(),
+                    "line": _caller_line(),
+                    "check": "assert_close",
+                    "ratio": ratio,
+                    "literal": rtol is not None or atol is not None,
+                }
+            )
 
     def allclose(input, other, rtol=1e-5, atol=1e-8, equal_nan=False):
         result = original_allclose(input, other, rtol=rtol, atol=atol, equal_nan=equal_nan)
         ratio = _closeness_ratio(input, other, rtol, atol)
         if ratio is not None:
-            record({"test": current_test(), "line": _caller_line(), "check": "allclose", "ratio": ratio,
-                    "literal": True, "passed": bool(result)})
+            record(
+                {
+                    "test": current_test(),
+                    "line": _caller_line(),
+                    "check": "allclose",
+                    "ratio": ratio,
+                    "literal": True,
+                    "passed": bool(result),
+                }
+            )
         return result
 
     torch.testing.assert_close = assert_close

@@ -32,8 +32,15 @@ _LAZY_EXPORTS = {
     "plan_memory": "poet_hf.memory_plan",
 }
 
-__all__ = ["PoetConfig", "OftConfig", "OrthogonalConfig", "merge_and_reinit", "defer_rotation_grads",
-           "flush_rotation_caches", *_LAZY_EXPORTS]
+__all__ = [
+    "PoetConfig",
+    "OftConfig",
+    "OrthogonalConfig",
+    "merge_and_reinit",
+    "defer_rotation_grads",
+    "flush_rotation_caches",
+    *_LAZY_EXPORTS,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -26,15 +26,22 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from .tuners.state_checks import AdapterStateError, check_safetensors_file
 
-__all__ = ["CrashSafeTrainer", "MANIFEST_NAME", "STAGING_DIR", "checkpoint_problem", "latest_complete_checkpoint",
-           "resolve_resume_checkpoint", "RESUME_LATEST"]
+__all__ = [
+    "CrashSafeTrainer",
+    "MANIFEST_NAME",
+    "STAGING_DIR",
+    "checkpoint_problem",
+    "latest_complete_checkpoint",
+    "resolve_resume_checkpoint",
+    "RESUME_LATEST",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +53,7 @@ _CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 # --- what is complete -------------------------------------------------------------------------------------------------
-def checkpoint_problem(folder: Union[str, Path]) -> Optional[str]:
+def checkpoint_problem(folder: str | Path) -> str | None:
     """Why ``folder`` is not a complete checkpoint (``None`` if it is).
 
     With a manifest (every checkpoint this package writes), each listed file must exist with its size; without one
@@ -76,16 +83,19 @@ def checkpoint_problem(folder: Union[str, Path]) -> Optional[str]:
     return None
 
 
-def _checkpoints_by_step(output_dir: Union[str, Path]) -> list[tuple[int, Path]]:
+def _checkpoints_by_step(output_dir: str | Path) -> list[tuple[int, Path]]:
     folder = Path(output_dir)
     if not folder.is_dir():
         return []
-    found = [(int(match.group(1)), path) for path in folder.iterdir()
-             if path.is_dir() and (match := _CHECKPOINT_NAME.match(path.name))]
+    found = [
+        (int(match.group(1)), path)
+        for path in folder.iterdir()
+        if path.is_dir() and (match := _CHECKPOINT_NAME.match(path.name))
+    ]
     return sorted(found)
 
 
-def latest_complete_checkpoint(output_dir: Union[str, Path]) -> Optional[str]:
+def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
     """The newest complete ``checkpoint-N`` in ``output_dir`` (``None`` if there is none); every newer partial folder
     is named in a warning and skipped."""
     for _, path in reversed(_checkpoints_by_step(output_dir)):
@@ -96,7 +106,7 @@ def latest_complete_checkpoint(output_dir: Union[str, Path]) -> Optional[str]:
     return None
 
 
-def resolve_resume_checkpoint(value: Union[str, bool, None], output_dir: Union[str, Path]) -> Optional[str]:
+def resolve_resume_checkpoint(value: str | bool | None, output_dir: str | Path) -> str | None:
     """The checkpoint folder a ``resume_from_checkpoint`` value means.
 
     ``"auto"``, ``"latest"`` or ``True``: the newest complete checkpoint of ``output_dir``, or ``None`` (a fresh
@@ -107,23 +117,28 @@ def resolve_resume_checkpoint(value: Union[str, bool, None], output_dir: Union[s
     if value is True or (isinstance(value, str) and value.lower() in RESUME_LATEST):
         checkpoint = latest_complete_checkpoint(output_dir)
         if checkpoint is None:
-            logger.warning("resume_from_checkpoint=%r: no complete checkpoint in %s, starting from scratch", value,
-                           output_dir)
+            logger.warning(
+                "resume_from_checkpoint=%r: no complete checkpoint in %s, starting from scratch", value, output_dir
+            )
         else:
             logger.warning("resuming from %s, the newest complete checkpoint in %s", checkpoint, output_dir)
         return checkpoint
     if not Path(value).is_dir():
-        raise ValueError(f"`resume_from_checkpoint`={value!r} is neither a checkpoint folder nor one of "
-                         f"{RESUME_LATEST + (True,)} (the newest complete checkpoint of the output folder)")
+        raise ValueError(
+            f"`resume_from_checkpoint`={value!r} is neither a checkpoint folder nor one of "
+            f"{RESUME_LATEST + (True,)} (the newest complete checkpoint of the output folder)"
+        )
     problem = checkpoint_problem(value)
     if problem is not None:
-        raise ValueError(f"`resume_from_checkpoint`={value!r} is not a complete checkpoint: {problem}; pass 'auto' to "
-                         "resume from the newest complete one")
+        raise ValueError(
+            f"`resume_from_checkpoint`={value!r} is not a complete checkpoint: {problem}; pass 'auto' to "
+            "resume from the newest complete one"
+        )
     return str(value)
 
 
 # --- writing ----------------------------------------------------------------------------------------------------------
-def _fsync(path: Union[str, Path], directory: bool = False) -> None:
+def _fsync(path: str | Path, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
@@ -131,7 +146,7 @@ def _fsync(path: Union[str, Path], directory: bool = False) -> None:
         os.close(fd)
 
 
-def fsync_tree(folder: Union[str, Path]) -> None:
+def fsync_tree(folder: str | Path) -> None:
     """Flush every file under ``folder`` and the folders themselves to disk."""
     for root, _, files in os.walk(folder):
         for name in files:
@@ -139,7 +154,7 @@ def fsync_tree(folder: Union[str, Path]) -> None:
         _fsync(root, directory=True)
 
 
-def publish(staged: Union[str, Path], final: Union[str, Path]) -> None:
+def publish(staged: str | Path, final: str | Path) -> None:
     """Write the manifest of ``staged`` and move it onto ``final`` in one rename (replacing an older folder of that
     name, which is first moved out of sight)."""
     staged, final = Path(staged), Path(final)
@@ -154,7 +169,7 @@ def publish(staged: Union[str, Path], final: Union[str, Path]) -> None:
     _fsync(final.parent, directory=True)
 
 
-def discard(folder: Union[str, Path], staging_root: Union[str, Path]) -> None:
+def discard(folder: str | Path, staging_root: str | Path) -> None:
     """Delete ``folder`` after moving it into ``staging_root``, so that a kill midway leaves nothing half-deleted
     under a checkpoint name."""
     trash = Path(staging_root) / f"deleting-{Path(folder).name}"
@@ -164,7 +179,7 @@ def discard(folder: Union[str, Path], staging_root: Union[str, Path]) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def rotate(output_dir: Union[str, Path], save_total_limit: Optional[int], keep: set[str]) -> None:
+def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str]) -> None:
     """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit, never a folder in ``keep`` (the
     checkpoint just published, which is the newest complete one, and the best model)."""
     if not save_total_limit or save_total_limit <= 0:
@@ -188,7 +203,7 @@ class CrashSafeTrainer(Trainer):
     whole files) and names the file in any error.
     """
 
-    _staging_root: Optional[str] = None
+    _staging_root: str | None = None
 
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_root or super()._get_output_dir(trial)
@@ -229,7 +244,7 @@ class CrashSafeTrainer(Trainer):
         except AdapterStateError as error:
             raise error.in_file(resume_from_checkpoint) from None
 
-    def train(self, resume_from_checkpoint: Union[str, bool, None] = None, trial: Any = None, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         """``Trainer.train``; ``resume_from_checkpoint`` may also be ``"auto"``/``"latest"`` (module docstring)."""
         checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if checkpoint is not None and self._finished_at(checkpoint):
@@ -247,8 +262,15 @@ class CrashSafeTrainer(Trainer):
 
         self._load_from_checkpoint(checkpoint)
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, TRAINER_STATE_NAME))
-        logger.warning("the run is complete: %s is step %d of %d; nothing to train (raise max_steps to train on)",
-                       checkpoint, self.state.global_step, self.state.max_steps)
+        logger.warning(
+            "the run is complete: %s is step %d of %d; nothing to train (raise max_steps to train on)",
+            checkpoint,
+            self.state.global_step,
+            self.state.max_steps,
+        )
         losses = [log["loss"] for log in self.state.log_history if "loss" in log]
-        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"),
-                           {"train_runtime": 0.0, "run_complete": True})
+        return TrainOutput(
+            self.state.global_step,
+            sum(losses) / len(losses) if losses else float("nan"),
+            {"train_runtime": 0.0, "run_complete": True},
+        )

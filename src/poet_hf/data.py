@@ -10,14 +10,25 @@ import gzip
 import json
 from itertools import chain
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 
 EMBEDDED_DIR = Path(__file__).resolve().parent / "data"
 EMBEDDED_CORPUS = "embedded"
-EMBEDDED_TRAIN_PLAYS = ("hamlet", "macbeth", "lear", "othello", "romeo_and_juliet", "julius_caesar", "tempest",
-                        "midsummer_nights_dream", "twelfth_night", "much_ado_about_nothing", "merchant_of_venice")
+EMBEDDED_TRAIN_PLAYS = (
+    "hamlet",
+    "macbeth",
+    "lear",
+    "othello",
+    "romeo_and_juliet",
+    "julius_caesar",
+    "tempest",
+    "midsummer_nights_dream",
+    "twelfth_night",
+    "much_ado_about_nothing",
+    "merchant_of_venice",
+)
 EMBEDDED_VALIDATION_PLAYS = ("as_you_like_it",)
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
@@ -28,15 +39,22 @@ def load_embedded_corpus() -> DatasetDict:
     """The bundled corpus as ``DatasetDict(train, validation)``, one row per play (column ``text``)."""
     with gzip.open(EMBEDDED_DIR / "shakespeare.jsonl.gz", "rt", encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle]
-    return DatasetDict({
-        split: Dataset.from_list([{"title": r["title"], "text": r["text"]} for r in rows if r["split"] == split])
-        for split in ("train", "validation")
-    })
+    return DatasetDict(
+        {
+            split: Dataset.from_list([{"title": r["title"], "text": r["text"]} for r in rows if r["split"] == split])
+            for split in ("train", "validation")
+        }
+    )
 
 
-def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None, streaming: bool = False,
-                validation_fraction: float = 0.05, seed: int = 0,
-                validation_split: str = "validation") -> AnyDatasetDict:
+def load_corpus(
+    source: str = EMBEDDED_CORPUS,
+    config_name: str | None = None,
+    streaming: bool = False,
+    validation_fraction: float = 0.05,
+    seed: int = 0,
+    validation_split: str = "validation",
+) -> AnyDatasetDict:
     """A dataset with ``train`` and ``validation`` splits.
 
     ``source`` is ``"embedded"``, a local ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` file or a directory of
@@ -52,12 +70,17 @@ def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None
         files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_SUFFIXES) if path.is_dir() else [path]
         kinds = {LOCAL_SUFFIXES.get(p.suffix) for p in files}
         if not files or None in kinds or len(kinds) != 1:
-            raise ValueError(f"local corpus {source!r} must be .txt, .jsonl, .json or .csv files of one kind, got "
-                             f"{[p.name for p in files]}")
+            raise ValueError(
+                f"local corpus {source!r} must be .txt, .jsonl, .json or .csv files of one kind, got "
+                f"{[p.name for p in files]}"
+            )
         # A folder holding `train.*` and `<validation_split>.*` keeps that split, as a hub dataset would.
         by_split = {p.stem: str(p) for p in files}
-        data_files = ({"train": by_split["train"], validation_split: by_split[validation_split]}
-                      if path.is_dir() and {"train", validation_split} <= set(by_split) else [str(p) for p in files])
+        data_files = (
+            {"train": by_split["train"], validation_split: by_split[validation_split]}
+            if path.is_dir() and {"train", validation_split} <= set(by_split)
+            else [str(p) for p in files]
+        )
         # `sample_by="paragraph"` keeps blank-line separated documents together for local text files.
         extra = {"sample_by": "paragraph"} if kinds == {"text"} else {}
         corpus = load_dataset(kinds.pop(), data_files=data_files, streaming=streaming, **extra)
@@ -67,8 +90,10 @@ def load_corpus(source: str = EMBEDDED_CORPUS, config_name: Optional[str] = None
         splits = {"train": corpus["train"], "validation": corpus[validation_split]}
         return IterableDatasetDict(splits) if streaming else DatasetDict(splits)
     if streaming:
-        raise ValueError(f"streaming dataset {source!r} has no {validation_split!r} split; pass a non-streaming "
-                         "corpus or one with that split")
+        raise ValueError(
+            f"streaming dataset {source!r} has no {validation_split!r} split; pass a non-streaming "
+            "corpus or one with that split"
+        )
     split = corpus["train"].train_test_split(test_size=validation_fraction, seed=seed)
     return DatasetDict({"train": split["train"], "validation": split["test"]})
 
@@ -80,20 +105,28 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 4096):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer
 
 
-def load_tokenizer(name_or_path: Optional[str] = None):
+def load_tokenizer(name_or_path: str | None = None):
     """``AutoTokenizer.from_pretrained(name_or_path)``, or the embedded BPE when ``None``. Ensures an EOS token."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if name_or_path is None:
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(EMBEDDED_DIR / "shakespeare_bpe.json"),
-                                            eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                                            unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_file=str(EMBEDDED_DIR / "shakespeare_bpe.json"),
+            eos_token="<|endoftext|>",
+            bos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+            pad_token="<|endoftext|>",
+        )
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.eos_token_id is None:
@@ -103,8 +136,9 @@ def load_tokenizer(name_or_path: Optional[str] = None):
     return tokenizer
 
 
-def pack_sequences(corpus: Union[Dataset, IterableDataset], tokenizer, seq_len: int = 256,
-                   text_column: str = "text") -> Union[Dataset, IterableDataset]:
+def pack_sequences(
+    corpus: Dataset | IterableDataset, tokenizer, seq_len: int = 256, text_column: str = "text"
+) -> Dataset | IterableDataset:
     """Tokenize every document, join them with EOS, and cut the stream into ``seq_len``-token rows.
 
     The remainder of each map batch shorter than ``seq_len`` is dropped. Rows hold ``input_ids`` and equal
@@ -118,16 +152,16 @@ def pack_sequences(corpus: Union[Dataset, IterableDataset], tokenizer, seq_len: 
         ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
         stream = list(chain.from_iterable(doc + [eos] for doc in ids))
         usable = len(stream) // seq_len * seq_len
-        rows = [stream[i:i + seq_len] for i in range(0, usable, seq_len)]
+        rows = [stream[i : i + seq_len] for i in range(0, usable, seq_len)]
         return {"input_ids": rows, "labels": [list(row) for row in rows]}
 
     kwargs = {} if isinstance(corpus, IterableDataset) else {"desc": f"packing into {seq_len}-token sequences"}
-    return corpus.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=corpus.column_names,
-                      **kwargs)
+    return corpus.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=corpus.column_names, **kwargs)
 
 
-def pad_documents(corpus: Union[Dataset, IterableDataset], tokenizer, seq_len: int = 256,
-                  text_column: str = "text") -> Union[Dataset, IterableDataset]:
+def pad_documents(
+    corpus: Dataset | IterableDataset, tokenizer, seq_len: int = 256, text_column: str = "text"
+) -> Dataset | IterableDataset:
     """GaLore's pipeline, which the POET paper follows: one row per document, truncated or padded to ``seq_len``.
 
     Padding is masked out of the attention and of the loss (``labels`` -100), so only real tokens count; with C4's
@@ -138,10 +172,13 @@ def pad_documents(corpus: Union[Dataset, IterableDataset], tokenizer, seq_len: i
         raise ValueError(f"`text_column`={text_column!r} not in the corpus columns {corpus.column_names}")
 
     def encode(batch: dict) -> dict:
-        encoded = tokenizer(batch[text_column], truncation=True, max_length=seq_len, padding="max_length",
-                            add_special_tokens=False)
-        labels = [[token if keep else -100 for token, keep in zip(ids, mask)]
-                  for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+        encoded = tokenizer(
+            batch[text_column], truncation=True, max_length=seq_len, padding="max_length", add_special_tokens=False
+        )
+        labels = [
+            [token if keep else -100 for token, keep in zip(ids, mask)]
+            for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])
+        ]
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": labels}
 
     kwargs = {} if isinstance(corpus, IterableDataset) else {"desc": f"truncating / padding to {seq_len} tokens"}

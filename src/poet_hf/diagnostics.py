@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -16,7 +15,7 @@ from .tuners.rotation_layer import RotationLayer, full_tensor
 PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
 
 
-def target_weight_matrices(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Effective out × in weights of every POET layer, or — for a baseline — of the modules whose names end
     with one of ``names`` (a plain Linear's weight, or a PEFT layer's base weight plus its delta, e.g. LoRA).
 
@@ -50,7 +49,7 @@ def _svdvals(weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def singular_values(model: nn.Module, names: Optional[list[str]] = None) -> dict[str, torch.Tensor]:
+def singular_values(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Singular values (descending, float64) of every target weight; see [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
 
     Args:
@@ -79,8 +78,11 @@ def module_singular_values(model: nn.Module, names: list[str], progress: bool = 
 
     modules = dict(model.named_modules())
     weights = {name: getattr(modules.get(name), "weight", None) for name in names}
-    return {name: _svdvals(weight) for name, weight in tqdm(weights.items(), desc="spectrum", disable=not progress)
-            if weight is not None}
+    return {
+        name: _svdvals(weight)
+        for name, weight in tqdm(weights.items(), desc="spectrum", disable=not progress)
+        if weight is not None
+    }
 
 
 def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
@@ -96,11 +98,16 @@ def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
     groups: dict[str, list[tuple[float, float]]] = {}
     for name, s in spectra.items():
         groups.setdefault(name.rsplit(".", 1)[-1], []).append((float(s.max()), float(s.min())))
-    return [{"group": group, "count": len(values),
-             "sigma_max": sum(v[0] for v in values) / len(values),
-             "sigma_min": sum(v[1] for v in values) / len(values),
-             "condition": max(v[0] / max(v[1], 1e-30) for v in values)}
-            for group, values in groups.items()]
+    return [
+        {
+            "group": group,
+            "count": len(values),
+            "sigma_max": sum(v[0] for v in values) / len(values),
+            "sigma_min": sum(v[1] for v in values) / len(values),
+            "condition": max(v[0] / max(v[1], 1e-30) for v in values),
+        }
+        for group, values in groups.items()
+    ]
 
 
 def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -123,12 +130,17 @@ def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tens
         top.append(float(s1.max() / s0.max() - 1))
     if not drifts:
         return {"layers": 0}
-    return {"layers": len(drifts), "max_drift": max(drifts), "mean_drift": sum(drifts) / len(drifts),
-            "max_sigma_max_change": max(top, key=abs)}
+    return {
+        "layers": len(drifts),
+        "max_drift": max(drifts),
+        "mean_drift": sum(drifts) / len(drifts),
+        "max_sigma_max_change": max(top, key=abs),
+    }
 
 
-def plot_spectra(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], path: Path, title: str,
-                 max_layers: int = 4) -> Path:
+def plot_spectra(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], path: Path, title: str, max_layers: int = 4
+) -> Path:
     """A PNG of singular values before and after training for a few layers (like the POET paper's Figure 1).
 
     Args:

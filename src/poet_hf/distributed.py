@@ -16,14 +16,20 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard_model", "shard_dim", "is_sharded", "gather_full_state_dict", "unsharded_replica",
-           "save_pretrained_unsharded"]
+__all__ = [
+    "shard_model",
+    "shard_dim",
+    "is_sharded",
+    "gather_full_state_dict",
+    "unsharded_replica",
+    "save_pretrained_unsharded",
+]
 
 
 def _rank() -> int:
@@ -55,8 +61,10 @@ def _block_classes(model: nn.Module) -> tuple[type, ...]:
     names = set(getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(f"{type(base).__name__} declares no `_no_split_modules` (its transformer block class); "
-                         "shard it yourself with torch.distributed.fsdp.fully_shard, one call per block")
+        raise ValueError(
+            f"{type(base).__name__} declares no `_no_split_modules` (its transformer block class); "
+            "shard it yourself with torch.distributed.fsdp.fully_shard, one call per block"
+        )
     return tuple(classes)
 
 
@@ -109,8 +117,14 @@ def _placement(processes: int):
     return lambda parameter: Shard(shard_dim(parameter.shape, processes))
 
 
-def shard_model(model: nn.Module, mesh: Any = None, seed: int = 0, checkpoint: Union[str, Path, None] = None,
-                loading: str = "scatter", **fully_shard_kwargs: Any) -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    mesh: Any = None,
+    seed: int = 0,
+    checkpoint: str | Path | None = None,
+    loading: str = "scatter",
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
     """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
     tied), then the root (in place; returns ``model``). Each parameter is split along [`shard_dim`][poet_hf.distributed.shard_dim].
 
@@ -180,7 +194,7 @@ def _unwrapped_class(module: nn.Module) -> type:
     return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
 
 
-def unsharded_replica(model: nn.Module) -> Optional[nn.Module]:
+def unsharded_replica(model: nn.Module) -> nn.Module | None:
     """On rank 0, an unsharded CPU copy of ``model`` (a ``PeftModel`` keeps its adapters); ``None`` elsewhere.
 
     The base model is rebuilt from its class and config, the adapters from their configs, and the gathered state
@@ -208,16 +222,19 @@ def unsharded_replica(model: nn.Module) -> Optional[nn.Module]:
         replica = get_peft_model(replica, copy.deepcopy(model.peft_config[names[0]]), adapter_name=names[0])
         for name in names[1:]:
             replica.add_adapter(name, copy.deepcopy(model.peft_config[name]))
-        replica.base_model.set_adapter(model.active_adapters if len(model.active_adapters) > 1
-                                       else model.active_adapters[0])
+        replica.base_model.set_adapter(
+            model.active_adapters if len(model.active_adapters) > 1 else model.active_adapters[0]
+        )
     missing, unexpected = replica.load_state_dict(state, strict=False)
     if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
-        raise RuntimeError(f"the gathered state dict does not fit the rebuilt {type(replica).__name__}: missing "
-                           f"{missing[:5]}, unexpected {unexpected[:5]}")
+        raise RuntimeError(
+            f"the gathered state dict does not fit the rebuilt {type(replica).__name__}: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return replica.eval() if not model.training else replica
 
 
-def save_pretrained_unsharded(model: nn.Module, output_dir: Union[str, Path], **kwargs: Any) -> None:
+def save_pretrained_unsharded(model: nn.Module, output_dir: str | Path, **kwargs: Any) -> None:
     """``model.save_pretrained(output_dir)`` for a sharded model: gathered on rank 0 and written once.
 
     A ``PeftModel`` writes its adapter folder as usual (plus the base weights POET changed, as unsharded

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def _owners(model: nn.Module) -> dict[int, nn.Module]:
 
     owners: dict[int, nn.Module] = {}
 
-    def visit(module: nn.Module, owner: Optional[nn.Module]) -> None:
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
         if owner is not None:
             owners[id(module)] = owner
@@ -83,7 +83,7 @@ def _owners(model: nn.Module) -> dict[int, nn.Module]:
 
 
 @torch.no_grad()
-def initial_values(module: nn.Module, owner: Optional[nn.Module], key: str, seed: int) -> dict[str, torch.Tensor]:
+def initial_values(module: nn.Module, owner: nn.Module | None, key: str, seed: int) -> dict[str, torch.Tensor]:
     """Fresh values of ``module``'s own parameters and buffers, whole, on the CPU, under a generator keyed by
     (``seed``, ``key``): ``owner._init_weights`` applied to a shallow copy of the module holding whole tensors, or,
     for what that leaves untouched (or without a ``transformers`` owner), the module's ``reset_parameters``.
@@ -96,8 +96,9 @@ def initial_values(module: nn.Module, owner: Optional[nn.Module], key: str, seed
     plain_class = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's subclass aside
     shadow = object.__new__(plain_class)
     shadow.__dict__.update(module.__dict__)
-    shadow._parameters = {n: None if p is None else nn.Parameter(_unset(p), p.requires_grad)
-                          for n, p in module._parameters.items()}
+    shadow._parameters = {
+        n: None if p is None else nn.Parameter(_unset(p), p.requires_grad) for n, p in module._parameters.items()
+    }
     shadow._buffers = {n: None if b is None else _unset(b) for n, b in module._buffers.items()}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_keyed_seed(seed, key))
@@ -108,9 +109,11 @@ def initial_values(module: nn.Module, owner: Optional[nn.Module], key: str, seed
             shadow.reset_parameters()
             untouched = [n for n, t in _named_tensors(shadow) if t.is_floating_point() and t.isnan().all()]
     if untouched:
-        raise ValueError(f"'{key}' ({type(module).__name__}) is on the meta device, and neither its model's "
-                         f"_init_weights nor a reset_parameters method initialises its {untouched}; materialize it "
-                         "from a checkpoint, or give the module a reset_parameters")
+        raise ValueError(
+            f"'{key}' ({type(module).__name__}) is on the meta device, and neither its model's "
+            f"_init_weights nor a reset_parameters method initialises its {untouched}; materialize it "
+            "from a checkpoint, or give the module a reset_parameters"
+        )
     return dict(_named_tensors(shadow))
 
 
@@ -125,7 +128,7 @@ class SafetensorsCheckpoint:
     """The tensors of a ``save_pretrained`` folder (``model.safetensors`` or its sharded index) or of one
     ``.safetensors`` file, read one tensor at a time."""
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, path: str | Path) -> None:
         path = Path(path)
         if path.is_dir():
             index = path / "model.safetensors.index.json"
@@ -136,13 +139,15 @@ class SafetensorsCheckpoint:
             elif single.exists():
                 self.files = dict.fromkeys(self._keys_of(single), single)
             else:
-                raise FileNotFoundError(f"`checkpoint` folder {path} holds neither model.safetensors nor "
-                                        "model.safetensors.index.json")
+                raise FileNotFoundError(
+                    f"`checkpoint` folder {path} holds neither model.safetensors nor model.safetensors.index.json"
+                )
         elif path.suffix == ".safetensors" and path.exists():
             self.files = dict.fromkeys(self._keys_of(path), path)
         else:
-            raise FileNotFoundError(f"`checkpoint` {path} is neither a folder written by save_pretrained nor a "
-                                    ".safetensors file")
+            raise FileNotFoundError(
+                f"`checkpoint` {path} is neither a folder written by save_pretrained nor a .safetensors file"
+            )
 
     @staticmethod
     def _keys_of(file: Path) -> list[str]:
@@ -151,7 +156,7 @@ class SafetensorsCheckpoint:
         with safe_open(str(file), framework="pt") as handle:
             return list(handle.keys())
 
-    def find(self, key: str, prefix: str = "") -> Optional[str]:
+    def find(self, key: str, prefix: str = "") -> str | None:
         """The checkpoint's name for ``key``: itself, or with / without the model's ``base_model_prefix``."""
         candidates = [key]
         if prefix:
@@ -173,7 +178,7 @@ def _rank() -> int:
 
 
 @torch.no_grad()
-def _receive_from_rank0(target: torch.Tensor, full: Optional[torch.Tensor], loading: str) -> None:
+def _receive_from_rank0(target: torch.Tensor, full: torch.Tensor | None, loading: str) -> None:
     """Fill ``target`` (a sharded ``DTensor`` or a plain tensor every process holds) from ``full``, which only rank 0
     has: ``"scatter"`` sends each process its shard, ``"broadcast"`` the whole tensor (each keeps its shard)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -182,8 +187,12 @@ def _receive_from_rank0(target: torch.Tensor, full: Optional[torch.Tensor], load
     if full is not None:
         full = full.to(device=device, dtype=target.dtype)
     placements = getattr(target, "placements", ())
-    if not isinstance(target, DTensor) or loading == "broadcast" or len(placements) != 1 or \
-            not isinstance(placements[0], Shard):
+    if (
+        not isinstance(target, DTensor)
+        or loading == "broadcast"
+        or len(placements) != 1
+        or not isinstance(placements[0], Shard)
+    ):
         whole = full if full is not None else torch.empty(target.shape, dtype=target.dtype, device=device)
         dist.broadcast(whole, src=0)
         write_full(target, whole)
@@ -198,8 +207,10 @@ def _receive_from_rank0(target: torch.Tensor, full: Optional[torch.Tensor], load
     received = local if direct else torch.empty(padded_shape, dtype=target.dtype, device=device)
     chunks = None
     if full is not None:
-        chunks = [part if part.shape[dim] == rows and part.is_contiguous() else _padded(part, padded_shape, dim)
-                  for part in torch.chunk(full, world, dim=dim)]
+        chunks = [
+            part if part.shape[dim] == rows and part.is_contiguous() else _padded(part, padded_shape, dim)
+            for part in torch.chunk(full, world, dim=dim)
+        ]
         chunks += [torch.zeros(padded_shape, dtype=target.dtype, device=device)] * (world - len(chunks))
     group = target.device_mesh.get_group()
     dist.scatter(received, chunks, src=dist.get_global_rank(group, 0), group=group)
@@ -219,8 +230,13 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def materialize_model(model: nn.Module, seed: int = 0, device: Union[str, torch.device, None] = None,
-                      checkpoint: Union[str, Path, None] = None, loading: str = "scatter") -> nn.Module:
+def materialize_model(
+    model: nn.Module,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    checkpoint: str | Path | None = None,
+    loading: str = "scatter",
+) -> nn.Module:
     """Give every tensor of ``model`` still on the ``meta`` device its storage on ``device`` and its value (in
     place; returns ``model``). Tensors already materialized are left as they are.
 
@@ -252,8 +268,13 @@ def materialize_model(model: nn.Module, seed: int = 0, device: Union[str, torch.
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     layers = [layer for _, layer in rotation_layers(model) if has_meta_tensors(layer)]
-    adapter_state = {id(m) for layer in layers for child in layer.children() if child is not layer.base_layer
-                     for m in child.modules()}  # drawn by the layer's reset_rotation_state
+    adapter_state = {
+        id(m)
+        for layer in layers
+        for child in layer.children()
+        if child is not layer.base_layer
+        for m in child.modules()
+    }  # drawn by the layer's reset_rotation_state
     for name, module in model.named_modules():
         _refuse_foreign(name, module)
     pending = [(name, m) for name, m in model.named_modules() if has_meta_tensors(m, recurse=False)]
@@ -289,11 +310,12 @@ class _StoredNames(dict):
     """Model tensor name → checkpoint tensor name, for what the checkpoint holds; ``source`` reads them (``None``
     on the processes of a sharded model that receive rather than read)."""
 
-    source: Optional[SafetensorsCheckpoint] = None
+    source: SafetensorsCheckpoint | None = None
 
 
-def _checkpoint_names(model: nn.Module, modules: list[tuple[str, nn.Module]], checkpoint: Union[str, Path, None],
-                      sharded: bool) -> _StoredNames:
+def _checkpoint_names(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], checkpoint: str | Path | None, sharded: bool
+) -> _StoredNames:
     """Which persistent tensors of ``modules`` to read from ``checkpoint``, and under which names. In a sharded model
     rank 0 reads the checkpoint's index and tells the other processes; a persistent tensor it lacks is an error."""
     stored = _StoredNames()
@@ -306,8 +328,11 @@ def _checkpoint_names(model: nn.Module, modules: list[tuple[str, nn.Module]], ch
         tied = set(getattr(base, "all_tied_weights_keys", None) or {})  # restored by tie_weights, never saved
         missing = []
         for key, module in modules:
-            persistent = [n for n, t in _named_tensors(module) if n in module._parameters
-                          or n not in module._non_persistent_buffers_set]
+            persistent = [
+                n
+                for n, t in _named_tensors(module)
+                if n in module._parameters or n not in module._non_persistent_buffers_set
+            ]
             for tensor_name in persistent:
                 full_key = f"{key}.{tensor_name}" if key else tensor_name
                 found = stored.source.find(full_key, prefix)
@@ -315,8 +340,11 @@ def _checkpoint_names(model: nn.Module, modules: list[tuple[str, nn.Module]], ch
                     missing.append(full_key)
                 elif found is not None:
                     stored[full_key] = found
-        problem = f"`checkpoint` {checkpoint} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}" \
-            if missing else None
+        problem = (
+            f"`checkpoint` {checkpoint} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}"
+            if missing
+            else None
+        )
     if sharded:
         box = [(dict(stored), problem) if _rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
@@ -331,8 +359,10 @@ def _refuse_foreign(name: str, module: nn.Module) -> None:
     from .tuners.bnb import is_bnb_module
 
     if isinstance(module, BaseTunerLayer) and not isinstance(module, RotationLayer) and has_meta_tensors(module):
-        raise ValueError(f"'{name}' is a {type(module).__name__} adapter on the meta device; materialize_model "
-                         "initialises POET and OFT adapters only: materialize the base model first, then add it")
+        raise ValueError(
+            f"'{name}' is a {type(module).__name__} adapter on the meta device; materialize_model "
+            "initialises POET and OFT adapters only: materialize the base model first, then add it"
+        )
     if is_bnb_module(module) and has_meta_tensors(module):
         raise ValueError(f"'{name}' is a quantised layer on the meta device; quantise a materialized model instead")
 

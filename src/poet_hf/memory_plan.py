@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,8 +39,18 @@ __all__ = ["METHODS", "SHARDINGS", "PARTS", "MemoryPlan", "plan_memory", "format
 METHODS = ("poet-bs", "poet-fs", "oft", "lora", "adamw", "galore")
 SHARDINGS = ("ddp", "fsdp2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PARTS = ("W0", "other frozen weights", "trainable parameters", "gradients", "DDP gradient buckets",
-         "optimizer states", "rotation caches", "activations", "loss working set", "gathered layers")
+PARTS = (
+    "W0",
+    "other frozen weights",
+    "trainable parameters",
+    "gradients",
+    "DDP gradient buckets",
+    "optimizer states",
+    "rotation caches",
+    "activations",
+    "loss working set",
+    "gathered layers",
+)
 ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
 
 
@@ -70,8 +80,13 @@ class MemoryPlan:
         Returns:
             ``{"method", "parts", "total_bytes", "settings", "counts"}``.
         """
-        return {"method": self.method, "settings": self.settings, "counts": self.counts,
-                "parts_mb": {k: v / 2**20 for k, v in self.parts.items()}, "total_mb": self.total_bytes / 2**20}
+        return {
+            "method": self.method,
+            "settings": self.settings,
+            "counts": self.counts,
+            "parts_mb": {k: v / 2**20 for k, v in self.parts.items()},
+            "total_mb": self.total_bytes / 2**20,
+        }
 
 
 def _resolve_model_config(model: Any) -> Any:
@@ -87,8 +102,11 @@ def _resolve_model_config(model: Any) -> Any:
         return model
     path = Path(str(model))
     if path.is_file():
-        return AutoConfig.from_pretrained(str(path.parent)) if path.name == "config.json" else \
-            AutoConfig.for_model(**json.loads(path.read_text()))
+        return (
+            AutoConfig.from_pretrained(str(path.parent))
+            if path.name == "config.json"
+            else AutoConfig.for_model(**json.loads(path.read_text()))
+        )
     return AutoConfig.from_pretrained(str(model))
 
 
@@ -99,8 +117,14 @@ def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget
 
     with torch.device("meta"):
         if isinstance(model_config, str):
-            model = build_llama(PRESETS[model_config], method if method.startswith("poet") else "adamw", 32000,
-                                seq_len, seed=0, device="meta")
+            model = build_llama(
+                PRESETS[model_config],
+                method if method.startswith("poet") else "adamw",
+                32000,
+                seq_len,
+                seed=0,
+                device="meta",
+            )
         else:
             model = AutoModelForCausalLM.from_config(model_config)
         return _wrap(model, method, block_size, budget, rank)
@@ -118,8 +142,9 @@ def _wrap(model: nn.Module, method: str, block_size: int, budget: float, rank: i
     if method in ("adamw", "galore"):
         return model
     if method in ("poet-bs", "poet-fs"):
-        rotation = {"spo": "block", "block_size": block_size} if method == "poet-bs" else \
-            {"spo": "full", "budget": budget}
+        rotation = (
+            {"spo": "block", "block_size": block_size} if method == "poet-bs" else {"spo": "full", "budget": budget}
+        )
         return get_peft_model(model, PoetConfig(**rotation, train_other_params=True))
     if method == "oft":
         return get_peft_model(model, OftConfig(block_size=block_size))
@@ -140,8 +165,11 @@ def _galore_targets(model: nn.Module) -> set[str]:
     from .tuners.constants import DEFAULT_TARGET_MODULES
 
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
-    return {f"{name}.weight" for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets}
+    return {
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    }
 
 
 def _block_classes(model: nn.Module) -> tuple[type, ...]:
@@ -186,19 +214,22 @@ def _fused_attention(query, key, value, *args, **kwargs):
     return _FusedAttentionShapes.apply(query, key, value)
 
 
-def _trace_activations(model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype,
-                       blocks: tuple[type, ...]) -> tuple[int, int, int, int]:
+def _trace_activations(
+    model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, blocks: tuple[type, ...]
+) -> tuple[int, int, int, int]:
     """``(saved outside the blocks, saved by the largest block, all saved, one block's input)`` in bytes, from one
     meta forward of the training loss (``dtype`` the activations' float type)."""
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, tuple[int, Optional[int]]] = {}
-    current: list[Optional[int]] = [None]
+    saved: dict[int, tuple[int, int | None]] = {}
+    current: list[int | None] = [None]
     block_input = [0]
     hooks = []
+
     def leave(*_: Any) -> None:
         current[0] = None
 
     for index, module in enumerate(m for m in model.modules() if isinstance(m, blocks)):
+
         def enter(_, args, index=index):
             current[0] = index
             block_input[0] = max(block_input[0], args[0].numel() * _float_size(args[0], dtype) if args else 0)
@@ -234,10 +265,22 @@ def _float_size(tensor: torch.Tensor, dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8 if tensor.is_floating_point() else tensor.element_size()
 
 
-def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, budget: float = 0.5,
-                rank: int = 128, dtype: str = "float32", batch_size: int = 4, seq_len: int = 256,
-                processes: int = 1, sharding: str = "ddp", checkpointing: bool = False,
-                accumulation: int = 1, cache_rotations: bool = True) -> MemoryPlan:
+def plan_memory(
+    model: Any,
+    method: str = "poet-bs",
+    *,
+    block_size: int = 256,
+    budget: float = 0.5,
+    rank: int = 128,
+    dtype: str = "float32",
+    batch_size: int = 4,
+    seq_len: int = 256,
+    processes: int = 1,
+    sharding: str = "ddp",
+    checkpointing: bool = False,
+    accumulation: int = 1,
+    cache_rotations: bool = True,
+) -> MemoryPlan:
     """Plan one process's memory for training ``model`` with ``method`` (see the module docstring for the model).
 
     Args:
@@ -269,15 +312,32 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
     check_choice("method", method, METHODS)
     check_choice("sharding", sharding, SHARDINGS)
     check_choice("dtype", dtype, tuple(DTYPES))
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("processes", processes),
-                        ("accumulation", accumulation), ("block_size", block_size), ("rank", rank)):
+    for name, value in (
+        ("batch_size", batch_size),
+        ("seq_len", seq_len),
+        ("processes", processes),
+        ("accumulation", accumulation),
+        ("block_size", block_size),
+        ("rank", rank),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     if not 0 < budget <= 1:
         raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
-    settings = {"method": method, "block_size": block_size, "budget": budget, "rank": rank, "dtype": dtype,
-                "batch_size": batch_size, "seq_len": seq_len, "processes": processes, "sharding": sharding,
-                "checkpointing": checkpointing, "accumulation": accumulation, "cache_rotations": cache_rotations}
+    settings = {
+        "method": method,
+        "block_size": block_size,
+        "budget": budget,
+        "rank": rank,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "processes": processes,
+        "sharding": sharding,
+        "checkpointing": checkpointing,
+        "accumulation": accumulation,
+        "cache_rotations": cache_rotations,
+    }
     built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
     value_size = torch.finfo(DTYPES[dtype]).bits // 8
     shards = processes if sharding == "fsdp2" else 1
@@ -317,10 +377,15 @@ def plan_memory(model: Any, method: str = "poet-bs", *, block_size: int = 256, b
     if method.startswith("poet") and accumulation > 1 and cache_rotations:
         from .tuners.rotation_layer import rotation_layers
 
-        parts["rotation caches"] = sum(2 * spec.num_blocks * spec.block ** 2 * 4 for _, layer in rotation_layers(built)
-                                       for specs in layer.poet_specs.values() for spec in specs.values())
-    outside, largest_block, everything, block_input = _trace_activations(built, batch_size, seq_len,
-                                                                          DTYPES[dtype], blocks)
+        parts["rotation caches"] = sum(
+            2 * spec.num_blocks * spec.block**2 * 4
+            for _, layer in rotation_layers(built)
+            for specs in layer.poet_specs.values()
+            for spec in specs.values()
+        )
+    outside, largest_block, everything, block_input = _trace_activations(
+        built, batch_size, seq_len, DTYPES[dtype], blocks
+    )
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
     parts["activations"] = (outside + block_count * block_input + largest_block) if checkpointing else everything
     vocabulary = built.get_output_embeddings().weight.shape[0]
@@ -336,6 +401,7 @@ def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dic
     when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient twice,
     unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
     ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+
     def unsharded(parameters) -> int:
         return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
 

@@ -13,5 +13,11 @@ from .hub import HubPushError, push_merged_to_hub
 from .source import ExportError, supported_peft_types
 from .writing import export_merged
 
-__all__ = ["export_merged", "push_merged_to_hub", "render_model_card", "ExportError", "HubPushError",
-           "supported_peft_types"]
+__all__ = [
+    "export_merged",
+    "push_merged_to_hub",
+    "render_model_card",
+    "ExportError",
+    "HubPushError",
+    "supported_peft_types",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,20 +13,44 @@ from ..model_cards import render_card
 
 CARD_TEMPLATE = "poet.md"
 # Config fields that are PEFT bookkeeping, not method hyperparameters (left out of the model card's table).
-_BOOKKEEPING_FIELDS = frozenset({
-    "peft_type", "task_type", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
-    "auto_mapping", "init_weights", "layers_pattern", "layers_to_transform", "modules_to_save", "exclude_modules",
-    "bias", "forward", "train_other_params",
-})
+_BOOKKEEPING_FIELDS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "peft_version",
+        "base_model_name_or_path",
+        "revision",
+        "inference_mode",
+        "auto_mapping",
+        "init_weights",
+        "layers_pattern",
+        "layers_to_transform",
+        "modules_to_save",
+        "exclude_modules",
+        "bias",
+        "forward",
+        "train_other_params",
+    }
+)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _METHODS = {  # peft_type family -> (title, summary, what the export folded)
-    "POET": ("POET", "Reparameterized Training via Orthogonal Equivalence Transformation: each weight is trained "
-             "as R·W0·P with W0 fixed and R, P learned orthogonal matrices, merged and reinitialized periodically",
-             "`W = R·W0·P`"),
-    "OFT": ("OFT", "Orthogonal Finetuning: each pretrained weight W0 is trained as R·W0, with R a learned "
-            "block-diagonal orthogonal matrix", "`W = R·W0`"),
-    "ORTHOGONAL": ("orthogonal layers", "target layers are replaced by orthogonal (Cayley, Householder or ECO) "
-                   "parameterizations", "the orthogonal weights"),
+    "POET": (
+        "POET",
+        "Reparameterized Training via Orthogonal Equivalence Transformation: each weight is trained "
+        "as R·W0·P with W0 fixed and R, P learned orthogonal matrices, merged and reinitialized periodically",
+        "`W = R·W0·P`",
+    ),
+    "OFT": (
+        "OFT",
+        "Orthogonal Finetuning: each pretrained weight W0 is trained as R·W0, with R a learned "
+        "block-diagonal orthogonal matrix",
+        "`W = R·W0`",
+    ),
+    "ORTHOGONAL": (
+        "orthogonal layers",
+        "target layers are replaced by orthogonal (Cayley, Householder or ECO) parameterizations",
+        "the orthogonal weights",
+    ),
 }
 
 
@@ -35,14 +59,14 @@ def render_model_card(
     peft_config: Any,
     *,
     export_dtype: torch.dtype = torch.float32,
-    run_info: Optional[dict] = None,
-    eval_results: Optional[dict] = None,
-    spectrum_rows: Optional[list[dict]] = None,
+    run_info: dict | None = None,
+    eval_results: dict | None = None,
+    spectrum_rows: list[dict] | None = None,
     folded_layers: int = 0,
-    merge_count: Optional[int] = None,
+    merge_count: int | None = None,
     model_id: str = "path/to/export",
     license: str = "other",
-    datasets: Union[str, list[str], None] = None,
+    datasets: str | list[str] | None = None,
     from_scratch: bool = False,
 ) -> Any:
     """A ``huggingface_hub.ModelCard`` for an exported model, from the ``model_cards/poet.md`` template.
@@ -68,26 +92,44 @@ def render_model_card(
     """
     run = dict(run_info or {})
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
-    title, summary, formula = _METHODS.get(_method_family(peft_type),
-                                           (peft_type, f"the {peft_type} PEFT method", "the adapters"))
+    title, summary, formula = _METHODS.get(
+        _method_family(peft_type), (peft_type, f"the {peft_type} PEFT method", "the adapters")
+    )
     base_model = peft_config.base_model_name_or_path
     dataset_refs = _as_list(datasets) or _as_list(run.pop("datasets", None) or run.pop("dataset", None))
-    eval_rows = [(k, _fmt(v)) for k, v in {**(eval_results or {}), **(run.pop("eval", None) or {})}.items()
-                 if v is not None]
-    data = dict(license=license, pipeline_tag=_pipeline_tag(model), tags=_tags(peft_type),
-                base_model=base_model if _is_hub_id(base_model) else None,
-                datasets=[d for d in dataset_refs if _is_hub_id(d)] or None)
+    eval_rows = [
+        (k, _fmt(v)) for k, v in {**(eval_results or {}), **(run.pop("eval", None) or {})}.items() if v is not None
+    ]
+    data = dict(
+        license=license,
+        pipeline_tag=_pipeline_tag(model),
+        tags=_tags(peft_type),
+        base_model=base_model if _is_hub_id(base_model) else None,
+        datasets=[d for d in dataset_refs if _is_hub_id(d)] or None,
+    )
     return render_card(
-        CARD_TEMPLATE, data,
-        model_name=model_id.rstrip("/").rsplit("/", 1)[-1], model_id=model_id, architecture=type(model).__name__,
-        auto_class=_auto_class_name(model), method_title=title, method_summary=summary, peft_type=peft_type,
+        CARD_TEMPLATE,
+        data,
+        model_name=model_id.rstrip("/").rsplit("/", 1)[-1],
+        model_id=model_id,
+        architecture=type(model).__name__,
+        auto_class=_auto_class_name(model),
+        method_title=title,
+        method_summary=summary,
+        peft_type=peft_type,
         fold_formula=formula,
-        base_model_ref=base_model, from_scratch=from_scratch, dataset_refs=dataset_refs,
-        export_dtype=str(export_dtype).removeprefix("torch."), folded_layers=folded_layers,
+        base_model_ref=base_model,
+        from_scratch=from_scratch,
+        dataset_refs=dataset_refs,
+        export_dtype=str(export_dtype).removeprefix("torch."),
+        folded_layers=folded_layers,
         hyperparameters=_hyperparameter_rows(peft_config, run),
-        training_rows=_training_rows(run, merge_count, shown=set(peft_config.to_dict())), eval_rows=eval_rows,
-        spectrum_rows=[{**row, **{key: _fmt(row[key]) for key in ("sigma_max", "sigma_min", "condition")}}
-                       for row in spectrum_rows or []],
+        training_rows=_training_rows(run, merge_count, shown=set(peft_config.to_dict())),
+        eval_rows=eval_rows,
+        spectrum_rows=[
+            {**row, **{key: _fmt(row[key]) for key in ("sigma_max", "sigma_min", "condition")}}
+            for row in spectrum_rows or []
+        ],
     )
 
 
@@ -118,26 +160,40 @@ def _hyperparameter_rows(peft_config: Any, run: dict) -> list[tuple[str, str]]:
     return [(name, _fmt(value)) for name, value in fields.items()]
 
 
-def _training_rows(run: dict, merge_count: Optional[int], shown: set[str]) -> list[tuple[str, str]]:
+def _training_rows(run: dict, merge_count: int | None, shown: set[str]) -> list[tuple[str, str]]:
     """Learning rates, tokens seen, steps and merges first, then the run's other scalars not already ``shown``."""
-    labels = {"learning_rate": "learning rate", "poet_learning_rate": "POET learning rate",
-              "num_input_tokens_seen": "tokens seen", "tokens_seen": "tokens seen", "global_step": "optimizer steps",
-              "steps": "optimizer steps"}
+    labels = {
+        "learning_rate": "learning rate",
+        "poet_learning_rate": "POET learning rate",
+        "num_input_tokens_seen": "tokens seen",
+        "tokens_seen": "tokens seen",
+        "global_step": "optimizer steps",
+        "steps": "optimizer steps",
+    }
     rows: dict[str, str] = {}
     for key, label in labels.items():
         if run.get(key) and label not in rows:  # 0 tokens seen means "not tracked"
             rows[label] = _fmt(run[key])
     if merge_count is not None:
         rows["merges (merge-then-reinitialize)"] = str(merge_count)
-    rows.update({k: _fmt(v) for k, v in run.items()
-                 if k not in labels and k not in shown and isinstance(v, (str, int, float, bool))})
+    rows.update(
+        {
+            k: _fmt(v)
+            for k, v in run.items()
+            if k not in labels and k not in shown and isinstance(v, (str, int, float, bool))
+        }
+    )
     return list(rows.items())
 
 
-def _pipeline_tag(model: nn.Module) -> Optional[str]:
+def _pipeline_tag(model: nn.Module) -> str | None:
     name = type(model).__name__
-    for suffix, tag in (("ForCausalLM", "text-generation"), ("ForImageClassification", "image-classification"),
-                        ("ForSequenceClassification", "text-classification"), ("ForMaskedLM", "fill-mask")):
+    for suffix, tag in (
+        ("ForCausalLM", "text-generation"),
+        ("ForImageClassification", "image-classification"),
+        ("ForSequenceClassification", "text-classification"),
+        ("ForMaskedLM", "fill-mask"),
+    ):
         if name.endswith(suffix):
             return tag
     return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,13 +20,13 @@ def tuner_layer_names(model: Any) -> list[str]:
     return [name for name, module in model.get_base_model().named_modules() if isinstance(module, BaseTunerLayer)]
 
 
-def max_merge_count(model: Any) -> Optional[int]:
+def max_merge_count(model: Any) -> int | None:
     """The most merge-then-reinitialize cycles any rotation layer has done; ``None`` without rotation layers."""
     counts = [int(count) for m in model.modules() if isinstance(m, RotationLayer) for count in m.merge_counts.values()]
     return max(counts) if counts else None
 
 
-def fold(model: Any, progress: Optional[bool]) -> tuple[nn.Module, Optional[dict]]:
+def fold(model: Any, progress: bool | None) -> tuple[nn.Module, dict | None]:
     """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight.
 
     Quantised (bitsandbytes) layers are dequantised first, so the fold is ``R·dequant(W0)·P`` in full precision, the
@@ -42,11 +42,13 @@ def fold(model: Any, progress: Optional[bool]) -> tuple[nn.Module, Optional[dict
             raise ExportError(f"this model cannot be folded into plain weights: {error}") from error
     left = [name for name, m in plain.named_modules() if isinstance(m, BaseTunerLayer)]
     if left:
-        raise ExportError(f"folding left {len(left)} adapter layers in place (e.g. {left[0]}); export_merged cannot "
-                          "produce a plain model from this source")
+        raise ExportError(
+            f"folding left {len(left)} adapter layers in place (e.g. {left[0]}); export_merged cannot "
+            "produce a plain model from this source"
+        )
     return plain.eval(), quantization_config
 
 
-def show_progress(progress: Optional[bool]) -> bool:
+def show_progress(progress: bool | None) -> bool:
     """Progress bars on when asked, or (``None``) when stderr is a terminal."""
     return bool(progress) if progress is not None else sys.stderr.isatty()

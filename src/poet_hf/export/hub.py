@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
 
 from .source import first_line
 
@@ -14,14 +13,14 @@ class HubPushError(RuntimeError):
 
 
 def push_merged_to_hub(
-    output_dir: Union[str, os.PathLike],
+    output_dir: str | os.PathLike,
     repo_id: str,
     *,
     private: bool = False,
-    token: Optional[str] = None,
-    commit_message: Optional[str] = None,
-    revision: Optional[str] = None,
-    endpoint: Optional[str] = None,
+    token: str | None = None,
+    commit_message: str | None = None,
+    revision: str | None = None,
+    endpoint: str | None = None,
 ) -> str:
     """Upload an export written by [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``; return the commit URL.
 
@@ -52,26 +51,37 @@ def push_merged_to_hub(
     _check_export_folder(folder)
     token = token or get_token()
     if not token:
-        raise HubPushError(f"no Hugging Face token to push {folder} to '{repo_id}': pass --hub-token / token=..., "
-                           "set HF_TOKEN, or run `hf auth login`")
+        raise HubPushError(
+            f"no Hugging Face token to push {folder} to '{repo_id}': pass --hub-token / token=..., "
+            "set HF_TOKEN, or run `hf auth login`"
+        )
     # HF_ENDPOINT read now, not when huggingface_hub was imported (it fixes its default then)
     api = HfApi(endpoint=endpoint or os.environ.get("HF_ENDPOINT"), token=token)
     where = f"'{repo_id}' at {api.endpoint}"
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model", revision=revision,
-                                 commit_message=commit_message or "Upload POET export (poet_hf)")
+        info = api.upload_folder(
+            folder_path=str(folder),
+            repo_id=repo_id,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or "Upload POET export (poet_hf)",
+        )
     except RepositoryNotFoundError as error:
-        raise HubPushError(f"the Hub has no model repo {where} that this token can write to (does the name belong "
-                           f"to a dataset or Space, or to another account?): {first_line(error)}") from error
+        raise HubPushError(
+            f"the Hub has no model repo {where} that this token can write to (does the name belong "
+            f"to a dataset or Space, or to another account?): {first_line(error)}"
+        ) from error
     except HfHubHTTPError as error:
         raise HubPushError(f"the Hub refused pushing {folder} to {where}: {first_line(error)}") from error
     except (OSError, ValueError) as error:
-        raise HubPushError(f"could not push {folder} to {where}: {type(error).__name__}: {first_line(error)}") \
-            from error
+        raise HubPushError(
+            f"could not push {folder} to {where}: {type(error).__name__}: {first_line(error)}"
+        ) from error
     except Exception as error:  # httpx transport errors (connection refused, DNS, timeouts)
-        raise HubPushError(f"could not reach the Hub to push {folder} to {where}: {type(error).__name__}: "
-                           f"{first_line(error)}") from error
+        raise HubPushError(
+            f"could not reach the Hub to push {folder} to {where}: {type(error).__name__}: {first_line(error)}"
+        ) from error
     return str(info.commit_url)
 
 
@@ -80,5 +90,7 @@ def _check_export_folder(folder: Path) -> None:
         raise HubPushError(f"{folder} is not a directory; export a model with export_merged first")
     names = {p.name for p in folder.iterdir()}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
-        raise HubPushError(f"{folder} does not look like an export (needs config.json and *.safetensors, found "
-                           f"{', '.join(sorted(names)) or 'nothing'})")
+        raise HubPushError(
+            f"{folder} does not look like an export (needs config.json and *.safetensors, found "
+            f"{', '.join(sorted(names)) or 'nothing'})"
+        )

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,10 +22,24 @@ TRAINER_STATE_NAME = "trainer_state.json"
 # PEFT types exported here. poet_hf's own tuners are also found at run time from PEFT's registry (their config
 # classes live in poet_hf), so types added later (OFT, orthogonal) need no change here. "OFT" is PEFT's OFT.
 KNOWN_PEFT_TYPES = frozenset({"POET", "OFT", "ORTHOGONAL"})
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "preprocessor_config.json")
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "preprocessor_config.json",
+)
 
 
 class ExportError(ValueError):
@@ -38,7 +52,7 @@ class LoadedSource:
 
     model: nn.Module  # a peft.PeftModel
     tokenizer: Any = None
-    directory: Optional[Path] = None
+    directory: Path | None = None
     dtype: torch.dtype = torch.float32  # dtype of the source's base weights (the default export dtype)
     run_info: dict = field(default_factory=dict)
     eval_results: dict = field(default_factory=dict)
@@ -53,12 +67,15 @@ def supported_peft_types() -> frozenset[str]:
     """
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 
-    ours = {str(getattr(key, "value", key)) for key, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()
-            if cls.__module__.startswith("poet_hf.")}
+    ours = {
+        str(getattr(key, "value", key))
+        for key, cls in PEFT_TYPE_TO_CONFIG_MAPPING.items()
+        if cls.__module__.startswith("poet_hf.")
+    }
     return KNOWN_PEFT_TYPES | ours
 
 
-def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bf16"``/``"fp16"``/``"fp32"`` (or the torch names, or a ``torch.dtype``) as a floating ``torch.dtype``."""
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
@@ -67,7 +84,7 @@ def parse_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     raise ExportError(f"dtype must be one of bf16, fp16, fp32 (or a floating torch.dtype), got {dtype!r}")
 
 
-def load_source(source: Any, inplace: bool) -> Optional[LoadedSource]:
+def load_source(source: Any, inplace: bool) -> LoadedSource | None:
     """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) plus its training facts;
     ``None`` on the ranks other than 0 for a model FSDP2 shards (rank 0 folds an unsharded copy)."""
     if isinstance(source, (str, os.PathLike)):
@@ -97,7 +114,7 @@ def is_sharded_source(source: Any) -> bool:
     return isinstance(model, nn.Module) and is_sharded(model)
 
 
-def _load_model(model: Any, inplace: bool) -> Optional[LoadedSource]:
+def _load_model(model: Any, inplace: bool) -> LoadedSource | None:
     from peft import PeftModel
 
     if isinstance(model, nn.Module) and is_sharded(model):  # FSDP2: fold an unsharded copy gathered on rank 0
@@ -106,14 +123,15 @@ def _load_model(model: Any, inplace: bool) -> Optional[LoadedSource]:
             return None
         inplace = True
     if not isinstance(model, PeftModel):
-        raise ExportError(f"export_merged needs a POET/OFT model (a peft.PeftModel with a POET, OFT or orthogonal "
-                          f"adapter), a trainer holding one, or a directory; found a {type(model).__name__} "
-                          f"{_describe_plain_model(model)}")
+        raise ExportError(
+            f"export_merged needs a POET/OFT model (a peft.PeftModel with a POET, OFT or orthogonal "
+            f"adapter), a trainer holding one, or a directory; found a {type(model).__name__} "
+            f"{_describe_plain_model(model)}"
+        )
     _check_peft_type(active_config(model).peft_type, f"the {type(model).__name__}")
     dtype = _base_dtype(model)
     model = model if inplace else copy.deepcopy(model)
-    return LoadedSource(model=model.to(torch.float32), dtype=dtype,
-                   from_scratch=holds_full_model(active_config(model)))
+    return LoadedSource(model=model.to(torch.float32), dtype=dtype, from_scratch=holds_full_model(active_config(model)))
 
 
 def _describe_plain_model(model: Any) -> str:
@@ -129,8 +147,9 @@ def _load_directory(path: Path) -> LoadedSource:
     if not path.exists():
         raise FileNotFoundError(f"export source {path} does not exist")
     if not path.is_dir():
-        raise ExportError(f"export source {path} is a file; pass a directory holding {ADAPTER_CONFIG_NAME}, "
-                          "or a PeftModel")
+        raise ExportError(
+            f"export source {path} is a file; pass a directory holding {ADAPTER_CONFIG_NAME}, or a PeftModel"
+        )
     raw = _read_adapter_config(path)
     _check_peft_type(raw.get("peft_type"), f"{path / ADAPTER_CONFIG_NAME}")
     from peft import PeftConfig
@@ -145,28 +164,38 @@ def _load_directory(path: Path) -> LoadedSource:
     for key in ("global_step", "num_input_tokens_seen"):
         if state.get(key) and key not in run_info:
             run_info[key] = state[key]
-    return LoadedSource(model=model, tokenizer=_find_tokenizer(path, peft_config.base_model_name_or_path),
-                   directory=path, dtype=_config_dtype(base.config), run_info=run_info,
-                   eval_results=_latest_eval(state.get("log_history", [])),
-                   from_scratch=holds_full_model(peft_config))
+    return LoadedSource(
+        model=model,
+        tokenizer=_find_tokenizer(path, peft_config.base_model_name_or_path),
+        directory=path,
+        dtype=_config_dtype(base.config),
+        run_info=run_info,
+        eval_results=_latest_eval(state.get("log_history", [])),
+        from_scratch=holds_full_model(peft_config),
+    )
 
 
 def _read_adapter_config(path: Path) -> dict:
     config_file = path / ADAPTER_CONFIG_NAME
     if config_file.is_file():
         return json.loads(config_file.read_text())
-    raise ExportError(f"{path} is not a POET/OFT model or checkpoint: it has no {ADAPTER_CONFIG_NAME}; "
-                      f"{_describe_directory(path)}")
+    raise ExportError(
+        f"{path} is not a POET/OFT model or checkpoint: it has no {ADAPTER_CONFIG_NAME}; {_describe_directory(path)}"
+    )
 
 
 def _describe_directory(path: Path) -> str:
     """What a directory without ``adapter_config.json`` holds, in words, with a hint."""
     names = sorted(p.name for p in path.iterdir())
-    checkpoints = sorted((p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")),
-                         key=lambda n: int(n.rsplit("-", 1)[-1]) if n.rsplit("-", 1)[-1].isdigit() else -1)
+    checkpoints = sorted(
+        (p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")),
+        key=lambda n: int(n.rsplit("-", 1)[-1]) if n.rsplit("-", 1)[-1].isdigit() else -1,
+    )
     if checkpoints:
-        return (f"it holds training checkpoints ({', '.join(checkpoints[-3:])}); pass one of them, e.g. "
-                f"{path / checkpoints[-1]}")
+        return (
+            f"it holds training checkpoints ({', '.join(checkpoints[-3:])}); pass one of them, e.g. "
+            f"{path / checkpoints[-1]}"
+        )
     if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
         return "it holds a plain transformers model (config.json and weights), which has nothing to fold"
     if not names:
@@ -178,8 +207,10 @@ def _describe_directory(path: Path) -> str:
 def _check_peft_type(peft_type: Any, where: str) -> None:
     supported = supported_peft_types()
     if str(getattr(peft_type, "value", peft_type)) not in supported:
-        raise ExportError(f"{where} is not a POET/OFT model: its PEFT type is {peft_type!r}; export_merged folds "
-                          f"adapters of type {', '.join(sorted(supported))}")
+        raise ExportError(
+            f"{where} is not a POET/OFT model: its PEFT type is {peft_type!r}; export_merged folds "
+            f"adapters of type {', '.join(sorted(supported))}"
+        )
 
 
 def _build_base(path: Path, raw: dict, peft_config: Any) -> tuple[nn.Module, bool]:
@@ -196,8 +227,10 @@ def _build_base(path: Path, raw: dict, peft_config: Any) -> tuple[nn.Module, boo
         config = AutoConfig.from_pretrained(str(path))
         return _instantiate(_model_class(config, raw), config), True
     if not name:
-        raise ExportError(f"cannot rebuild the base model of {path}: {ADAPTER_CONFIG_NAME} has no "
-                          "base_model_name_or_path and there is no config.json beside it")
+        raise ExportError(
+            f"cannot rebuild the base model of {path}: {ADAPTER_CONFIG_NAME} has no "
+            "base_model_name_or_path and there is no config.json beside it"
+        )
     config = AutoConfig.from_pretrained(name, revision=peft_config.revision)
     model = _model_class(config, raw).from_pretrained(name, revision=peft_config.revision, dtype=torch.float32)
     return model, False
@@ -227,16 +260,23 @@ def _check_full_state(model: nn.Module, path: Path) -> None:
     if saved is None:
         return
     adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
-    missing = [key for key in model.state_dict()
-               if f".{adapter}." not in key and not key.endswith(f".{adapter}") and "original_module" not in key
-               and key not in saved]
+    missing = [
+        key
+        for key in model.state_dict()
+        if f".{adapter}." not in key
+        and not key.endswith(f".{adapter}")
+        and "original_module" not in key
+        and key not in saved
+    ]
     if missing:
-        raise ExportError(f"{path} holds only part of the model ({len(missing)} base weights missing, e.g. "
-                          f"{missing[0]}) and its {ADAPTER_CONFIG_NAME} names no base_model_name_or_path to load "
-                          "them from")
+        raise ExportError(
+            f"{path} holds only part of the model ({len(missing)} base weights missing, e.g. "
+            f"{missing[0]}) and its {ADAPTER_CONFIG_NAME} names no base_model_name_or_path to load "
+            "them from"
+        )
 
 
-def _saved_adapter_keys(path: Path) -> Optional[set[str]]:
+def _saved_adapter_keys(path: Path) -> set[str] | None:
     weights = path / "adapter_model.safetensors"
     if not weights.is_file():
         return None
@@ -246,7 +286,7 @@ def _saved_adapter_keys(path: Path) -> Optional[set[str]]:
         return set(handle.keys())
 
 
-def _find_tokenizer(path: Path, base_name: Optional[str]) -> Any:
+def _find_tokenizer(path: Path, base_name: str | None) -> Any:
     """The tokenizer saved beside the adapter, else the base model's local one; ``None`` when there is none."""
     for candidate in (path, Path(base_name) if base_name else None):
         if candidate is not None and candidate.is_dir() and any((candidate / f).is_file() for f in TOKENIZER_FILES):
@@ -257,8 +297,11 @@ def _find_tokenizer(path: Path, base_name: Optional[str]) -> Any:
 def _load_processor(path: Path) -> Any:
     from transformers import AutoProcessor, AutoTokenizer
 
-    loader = AutoTokenizer if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file() \
+    loader = (
+        AutoTokenizer
+        if (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
         else AutoProcessor
+    )
     try:
         return loader.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as error:
@@ -299,8 +342,11 @@ def active_config(model: Any) -> Any:
 
 
 def _base_dtype(model: Any) -> torch.dtype:
-    dtypes = [p.dtype for n, p in model.get_base_model().named_parameters()
-              if p.is_floating_point() and model.base_model.prefix not in n]
+    dtypes = [
+        p.dtype
+        for n, p in model.get_base_model().named_parameters()
+        if p.is_floating_point() and model.base_model.prefix not in n
+    ]
     return dtypes[0] if dtypes else torch.float32
 
 

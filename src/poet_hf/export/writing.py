@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
@@ -20,19 +21,19 @@ from .source import ExportError, active_config, is_sharded_source, load_source, 
 
 def export_merged(
     source: Any,
-    output_dir: Union[str, os.PathLike],
+    output_dir: str | os.PathLike,
     *,
-    dtype: Union[str, torch.dtype, None] = None,
+    dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     tokenizer: Any = None,
-    run_info: Optional[dict] = None,
-    repo_id: Optional[str] = None,
+    run_info: dict | None = None,
+    repo_id: str | None = None,
     license: str = "other",
-    datasets: Union[str, list[str], None] = None,
-    max_shard_size: Union[int, str] = "5GB",
+    datasets: str | list[str] | None = None,
+    max_shard_size: int | str = "5GB",
     spectrum: bool = True,
     inplace: bool = False,
-    progress: Optional[bool] = None,
+    progress: bool | None = None,
     record_quantization: bool = False,
 ) -> Path:
     """Fold a POET / OFT / orthogonal model into plain weights and write a stock Hugging Face checkpoint.
@@ -81,16 +82,26 @@ def export_merged(
     target_names = tuner_layer_names(loaded.model)
     merge_count = max_merge_count(loaded.model)
     plain, quantization_config = fold(loaded.model, progress)
-    spectrum_rows = (spectrum_summary(module_singular_values(plain, target_names, show_progress(progress)))
-                     if spectrum else [])
+    spectrum_rows = (
+        spectrum_summary(module_singular_values(plain, target_names, show_progress(progress))) if spectrum else []
+    )
     export_dtype = export_dtype or loaded.dtype
     plain.to(export_dtype)
     if record_quantization and quantization_config is not None:
         plain.config.source_quantization_config = quantization_config
     card = render_model_card(
-        plain, peft_config, export_dtype=export_dtype, run_info=run, eval_results=loaded.eval_results,
-        spectrum_rows=spectrum_rows, folded_layers=len(target_names), merge_count=merge_count,
-        model_id=repo_id or output.name, license=license, datasets=datasets, from_scratch=loaded.from_scratch,
+        plain,
+        peft_config,
+        export_dtype=export_dtype,
+        run_info=run,
+        eval_results=loaded.eval_results,
+        spectrum_rows=spectrum_rows,
+        folded_layers=len(target_names),
+        merge_count=merge_count,
+        model_id=repo_id or output.name,
+        license=license,
+        datasets=datasets,
+        from_scratch=loaded.from_scratch,
     )
 
     def write(folder: Path) -> None:
@@ -105,20 +116,23 @@ def export_merged(
     return output
 
 
-def _check_output_dir(output: Path, overwrite: bool, source_dir: Optional[Path]) -> None:
+def _check_output_dir(output: Path, overwrite: bool, source_dir: Path | None) -> None:
     """Refuse a file, a non-empty directory (unless ``overwrite``), or a target that contains the source."""
     if source_dir is not None:
         src, out = source_dir.resolve(), output.resolve()
         if out == src or out in src.parents:
-            raise ExportError(f"output directory {output} is (or contains) the source {source_dir}; export "
-                              "somewhere else")
+            raise ExportError(
+                f"output directory {output} is (or contains) the source {source_dir}; export somewhere else"
+            )
     if output.exists() and not output.is_dir():
         raise ExportError(f"output path {output} exists and is a file, not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         entries = sorted(p.name for p in output.iterdir())
-        raise FileExistsError(f"output directory {output} exists and is not empty ({len(entries)} entries: "
-                              f"{', '.join(entries[:5])}{', …' if len(entries) > 5 else ''}); pass overwrite=True "
-                              "(--overwrite) to replace it")
+        raise FileExistsError(
+            f"output directory {output} exists and is not empty ({len(entries)} entries: "
+            f"{', '.join(entries[:5])}{', …' if len(entries) > 5 else ''}); pass overwrite=True "
+            "(--overwrite) to replace it"
+        )
 
 
 def _write_atomically(output: Path, write: Callable[[Path], None]) -> None:

@@ -85,7 +85,9 @@ def _check_group(group: dict[str, Any]) -> None:
     if group["nesterov"]:
         raise ValueError("`nesterov` is not supported for Stiefel (`stiefel=True`) groups")
     if group["feedback_alpha"] is None and not 0 <= beta < 1:
-        raise ValueError(f"`feedback` (beta = alpha * lr / 4) must be in [0, 1); 0 < beta <= 0.5 contracts, got {beta!r}")
+        raise ValueError(
+            f"`feedback` (beta = alpha * lr / 4) must be in [0, 1); 0 < beta <= 0.5 contracts, got {beta!r}"
+        )
     if group["feedback_alpha"] is not None and group["feedback_alpha"] < 0:
         raise ValueError(f"`feedback_alpha` must be None or >= 0, got {group['feedback_alpha']!r}")
     for p in group["params"]:
@@ -284,6 +286,10 @@ class FeedbackGD(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         for group in self.param_groups:
-            for key, value in (("stiefel", True), ("feedback_alpha", None), ("momentum_clip", None),
-                               ("lr_multiplier", 1.0)):
+            for key, value in (
+                ("stiefel", True),
+                ("feedback_alpha", None),
+                ("momentum_clip", None),
+                ("lr_multiplier", 1.0),
+            ):
                 group.setdefault(key, value)

@@ -11,7 +11,25 @@ from .cayley import (
     random_skew_params,
     skew_from_vector,
 )
+from .eco import EcoConv2d, construct_index_map, eco_kernel
+from .householder import (
+    apply_householder_sequence,
+    householder_decompose,
+    householder_matrix,
+    householder_product_blocked,
+    householder_product_sequential,
+    householder_reflect,
+)
 from .linalg import orthogonality_error, polar_factor, power_iteration, random_orthogonal, taylor_exp
+from .reflection import (
+    AuxiliaryReflection,
+    NewtonConvergenceError,
+    auxiliary_reflection,
+    auxiliary_reflection_inverse,
+    auxiliary_reflection_jacobian,
+    auxiliary_reflection_logabsdet,
+    invertible_weight,
+)
 from .spo import (
     block_matmul_left,
     block_matmul_right,
@@ -23,24 +41,6 @@ from .spo import (
     subset_matmul_right,
     subset_size,
 )
-from .householder import (
-    apply_householder_sequence,
-    householder_decompose,
-    householder_matrix,
-    householder_product_blocked,
-    householder_product_sequential,
-    householder_reflect,
-)
-from .reflection import (
-    AuxiliaryReflection,
-    NewtonConvergenceError,
-    auxiliary_reflection,
-    auxiliary_reflection_inverse,
-    auxiliary_reflection_jacobian,
-    auxiliary_reflection_logabsdet,
-    invertible_weight,
-)
-from .eco import EcoConv2d, construct_index_map, eco_kernel
 
 __all__ = [
     "BASE_INIT_SCHEMES",

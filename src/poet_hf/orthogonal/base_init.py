@@ -11,7 +11,9 @@ __all__ = ["BASE_INIT_SCHEMES", "init_base_weight"]
 BASE_INIT_SCHEMES = ("normalized", "xavier", "standard", "uniform_spectrum")
 
 
-def init_base_weight(shape: tuple[int, int], scheme: str, generator: torch.Generator, std: float = 0.02) -> torch.Tensor:
+def init_base_weight(
+    shape: tuple[int, int], scheme: str, generator: torch.Generator, std: float = 0.02
+) -> torch.Tensor:
     """Return a freshly drawn ``out × in`` matrix of ``shape`` for ``scheme``, in float32.
 
     - ``"standard"``: ``N(0, std²)``.

@@ -20,10 +20,8 @@ import functools
 import logging
 import math
 import weakref
-from typing import Optional
 
 import torch
-
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +53,13 @@ def num_skew_params(block_size: int) -> int:
     return block_size * (block_size - 1) // 2
 
 
-def random_skew_params(shape: tuple[int, ...], block_size: int, generator: torch.Generator, op_norm: float = 0.1,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def random_skew_params(
+    shape: tuple[int, ...],
+    block_size: int,
+    generator: torch.Generator,
+    op_norm: float = 0.1,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose ``block_size``-square skew
     matrices have operator norm about ``op_norm``: a non-identity start for adapters and tests.
 
@@ -75,7 +78,7 @@ def random_skew_params(shape: tuple[int, ...], block_size: int, generator: torch
     return torch.randn(shape, generator=generator, dtype=dtype) * (op_norm / (2 * math.sqrt(block_size)))
 
 
-def paper_neumann_k(terms: int) -> Optional[int]:
+def paper_neumann_k(terms: int) -> int | None:
     """The POET paper's ``k`` (eq. 6: Neumann terms after the identity) for PEFT's term count ``terms``; ``None`` for
     the exact transform."""
     return None if terms == 0 else terms - 2
@@ -100,13 +103,13 @@ def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=device)
     return rows, cols
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _skew_gather_index(block_size: int, device: torch.device) -> torch.Tensor:
     """Where each entry of a flattened ``b × b`` skew matrix is read from ``[0, vec, −vec]``."""
     rows, cols = _triu_indices(block_size, torch.device("cpu"))
@@ -117,7 +120,7 @@ def _skew_gather_index(block_size: int, device: torch.device) -> torch.Tensor:
     return index.flatten().to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triangle_flat_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the strict upper triangle and of its mirror image."""
     rows, cols = _triu_indices(block_size, torch.device("cpu"))
@@ -144,7 +147,8 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
     # One gather from [0, vec, −vec]: no zero fill, no scatter, no transpose-subtract.
     padded = torch.cat([vec.new_zeros(*vec.shape[:-1], 1), vec, -vec], dim=-1)
     return padded.index_select(-1, _skew_gather_index(block_size, vec.device)).reshape(
-        *vec.shape[:-1], block_size, block_size)
+        *vec.shape[:-1], block_size, block_size
+    )
 
 
 def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -155,7 +159,7 @@ def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.index_select(-1, upper) - flat.index_select(-1, lower)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _identity(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A shared identity matrix (read-only by convention: never written in place)."""
     return torch.eye(size, dtype=dtype, device=device)
@@ -213,7 +217,7 @@ def _linear_in_q(a: float, b: float, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, Optional[torch.Tensor], list]:
+def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor | None, list]:
     """``R``, ``Z = Q²`` and the partial sums ``[H_1, …, H_m]`` of Horner's rule in ``Z`` (``H_0 = R``); an ``H_m``
     that is a multiple of the identity is ``None``. Works on ``(n, b, b)`` batches."""
     pairs = _neumann_pairs(terms)
@@ -263,12 +267,15 @@ def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> t
         power = power @ power
         norm = torch.linalg.matrix_norm(power).clamp_min(torch.finfo(q3.dtype).tiny)
         power, log_norm = power / norm[:, None, None], 2 * log_norm + norm.log()
-    n = 2 ** squarings
+    n = 2**squarings
     upper = torch.exp(log_norm / n) if squarings else torch.linalg.matrix_norm(gram)
     weighted = (power * gram).sum((-2, -1)) / power.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(
-        torch.finfo(q3.dtype).tiny)  # tr(G^(n+1)) / tr(G^n), G symmetric
-    return ((frobenius * weighted.clamp_min(0).sqrt()).reshape(q.shape[:-2]),
-            (frobenius * upper.sqrt()).reshape(q.shape[:-2]))
+        torch.finfo(q3.dtype).tiny
+    )  # tr(G^(n+1)) / tr(G^n), G symmetric
+    return (
+        (frobenius * weighted.clamp_min(0).sqrt()).reshape(q.shape[:-2]),
+        (frobenius * upper.sqrt()).reshape(q.shape[:-2]),
+    )
 
 
 def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
@@ -277,7 +284,7 @@ def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
     return skew_spectral_norm_bounds(q)[0]
 
 
-def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) -> Optional[torch.Tensor]:
+def skew_norm_scale(q: torch.Tensor, terms: int, cap: float | None = None) -> torch.Tensor | None:
     """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
     (always for the exact transform, ``terms == 0``).
 
@@ -304,7 +311,9 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) ->
         logger.warning(
             "a skew block reached ||Q||_2 = %.3g > %.3g, outside the Cayley–Neumann series' domain; it is rescaled to "
             "the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. (Logged once.)",
-            float(spectral.max()), cap)
+            float(spectral.max()),
+            cap,
+        )
     return scale[..., None, None]
 
 
@@ -313,12 +322,19 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: Optional[float] = None) ->
 _scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); entries leave with their tensor
 
 
-def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> Optional[torch.Tensor]:
+def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor | None:
     if vec.device.type == "meta":  # a trace by shapes (the memory planner): no values to cap
         return None
     # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
-    key = (vec._version, float(torch.linalg.vector_norm(vec.detach())), tuple(q.shape), terms, MAX_SKEW_NORM,
-           q.dtype, q.device)
+    key = (
+        vec._version,
+        float(torch.linalg.vector_norm(vec.detach())),
+        tuple(q.shape),
+        terms,
+        MAX_SKEW_NORM,
+        q.dtype,
+        q.device,
+    )
     hit = _scale_cache.get(id(vec))
     if hit is not None and hit[0]() is vec and hit[1] == key:
         return hit[2]
@@ -353,7 +369,7 @@ class SkewRotation:
     """
 
     @classmethod
-    def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> "SkewRotation":
+    def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> SkewRotation:
         """The rotation of the skew vectors ``vec``, with the norm cap of `skew_norm_scale` applied."""
         q = skew_from_vector(vec, block_size)
         scale = _cached_norm_scale(vec, q, terms)
@@ -366,7 +382,7 @@ class SkewRotation:
         grad_q = self.vjp(grad_r)
         return vector_from_skew(grad_q if self.scale is None else grad_q * self.scale, self._shape[-1])
 
-    scale: Optional[torch.Tensor] = None
+    scale: torch.Tensor | None = None
 
     def __init__(self, q: torch.Tensor, terms: int) -> None:
         check_neumann_terms(terms)
@@ -399,8 +415,11 @@ class SkewRotation:
             if h_next is None:  # H_m = c I: Z H_m costs no product
                 grad_z = grad_h * pairs[-1][0] if grad_z is None else grad_z.add_(grad_h, alpha=pairs[-1][0])
                 break
-            grad_z = (torch.bmm(grad_h, h_next.transpose(-1, -2)) if grad_z is None
-                      else torch.baddbmm(grad_z, grad_h, h_next.transpose(-1, -2)))
+            grad_z = (
+                torch.bmm(grad_h, h_next.transpose(-1, -2))
+                if grad_z is None
+                else torch.baddbmm(grad_z, grad_h, h_next.transpose(-1, -2))
+            )
             grad_h = torch.bmm(self._z, grad_h)  # Zᵀ = Z
             through_q.add_(grad_h, alpha=pairs[j + 1][1])
         # Z = QQ contributes −(dZ Q + Q dZ), whose skew part is the skew part of −(dZ + dZᵀ)Q.

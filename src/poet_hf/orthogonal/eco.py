@@ -263,7 +263,9 @@ class EcoConv2d(nn.Module):
         self.input_size = as_pair(input_size, "input_size")
         nh, nw = self.input_size
         if nh % self.stride or nw % self.stride:
-            raise ValueError(f"EcoConv2d: stride={self.stride} must divide input_size={self.input_size} (pixel-unshuffle)")
+            raise ValueError(
+                f"EcoConv2d: stride={self.stride} must divide input_size={self.input_size} (pixel-unshuffle)"
+            )
         self.conv_size = (nh // self.stride, nw // self.stride)
         # Both axes 1x1: only the DC block P0[0, 0] acts, so a 1x1 kernel is the same operator family (digest §1.3).
         self.block_kernel_size = 1 if self.conv_size == (1, 1) else self.kernel_size
@@ -425,7 +427,9 @@ class EcoConv2d(nn.Module):
         if self.stride > 1:
             x = F.pixel_unshuffle(x, self.stride)
         if x.shape[-3] != self.conv_in_channels:
-            raise ValueError(f"EcoConv2d expected {self.in_channels} input channels, got {x.shape[-3] // self.stride**2}")
+            raise ValueError(
+                f"EcoConv2d expected {self.in_channels} input channels, got {x.shape[-3] // self.stride**2}"
+            )
         x = F.pad(x, self.padding, mode="circular") if any(self.padding) else x
         kernel = self.kernel(update=self.training and self.update_power_iteration)
         return F.conv2d(x, kernel.to(x.dtype), self.bias, dilation=self.dilation)

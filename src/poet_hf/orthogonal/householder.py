@@ -51,7 +51,9 @@ def _unpack_lapack(input: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     m, n = input.shape[-2:]
     k = tau.shape[-1]
     if not (m >= n >= k):
-        raise ValueError(f"householder_product needs input (..., m, n) and tau (..., k) with m >= n >= k, got m={m}, n={n}, k={k}")
+        raise ValueError(
+            f"householder_product needs input (..., m, n) and tau (..., k) with m >= n >= k, got m={m}, n={n}, k={k}"
+        )
     vecs = input[..., :, :k].tril(-1)
     return vecs + torch.eye(m, k, dtype=input.dtype, device=input.device)
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["orthogonality_error", "polar_factor", "power_iteration", "random_orthogonal", "spectral_norm_estimate",
-           "taylor_exp"]
+__all__ = [
+    "orthogonality_error",
+    "polar_factor",
+    "power_iteration",
+    "random_orthogonal",
+    "spectral_norm_estimate",
+    "taylor_exp",
+]
 
 
 @torch.no_grad()

@@ -101,7 +101,9 @@ class SocConv2d(nn.Module):
         self.input_size = as_pair(input_size, "input_size")
         nh, nw = self.input_size
         if nh % self.stride or nw % self.stride:
-            raise ValueError(f"SocConv2d: stride={self.stride} must divide input_size={self.input_size} (pixel-unshuffle)")
+            raise ValueError(
+                f"SocConv2d: stride={self.stride} must divide input_size={self.input_size} (pixel-unshuffle)"
+            )
         self.conv_size = (nh // self.stride, nw // self.stride)
         if kernel_size // 2 > min(self.conv_size):
             raise ValueError(

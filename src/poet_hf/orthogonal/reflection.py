@@ -183,7 +183,9 @@ def _default_tol(dtype: torch.dtype) -> float:
 _STEP_SIZES = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
 
 
-def _newton_step(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, radius: torch.Tensor, eps: float) -> torch.Tensor:
+def _newton_step(
+    x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, radius: torch.Tensor, eps: float
+) -> torch.Tensor:
     """One damped Newton step per row: the best of a few step sizes, projected on ``||x|| = ||y||``.
 
     Plain Newton from ``x_0 = y`` can cycle for an unconstrained ``W`` (seed-002 §3 saw 0.5% failures); picking
@@ -357,17 +359,23 @@ class AuxiliaryReflection(nn.Module):
         self.register_parameter(name, nn.Parameter(start.to(device=device)))
 
     @staticmethod
-    def _initial_matrix(init: str | torch.Tensor, d: int, invertible: bool, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    def _initial_matrix(
+        init: str | torch.Tensor, d: int, invertible: bool, seed: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         eye = torch.eye(d, dtype=dtype)
         if isinstance(init, torch.Tensor):
             if invertible:
-                raise ValueError("`init` as an orthogonal matrix needs `invertible=False` (W = I - U is singular in general)")
+                raise ValueError(
+                    "`init` as an orthogonal matrix needs `invertible=False` (W = I - U is singular in general)"
+                )
             if init.shape != (d, d):
                 raise ValueError(f"`init` matrix must have shape ({d}, {d}), got {tuple(init.shape)}")
             return eye - init.to(dtype)
         allowed = INITS[1:] if invertible else INITS
         if init not in allowed:
-            raise ValueError(f"`init` must be one of {allowed} or an orthogonal tensor (invertible={invertible}), got {init!r}")
+            raise ValueError(
+                f"`init` must be one of {allowed} or an orthogonal tensor (invertible={invertible}), got {init!r}"
+            )
         generator = torch.Generator().manual_seed(seed)
         if init == "orthogonal":
             return eye - random_orthogonal(d, generator, dtype)
@@ -447,7 +455,12 @@ class AuxiliaryReflection(nn.Module):
                 [`auxiliary_reflection_inverse`][poet_hf.orthogonal.auxiliary_reflection_inverse]).
         """
         rows = auxiliary_reflection_inverse(
-            self._rows(y), self.matrix(), max_iter=self.newton_iters, tol=self.newton_tol, on_fail=self.on_fail, eps=self.eps
+            self._rows(y),
+            self.matrix(),
+            max_iter=self.newton_iters,
+            tol=self.newton_tol,
+            on_fail=self.on_fail,
+            eps=self.eps,
         )
         return self._unrows(rows, y)
 

@@ -28,17 +28,35 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Protocol, Union
 
 import torch
 import torch.nn.functional as F
 
 from .cayley import SkewRotation, neumann_product_count
-from .spo import (BLOCK, FULL, SideSpec, blockdiag_grad_left, blockdiag_grad_right, blockdiag_left,
-                  blockdiag_right, inverse_permutation, select_last)
+from .spo import (
+    BLOCK,
+    FULL,
+    SideSpec,
+    blockdiag_grad_left,
+    blockdiag_grad_right,
+    blockdiag_left,
+    blockdiag_right,
+    inverse_permutation,
+    select_last,
+)
 
-__all__ = ["SideRotation", "RotationCache", "LinearOp", "Conv2dOp", "DenseWeight", "rotated_forward", "strategy_costs",
-           "polynomial_products", "compute_dtypes"]
+__all__ = [
+    "SideRotation",
+    "RotationCache",
+    "LinearOp",
+    "Conv2dOp",
+    "DenseWeight",
+    "rotated_forward",
+    "strategy_costs",
+    "polynomial_products",
+    "compute_dtypes",
+]
 
 WEIGHT, ACTIVATION = "weight", "activation"
 ACTIVATION_RECOMPUTE = "activation-recompute"  # the activation strategy recomputing h: keeps the input only
@@ -56,10 +74,10 @@ class RotationCache:
     """
 
     def __init__(self) -> None:
-        self.blocks: Optional[torch.Tensor] = None
-        self.pending: Optional[torch.Tensor] = None
+        self.blocks: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
         self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
-        self.grad_version: Optional[int] = None  # the owner's note of the gradient the pending sum belongs to
+        self.grad_version: int | None = None  # the owner's note of the gradient the pending sum belongs to
 
     def accumulate(self, grad_blocks: torch.Tensor) -> None:
         """Add one micro-batch's ``∂L/∂blocks`` (a fresh tensor the cache may keep and write into)."""
@@ -89,15 +107,15 @@ class SideRotation:
     spec: SideSpec
     index: torch.Tensor
     terms: int
-    keep: Optional[torch.Tensor] = None
-    cache: Optional[RotationCache] = None
+    keep: torch.Tensor | None = None
+    cache: RotationCache | None = None
     defer: bool = False
 
     def _evaluate(self, vec: torch.Tensor) -> SkewRotation:
         polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
         return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
 
-    def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, Optional[SkewRotation]]:
+    def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, SkewRotation | None]:
         """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP (``None``
         when they came from the cache; ``store`` puts freshly built blocks there)."""
         evaluation = None
@@ -114,8 +132,9 @@ class SideRotation:
             blocks = torch.where(self.keep[:, None, None], blocks, eye)
         return blocks, evaluation
 
-    def vector_grad(self, evaluation: Optional[SkewRotation], grad_blocks: torch.Tensor,
-                    vec: torch.Tensor) -> torch.Tensor:
+    def vector_grad(
+        self, evaluation: SkewRotation | None, grad_blocks: torch.Tensor, vec: torch.Tensor
+    ) -> torch.Tensor:
         """``dL/dvec`` from ``dL/dblocks`` (deferred into the cache, or with the cache's pending sum added)."""
         grad_blocks = grad_blocks.to(torch.promote_types(vec.dtype, torch.float32))
         if self.keep is not None:
@@ -145,26 +164,27 @@ class DenseWeight(Protocol):
 WeightSource = Union[torch.Tensor, DenseWeight]
 
 
-def _save_weight(ctx: Any, weight: WeightSource) -> Optional[torch.Tensor]:
+def _save_weight(ctx: Any, weight: WeightSource) -> torch.Tensor | None:
     """What to save of ``weight`` for the backward: the tensor itself, or nothing for a `DenseWeight`
     (kept on ``ctx`` and called again)."""
     ctx.weight_source = None if isinstance(weight, torch.Tensor) else weight
     return weight if isinstance(weight, torch.Tensor) else None
 
 
-def _dense(weight: Optional[WeightSource], ctx: Any = None) -> torch.Tensor:
+def _dense(weight: WeightSource | None, ctx: Any = None) -> torch.Tensor:
     """The dense ``W0``: a saved tensor, or a fresh call of the `DenseWeight` (``ctx.weight_source``)."""
     source = getattr(ctx, "weight_source", None) if weight is None else weight
     return source if isinstance(source, torch.Tensor) else source()
 
 
 # --- coordinates: a block side works in permuted coordinates, folded into W0 --------------------------------------
-def _permutation(side: Optional[SideRotation]) -> Optional[torch.Tensor]:
+def _permutation(side: SideRotation | None) -> torch.Tensor | None:
     return side.index if side is not None and side.spec.kind == BLOCK else None
 
 
-def weight_in_block_coordinates(weight: torch.Tensor, input_side: Optional[SideRotation],
-                                output_side: Optional[SideRotation]) -> torch.Tensor:
+def weight_in_block_coordinates(
+    weight: torch.Tensor, input_side: SideRotation | None, output_side: SideRotation | None
+) -> torch.Tensor:
     """``Ψ_P · W · Ψ_Rᵀ``: rows gathered by the output permutation, columns by the input one (where block)."""
     rows, cols = _permutation(output_side), _permutation(input_side)
     if rows is not None:
@@ -174,8 +194,9 @@ def weight_in_block_coordinates(weight: torch.Tensor, input_side: Optional[SideR
     return weight
 
 
-def weight_from_block_coordinates(weight: torch.Tensor, input_side: Optional[SideRotation],
-                                  output_side: Optional[SideRotation]) -> torch.Tensor:
+def weight_from_block_coordinates(
+    weight: torch.Tensor, input_side: SideRotation | None, output_side: SideRotation | None
+) -> torch.Tensor:
     """The inverse of `weight_in_block_coordinates`."""
     rows, cols = _permutation(output_side), _permutation(input_side)
     if rows is not None:
@@ -221,11 +242,12 @@ def _transpose(blocks: torch.Tensor) -> torch.Tensor:
 class LinearOp:
     """``y = x Wᵀ + b`` on the last dimension (``nn.Linear``, and ``Conv1D`` through its transposed weight)."""
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool,
-                 weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def backward(
+        self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool, weight_grad: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         grad_x = grad_y @ weight if input_grad else None
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if weight_grad else None
         return grad_x, grad_w
@@ -244,15 +266,27 @@ class Conv2dOp:
     dilation: tuple[int, int]
     groups: int
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.conv2d(x, weight.reshape(self.weight_shape), bias, self.stride, self.padding, self.dilation,
-                        self.groups)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.conv2d(
+            x, weight.reshape(self.weight_shape), bias, self.stride, self.padding, self.dilation, self.groups
+        )
 
-    def backward(self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool,
-                 weight_grad: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def backward(
+        self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool, weight_grad: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
-            grad_y, x, weight.reshape(self.weight_shape), None, self.stride, self.padding, self.dilation, False,
-            [0, 0], self.groups, [input_grad, weight_grad, False])
+            grad_y,
+            x,
+            weight.reshape(self.weight_shape),
+            None,
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            [0, 0],
+            self.groups,
+            [input_grad, weight_grad, False],
+        )
         return grad_x, None if grad_w is None else grad_w.reshape(weight.shape)
 
     def bias_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
@@ -260,8 +294,13 @@ class Conv2dOp:
 
 
 # --- the weight strategy ----------------------------------------------------------------------------------------------
-def _effective_weight(weight: torch.Tensor, input_side: Optional[SideRotation], r_blocks: Optional[torch.Tensor],
-                      output_side: Optional[SideRotation], p_blocks: Optional[torch.Tensor]) -> tuple:
+def _effective_weight(
+    weight: torch.Tensor,
+    input_side: SideRotation | None,
+    r_blocks: torch.Tensor | None,
+    output_side: SideRotation | None,
+    p_blocks: torch.Tensor | None,
+) -> tuple:
     """``Pᵀ W Rᵀ`` and the intermediates its backward needs: ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and
     ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
     gathered = weight_in_block_coordinates(weight, input_side, output_side)
@@ -272,13 +311,15 @@ def _effective_weight(weight: torch.Tensor, input_side: Optional[SideRotation], 
 
 class _WeightStrategy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
-                keep_output=False):
+    def forward(
+        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output=False
+    ):
         with _autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0].to(rotation_dtype)
             p_blocks = None if output_side is None else output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
-            effective = _effective_weight(_dense(weight).to(rotation_dtype), input_side, r_blocks, output_side,
-                                          p_blocks)[0]
+            effective = _effective_weight(
+                _dense(weight).to(rotation_dtype), input_side, r_blocks, output_side, p_blocks
+            )[0]
             y = op.forward(x.to(base_dtype), effective.to(base_dtype), None if bias is None else bias.to(base_dtype))
         ctx.save_for_backward(x, _save_weight(ctx, weight), bias, r_vec, p_vec)
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
@@ -295,25 +336,29 @@ class _WeightStrategy(torch.autograd.Function):
                 r_blocks, r_eval = input_side.blocks(r_vec)
             if output_side is not None:
                 p_blocks, p_eval = output_side.blocks(p_vec)
-            cast = (lambda t: None if t is None else t.to(rotation_dtype))
-            effective, gathered, rotated_in = _effective_weight(_dense(weight, ctx).to(rotation_dtype), input_side,
-                                                                cast(r_blocks), output_side, cast(p_blocks))
+            cast = lambda t: None if t is None else t.to(rotation_dtype)
+            effective, gathered, rotated_in = _effective_weight(
+                _dense(weight, ctx).to(rotation_dtype), input_side, cast(r_blocks), output_side, cast(p_blocks)
+            )
             need_skew = r_vec is not None and ctx.needs_input_grad[3] or p_vec is not None and ctx.needs_input_grad[4]
             grad_y = grad_y.to(base_dtype)
-            grad_x, grad_w = op.backward(grad_y, x.to(base_dtype), effective.to(base_dtype), ctx.needs_input_grad[0],
-                                         need_skew)
+            grad_x, grad_w = op.backward(
+                grad_y, x.to(base_dtype), effective.to(base_dtype), ctx.needs_input_grad[0], need_skew
+            )
             grads[0] = None if grad_x is None else grad_x.to(x.dtype)
             if bias is not None and ctx.needs_input_grad[2]:
                 grads[2] = op.bias_grad(grad_y).to(bias.dtype)
             if need_skew:
                 grad_w = weight_in_block_coordinates(grad_w.to(rotation_dtype), input_side, output_side)
                 if output_side is not None:  # W_eff' = Diag(P)ᵀ A'
-                    grads[4] = output_side.vector_grad(p_eval, _transpose(_grad_left(grad_w, rotated_in, output_side)),
-                                                       p_vec)
+                    grads[4] = output_side.vector_grad(
+                        p_eval, _transpose(_grad_left(grad_w, rotated_in, output_side)), p_vec
+                    )
                     grad_w = _left(grad_w, output_side, cast(p_blocks))
                 if input_side is not None:  # A' = W' Diag(R)ᵀ
-                    grads[3] = input_side.vector_grad(r_eval, _transpose(_grad_right(gathered, grad_w, input_side)),
-                                                      r_vec)
+                    grads[3] = input_side.vector_grad(
+                        r_eval, _transpose(_grad_right(gathered, grad_w, input_side)), r_vec
+                    )
         return tuple(grads)
 
 
@@ -325,36 +370,59 @@ def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> 
     return _right(x, side, blocks)
 
 
-def _pre_rotation_output(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                         input_side: Optional[SideRotation], r_blocks: Optional[torch.Tensor],
-                         output_side: Optional[SideRotation], op: LinearOp, rotation_dtype: torch.dtype,
-                         base_dtype: torch.dtype) -> torch.Tensor:
+def _pre_rotation_output(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_side: SideRotation | None,
+    r_blocks: torch.Tensor | None,
+    output_side: SideRotation | None,
+    op: LinearOp,
+    rotation_dtype: torch.dtype,
+    base_dtype: torch.dtype,
+) -> torch.Tensor:
     """``h = (x R) W0ᵀ (+ bias)`` in P's coordinates (``H Ψ_Pᵀ`` for a block output side)."""
-    u = x2.to(base_dtype) if input_side is None else \
-        _rotate_input(x2.to(rotation_dtype), input_side, r_blocks.to(rotation_dtype)).to(base_dtype)
+    u = (
+        x2.to(base_dtype)
+        if input_side is None
+        else _rotate_input(x2.to(rotation_dtype), input_side, r_blocks.to(rotation_dtype)).to(base_dtype)
+    )
     gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
     return op.forward(u, gathered, None if bias is None else bias.to(base_dtype))
 
 
 class _ActivationStrategy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
-                keep_output):
+    def forward(
+        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output
+    ):
         with _autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
-            h = _pre_rotation_output(x.reshape(-1, x.shape[-1]), _dense(weight), bias if output_side is None else None,
-                                     input_side, r_blocks, output_side, op, rotation_dtype, base_dtype)
+            h = _pre_rotation_output(
+                x.reshape(-1, x.shape[-1]),
+                _dense(weight),
+                bias if output_side is None else None,
+                input_side,
+                r_blocks,
+                output_side,
+                op,
+                rotation_dtype,
+                base_dtype,
+            )
             y = h
             if output_side is not None:
-                y = _right(h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype))
+                y = _right(
+                    h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
+                )
                 if output_side.spec.kind == BLOCK:
                     y = select_last(y, inverse_permutation(output_side.index))
                 y = y.to(base_dtype)
                 if bias is not None:
                     y = y + bias.to(base_dtype)
-        ctx.save_for_backward(x, _save_weight(ctx, weight), bias, r_vec, p_vec,
-                              h if output_side is not None and keep_output else None)
+        ctx.save_for_backward(
+            x, _save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
+        )
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -379,10 +447,10 @@ class _ActivationStrategy(torch.autograd.Function):
                     g = select_last(g, output_side.index)
                 if ctx.needs_input_grad[4]:
                     if h is None:  # not kept: recompute it
-                        h = _pre_rotation_output(x2, weight, None, input_side, r_blocks, output_side, op,
-                                                 rotation_dtype, base_dtype)
-                    grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side),
-                                                       p_vec)
+                        h = _pre_rotation_output(
+                            x2, weight, None, input_side, r_blocks, output_side, op, rotation_dtype, base_dtype
+                        )
+                    grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side), p_vec)
                 g = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
             gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
             grad_u = g.to(base_dtype) @ gathered  # in R's coordinates
@@ -418,9 +486,17 @@ def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, 
     return torch.promote_types(weight.dtype, torch.float32), weight.dtype
 
 
-def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: Optional[torch.Tensor],
-                    input_side: Optional[SideRotation], r_vec: Optional[torch.Tensor],
-                    output_side: Optional[SideRotation], p_vec: Optional[torch.Tensor], op: Any = None) -> torch.Tensor:
+def rotated_forward(
+    strategy: str,
+    x: torch.Tensor,
+    weight: WeightSource,
+    bias: torch.Tensor | None,
+    input_side: SideRotation | None,
+    r_vec: torch.Tensor | None,
+    output_side: SideRotation | None,
+    p_vec: torch.Tensor | None,
+    op: Any = None,
+) -> torch.Tensor:
     """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of `STRATEGIES`.
 
     ``weight`` is the ``out × in`` matrix (a view of the base layer's weight) or a `DenseWeight` that returns
@@ -435,8 +511,9 @@ def rotated_forward(strategy: str, x: torch.Tensor, weight: WeightSource, bias: 
         raise ValueError(f"the {strategy} strategy needs a linear base op, got {type(op).__name__}")
     rotation_dtype, base_dtype = compute_dtypes(x, weight)
     function = _WeightStrategy if strategy == WEIGHT else _ActivationStrategy
-    return function.apply(x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype,
-                          strategy == ACTIVATION)
+    return function.apply(
+        x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, strategy == ACTIVATION
+    )
 
 
 def polynomial_products(terms: int, phase: str) -> int:
@@ -454,9 +531,16 @@ def polynomial_products(terms: int, phase: str) -> int:
     return {"uncached": 2 * forward + vjp, "building": forward, "deferred": 0, "closing": forward + vjp}[phase]
 
 
-def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
-                   output_side: Optional[SideSpec], training: bool, dequantize_cost: float = 0.0,
-                   polynomial: int = 0) -> dict[str, dict[str, float]]:
+def strategy_costs(
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    input_side: SideSpec | None,
+    output_side: SideSpec | None,
+    training: bool,
+    dequantize_cost: float = 0.0,
+    polynomial: int = 0,
+) -> dict[str, dict[str, float]]:
     """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
     strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
     pays for the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
@@ -479,28 +563,46 @@ def strategy_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[Side
     """
     passes = 2 if training else 1
     fixed = passes * dequantize_cost * d_in * d_out + polynomial * sum(
-        spec.num_blocks * spec.block ** 3 for spec in (input_side, output_side) if spec is not None)
-    return {name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
-            for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()}
+        spec.num_blocks * spec.block**3 for spec in (input_side, output_side) if spec is not None
+    )
+    return {
+        name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
+        for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()
+    }
 
 
-def _rotation_costs(tokens: int, d_in: int, d_out: int, input_side: Optional[SideSpec],
-                    output_side: Optional[SideSpec], training: bool) -> dict[str, dict[str, float]]:
+def _rotation_costs(
+    tokens: int, d_in: int, d_out: int, input_side: SideSpec | None, output_side: SideSpec | None, training: bool
+) -> dict[str, dict[str, float]]:
     """`strategy_costs` for a dense ``W0``."""
     n = d_in * d_out
-    rotate_weight = {side: spec.apply_cost(other) for side, spec, other in
-                     (("R", input_side, d_out), ("P", output_side, d_in)) if spec is not None}
-    rotate_rows = {side: spec.apply_cost(tokens) for side, spec in (("R", input_side), ("P", output_side))
-                   if spec is not None}
+    rotate_weight = {
+        side: spec.apply_cost(other)
+        for side, spec, other in (("R", input_side, d_out), ("P", output_side, d_in))
+        if spec is not None
+    }
+    rotate_rows = {
+        side: spec.apply_cost(tokens) for side, spec in (("R", input_side), ("P", output_side)) if spec is not None
+    }
     if not training:
         row_cost = tokens * n + sum(rotate_rows.values())
-        return {WEIGHT: {"macs": tokens * n + sum(rotate_weight.values()), "kept": 0.0},
-                ACTIVATION: {"macs": row_cost, "kept": 0.0}, ACTIVATION_RECOMPUTE: {"macs": row_cost, "kept": 0.0}}
-    weight = 3 * tokens * n + 3 * rotate_weight.get("R", 0) + (4 if "R" in rotate_weight else 3) * rotate_weight.get("P", 0)
+        return {
+            WEIGHT: {"macs": tokens * n + sum(rotate_weight.values()), "kept": 0.0},
+            ACTIVATION: {"macs": row_cost, "kept": 0.0},
+            ACTIVATION_RECOMPUTE: {"macs": row_cost, "kept": 0.0},
+        }
+    weight = (
+        3 * tokens * n + 3 * rotate_weight.get("R", 0) + (4 if "R" in rotate_weight else 3) * rotate_weight.get("P", 0)
+    )
     activation = 2 * tokens * n + 3 * sum(rotate_rows.values())
     if "P" not in rotate_rows:  # nothing to keep: the two activation strategies are the same
-        return {WEIGHT: {"macs": weight, "kept": 0.0}, ACTIVATION: {"macs": activation, "kept": 0.0},
-                ACTIVATION_RECOMPUTE: {"macs": activation, "kept": 0.0}}
-    return {WEIGHT: {"macs": weight, "kept": 0.0},
-            ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
-            ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0}}
+        return {
+            WEIGHT: {"macs": weight, "kept": 0.0},
+            ACTIVATION: {"macs": activation, "kept": 0.0},
+            ACTIVATION_RECOMPUTE: {"macs": activation, "kept": 0.0},
+        }
+    return {
+        WEIGHT: {"macs": weight, "kept": 0.0},
+        ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
+        ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0},
+    }

@@ -118,8 +118,9 @@ def subset_matmul_left(x: torch.Tensor, index: torch.Tensor, block: torch.Tensor
     return x.index_copy(0, index, block @ x.index_select(0, index))
 
 
-def spo_generator(seed: int, merge_count: int, layer_name: str, side: str,
-                  adapter_name: str = "default") -> torch.Generator:
+def spo_generator(
+    seed: int, merge_count: int, layer_name: str, side: str, adapter_name: str = "default"
+) -> torch.Generator:
     """A CPU generator seeded by (seed, adapter name, merge count, layer name, side).
 
     The seed is a stable hash (not Python's salted ``hash``), so every process and every resumed run draws the same
@@ -244,8 +245,10 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
     """
     if spo == FULL:
         if not 2 <= subset <= dim:
-            raise ValueError(f"`{field}` gives an index set of {subset} on the {dim}-dimensional side of target module "
-                             f"'{layer_name}'; it must lie in [2, {dim}]")
+            raise ValueError(
+                f"`{field}` gives an index set of {subset} on the {dim}-dimensional side of target module "
+                f"'{layer_name}'; it must lie in [2, {dim}]"
+            )
         return SideSpec(FULL, dim, subset)
     if dim % block_size:
         raise ValueError(

@@ -5,5 +5,12 @@ from .callback import MergeReinitCallback, clip_threshold
 from .optimizer import poet_param_groups, poet_parameters, reset_optimizer_state
 from .trainer import PoetTrainer
 
-__all__ = ["PoetTrainer", "PoetTrainingArguments", "MergeReinitCallback", "clip_threshold", "poet_param_groups",
-           "poet_parameters", "reset_optimizer_state"]
+__all__ = [
+    "PoetTrainer",
+    "PoetTrainingArguments",
+    "MergeReinitCallback",
+    "clip_threshold",
+    "poet_param_groups",
+    "poet_parameters",
+    "reset_optimizer_state",
+]

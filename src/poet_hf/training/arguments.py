@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from transformers import TrainingArguments
 
@@ -12,19 +11,30 @@ from transformers import TrainingArguments
 class PoetTrainingArguments(TrainingArguments):
     """Training arguments for POET (POET §5.3): two learning rates, merge interval and the post-merge clip ramp."""
 
-    poet_learning_rate: Optional[float] = field(
-        default=None, metadata={"help": "Learning rate of the POET skew parameters; None uses learning_rate."})
-    poet_reference_block: Optional[int] = field(
-        default=None, metadata={"help": "If set, a POET side of block size b trains at poet_learning_rate · "
-                                "poet_reference_block / b, so every block size turns by the same angle per step (the "
-                                "paper's Tables 8–9 tie lr = 1e-3·256/b, per side). None: one rate for every side."})
-    merge_every: Optional[int] = field(
-        default=None, metadata={"help": "Optimizer steps between merge-then-reinitialize; overrides the config."})
+    poet_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the POET skew parameters; None uses learning_rate."}
+    )
+    poet_reference_block: int | None = field(
+        default=None,
+        metadata={
+            "help": "If set, a POET side of block size b trains at poet_learning_rate · "
+            "poet_reference_block / b, so every block size turns by the same angle per step (the "
+            "paper's Tables 8–9 tie lr = 1e-3·256/b, per side). None: one rate for every side."
+        },
+    )
+    merge_every: int | None = field(
+        default=None, metadata={"help": "Optimizer steps between merge-then-reinitialize; overrides the config."}
+    )
     post_merge_clip_steps: int = field(
-        default=10, metadata={"help": "Steps after each merge over which the clip threshold ramps back to "
-                              "max_grad_norm; 0 disables the ramp."})
+        default=10,
+        metadata={
+            "help": "Steps after each merge over which the clip threshold ramps back to "
+            "max_grad_norm; 0 disables the ramp."
+        },
+    )
     post_merge_clip_factor: float = field(
-        default=0.1, metadata={"help": "Clip threshold right after a merge, as a fraction of max_grad_norm."})
+        default=0.1, metadata={"help": "Clip threshold right after a merge, as a fraction of max_grad_norm."}
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -32,10 +42,12 @@ class PoetTrainingArguments(TrainingArguments):
             raise ValueError(f"`merge_every` must be an integer >= 1 or None, got {self.merge_every!r}")
         if self.poet_learning_rate is not None and self.poet_learning_rate < 0:
             raise ValueError(f"`poet_learning_rate` must be >= 0, got {self.poet_learning_rate!r}")
-        if self.poet_reference_block is not None and (not isinstance(self.poet_reference_block, int)
-                                                      or self.poet_reference_block < 2):
-            raise ValueError("`poet_reference_block` must be an integer >= 2 or None, got "
-                             f"{self.poet_reference_block!r}")
+        if self.poet_reference_block is not None and (
+            not isinstance(self.poet_reference_block, int) or self.poet_reference_block < 2
+        ):
+            raise ValueError(
+                f"`poet_reference_block` must be an integer >= 2 or None, got {self.poet_reference_block!r}"
+            )
         if self.post_merge_clip_steps < 0:
             raise ValueError(f"`post_merge_clip_steps` must be >= 0, got {self.post_merge_clip_steps!r}")
         if not 0 < self.post_merge_clip_factor <= 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -12,7 +11,6 @@ from transformers.trainer_callback import ExportableState
 from ..diagnostics import poet_statistics
 from ..tuners.poet import merge_and_reinit, poet_layers
 from .optimizer import poet_parameters, reset_optimizer_state
-
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> Optional[int]:
+def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> int | None:
     """``args.merge_every`` if set, else the POET config's ``merge_every``; ``None`` for a model without POET."""
     if getattr(args, "merge_every", None):
         return args.merge_every
@@ -84,18 +82,20 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         adapter_name: the adapter to merge.
     """
 
-    def __init__(self, merge_every: Optional[int] = None, adapter_name: str = "default") -> None:
+    def __init__(self, merge_every: int | None = None, adapter_name: str = "default") -> None:
         self.merge_every = merge_every
         self.adapter_name = adapter_name
-        self.base_max_grad_norm: Optional[float] = None
+        self.base_max_grad_norm: float | None = None
         self.history: list[dict] = []
-        self.statistics_before_merge: Optional[tuple[int, dict[str, float]]] = None  # (step, statistics)
+        self.statistics_before_merge: tuple[int, dict[str, float]] | None = None  # (step, statistics)
 
     def state(self) -> dict:
-        return {"args": {"merge_every": self.merge_every, "adapter_name": self.adapter_name},
-                "attributes": {"history": self.history}}
+        return {
+            "args": {"merge_every": self.merge_every, "adapter_name": self.adapter_name},
+            "attributes": {"history": self.history},
+        }
 
-    def interval(self, args: TrainingArguments, model: nn.Module) -> Optional[int]:
+    def interval(self, args: TrainingArguments, model: nn.Module) -> int | None:
         """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's.
 
         Args:
@@ -117,9 +117,13 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         interval = self.interval(args, model)
         if interval and self.base_max_grad_norm and self.base_max_grad_norm > 0:
-            args.max_grad_norm = clip_threshold(state.global_step + 1, interval, self.base_max_grad_norm,
-                                                getattr(args, "post_merge_clip_steps", 10),
-                                                getattr(args, "post_merge_clip_factor", 0.1))
+            args.max_grad_norm = clip_threshold(
+                state.global_step + 1,
+                interval,
+                self.base_max_grad_norm,
+                getattr(args, "post_merge_clip_steps", 10),
+                getattr(args, "post_merge_clip_factor", 0.1),
+            )
 
     def on_step_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
         if state.global_step <= FINETUNE_WARN_STEPS and state.global_step % 5 == 0:
@@ -137,8 +141,9 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     def _check_early_angle(self, model: nn.Module, step: int, args: TrainingArguments) -> None:
         if getattr(self, "_angle_warned", False) or not starts_from_pretrained(model, self.adapter_name):
             return
-        angle = max((layer.rotation_angle(self.adapter_name) for _, layer in poet_layers(model, self.adapter_name)),
-                    default=0.0)
+        angle = max(
+            (layer.rotation_angle(self.adapter_name) for _, layer in poet_layers(model, self.adapter_name)), default=0.0
+        )
         if angle > FINETUNE_WARN_ANGLE:
             self._angle_warned = True
             rate = getattr(args, "poet_learning_rate", None) or args.learning_rate
@@ -146,7 +151,12 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
                 "after %d steps the rotations already turn a layer by %.0f° (> %.0f°, FINETUNE_WARN_ANGLE): fine-tuning "
                 "a pretrained model this fast usually damages it. Lower the rotation learning rate (now %g); the defaults "
                 "are 1e-3 for OFT and, for POET, 1e-3 at a 32-block side with poet_reference_block=32 scaling other "
-                "sizes.", step, angle, FINETUNE_WARN_ANGLE, rate)
+                "sizes.",
+                step,
+                angle,
+                FINETUNE_WARN_ANGLE,
+                rate,
+            )
 
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         if self.base_max_grad_norm is not None:

@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,70 +62,141 @@ class FinetuneArguments:
     model: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
     method: str = field(default="oft", metadata={"help": f"one of {', '.join(METHODS)}"})
     task: str = field(default="causal-lm", metadata={"help": f"one of {', '.join(TASKS)}"})
-    dataset: str = field(default=EMBEDDED_CORPUS,
-                         metadata={"help": "'embedded' (causal LM only), an HF dataset name, or local files / a "
-                                   "folder of .txt/.jsonl/.json/.csv"})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "HF dataset config name"})
+    dataset: str = field(
+        default=EMBEDDED_CORPUS,
+        metadata={
+            "help": "'embedded' (causal LM only), an HF dataset name, or local files / a "
+            "folder of .txt/.jsonl/.json/.csv"
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     label_column: str = field(default="label", metadata={"help": "integer label column (classification)"})
-    eval_split: str = field(default="validation", metadata={"help": "split to evaluate on if the dataset has it; "
-                            "otherwise a twentieth of train is held out"})
-    tokenizer: Optional[str] = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
-    base_quantization: Optional[str] = field(default=None, metadata={"help": "load the model's Linear layers "
-                                             "quantised by bitsandbytes (QOFT, QPOET, QLoRA): 'nf4' or 'fp4' (4-bit, "
-                                             "double quantisation) or 'int8'; needs pip install 'poet_hf[quant]'"})
+    eval_split: str = field(
+        default="validation",
+        metadata={"help": "split to evaluate on if the dataset has it; otherwise a twentieth of train is held out"},
+    )
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
+    base_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "load the model's Linear layers "
+            "quantised by bitsandbytes (QOFT, QPOET, QLoRA): 'nf4' or 'fp4' (4-bit, "
+            "double quantisation) or 'int8'; needs pip install 'poet_hf[quant]'"
+        },
+    )
     seq_len: int = field(default=128, metadata={"help": "packed length (causal LM) / max length (classification)"})
-    recipe: str = field(default="default", metadata={"help": f"POET only: one of {', '.join(POET_RECIPES)}. 'default' "
-                        "is 32-blocks on both sides in OFT's contiguous layout at lr 1e-3, what improved our pretrained "
-                        "testbed models at OFT's cost; 'paper' is the POET paper's Table 6 setting (fully stochastic, "
-                        "budget 1/2): about 10x the trainable parameters and, on the testbed, about 1.9x (LM) to 3x "
-                        "(encoder) OFT's time per step, for less improvement at the same rate"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "POET / OFT block size (must divide the "
-                                      f"targeted dims); default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"})
-    neumann_terms: Optional[int] = field(default=None, metadata={"help": "Cayley–Neumann terms, PEFT's count (the "
-                                         "paper's k = n − 2; 0 = exact Cayley); default: the config's (POET "
-                                         f"{PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"})
-    spo: Optional[str] = field(default=None, metadata={"help": "POET: 'contiguous', 'block' (permuted) or 'full' "
-                               "(default: the recipe's); OFT: 'contiguous' (default, PEFT's blocks) or 'block'"})
-    budget: Optional[float] = field(default=None, metadata={"help": "POET spo='full': index-set size per side as a "
-                                    f"fraction of the dimension (default: the recipe's, else PoetConfig's {PoetConfig.budget})"})
-    merge_every: Optional[int] = field(default=None, metadata={"help": "merge-then-reinitialize interval; default: the "
-                                       f"config's (POET {PoetConfig.merge_every}, OFT never)"})
-    lora_rank: int = field(default=LoraConfig.r, metadata={"help": "LoRA rank r (--method lora); default: LoraConfig's"})
-    lora_alpha: Optional[float] = field(default=None, metadata={"help": "default: 2 × lora_rank"})
-    target_modules: Optional[str] = field(default=None, metadata={"help": "comma-separated module names; default "
-                                          "per model type (every Linear in the blocks)"})
-    learning_rate: Optional[float] = field(default=None, metadata={"help": "learning rate of the adapter parameters "
-                                           "(default: POET the recipe's, OFT 1e-3, LoRA 1e-3). For POET it is the rate "
-                                           f"of a {POET_REFERENCE_BLOCK}-block side; a side of block size b trains at "
-                                           f"lr·{POET_REFERENCE_BLOCK}/b"})
-    poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET/OFT skew parameters' learning "
-                                                "rate; default learning_rate"})
-    poet_reference_block: int = field(default=POET_REFERENCE_BLOCK, metadata={"help": "POET: a side of block size b "
-                                      "trains at the POET rate times poet_reference_block/b; 0: one rate for every "
-                                      "side"})
+    recipe: str = field(
+        default="default",
+        metadata={
+            "help": f"POET only: one of {', '.join(POET_RECIPES)}. 'default' "
+            "is 32-blocks on both sides in OFT's contiguous layout at lr 1e-3, what improved our pretrained "
+            "testbed models at OFT's cost; 'paper' is the POET paper's Table 6 setting (fully stochastic, "
+            "budget 1/2): about 10x the trainable parameters and, on the testbed, about 1.9x (LM) to 3x "
+            "(encoder) OFT's time per step, for less improvement at the same rate"
+        },
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "POET / OFT block size (must divide the "
+            f"targeted dims); default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"
+        },
+    )
+    neumann_terms: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cayley–Neumann terms, PEFT's count (the "
+            "paper's k = n − 2; 0 = exact Cayley); default: the config's (POET "
+            f"{PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"
+        },
+    )
+    spo: str | None = field(
+        default=None,
+        metadata={
+            "help": "POET: 'contiguous', 'block' (permuted) or 'full' "
+            "(default: the recipe's); OFT: 'contiguous' (default, PEFT's blocks) or 'block'"
+        },
+    )
+    budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "POET spo='full': index-set size per side as a "
+            f"fraction of the dimension (default: the recipe's, else PoetConfig's {PoetConfig.budget})"
+        },
+    )
+    merge_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "merge-then-reinitialize interval; default: the "
+            f"config's (POET {PoetConfig.merge_every}, OFT never)"
+        },
+    )
+    lora_rank: int = field(
+        default=LoraConfig.r, metadata={"help": "LoRA rank r (--method lora); default: LoraConfig's"}
+    )
+    lora_alpha: float | None = field(default=None, metadata={"help": "default: 2 × lora_rank"})
+    target_modules: str | None = field(
+        default=None,
+        metadata={"help": "comma-separated module names; default per model type (every Linear in the blocks)"},
+    )
+    learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "learning rate of the adapter parameters "
+            "(default: POET the recipe's, OFT 1e-3, LoRA 1e-3). For POET it is the rate "
+            f"of a {POET_REFERENCE_BLOCK}-block side; a side of block size b trains at "
+            f"lr·{POET_REFERENCE_BLOCK}/b"
+        },
+    )
+    poet_learning_rate: float | None = field(
+        default=None, metadata={"help": "POET/OFT skew parameters' learning rate; default learning_rate"}
+    )
+    poet_reference_block: int = field(
+        default=POET_REFERENCE_BLOCK,
+        metadata={
+            "help": "POET: a side of block size b "
+            "trains at the POET rate times poet_reference_block/b; 0: one rate for every "
+            "side"
+        },
+    )
     max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
     batch_size: int = field(default=8, metadata={"help": "sequences per device per micro-batch"})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay of the non-rotation parameters"})
     max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping threshold"})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "use at most this many training "
-                                             "sequences / examples"})
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "use at most this many training sequences / examples"}
+    )
     max_eval_samples: int = field(default=256, metadata={"help": "evaluate on at most this many"})
-    output_dir: str = field(default="outputs/finetune", metadata={"help": "where the adapter and results.json "
-                            "go"})
-    export_dir: Optional[str] = field(default=None, metadata={"help": "export the merged plain model here"})
+    output_dir: str = field(default="outputs/finetune", metadata={"help": "where the adapter and results.json go"})
+    export_dir: str | None = field(default=None, metadata={"help": "export the merged plain model here"})
     logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint interval (0 = no intermediate checkpoints); "
-                            "checkpoints are written atomically into --output_dir"})
-    save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep at most this many checkpoints"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (or 'latest'): resume "
-                                                  "from the newest complete checkpoint in --output_dir, or start fresh "
-                                                  "if there is none, so after a crash you rerun the same command; or a "
-                                                  "checkpoint folder"})
-    eval_steps: Optional[int] = field(default=None, metadata={"help": "also evaluate every this many steps (the "
-                                      "losses go to the log and results.json); default: before and after only"})
+    save_steps: int = field(
+        default=0,
+        metadata={
+            "help": "checkpoint interval (0 = no intermediate checkpoints); "
+            "checkpoints are written atomically into --output_dir"
+        },
+    )
+    save_total_limit: int | None = field(default=None, metadata={"help": "keep at most this many checkpoints"})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto' (or 'latest'): resume "
+            "from the newest complete checkpoint in --output_dir, or start fresh "
+            "if there is none, so after a crash you rerun the same command; or a "
+            "checkpoint folder"
+        },
+    )
+    eval_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "also evaluate every this many steps (the "
+            "losses go to the log and results.json); default: before and after only"
+        },
+    )
     report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress bars"})
     seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
@@ -139,8 +210,9 @@ class FinetuneArguments:
         if self.recipe not in POET_RECIPES:
             raise ValueError(f"`recipe` must be one of {tuple(POET_RECIPES)}, got {self.recipe!r}")
         if self.method != "poet" and self.recipe != "default":
-            raise ValueError(f"`recipe` applies to --method poet only; --method {self.method} takes its config's "
-                             "defaults")
+            raise ValueError(
+                f"`recipe` applies to --method poet only; --method {self.method} takes its config's defaults"
+            )
         if self.method == "poet":  # the recipe fills what the command line left unset
             for name, value in POET_RECIPES[self.recipe].items():
                 if getattr(self, name) is None:
@@ -151,25 +223,41 @@ class FinetuneArguments:
         if self.method in ("poet", "oft") and self.spo is not None and self.spo not in allowed_spo:
             raise ValueError(f"`spo` for --method {self.method} must be one of {allowed_spo}, got {self.spo!r}")
         if self.task == "sequence-classification" and self.dataset == EMBEDDED_CORPUS:
-            raise ValueError("`dataset`='embedded' is an unlabelled corpus; sequence classification needs a "
-                             "labelled dataset (an HF name or local files with text and label columns)")
-        if not isinstance(self.poet_reference_block, int) or self.poet_reference_block < 0 or \
-                self.poet_reference_block == 1:
-            raise ValueError(f"`poet_reference_block` must be 0 (one rate for every side) or an integer >= 2, got "
-                             f"{self.poet_reference_block!r}")
-        for name in ("max_steps", "batch_size", "seq_len", "gradient_accumulation_steps", "lora_rank",
-                     "max_eval_samples"):
+            raise ValueError(
+                "`dataset`='embedded' is an unlabelled corpus; sequence classification needs a "
+                "labelled dataset (an HF name or local files with text and label columns)"
+            )
+        if (
+            not isinstance(self.poet_reference_block, int)
+            or self.poet_reference_block < 0
+            or self.poet_reference_block == 1
+        ):
+            raise ValueError(
+                f"`poet_reference_block` must be 0 (one rate for every side) or an integer >= 2, got "
+                f"{self.poet_reference_block!r}"
+            )
+        for name in (
+            "max_steps",
+            "batch_size",
+            "seq_len",
+            "gradient_accumulation_steps",
+            "lora_rank",
+            "max_eval_samples",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
 
 
 # --- 1. model and tokenizer -------------------------------------------------------------------------------------------
-def load_model(args: FinetuneArguments, num_labels: Optional[int] = None) -> tuple[torch.nn.Module, list[str]]:
+def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[torch.nn.Module, list[str]]:
     """The pretrained model for ``args.task`` (a hub name or a local path), and the modules the checkpoint did not
     provide: a new classification head, or the pooler a sentence-embedding checkpoint lacks. Those start random, so
     they train fully and are saved beside the adapter."""
-    quantized = {} if args.base_quantization is None else {
-        "quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
+    quantized = (
+        {}
+        if args.base_quantization is None
+        else {"quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
+    )
     if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded_by_accelerate():
         # No process loads the checkpoint whole: built on meta, PoetTrainer shards it and materializes each
         # process's shards from the checkpoint (pretrained_weights).
@@ -178,8 +266,9 @@ def load_model(args: FinetuneArguments, num_labels: Optional[int] = None) -> tup
     if args.task == "causal-lm":
         model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized)
     else:
-        model, info = AutoModelForSequenceClassification.from_pretrained(args.model, num_labels=num_labels,
-                                                                         output_loading_info=True, **quantized)
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            args.model, num_labels=num_labels, output_loading_info=True, **quantized
+        )
     return model, sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
 
 
@@ -211,7 +300,7 @@ def load_model_tokenizer(args: FinetuneArguments):
 
 
 # --- 2. data ----------------------------------------------------------------------------------------------------------
-def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, Optional[int]]:
+def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, int | None]:
     """Tokenized train and evaluation sets, and the number of labels (classification)."""
     raw = load_corpus(args.dataset, args.dataset_config, seed=args.seed, validation_split=args.eval_split)
     if args.task == "causal-lm":
@@ -228,8 +317,7 @@ def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, Op
         num_labels = len(labels)
 
         def tokenize(batch: dict) -> dict:
-            encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.seq_len,
-                                padding="max_length")
+            encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.seq_len, padding="max_length")
             encoded["labels"] = batch[args.label_column]
             return encoded
 
@@ -237,8 +325,10 @@ def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, Op
         train = raw["train"].map(tokenize, batched=True, remove_columns=columns)
         evaluation = raw["validation"].map(tokenize, batched=True, remove_columns=columns)
     if len(train) == 0 or len(evaluation) == 0:
-        raise ValueError(f"dataset {args.dataset!r} gives {len(train)} training and {len(evaluation)} evaluation "
-                         f"examples at seq_len={args.seq_len}; use more data or a shorter --seq_len")
+        raise ValueError(
+            f"dataset {args.dataset!r} gives {len(train)} training and {len(evaluation)} evaluation "
+            f"examples at seq_len={args.seq_len}; use more data or a shorter --seq_len"
+        )
     if args.max_train_samples is not None:
         train = train.select(range(min(args.max_train_samples, len(train))))
     evaluation = evaluation.select(range(min(args.max_eval_samples, len(evaluation))))
@@ -256,17 +346,23 @@ def target_modules(args: FinetuneArguments, model: torch.nn.Module):
     return DEFAULT_TARGET_MODULES[model_type]
 
 
-def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: Optional[list[str]] = None):
+def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: list[str] | None = None):
     """The PEFT config of ``args.method``; ``new_modules`` (and, through the task type, classification heads) are
     trained fully and saved beside the adapter."""
     from peft import TaskType
 
     task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
-    common = {"target_modules": target_modules(args, model), "task_type": task_type,
-              "modules_to_save": list(new_modules or []) or None}
+    common = {
+        "target_modules": target_modules(args, model),
+        "task_type": task_type,
+        "modules_to_save": list(new_modules or []) or None,
+    }
     # Only what the command line (or the POET recipe) set; everything else is the config class's default.
-    chosen = {name: getattr(args, name) for name in ("spo", "block_size", "budget", "neumann_terms", "merge_every")
-              if getattr(args, name) is not None}
+    chosen = {
+        name: getattr(args, name)
+        for name in ("spo", "block_size", "budget", "neumann_terms", "merge_every")
+        if getattr(args, name) is not None
+    }
     if args.method == "poet":
         return PoetConfig(seed=args.seed, **chosen, **common)
     if args.method == "oft":
@@ -275,8 +371,9 @@ def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: 
     return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, **common)
 
 
-def apply_method(args: FinetuneArguments, model: torch.nn.Module,
-                 new_modules: Optional[list[str]] = None) -> torch.nn.Module:
+def apply_method(
+    args: FinetuneArguments, model: torch.nn.Module, new_modules: list[str] | None = None
+) -> torch.nn.Module:
     from peft import get_peft_model
 
     return get_peft_model(model, method_config(args, model, new_modules))
@@ -285,17 +382,30 @@ def apply_method(args: FinetuneArguments, model: torch.nn.Module,
 # --- 4. training ------------------------------------------------------------------------------------------------------
 def training_arguments(args: FinetuneArguments) -> PoetTrainingArguments:
     return PoetTrainingArguments(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, poet_learning_rate=args.poet_learning_rate,
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        poet_learning_rate=args.poet_learning_rate,
         poet_reference_block=(args.poet_reference_block or None) if args.method == "poet" else None,
-        merge_every=args.merge_every if args.method != "lora" else None, lr_scheduler_type="linear",
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        merge_every=args.merge_every if args.method != "lora" else None,
+        lr_scheduler_type="linear",
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
         logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit, eval_strategy="steps" if args.eval_steps else "no",
-        eval_steps=args.eval_steps, report_to=args.report_to,
-        seed=args.seed, data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=args.disable_tqdm,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
+        eval_strategy="steps" if args.eval_steps else "no",
+        eval_steps=args.eval_steps,
+        report_to=args.report_to,
+        seed=args.seed,
+        data_seed=args.seed,
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=args.disable_tqdm,
     )
 
 
@@ -315,7 +425,7 @@ def _metrics(result: dict[str, float], task: str) -> dict[str, float]:
     return metrics
 
 
-def run_finetuning(args: FinetuneArguments, callbacks: Optional[list] = None) -> dict[str, Any]:
+def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> dict[str, Any]:
     """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
     also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
 
@@ -335,10 +445,15 @@ def run_finetuning(args: FinetuneArguments, callbacks: Optional[list] = None) ->
         model.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
     model = apply_method(args, model, new_modules)
     trainer = PoetTrainer(
-        model=model, args=training_arguments(args), train_dataset=train, eval_dataset=evaluation,
+        model=model,
+        args=training_arguments(args),
+        train_dataset=train,
+        eval_dataset=evaluation,
         pretrained_weights=local_weights(args.model) if has_meta_tensors(model) else None,
-        data_collator=default_data_collator, processing_class=tokenizer,
-        compute_metrics=accuracy if args.task == "sequence-classification" else None, callbacks=callbacks,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        compute_metrics=accuracy if args.task == "sequence-classification" else None,
+        callbacks=callbacks,
         run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},
     )
     before = _metrics(trainer.evaluate(), args.task)
@@ -346,9 +461,17 @@ def run_finetuning(args: FinetuneArguments, callbacks: Optional[list] = None) ->
     after = _metrics(trainer.evaluate(), args.task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results: dict[str, Any] = {
-        "method": args.method, "model": args.model, "task": args.task, "dataset": args.dataset,
-        "before": before, "after": after, "steps": trainer.state.global_step, "trainable_params": trainable,
-        "train_examples": len(train), "eval_examples": len(evaluation), "wall_time_s": time.time() - started,
+        "method": args.method,
+        "model": args.model,
+        "task": args.task,
+        "dataset": args.dataset,
+        "before": before,
+        "after": after,
+        "steps": trainer.state.global_step,
+        "trainable_params": trainable,
+        "train_examples": len(train),
+        "eval_examples": len(evaluation),
+        "wall_time_s": time.time() - started,
         "arguments": asdict(args),
     }
     if trainer.is_world_process_zero():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -19,8 +19,13 @@ def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
     Returns:
         The skew parameters, in module order.
     """
-    return [p for module in model.modules() if isinstance(module, RotationLayer)
-            for p in module.skew_parameters() if p.requires_grad]
+    return [
+        p
+        for module in model.modules()
+        if isinstance(module, RotationLayer)
+        for p in module.skew_parameters()
+        if p.requires_grad
+    ]
 
 
 def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
@@ -37,8 +42,14 @@ def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
     return groups
 
 
-def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate: float, weight_decay: float,
-                      decay_parameter_names: Iterable[str], reference_block: Optional[int] = None) -> list[dict]:
+def poet_param_groups(
+    model: nn.Module,
+    learning_rate: float,
+    poet_learning_rate: float,
+    weight_decay: float,
+    decay_parameter_names: Iterable[str],
+    reference_block: int | None = None,
+) -> list[dict]:
     """The non-POET trainable parameters with and without decay (``learning_rate``; first, so Trainer logs it as
     ``learning_rate``), then the POET parameters (no weight decay, as the POET code). Empty groups are dropped.
 
@@ -72,8 +83,15 @@ def poet_param_groups(model: nn.Module, learning_rate: float, poet_learning_rate
         groups.append({"params": poet_parameters(model), "lr": poet_learning_rate, "weight_decay": 0.0, "poet": True})
     else:
         for block, params in sorted(poet_parameters_by_block(model).items()):
-            groups.append({"params": params, "lr": poet_learning_rate * reference_block / block, "weight_decay": 0.0,
-                           "poet": True, "block_size": block})
+            groups.append(
+                {
+                    "params": params,
+                    "lr": poet_learning_rate * reference_block / block,
+                    "weight_decay": 0.0,
+                    "poet": True,
+                    "block_size": block,
+                }
+            )
     return [g for g in groups if g["params"]]
 
 

@@ -11,7 +11,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
@@ -20,10 +20,10 @@ from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences,
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..distributed import is_sharded
 from ..initialization import materialize_model
+from ..orthogonal.cayley import paper_neumann_k
 from ..tuners.bnb import BASE_QUANTIZATIONS
 from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
-from ..orthogonal.cayley import paper_neumann_k
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
 from .trainer import PoetTrainer
@@ -50,12 +50,12 @@ class Preset:
     steps: int = 1000  # the default length: a short run of the paper's recipe
     batch_size: int = 32  # sequences per micro-batch per process (the official 60M script's)
     global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
-    block_size: Optional[int] = None  # None: PoetConfig's (256, the paper's)
-    budget: Optional[float] = None  # None: PoetConfig's (½, the paper's)
-    merge_every: Optional[int] = None  # None: PoetConfig's (400, §5.2)
+    block_size: int | None = None  # None: PoetConfig's (256, the paper's)
+    budget: float | None = None  # None: PoetConfig's (½, the paper's)
+    merge_every: int | None = None  # None: PoetConfig's (400, §5.2)
     max_grad_norm: float = 0.1  # appendix E
     weight_decay: float = 0.01  # appendix E
-    poet_learning_rate: Optional[float] = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
+    poet_learning_rate: float | None = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "budget", "merge_every"):  # one default, PoetConfig's
@@ -65,9 +65,24 @@ class Preset:
 
 PRESETS = {
     # Not the paper's: a shape and recipe that train meaningfully in minutes on 2 CPU cores (the README's main job).
-    "tiny": Preset(128, 256, 256, 256, 4, 4, learning_rate=5e-3, paper_steps=0, steps=200, batch_size=8,
-                   global_batch_size=8, block_size=32, merge_every=50, max_grad_norm=1.0, weight_decay=0.0,
-                   poet_learning_rate=4e-3),
+    "tiny": Preset(
+        128,
+        256,
+        256,
+        256,
+        4,
+        4,
+        learning_rate=5e-3,
+        paper_steps=0,
+        steps=200,
+        batch_size=8,
+        global_batch_size=8,
+        block_size=32,
+        merge_every=50,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        poet_learning_rate=4e-3,
+    ),
     "llama-60m": Preset(512, 1280, 1376, 1376, 8, 8, learning_rate=1e-2, paper_steps=300_000),
     "llama-130m": Preset(768, 2048, 2048, 2048, 12, 12, learning_rate=5e-3, paper_steps=400_000),
     "llama-350m": Preset(1024, 2816, 2736, 2736, 16, 24, learning_rate=5e-3, paper_steps=400_000),
@@ -92,70 +107,140 @@ class PretrainArguments:
     paper's run except its length (``--steps paper`` for that too).
     """
 
-    preset: str = field(default="tiny", metadata={"help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
-                        "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"})
+    preset: str = field(
+        default="tiny",
+        metadata={
+            "help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
+            "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"
+        },
+    )
     method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)}"})
-    block_size: Optional[int] = field(default=None, metadata={"help": "POET-BS block size (default: the preset's, "
-                                      f"else PoetConfig's {PoetConfig.block_size})"})
-    block_size_input: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of R only"})
-    block_size_output: Optional[int] = field(default=None, metadata={"help": "POET-BS block size of P only"})
-    budget: Optional[float] = field(default=None, metadata={"help": "POET-FS index-set size per side: a fraction of "
-                                    f"the dimension (<= 1, default PoetConfig's {PoetConfig.budget}) or an absolute size (> 1)"})
-    budget_input: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
-    budget_output: Optional[float] = field(default=None, metadata={"help": "POET-FS budget of P only"})
-    neumann_terms: Optional[int] = field(default=None, metadata={"help": "Cayley–Neumann terms n, PEFT's count "
-                                         f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
-                                         f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"})
-    merge_every: Optional[int] = field(default=None, metadata={"help": "optimizer steps between merges (default per "
-                                       f"preset, else PoetConfig's {PoetConfig.merge_every}, the paper's)"})
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": f"POET-BS block size (default: the preset's, else PoetConfig's {PoetConfig.block_size})"},
+    )
+    block_size_input: int | None = field(default=None, metadata={"help": "POET-BS block size of R only"})
+    block_size_output: int | None = field(default=None, metadata={"help": "POET-BS block size of P only"})
+    budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "POET-FS index-set size per side: a fraction of "
+            f"the dimension (<= 1, default PoetConfig's {PoetConfig.budget}) or an absolute size (> 1)"
+        },
+    )
+    budget_input: float | None = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
+    budget_output: float | None = field(default=None, metadata={"help": "POET-FS budget of P only"})
+    neumann_terms: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cayley–Neumann terms n, PEFT's count "
+            f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
+            f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
+        },
+    )
+    merge_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "optimizer steps between merges (default per "
+            f"preset, else PoetConfig's {PoetConfig.merge_every}, the paper's)"
+        },
+    )
     base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
-    base_quantization: Optional[str] = field(default=None, metadata={"help": "POET: quantise every W0 with "
-                                             "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
-                                             "pip install 'poet_hf[quant]'"})
-    cache_rotations: bool = field(default=True, metadata={"help": "POET: build each rotation once per optimizer step "
-                                  "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
-                                  "meanwhile); --no_cache_rotations rebuilds it per micro-batch"})
-    learning_rate: Optional[float] = field(default=None, metadata={"help": "base learning rate (default per preset, "
-                                           "Tables 8–9)"})
-    poet_learning_rate: Optional[float] = field(default=None, metadata={"help": "POET learning rate (default: tied "
-                                                "to the rotation size as Tables 8–9: 1e-3·256/b or 1e-3·½/budget)"})
+    base_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "POET: quantise every W0 with "
+            "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
+            "pip install 'poet_hf[quant]'"
+        },
+    )
+    cache_rotations: bool = field(
+        default=True,
+        metadata={
+            "help": "POET: build each rotation once per optimizer step "
+            "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
+            "meanwhile); --no_cache_rotations rebuilds it per micro-batch"
+        },
+    )
+    learning_rate: float | None = field(
+        default=None, metadata={"help": "base learning rate (default per preset, Tables 8–9)"}
+    )
+    poet_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "POET learning rate (default: tied to the rotation size as Tables 8–9: 1e-3·256/b or 1e-3·½/budget)"
+        },
+    )
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank for --method lora"})
-    steps: Optional[str] = field(default=None, metadata={"help": "optimizer steps: an integer, or 'paper' for Tables "
-                                 "8–9's count (default per preset: 200 for tiny, 1000 for the paper's presets)"})
-    batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per process per micro-batch "
-                                      "(default per preset)"})
-    global_batch_size: Optional[int] = field(default=None, metadata={"help": "sequences per optimizer step (the "
-                                             "paper's 512), reached by gradient accumulation over processes"})
-    gradient_accumulation_steps: Optional[int] = field(default=None, metadata={"help": "micro-batches per optimizer "
-                                                       "step (default: global_batch_size / (batch_size·processes))"})
+    steps: str | None = field(
+        default=None,
+        metadata={
+            "help": "optimizer steps: an integer, or 'paper' for Tables "
+            "8–9's count (default per preset: 200 for tiny, 1000 for the paper's presets)"
+        },
+    )
+    batch_size: int | None = field(
+        default=None, metadata={"help": "sequences per process per micro-batch (default per preset)"}
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "sequences per optimizer step (the paper's 512), reached by gradient accumulation over processes"
+        },
+    )
+    gradient_accumulation_steps: int | None = field(
+        default=None,
+        metadata={"help": "micro-batches per optimizer step (default: global_batch_size / (batch_size·processes))"},
+    )
     seq_len: int = field(default=256, metadata={"help": "sequence length"})
-    packing: bool = field(default=True, metadata={"help": "pack documents into seq_len-token rows (true) or truncate "
-                          "/ pad each document to seq_len as GaLore and the paper do (false)"})
-    max_grad_norm: Optional[float] = field(default=None, metadata={"help": "gradient clipping (default per preset: "
-                                           "the paper's 0.1)"})
-    weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay of the non-rotation "
-                                          "parameters (default per preset: the paper's 0.01)"})
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "pack documents into seq_len-token rows (true) or truncate "
+            "/ pad each document to seq_len as GaLore and the paper do (false)"
+        },
+    )
+    max_grad_norm: float | None = field(
+        default=None, metadata={"help": "gradient clipping (default per preset: the paper's 0.1)"}
+    )
+    weight_decay: float | None = field(
+        default=None,
+        metadata={"help": "weight decay of the non-rotation parameters (default per preset: the paper's 0.01)"},
+    )
     min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
     warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
-    dataset: str = field(default=EMBEDDED_CORPUS,
-                         metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"})
-    dataset_config: Optional[str] = field(default=None, metadata={"help": "HF dataset config, e.g. 'en' for C4"})
+    dataset: str = field(
+        default=EMBEDDED_CORPUS,
+        metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config, e.g. 'en' for C4"})
     streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
-    tokenizer: Optional[str] = field(default=None, metadata={"help": "AutoTokenizer name/path; default embedded"})
+    tokenizer: str | None = field(default=None, metadata={"help": "AutoTokenizer name/path; default embedded"})
     max_eval_sequences: int = field(default=128, metadata={"help": "validation sequences evaluated"})
-    output_dir: str = field(default="outputs/pretrain", metadata={"help": "where checkpoints, results.json and "
-                            "spectra.png go"})
+    output_dir: str = field(
+        default="outputs/pretrain", metadata={"help": "where checkpoints, results.json and spectra.png go"}
+    )
     logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint interval (0 = no intermediate checkpoints); "
-                            "checkpoints are written atomically into --output_dir"})
-    save_total_limit: Optional[int] = field(default=None, metadata={"help": "keep at most this many checkpoints"})
+    save_steps: int = field(
+        default=0,
+        metadata={
+            "help": "checkpoint interval (0 = no intermediate checkpoints); "
+            "checkpoints are written atomically into --output_dir"
+        },
+    )
+    save_total_limit: int | None = field(default=None, metadata={"help": "keep at most this many checkpoints"})
     report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (or 'latest'): resume "
-                                                  "from the newest complete checkpoint in --output_dir, or start fresh "
-                                                  "if there is none, so after a crash you rerun the same command; or a "
-                                                  "checkpoint folder"})
-    export_dir: Optional[str] = field(default=None, metadata={"help": "export a plain merged model here at the end"})
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto' (or 'latest'): resume "
+            "from the newest complete checkpoint in --output_dir, or start fresh "
+            "if there is none, so after a crash you rerun the same command; or a "
+            "checkpoint folder"
+        },
+    )
+    export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
     print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
     seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
 
@@ -171,8 +256,10 @@ class PretrainArguments:
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}")
         if self.base_quantization is not None and not self.method.startswith("poet"):
-            raise ValueError(f"`base_quantization` quantises POET's frozen W0; --method {self.method} trains every "
-                             "weight, so it has none (use --method poet-bs or poet-fs)")
+            raise ValueError(
+                f"`base_quantization` quantises POET's frozen W0; --method {self.method} trains every "
+                "weight, so it has none (use --method poet-bs or poet-fs)"
+            )
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         if self.preset == "tiny" and str(self.steps) == "paper":
             raise ValueError("`steps`='paper' needs one of the paper's presets; 'tiny' is not in the paper")
@@ -187,8 +274,9 @@ def _budget(value: float) -> float | int:
     return float(value)
 
 
-def resolve_recipe(args: PretrainArguments, world_size: Optional[int] = None,
-                   vocab_size: Optional[int] = None) -> dict[str, Any]:
+def resolve_recipe(
+    args: PretrainArguments, world_size: int | None = None, vocab_size: int | None = None
+) -> dict[str, Any]:
     """Every value of the run: the arguments given, else the preset's (the paper's Tables 7–9 and appendix E).
 
     ``world_size`` defaults to the ``WORLD_SIZE`` the launcher set (1 without one). The result is what
@@ -210,43 +298,74 @@ def resolve_recipe(args: PretrainArguments, world_size: Optional[int] = None,
         global_batch = args.global_batch_size or preset.global_batch_size
         micro = min(micro, max(1, global_batch // world))
         if global_batch % (micro * world):
-            raise ValueError(f"`global_batch_size`={global_batch} is not a multiple of `batch_size`={micro} × "
-                             f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`")
+            raise ValueError(
+                f"`global_batch_size`={global_batch} is not a multiple of `batch_size`={micro} × "
+                f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`"
+            )
         accumulation = global_batch // (micro * world)
     block = args.block_size or preset.block_size
     budget = _budget(args.budget) if args.budget is not None else preset.budget
     recipe: dict[str, Any] = {
-        "preset": args.preset, "method": args.method,
-        "model": {"hidden": preset.hidden, "intermediate": _intermediate(preset, args.method), "heads": preset.heads,
-                  "layers": preset.layers, "seq_len": args.seq_len, "vocab": vocab_size},
+        "preset": args.preset,
+        "method": args.method,
+        "model": {
+            "hidden": preset.hidden,
+            "intermediate": _intermediate(preset, args.method),
+            "heads": preset.heads,
+            "layers": preset.layers,
+            "seq_len": args.seq_len,
+            "vocab": vocab_size,
+        },
         "learning_rate": args.learning_rate or preset.learning_rate,
         "max_grad_norm": preset.max_grad_norm if args.max_grad_norm is None else args.max_grad_norm,
         "weight_decay": preset.weight_decay if args.weight_decay is None else args.weight_decay,
-        "optimizer": "AdamW", "schedule": "cosine", "min_lr_ratio": args.min_lr_ratio, "warmup_steps": args.warmup_steps,
-        "steps": steps, "sequences_per_step": global_batch, "batch_size": micro,
-        "gradient_accumulation_steps": accumulation, "processes": world, "packing": args.packing,
-        "tokens_per_step": global_batch * args.seq_len, "total_tokens": global_batch * args.seq_len * steps,
+        "optimizer": "AdamW",
+        "schedule": "cosine",
+        "min_lr_ratio": args.min_lr_ratio,
+        "warmup_steps": args.warmup_steps,
+        "steps": steps,
+        "sequences_per_step": global_batch,
+        "batch_size": micro,
+        "gradient_accumulation_steps": accumulation,
+        "processes": world,
+        "packing": args.packing,
+        "tokens_per_step": global_batch * args.seq_len,
+        "total_tokens": global_batch * args.seq_len * steps,
     }
     if args.method.startswith("poet"):
         terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
-        sides = {"block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
-                 "budget": {"input": _budget(args.budget_input) if args.budget_input else budget,
-                            "output": _budget(args.budget_output) if args.budget_output else budget}}
+        sides = {
+            "block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
+            "budget": {
+                "input": _budget(args.budget_input) if args.budget_input else budget,
+                "output": _budget(args.budget_output) if args.budget_output else budget,
+            },
+        }
         rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
         mean_size = sum(rotation.values()) / 2
         if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
             mean_size = mean_size / preset.hidden
-        recipe.update({
-            "spo": "block" if args.method == "poet-bs" else "full",
-            **({"block_size": _collapse(sides["block_size"])} if args.method == "poet-bs"
-               else {"budget": _collapse(sides["budget"])}),
-            "neumann_terms": terms, "paper_neumann_k": paper_neumann_k(terms),
-            "merge_every": args.merge_every or preset.merge_every, "base_init": args.base_init,
-            "base_quantization": args.base_quantization, "cache_rotations": args.cache_rotations,
-            "poet_learning_rate": args.poet_learning_rate or preset.poet_learning_rate or tied_poet_learning_rate(
-                args.method, mean_size),
-            "post_merge_clip_steps": 10, "post_merge_clip_factor": 0.1,
-        })
+        recipe.update(
+            {
+                "spo": "block" if args.method == "poet-bs" else "full",
+                **(
+                    {"block_size": _collapse(sides["block_size"])}
+                    if args.method == "poet-bs"
+                    else {"budget": _collapse(sides["budget"])}
+                ),
+                "neumann_terms": terms,
+                "paper_neumann_k": paper_neumann_k(terms),
+                "merge_every": args.merge_every or preset.merge_every,
+                "base_init": args.base_init,
+                "base_quantization": args.base_quantization,
+                "cache_rotations": args.cache_rotations,
+                "poet_learning_rate": args.poet_learning_rate
+                or preset.poet_learning_rate
+                or tied_poet_learning_rate(args.method, mean_size),
+                "post_merge_clip_steps": 10,
+                "post_merge_clip_factor": 0.1,
+            }
+        )
     elif args.method == "lora":
         recipe["lora_rank"] = args.lora_rank
     if vocab_size is not None:
@@ -265,13 +384,17 @@ def _intermediate(preset: Preset, method: str) -> int:
 def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
     """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = apply_recipe(build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed,
-                                         device="meta"), {**recipe, "base_quantization": None}, base_init=None)
+        model = apply_recipe(
+            build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed, device="meta"),
+            {**recipe, "base_quantization": None},
+            base_init=None,
+        )
     return count_trainable(model)
 
 
-def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int,
-                device: str = "cpu") -> LlamaForCausalLM:
+def build_llama(
+    preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int, device: str = "cpu"
+) -> LlamaForCausalLM:
     """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column.
 
     Built on the ``meta`` device and materialized on ``device`` by
@@ -290,16 +413,24 @@ def build_llama(preset: Preset, method: str, vocab_size: int, seq_len: int, seed
     Returns:
         The ``LlamaForCausalLM``.
     """
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=preset.hidden, num_hidden_layers=preset.layers,
-                         intermediate_size=_intermediate(preset, method), num_attention_heads=preset.heads,
-                         num_key_value_heads=preset.heads, max_position_embeddings=seq_len, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        num_hidden_layers=preset.layers,
+        intermediate_size=_intermediate(preset, method),
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return model if device == "meta" else materialize_model(model, seed=seed, device=device)
 
 
-def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Optional[str] = "recipe",
-                 seed: int = 0) -> torch.nn.Module:
+def apply_recipe(
+    model: LlamaForCausalLM, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
+) -> torch.nn.Module:
     """Wrap the model for the recipe's method: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
     from peft import LoraConfig, get_peft_model
 
@@ -307,17 +438,26 @@ def apply_recipe(model: LlamaForCausalLM, recipe: dict[str, Any], base_init: Opt
     method = recipe["method"]
     if method in ("poet-bs", "poet-fs"):
         rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
-        config = PoetConfig(spo=recipe["spo"], **rotation, neumann_terms=recipe["neumann_terms"],
-                            merge_every=recipe["merge_every"], seed=seed,
-                            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
-                            base_quantization=recipe.get("base_quantization"),
-                            cache_rotations=recipe.get("cache_rotations", True), train_other_params=True)
+        config = PoetConfig(
+            spo=recipe["spo"],
+            **rotation,
+            neumann_terms=recipe["neumann_terms"],
+            merge_every=recipe["merge_every"],
+            seed=seed,
+            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
+            base_quantization=recipe.get("base_quantization"),
+            cache_rotations=recipe.get("cache_rotations", True),
+            train_other_params=True,
+        )
         return get_peft_model(model, config)
     if method == "lora":
         # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.
-        config = LoraConfig(r=recipe["lora_rank"], lora_alpha=recipe["lora_rank"], target_modules=targets,
-                            modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm",
-                                             "norm", "lm_head"])
+        config = LoraConfig(
+            r=recipe["lora_rank"],
+            lora_alpha=recipe["lora_rank"],
+            target_modules=targets,
+            modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head"],
+        )
         return get_peft_model(model, config)
     if method == "galore":
         try:
@@ -333,18 +473,32 @@ def training_arguments(args: PretrainArguments, recipe: dict[str, Any]) -> PoetT
     if args.method == "galore":
         extra = {"optim": "galore_adamw", "optim_target_modules": DEFAULT_TARGET_MODULES["llama"]}
     return PoetTrainingArguments(
-        output_dir=args.output_dir, max_steps=recipe["steps"], per_device_train_batch_size=recipe["batch_size"],
+        output_dir=args.output_dir,
+        max_steps=recipe["steps"],
+        per_device_train_batch_size=recipe["batch_size"],
         per_device_eval_batch_size=recipe["batch_size"],
-        gradient_accumulation_steps=recipe["gradient_accumulation_steps"], learning_rate=recipe["learning_rate"],
-        poet_learning_rate=recipe.get("poet_learning_rate"), merge_every=recipe.get("merge_every"),
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": recipe["min_lr_ratio"]},
-        warmup_steps=recipe["warmup_steps"], weight_decay=recipe["weight_decay"],
-        max_grad_norm=recipe["max_grad_norm"], logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit, eval_strategy="no",
-        report_to=args.report_to, seed=args.seed, data_seed=args.seed,
-        include_num_input_tokens_seen="all" if recipe["packing"] else "non_padding", dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(), **extra)
+        gradient_accumulation_steps=recipe["gradient_accumulation_steps"],
+        learning_rate=recipe["learning_rate"],
+        poet_learning_rate=recipe.get("poet_learning_rate"),
+        merge_every=recipe.get("merge_every"),
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": recipe["min_lr_ratio"]},
+        warmup_steps=recipe["warmup_steps"],
+        weight_decay=recipe["weight_decay"],
+        max_grad_norm=recipe["max_grad_norm"],
+        logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
+        eval_strategy="no",
+        report_to=args.report_to,
+        seed=args.seed,
+        data_seed=args.seed,
+        include_num_input_tokens_seen="all" if recipe["packing"] else "non_padding",
+        dataloader_drop_last=True,
+        use_cpu=not torch.cuda.is_available(),
+        **extra,
+    )
 
 
 def load_data(args: PretrainArguments, tokenizer) -> tuple[Any, Any]:
@@ -361,11 +515,13 @@ def load_data(args: PretrainArguments, tokenizer) -> tuple[Any, Any]:
 def count_trainable(model: torch.nn.Module) -> dict[str, int]:
     """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention)."""
     trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
-    return {"trainable_params": sum(n for _, n in trainable),
-            "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name)}
+    return {
+        "trainable_params": sum(n for _, n in trainable),
+        "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name),
+    }
 
 
-def neumann_drift_bound(trainer: PoetTrainer, model: torch.nn.Module) -> Optional[float]:
+def neumann_drift_bound(trainer: PoetTrainer, model: torch.nn.Module) -> float | None:
     """Bound on any singular value's relative drift over the run: each merge and the live primitive scale it
     by at most ``1 + ε`` (``ε`` from the Cayley–Neumann truncation); ``None`` without POET layers."""
     layers = poet_layers(model)
@@ -399,19 +555,32 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     recipe = resolve_recipe(args, vocab_size=len(tokenizer))
     train, validation = load_data(args, tokenizer)
     if not args.streaming and len(validation) < recipe["batch_size"]:
-        raise ValueError(f"the validation set has {len(validation)} sequences, fewer than one batch "
-                         f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch")
+        raise ValueError(
+            f"the validation set has {len(validation)} sequences, fewer than one batch "
+            f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch"
+        )
     # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only). LoRA's
     # and quantised bases' adapters are added to materialized weights.
     base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, args.seed, device="meta")
     if args.method == "lora" or args.base_quantization:
         materialize_model(base, seed=args.seed)
     model = apply_recipe(base, recipe, seed=args.seed)
-    run_info = {"method": args.method, "preset": args.preset, "dataset": args.dataset, "seq_len": args.seq_len,
-                **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe}}
-    trainer = PoetTrainer(model=model, args=training_arguments(args, recipe), train_dataset=train,
-                          eval_dataset=validation, data_collator=default_data_collator, processing_class=tokenizer,
-                          run_info=run_info)
+    run_info = {
+        "method": args.method,
+        "preset": args.preset,
+        "dataset": args.dataset,
+        "seq_len": args.seq_len,
+        **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe},
+    }
+    trainer = PoetTrainer(
+        model=model,
+        args=training_arguments(args, recipe),
+        train_dataset=train,
+        eval_dataset=validation,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        run_info=run_info,
+    )
     targets = DEFAULT_TARGET_MODULES["llama"]
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
@@ -419,11 +588,16 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     final_loss = trainer.evaluate()["eval_loss"]
     spectra_after = singular_values(model, targets)
     results = {
-        **run_info, "recipe": recipe,
-        "val_loss": final_loss, "val_perplexity": _perplexity(final_loss),
-        "initial_val_loss": initial_loss, "initial_val_perplexity": _perplexity(initial_loss),
-        "tokens_seen": int(trainer.state.num_input_tokens_seen), "steps": trainer.state.global_step,
-        **count_trainable(model), "wall_time_s": time.time() - started,
+        **run_info,
+        "recipe": recipe,
+        "val_loss": final_loss,
+        "val_perplexity": _perplexity(final_loss),
+        "initial_val_loss": initial_loss,
+        "initial_val_perplexity": _perplexity(initial_loss),
+        "tokens_seen": int(trainer.state.num_input_tokens_seen),
+        "steps": trainer.state.global_step,
+        **count_trainable(model),
+        "wall_time_s": time.time() - started,
         "merges": max((int(layer.merge_counts["default"]) for _, layer in poet_layers(model)), default=0),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
         "spectrum_bound": neumann_drift_bound(trainer, model),
@@ -435,8 +609,9 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         from ..export import export_merged
 
         evaluation = {"eval_loss": final_loss, "eval_perplexity": results["val_perplexity"]}
-        results["export_dir"] = str(export_merged(trainer, args.export_dir, overwrite=True,
-                                                  run_info={"eval": evaluation}))
+        results["export_dir"] = str(
+            export_merged(trainer, args.export_dir, overwrite=True, run_info={"eval": evaluation})
+        )
     if trainer.is_world_process_zero():
         output.mkdir(parents=True, exist_ok=True)
         plot_spectra(spectra_before, spectra_after, output / "spectra.png", f"{args.method} on {args.preset}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -18,8 +18,7 @@ from .callback import MergeReinitCallback, unwrap
 from .optimizer import poet_param_groups
 
 
-def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = None,
-                   fsdp_requested: bool = False) -> None:
+def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
     """Which sharded engines a POET model trains under: FSDP2, not FSDP1 nor DeepSpeed, and never a silent fallback.
 
     FSDP2 shards parameters as ``DTensor``s, which merge-then-reinitialize gathers one layer at a time; FSDP1 flattens
@@ -28,17 +27,23 @@ def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: Optional[int] = No
     independent single-process runs), with every process holding the whole model.
     """
     if deepspeed:
-        raise ValueError("POET merge-then-reinitialize cannot fold weights DeepSpeed partitions; shard with FSDP2 "
-                         "instead (an Accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`, see "
-                         "`examples/cluster/fsdp2.yaml`), or use DDP")
+        raise ValueError(
+            "POET merge-then-reinitialize cannot fold weights DeepSpeed partitions; shard with FSDP2 "
+            "instead (an Accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`, see "
+            "`examples/cluster/fsdp2.yaml`), or use DDP"
+        )
     if fsdp and fsdp_version != 2:
-        raise ValueError(f"POET needs FSDP2 (`fsdp_version: 2`), got FSDP version {fsdp_version}: FSDP1's flat "
-                         "parameters cannot be folded one layer at a time")
+        raise ValueError(
+            f"POET needs FSDP2 (`fsdp_version: 2`), got FSDP version {fsdp_version}: FSDP1's flat "
+            "parameters cannot be folded one layer at a time"
+        )
     if fsdp_requested and not fsdp:
-        raise ValueError("FSDP was requested (ACCELERATE_USE_FSDP) but is not enabled: Accelerate only enables FSDP on "
-                         "accelerators, so on this machine every process would hold the whole model. On a CPU, use "
-                         "DDP (`accelerate launch --multi_gpu`) or shard in your own loop with "
-                         "`poet_hf.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)")
+        raise ValueError(
+            "FSDP was requested (ACCELERATE_USE_FSDP) but is not enabled: Accelerate only enables FSDP on "
+            "accelerators, so on this machine every process would hold the whole model. On a CPU, use "
+            "DDP (`accelerate launch --multi_gpu`) or shard in your own loop with "
+            "`poet_hf.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)"
+        )
 
 
 class PoetTrainer(CrashSafeTrainer):
@@ -82,16 +87,21 @@ class PoetTrainer(CrashSafeTrainer):
             where Accelerate does not enable it.
     """
 
-    def __init__(self, *args: Any, run_info: Optional[dict] = None, pretrained_weights: Optional[str] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, run_info: dict | None = None, pretrained_weights: str | None = None, **kwargs: Any
+    ) -> None:
         self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(poet_layers(unwrap(self.model)))
         if self.has_poet:
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-            check_sharding(self.is_fsdp_enabled, self.is_deepspeed_enabled, getattr(plugin, "fsdp_version", None),
-                           os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"))
+            check_sharding(
+                self.is_fsdp_enabled,
+                self.is_deepspeed_enabled,
+                getattr(plugin, "fsdp_version", None),
+                os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"),
+            )
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
 
@@ -101,8 +111,9 @@ class PoetTrainer(CrashSafeTrainer):
         if self.model is None or not has_meta_tensors(self.model):
             return
         if not self.is_fsdp_enabled:
-            materialize_model(self.model, seed=self.args.seed, device=self.args.device,
-                              checkpoint=self._pretrained_weights)
+            materialize_model(
+                self.model, seed=self.args.seed, device=self.args.device, checkpoint=self._pretrained_weights
+            )
             return
         plugin = self.accelerator.state.fsdp_plugin
         options = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload}
@@ -120,15 +131,21 @@ class PoetTrainer(CrashSafeTrainer):
         opt_model = self.model if model is None else model
         if self.optimizer is not None or not self.has_poet:
             return super().create_optimizer(model)
-        optimizer_cls, kwargs = (self.optimizer_cls_and_kwargs
-                                 or self.get_optimizer_cls_and_kwargs(self.args, opt_model))
+        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
         kwargs = dict(kwargs)
         if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-            raise ValueError(f"optim={self.args.optim!r} builds its own parameter groups, which POET's two "
-                             "learning rates cannot be combined with; use an AdamW-type optim")
-        groups = poet_param_groups(opt_model, self.args.learning_rate, self.poet_learning_rate,
-                                   self.args.weight_decay, self.get_decay_parameter_names(opt_model),
-                                   getattr(self.args, "poet_reference_block", None))
+            raise ValueError(
+                f"optim={self.args.optim!r} builds its own parameter groups, which POET's two "
+                "learning rates cannot be combined with; use an AdamW-type optim"
+            )
+        groups = poet_param_groups(
+            opt_model,
+            self.args.learning_rate,
+            self.poet_learning_rate,
+            self.args.weight_decay,
+            self.get_decay_parameter_names(opt_model),
+            getattr(self.args, "poet_reference_block", None),
+        )
         self.optimizer = optimizer_cls(groups, **kwargs)
         return self.optimizer
 
@@ -136,8 +153,13 @@ class PoetTrainer(CrashSafeTrainer):
         if self.has_poet and "loss" in logs and self.optimizer is not None:
             reference = getattr(self.args, "poet_reference_block", None)
             logs["poet_learning_rate"] = next(  # at the reference block size, where the rate is per block size
-                (g["lr"] * (g["block_size"] / reference if reference else 1.0)
-                 for g in self.optimizer.param_groups if g.get("poet")), self.poet_learning_rate)
+                (
+                    g["lr"] * (g["block_size"] / reference if reference else 1.0)
+                    for g in self.optimizer.param_groups
+                    if g.get("poet")
+                ),
+                self.poet_learning_rate,
+            )
             logs.update(self._poet_statistics())
         super().log(logs, *args, **kwargs)
 
@@ -147,16 +169,21 @@ class PoetTrainer(CrashSafeTrainer):
         if callback is not None and callback.statistics_before_merge is not None:
             step, statistics = callback.statistics_before_merge
             if step == self.state.global_step:
-                merge_count = max((int(m.merge_counts[callback.adapter_name]) for _, m in poet_layers(
-                    unwrap(self.model), callback.adapter_name)), default=0)
+                merge_count = max(
+                    (
+                        int(m.merge_counts[callback.adapter_name])
+                        for _, m in poet_layers(unwrap(self.model), callback.adapter_name)
+                    ),
+                    default=0,
+                )
                 return {**statistics, "poet/merge_count": merge_count}
         return poet_statistics(unwrap(self.model))
 
     @property
-    def merge_callback(self) -> Optional[MergeReinitCallback]:
+    def merge_callback(self) -> MergeReinitCallback | None:
         return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
 
-    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
         if not self.args.should_save:
@@ -167,8 +194,13 @@ class PoetTrainer(CrashSafeTrainer):
             base.config.save_pretrained(output_dir)
         callback = self.merge_callback
         merge_every = callback.interval(self.args, self.model) if callback else None
-        info = {**self.run_info, "merge_every": merge_every, "global_step": self.state.global_step,
-                "num_input_tokens_seen": self.state.num_input_tokens_seen,
-                "learning_rate": self.args.learning_rate, "poet_learning_rate": self.poet_learning_rate}
+        info = {
+            **self.run_info,
+            "merge_every": merge_every,
+            "global_step": self.state.global_step,
+            "num_input_tokens_seen": self.state.num_input_tokens_seen,
+            "learning_rate": self.args.learning_rate,
+            "poet_learning_rate": self.poet_learning_rate,
+        }
         with open(os.path.join(output_dir, RUN_INFO_NAME), "w") as handle:
             json.dump(info, handle, indent=2)

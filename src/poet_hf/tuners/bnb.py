@@ -17,7 +17,7 @@ met or asked for.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ def is_bnb_module(module: nn.Module) -> bool:
     return type(module).__module__.split(".")[0] == "bitsandbytes"
 
 
-def quantization_of(module: nn.Module) -> Optional[str]:
+def quantization_of(module: nn.Module) -> str | None:
     """``"nf4"``, ``"fp4"`` or ``"int8"`` for a ``Linear4bit`` / ``Linear8bitLt``; ``None`` for a module that is not
     from bitsandbytes. Any other bitsandbytes module raises a ``ValueError`` naming its type."""
     if not is_bnb_module(module):
@@ -60,11 +60,15 @@ def quantization_of(module: nn.Module) -> Optional[str]:
         return module.weight.quant_type
     if isinstance(module, bnb.nn.Linear8bitLt):
         if module.state.has_fp16_weights:
-            raise ValueError("a bnb.nn.Linear8bitLt with has_fp16_weights=True keeps a trainable float weight; "
-                             "rotation adapters need a frozen int8 base (has_fp16_weights=False)")
+            raise ValueError(
+                "a bnb.nn.Linear8bitLt with has_fp16_weights=True keeps a trainable float weight; "
+                "rotation adapters need a frozen int8 base (has_fp16_weights=False)"
+            )
         return "int8"
-    raise ValueError(f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
-                     "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt")
+    raise ValueError(
+        f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
+        "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt"
+    )
 
 
 def _backend(module: nn.Module) -> Any:
@@ -112,8 +116,12 @@ def compute_dtype(module: nn.Module) -> torch.dtype:
     return dtype
 
 
-def stochastic_round(matrix: torch.Tensor, grid: torch.Tensor, scale: torch.Tensor, generator: torch.Generator,
-                     ) -> torch.Tensor:
+def stochastic_round(
+    matrix: torch.Tensor,
+    grid: torch.Tensor,
+    scale: torch.Tensor,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """Round every entry of ``matrix`` to one of its two neighbours on ``scale · grid`` (``grid`` sorted ascending,
     ``scale`` broadcasting over ``matrix``), up with probability equal to the distance from the lower neighbour over
     the gap: unbiased, ``E[round(w)] = w`` (inside the grid's range)."""
@@ -141,8 +149,9 @@ def _grid_rounded(module: nn.Module, matrix: torch.Tensor, generator: torch.Gene
     return stochastic_round(blocks, grid, scale, generator).reshape(matrix.shape)
 
 
-def requantize(peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest",
-               generator: Optional[torch.Generator] = None) -> float:
+def requantize(
+    peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest", generator: torch.Generator | None = None
+) -> float:
     """Store the dense ``matrix`` into the quantised base of ``peft_layer`` with the same quantisation settings
     (PEFT's backends), and return the relative error this requantisation caused, ``‖dequant(Q(M)) − M‖/‖M‖``.
 
@@ -165,8 +174,9 @@ def requantize(peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest",
         matrix = _grid_rounded(module, matrix, generator)
     dtype = compute_dtype(module) if quantization_of(module) != "int8" else matrix.dtype
     _unpack_for_cpu(module)
-    residual_state = {name: getattr(module, name) for name in (RESIDUAL_CODES, RESIDUAL_SCALES)
-                      if hasattr(module, name)}
+    residual_state = {
+        name: getattr(module, name) for name in (RESIDUAL_CODES, RESIDUAL_SCALES) if hasattr(module, name)
+    }
     _backend(module).set_base_weight(peft_layer, matrix.to(dtype).contiguous())
     module = peft_layer.get_base_layer()
     restored = dequantize(module).to(matrix.dtype)
@@ -202,15 +212,16 @@ def drop_residual(module: nn.Module) -> None:
             delattr(module, name)
 
 
-def residual(module: nn.Module) -> Optional[torch.Tensor]:
+def residual(module: nn.Module) -> torch.Tensor | None:
     """The requantisation residual stored on a quantised base (error feedback), or ``None``."""
     if not hasattr(module, RESIDUAL_CODES):
         return None
     return decode_residual(getattr(module, RESIDUAL_CODES), getattr(module, RESIDUAL_SCALES))
 
 
-def quantize_linear(linear: nn.Module, quantization: str, compute_dtype: Optional[torch.dtype] = None,
-                    double_quant: bool = True) -> nn.Module:
+def quantize_linear(
+    linear: nn.Module, quantization: str, compute_dtype: torch.dtype | None = None, double_quant: bool = True
+) -> nn.Module:
     """A ``bnb.nn.Linear4bit`` (``"nf4"``, ``"fp4"``) or ``bnb.nn.Linear8bitLt`` (``"int8"``) holding ``linear``'s
     weight, quantised, and its bias; on ``linear``'s device."""
     if quantization not in BASE_QUANTIZATIONS:
@@ -219,15 +230,28 @@ def quantize_linear(linear: nn.Module, quantization: str, compute_dtype: Optiona
     weight = linear.weight.detach()
     has_bias = linear.bias is not None
     if quantization == "int8":
-        module = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False,
-                                     device="meta")
+        module = bnb.nn.Linear8bitLt(
+            linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
+        )
         module.weight = bnb.nn.Int8Params(weight.to("cpu"), requires_grad=False, has_fp16_weights=False)
     else:
         dtype = compute_dtype or weight.dtype
-        module = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=has_bias, compute_dtype=dtype,
-                                   compress_statistics=double_quant, quant_type=quantization, device="meta")
-        module.weight = bnb.nn.Params4bit(weight.to("cpu", dtype), requires_grad=False, quant_type=quantization,
-                                          compress_statistics=double_quant, module=module)
+        module = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=has_bias,
+            compute_dtype=dtype,
+            compress_statistics=double_quant,
+            quant_type=quantization,
+            device="meta",
+        )
+        module.weight = bnb.nn.Params4bit(
+            weight.to("cpu", dtype),
+            requires_grad=False,
+            quant_type=quantization,
+            compress_statistics=double_quant,
+            module=module,
+        )
     if has_bias:
         module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
     return module.to(weight.device)
@@ -264,37 +288,47 @@ def load_quantized_state(module: nn.Module, state_dict: dict[str, torch.Tensor],
     bnb = import_bitsandbytes()
     data, device = state_dict[weight_key], module.weight.device
     if isinstance(module, bnb.nn.Linear4bit):
-        stats = {key[len(weight_key) + 1:]: state_dict.pop(key) for key in list(state_dict)
-                 if key.startswith(f"{weight_key}.")}
+        stats = {
+            key[len(weight_key) + 1 :]: state_dict.pop(key)
+            for key in list(state_dict)
+            if key.startswith(f"{weight_key}.")
+        }
         if not stats:
-            raise ValueError(f"'{weight_key}' is a plain weight but the layer is a 4-bit bitsandbytes layer; load a "
-                             "state saved from the same quantised model")
-        module.weight = bnb.nn.Params4bit.from_prequantized(data=data.to(device), quantized_stats=stats,
-                                                            requires_grad=False, device=device, module=module)
+            raise ValueError(
+                f"'{weight_key}' is a plain weight but the layer is a 4-bit bitsandbytes layer; load a "
+                "state saved from the same quantised model"
+            )
+        module.weight = bnb.nn.Params4bit.from_prequantized(
+            data=data.to(device), quantized_stats=stats, requires_grad=False, device=device, module=module
+        )
         return
     scale = state_dict.get(f"{prefix}SCB")
     if scale is None or data.dtype != torch.int8:
-        raise ValueError(f"'{weight_key}' is not an int8 weight with its row scales '{prefix}SCB'; load a state saved "
-                         "from the same quantised model")
-    module.weight = bnb.nn.Int8Params(data.to(device).clone(), requires_grad=False, has_fp16_weights=False,
-                                      CB=None, SCB=scale.to(device).clone())
+        raise ValueError(
+            f"'{weight_key}' is not an int8 weight with its row scales '{prefix}SCB'; load a state saved "
+            "from the same quantised model"
+        )
+    module.weight = bnb.nn.Int8Params(
+        data.to(device).clone(), requires_grad=False, has_fp16_weights=False, CB=None, SCB=scale.to(device).clone()
+    )
     module.weight.CB = module.weight.data
     module.state.reset_grads()
 
 
-
-def dense_linear(module: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Linear:
+def dense_linear(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Linear:
     """A plain ``nn.Linear`` holding a bitsandbytes layer's dequantised weight (in ``dtype``, default its compute
     dtype or float32) and its bias."""
     weight = dequantize(module).to(dtype or torch.promote_types(compute_dtype(module), torch.float32))
     dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     dense.weight = nn.Parameter(weight, requires_grad=False)
     if module.bias is not None:
-        dense.bias = nn.Parameter(module.bias.detach().to(weight.dtype).clone(), requires_grad=module.bias.requires_grad)
+        dense.bias = nn.Parameter(
+            module.bias.detach().to(weight.dtype).clone(), requires_grad=module.bias.requires_grad
+        )
     return dense
 
 
-def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
+def dequantize_modules(model: nn.Module) -> dict[str, Any] | None:
     """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (`dense_linear`) and drop
     ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``), so that the model
     saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
@@ -312,8 +346,11 @@ def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
 
     holder = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     config = getattr(getattr(holder, "config", None), "quantization_config", None)
-    recorded = (config.to_dict() if hasattr(config, "to_dict") else dict(config)) if config is not None else \
-        bits_and_bytes_config(kinds.pop(), double_quant=double_quant).to_dict()
+    recorded = (
+        (config.to_dict() if hasattr(config, "to_dict") else dict(config))
+        if config is not None
+        else bits_and_bytes_config(kinds.pop(), double_quant=double_quant).to_dict()
+    )
     if holder is not None:
         quantizer = getattr(holder, "hf_quantizer", None)
         if quantizer is not None:
@@ -323,8 +360,9 @@ def dequantize_modules(model: nn.Module) -> Optional[dict[str, Any]]:
     return recorded
 
 
-def bits_and_bytes_config(quantization: str, compute_dtype: torch.dtype = torch.float32,
-                          double_quant: bool = True) -> Any:
+def bits_and_bytes_config(
+    quantization: str, compute_dtype: torch.dtype = torch.float32, double_quant: bool = True
+) -> Any:
     """``transformers.BitsAndBytesConfig`` that loads a checkpoint's Linear layers as ``quantization`` (``"nf4"``,
     ``"fp4"``: 4-bit with ``compute_dtype``; ``"int8"``), the QLoRA way."""
     from transformers import BitsAndBytesConfig
@@ -334,5 +372,9 @@ def bits_and_bytes_config(quantization: str, compute_dtype: torch.dtype = torch.
     import_bitsandbytes()
     if quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
-                              bnb_4bit_use_double_quant=double_quant, bnb_4bit_compute_dtype=compute_dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import field
-from typing import Any, Optional
+from typing import Any
 
 from .state_checks import check_safetensors_file
 
@@ -44,20 +44,24 @@ def check_bool(field_name: str, value: object) -> None:
 def requantize_field() -> Any:
     """The ``requantize`` field of the rotation configs: how a fold into a quantised ``W0`` rounds
     (`requantize`)."""
-    return field(default="feedback", metadata={
-        "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' (nearest code, "
-                "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
-                "the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' (unbiased random "
-                "rounding, seeded per layer and merge). Ignored for a float W0."})
+    return field(
+        default="feedback",
+        metadata={
+            "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' (nearest code, "
+            "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
+            "the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' (unbiased random "
+            "rounding, seeded per layer and merge). Ignored for a float W0."
+        },
+    )
 
 
 _PEFT_FIELD_HELP = {
     "layers_to_transform": "Only these layer indices (an int or a list) are wrapped; None: all. Needs layers_pattern "
-                           "for models whose layer list has another name.",
+    "for models whose layer list has another name.",
     "layers_pattern": "The name of the layer list that layers_to_transform indexes (e.g. 'layers', 'h'); must be set "
-                      "with layers_to_transform.",
+    "with layers_to_transform.",
     "modules_to_save": "Modules (beside the adapters) that are trained fully and saved with the adapter, e.g. a new "
-                       "classification head.",
+    "classification head.",
 }
 
 
@@ -69,18 +73,22 @@ def peft_field(name: str) -> Any:
 
 def cache_rotations_field() -> Any:
     """The ``cache_rotations`` field of the rotation configs (`rotation_cache`)."""
-    return field(default=True, metadata={
-        "help": "Under gradient accumulation, build each rotation once per optimizer step and run its Cayley-Neumann "
-                "VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
-                "poet_hf.defer_rotation_grads in a plain loop). Holds the rotation blocks and their pending gradient, "
-                "2·rows·b² floats per side, across the window. False rebuilds the rotation per micro-batch: less "
-                "memory, more time. Without accumulation nothing changes."})
+    return field(
+        default=True,
+        metadata={
+            "help": "Under gradient accumulation, build each rotation once per optimizer step and run its Cayley-Neumann "
+            "VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
+            "poet_hf.defer_rotation_grads in a plain loop). Holds the rotation blocks and their pending gradient, "
+            "2·rows·b² floats per side, across the window. False rebuilds the rotation per micro-batch: less "
+            "memory, more time. Without accumulation nothing changes."
+        },
+    )
 
 
 def per_side(field_name: str, value: Any) -> dict[str, Any]:
     """``{"input": v, "output": v}`` from a scalar, or the validated per-side dict (R is "input", P "output")."""
     if not isinstance(value, dict):
-        return {side: value for side in SIDE_NAMES}
+        return dict.fromkeys(SIDE_NAMES, value)
     unknown = set(value) - set(SIDE_NAMES)
     if unknown or not value:
         raise ValueError(f"`{field_name}` per side must have keys among {SIDE_NAMES}, got {sorted(value)}")
@@ -109,12 +117,13 @@ class CheckedLoadConfig:
     safetensors file, and records where they are (``loaded_from``, not serialized), so that the layers' load checks
     (`state_checks`) name the file when a tensor in it is wrong."""
 
-    loaded_from: Optional[str] = None
+    loaded_from: str | None = None
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: Optional[str] = None, **kwargs: Any):
+    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any):
         config = super().from_pretrained(  # type: ignore[misc]
-            pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
+            pretrained_model_name_or_path, subfolder=subfolder, **kwargs
+        )
         weights = os.path.join(str(pretrained_model_name_or_path), subfolder or "", ADAPTER_WEIGHTS_NAME)
         if os.path.isfile(weights):
             check_safetensors_file(weights)

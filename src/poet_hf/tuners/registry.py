@@ -29,7 +29,7 @@ def check_peft_version(version: str = peft.__version__) -> None:
         )
 
 
-def peft_type_member(name: str) -> "enum.Enum":
+def peft_type_member(name: str) -> enum.Enum:
     """``PeftType[name.upper()]``, added to PEFT's ``PeftType`` str-enum first if needed.
 
     A config's ``peft_type`` must be the enum member (PEFT's code reads ``.value``); as a ``str`` enum it is written
@@ -69,5 +69,6 @@ def register_tuners() -> None:
             continue
         module = importlib.import_module(module_path)
         _add_peft_type(name)
-        register_peft_method(name=name, config_cls=getattr(module, f"{stem}Config"),
-                             model_cls=getattr(module, f"{stem}Model"))
+        register_peft_method(
+            name=name, config_cls=getattr(module, f"{stem}Config"), model_cls=getattr(module, f"{stem}Model")
+        )

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from accelerate.state import GradientState
@@ -28,7 +29,7 @@ from accelerate.state import GradientState
 logger = logging.getLogger(__name__)
 
 _explicit_deferrals = 0
-_layers_with_caches: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_layers_with_caches: weakref.WeakSet[Any] = weakref.WeakSet()
 _hooks_installed = False
 _early_step_warned = False
 
@@ -83,9 +84,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     pending = [layer for layer in layers_with_caches() if layer.has_deferred_grads()]
     if pending and not _early_step_warned:
         _early_step_warned = True
-        logger.warning("optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
-                       "micro-batch ran under defer_rotation_grads() or with accelerate's sync_gradients=False); they "
-                       "were applied now, unreduced across processes and after any gradient clipping. (Logged once.)")
+        logger.warning(
+            "optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
+            "micro-batch ran under defer_rotation_grads() or with accelerate's sync_gradients=False); they "
+            "were applied now, unreduced across processes and after any gradient clipping. (Logged once.)"
+        )
     for layer in pending:
         layer.flush_rotation_caches()
 
@@ -114,7 +117,7 @@ class _GradAnchor:
         weakref.finalize(self, _drop_pending, weakref.ref(cache))
 
 
-def _drop_pending(cache_ref: "weakref.ref[Any]") -> None:
+def _drop_pending(cache_ref: weakref.ref[Any]) -> None:
     cache = cache_ref()
     if cache is not None:
         cache.clear()

@@ -19,8 +19,9 @@ import contextlib
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +29,29 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
-from ..orthogonal import (cayley_neumann, neumann_error_bound, num_skew_params, orthogonal_from_vector,
-                          orthogonality_error, random_skew_params, skew_from_vector, spo_generator)
+from ..orthogonal import (
+    cayley_neumann,
+    neumann_error_bound,
+    num_skew_params,
+    orthogonal_from_vector,
+    orthogonality_error,
+    random_skew_params,
+    skew_from_vector,
+    spo_generator,
+)
 from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
-from ..orthogonal.rotated_linear import (ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT, Conv2dOp, LinearOp, RotationCache,
-                                         SideRotation, polynomial_products, rotated_forward, strategy_costs)
+from ..orthogonal.rotated_linear import (
+    ACTIVATION,
+    ACTIVATION_RECOMPUTE,
+    WEIGHT,
+    Conv2dOp,
+    LinearOp,
+    RotationCache,
+    SideRotation,
+    polynomial_products,
+    rotated_forward,
+    strategy_costs,
+)
 from ..orthogonal.spo import SideSpec
 from . import bnb, rotation_cache
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
@@ -73,11 +92,11 @@ class RotationSettings:
     seed: int
     neumann_terms: int
     forward: str  # "auto", "weight" or "activation"
-    source: Optional[str] = None  # the adapter file it was loaded from, for errors that name the file
+    source: str | None = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold requantises a quantised W0 (tuners/bnb.py)
     cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
-    base_init: Optional[str] = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
+    base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
 
 @torch.no_grad()
@@ -101,10 +120,13 @@ def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torc
     u_merge = torch.finfo(torch.float32).eps / 2
     bound = u_store * (1 + cond) + math.sqrt(b) * u_merge * cond
     if orth_error <= u_store:
-        return blocks.transpose(-1, -2), {"method": "transpose", "orth_error": orth_error, "cond": cond,
-                                          "error_bound": bound + orth_error}
-    return torch.linalg.inv(blocks), {"method": "solve", "orth_error": orth_error, "cond": cond,
-                                      "error_bound": bound}
+        return blocks.transpose(-1, -2), {
+            "method": "transpose",
+            "orth_error": orth_error,
+            "cond": cond,
+            "error_bound": bound + orth_error,
+        }
+    return torch.linalg.inv(blocks), {"method": "solve", "orth_error": orth_error, "cond": cond, "error_bound": bound}
 
 
 class RotationLayer(BaseTunerLayer):
@@ -123,9 +145,10 @@ class RotationLayer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self.kwargs = kwargs
-        self._weight_transposed = _is_conv1d(base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer)
-                                             else base_layer)
-        self.requantization_error: Optional[float] = None  # relative error of the last fold into a quantised W0
+        self._weight_transposed = _is_conv1d(
+            base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
+        )
+        self.requantization_error: float | None = None  # relative error of the last fold into a quantised W0
         self._rotation_caches: dict[tuple[str, str], RotationCache] = {}  # (adapter, side): one step's rotations
         self._init_containers()
         out_dim, in_dim = self.weight_shape
@@ -181,7 +204,7 @@ class RotationLayer(BaseTunerLayer):
 
     # --- the base weight as an out × in matrix, and the base operation -------------------------------------------
     @property
-    def base_quantization(self) -> Optional[str]:
+    def base_quantization(self) -> str | None:
         """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
         return bnb.quantization_of(self.get_base_layer())
 
@@ -223,8 +246,9 @@ class RotationLayer(BaseTunerLayer):
         weight = full_tensor(self.get_base_layer().weight)
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
-    def set_weight_matrix(self, matrix: torch.Tensor, requantize: str = "nearest",
-                          generator: Optional[torch.Generator] = None) -> None:
+    def set_weight_matrix(
+        self, matrix: torch.Tensor, requantize: str = "nearest", generator: torch.Generator | None = None
+    ) -> None:
         """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard.
 
         A quantised base is requantised by `requantize` (``requantize``: "feedback",
@@ -242,11 +266,14 @@ class RotationLayer(BaseTunerLayer):
         current = self.base_quantization
         base = self.get_base_layer()
         if current is None and type(base) is not nn.Linear:
-            raise ValueError(f"`base_quantization`={quantization!r} quantises nn.Linear targets with bitsandbytes; "
-                             f"target '{layer_name}' is a {type(base).__name__}")
+            raise ValueError(
+                f"`base_quantization`={quantization!r} quantises nn.Linear targets with bitsandbytes; "
+                f"target '{layer_name}' is a {type(base).__name__}"
+            )
         if current is not None and current != quantization:
-            raise ValueError(f"`base_quantization`={quantization!r}, but target '{layer_name}' is already quantised "
-                             f"as {current!r}")
+            raise ValueError(
+                f"`base_quantization`={quantization!r}, but target '{layer_name}' is already quantised as {current!r}"
+            )
 
     def quantize_base(self, quantization: str) -> None:
         """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
@@ -286,8 +313,9 @@ class RotationLayer(BaseTunerLayer):
         return x
 
     # --- adapters ----------------------------------------------------------------------------------------------------
-    def add_rotation_adapter(self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec],
-                             rows: dict[str, int]) -> None:
+    def add_rotation_adapter(
+        self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec], rows: dict[str, int]
+    ) -> None:
         """Create the skew parameters (``rows[side]`` rows) and index buffers, and give them their initial state
         (`reset_rotation_state`); on the ``meta`` device that waits for
         [`materialize_model`][poet_hf.initialization.materialize_model]."""
@@ -321,7 +349,9 @@ class RotationLayer(BaseTunerLayer):
                 params[adapter_name].register_post_accumulate_grad_hook(rotation_cache.anchor_to_gradient)
                 params[adapter_name]._poet_anchored = True
         if not settings.init_weights:
-            self.randomize_skew(adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name))
+            self.randomize_skew(
+                adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name)
+            )
 
     def _draw_index(self, adapter_name: str, side: str, merge_count: int) -> torch.Tensor:
         settings = self.poet_settings[adapter_name]
@@ -336,8 +366,9 @@ class RotationLayer(BaseTunerLayer):
             write_full(param, random_skew_params(param.shape, spec.block, generator, op_norm))
 
     # --- rotations (reference path: merge, unmerge, statistics, the plain-autograd forward) --------------------------
-    def rotation_blocks(self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32,
-                        keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def rotation_blocks(
+        self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider);
         blocks flagged ``False`` in ``keep`` are the identity."""
         spec = self.sides(adapter_name)[side]
@@ -355,8 +386,9 @@ class RotationLayer(BaseTunerLayer):
             blocks = torch.where(keep[:, None, None], blocks, torch.eye(spec.block, dtype=dtype, device=blocks.device))
         return blocks
 
-    def rotate_weight(self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False,
-                      report: Optional[dict[str, Any]] = None) -> torch.Tensor:
+    def rotate_weight(
+        self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False, report: dict[str, Any] | None = None
+    ) -> torch.Tensor:
         """``P^T · matrix · R^T`` (or its inverse map ``P^{-T} · matrix · R^{-T}``).
 
         The inverse uses each side's transpose where the blocks are orthogonal to the working precision of the
@@ -374,11 +406,14 @@ class RotationLayer(BaseTunerLayer):
             else:
                 blocks = self.rotation_blocks(adapter_name, side, dtype=matrix.dtype)
             blocks = blocks.transpose(-1, -2)
-            matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
-                spec.matmul_left(matrix, index, blocks)
+            matrix = (
+                spec.matmul_right(matrix, index, blocks)
+                if side == SIDE_INPUT
+                else spec.matmul_left(matrix, index, blocks)
+            )
         return matrix
 
-    def _weight_for_folding(self, adapter_name: str, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def _weight_for_folding(self, adapter_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base; or
         ``dtype``), with the residual of the last requantisation added back when the adapter folds by error
         feedback."""
@@ -397,16 +432,18 @@ class RotationLayer(BaseTunerLayer):
         generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
         self.set_weight_matrix(matrix, settings.requantize, generator)
 
-    def effective_weight_matrix(self, adapter_names: Optional[list[str]] = None,
-                                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def effective_weight_matrix(
+        self, adapter_names: list[str] | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
         matrix = self.full_weight_matrix().to(dtype)
         for adapter_name in adapter_names if adapter_names is not None else self.active_adapters:
             matrix = self.rotate_weight(matrix, adapter_name)
         return matrix
 
-    def reference_forward(self, x: torch.Tensor, adapter_names: list[str], activation: bool,
-                          keep: Optional[dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    def reference_forward(
+        self, x: torch.Tensor, adapter_names: list[str], activation: bool, keep: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The forward as a plain autograd composition (several adapters compose in order); ``keep`` maps an
         adapter to the input-side blocks it keeps (OFT's module dropout)."""
         bias = self.get_base_layer().bias
@@ -418,11 +455,15 @@ class RotationLayer(BaseTunerLayer):
             matrix = base_weight.to(_at_least_float32(base_weight.dtype))
             for a in adapter_names:
                 for side, spec in self.sides(a).items():
-                    blocks = self.rotation_blocks(a, side, dtype=matrix.dtype,
-                                                  keep=keep.get(a) if side == SIDE_INPUT else None).mT
+                    blocks = self.rotation_blocks(
+                        a, side, dtype=matrix.dtype, keep=keep.get(a) if side == SIDE_INPUT else None
+                    ).mT
                     index = self.index_buffer(a, side)
-                    matrix = spec.matmul_right(matrix, index, blocks) if side == SIDE_INPUT else \
-                        spec.matmul_left(matrix, index, blocks)
+                    matrix = (
+                        spec.matmul_right(matrix, index, blocks)
+                        if side == SIDE_INPUT
+                        else spec.matmul_left(matrix, index, blocks)
+                    )
             return op.forward(x, matrix.to(base_weight.dtype), None if bias is None else bias.to(x.dtype))
         # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
         compute = _at_least_float32(x.dtype)
@@ -432,8 +473,9 @@ class RotationLayer(BaseTunerLayer):
                 blocks = self.rotation_blocks(a, SIDE_INPUT, dtype=compute, keep=keep.get(a))
                 h = self.sides(a)[SIDE_INPUT].matmul_right(h, self.index_buffer(a, SIDE_INPUT), blocks)
         output_side = any(SIDE_OUTPUT in self.sides(a) for a in adapter_names)
-        h = op.forward(h.to(x.dtype), self.weight_matrix(), None if bias is None or output_side else
-                       bias.to(x.dtype)).to(compute)
+        h = op.forward(
+            h.to(x.dtype), self.weight_matrix(), None if bias is None or output_side else bias.to(x.dtype)
+        ).to(compute)
         for a in adapter_names:
             if SIDE_OUTPUT in self.sides(a):
                 blocks = self.rotation_blocks(a, SIDE_OUTPUT, dtype=compute)
@@ -442,12 +484,26 @@ class RotationLayer(BaseTunerLayer):
         return out if bias is None or not output_side else out + bias.to(out.dtype)
 
     # --- the fused forward -------------------------------------------------------------------------------------------
-    def side_rotation(self, adapter_name: str, side: str, keep: Optional[torch.Tensor] = None,
-                      cache: Optional[RotationCache] = None, defer: bool = False) -> SideRotation:
-        return SideRotation(self.sides(adapter_name)[side], self.index_buffer(adapter_name, side),
-                            self.poet_settings[adapter_name].neumann_terms, keep, cache, defer)
+    def side_rotation(
+        self,
+        adapter_name: str,
+        side: str,
+        keep: torch.Tensor | None = None,
+        cache: RotationCache | None = None,
+        defer: bool = False,
+    ) -> SideRotation:
+        return SideRotation(
+            self.sides(adapter_name)[side],
+            self.index_buffer(adapter_name, side),
+            self.poet_settings[adapter_name].neumann_terms,
+            keep,
+            cache,
+            defer,
+        )
 
-    def choose_strategy(self, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached") -> str:
+    def choose_strategy(
+        self, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached"
+    ) -> str:
         """The fused strategy for one call (`STRATEGIES`).
 
         ``forward="weight"`` / ``"activation"`` are taken as given; ``"auto"`` takes the fewest multiply-adds by
@@ -466,14 +522,20 @@ class RotationLayer(BaseTunerLayer):
         sides = self.sides(adapter_name)
         quantization = self.base_quantization
         terms = self.poet_settings[adapter_name].neumann_terms
-        costs = strategy_costs(tokens, self.in_features, self.out_features, sides.get(SIDE_INPUT),
-                               sides.get(SIDE_OUTPUT), training,
-                               dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
-                               polynomial=polynomial_products(terms, polynomial_phase) if training else 0)
+        costs = strategy_costs(
+            tokens,
+            self.in_features,
+            self.out_features,
+            sides.get(SIDE_INPUT),
+            sides.get(SIDE_OUTPUT),
+            training,
+            dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
+            polynomial=polynomial_products(terms, polynomial_phase) if training else 0,
+        )
         affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
         return min(affordable, key=affordable.get)
 
-    def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``base(x, P^T W0 R^T)`` through the fused functions of `rotated_linear`."""
         sides = self.sides(adapter_name)
         training = torch.is_grad_enabled() and any(self.skew_parameter(adapter_name, s).requires_grad for s in sides)
@@ -483,21 +545,35 @@ class RotationLayer(BaseTunerLayer):
             vec = self.skew_parameter(adapter_name, side)
             cache, defer = self._rotation_cache(adapter_name, side, vec, training and vec.requires_grad)
             phases.add(_polynomial_phase(cache, defer))
-            rotations[side] = (self.side_rotation(adapter_name, side, keep if side == SIDE_INPUT else None, cache,
-                                                  defer), vec)
-        strategy = self.choose_strategy(adapter_name, tokens, training, phases.pop() if len(phases) == 1 else "uncached")
+            rotations[side] = (
+                self.side_rotation(adapter_name, side, keep if side == SIDE_INPUT else None, cache, defer),
+                vec,
+            )
+        strategy = self.choose_strategy(
+            adapter_name, tokens, training, phases.pop() if len(phases) == 1 else "uncached"
+        )
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
-        return rotated_forward(strategy, self._pad_input(x), self.dense_weight(), self.get_base_layer().bias,
-                               r_side, r_vec, p_side, p_vec, op=self.base_operation())
+        return rotated_forward(
+            strategy,
+            self._pad_input(x),
+            self.dense_weight(),
+            self.get_base_layer().bias,
+            r_side,
+            r_vec,
+            p_side,
+            p_vec,
+            op=self.base_operation(),
+        )
 
     @staticmethod
     def fused_enabled() -> bool:
         return _FUSED
 
     # --- one optimizer step's rotations, shared by its micro-batches (tuners/rotation_cache.py) -----------------------
-    def _rotation_cache(self, adapter_name: str, side: str, vec: torch.Tensor,
-                        training: bool) -> tuple[Optional[RotationCache], bool]:
+    def _rotation_cache(
+        self, adapter_name: str, side: str, vec: torch.Tensor, training: bool
+    ) -> tuple[RotationCache | None, bool]:
         """The cache this call reads its blocks from (``None``: none is open and this micro-batch does not defer) and
         whether the call defers its VJP. Raises ``RuntimeError`` if the skew vector changed under deferred
         gradients other than by an optimizer step or a merge (their Jacobian would be lost)."""
@@ -518,7 +594,8 @@ class RotationLayer(BaseTunerLayer):
                     f"the skew parameter of adapter '{adapter_name}' ({side} side) of "
                     f"'{self.poet_settings[adapter_name].layer_name}' changed while its gradient was deferred over "
                     "an accumulation window; apply the deferred gradients first with "
-                    "poet_hf.flush_rotation_caches(model)")
+                    "poet_hf.flush_rotation_caches(model)"
+                )
             cache.clear()
         cache.key = key
         return cache, defer
@@ -591,7 +668,7 @@ class RotationLayer(BaseTunerLayer):
 
     # --- PEFT merge / unmerge (inference-time folds; the adapter keeps its state) ------------------------------------
     @torch.no_grad()
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
         adapter_names = check_adapters_to_merge(self, adapter_names)
         self.flush_rotation_caches()
@@ -617,23 +694,30 @@ class RotationLayer(BaseTunerLayer):
         while self.merged_adapters:
             adapter_name = self.merged_adapters.pop()
             report: dict[str, Any] = {}
-            restored = self.rotate_weight(self._weight_for_folding(adapter_name, torch.float64), adapter_name,
-                                          inverse=True, report=report)
+            restored = self.rotate_weight(
+                self._weight_for_folding(adapter_name, torch.float64), adapter_name, inverse=True, report=report
+            )
             self._fold_into_base(restored, adapter_name, PEFT_MERGE)
             self._warn_requantized("unmerging", adapter_name)
             report["error_bound"] = sum(r["error_bound"] for r in report.values())
             self.unmerge_report[adapter_name] = report
             if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
-                logger.info("unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
-                            adapter_name, report)
+                logger.info(
+                    "unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
+                    adapter_name,
+                    report,
+                )
 
     def _warn_requantized(self, action: str, adapter_name: str) -> None:
         """A fold into a quantised base changes the weight by a requantisation: say by how much (measured)."""
         if self.base_quantization is not None:
-            warnings.warn(f"{action} adapter '{adapter_name}' into the {self.base_quantization} base of "
-                          f"'{self.poet_settings[adapter_name].layer_name}' requantised W0: relative error "
-                          f"{self.requantization_error:.2e} (||dequant(Q(W)) - W||_F / ||W||_F, measured)",
-                          QuantizedMergeWarning, stacklevel=3)
+            warnings.warn(
+                f"{action} adapter '{adapter_name}' into the {self.base_quantization} base of "
+                f"'{self.poet_settings[adapter_name].layer_name}' requantised W0: relative error "
+                f"{self.requantization_error:.2e} (||dequant(Q(W)) - W||_F / ||W||_F, measured)",
+                QuantizedMergeWarning,
+                stacklevel=3,
+            )
 
     # --- POET training-time merge-then-reinitialize --------------------------------------------------------------------
     @torch.no_grad()
@@ -651,8 +735,9 @@ class RotationLayer(BaseTunerLayer):
         self.flush_rotation_caches()  # deferred gradients belong to the rotations about to be folded
         stats = self.rotation_stats(adapter_name)
         count = int(self.merge_counts[adapter_name]) + 1
-        self._fold_into_base(self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name,
-                             count)
+        self._fold_into_base(
+            self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name, count
+        )
         if self.base_quantization is not None:
             stats["requantization_error"] = self.requantization_error
         self.merge_counts[adapter_name].fill_(count)
@@ -667,9 +752,19 @@ class RotationLayer(BaseTunerLayer):
         """How far, in degrees, the live rotations can turn the layer: the sum over sides of the largest angle one
         side turns a vector by, ``2·atan(||Q||_2)`` (exact for the Cayley transform, whose eigenvalues are
         ``e^{±2i·atan θ}``; ``||Q||_2`` by power iteration). POET's two sides add up; OFT has one."""
-        return sum(math.degrees(2 * math.atan(float(skew_spectral_norm(skew_from_vector(
-            full_tensor(self.skew_parameter(adapter_name, side)).float(), spec.block)).max())))
-            for side, spec in self.sides(adapter_name).items())
+        return sum(
+            math.degrees(
+                2
+                * math.atan(
+                    float(
+                        skew_spectral_norm(
+                            skew_from_vector(full_tensor(self.skew_parameter(adapter_name, side)).float(), spec.block)
+                        ).max()
+                    )
+                )
+            )
+            for side, spec in self.sides(adapter_name).items()
+        )
 
     @torch.no_grad()
     def paper_metrics(self, adapter_name: str) -> dict[str, dict[str, float]]:
@@ -733,7 +828,7 @@ def _is_conv1d(module: nn.Module) -> bool:
     return isinstance(module, Conv1D)
 
 
-def _polynomial_phase(cache: Optional[RotationCache], defer: bool) -> str:
+def _polynomial_phase(cache: RotationCache | None, defer: bool) -> str:
     """Where a call stands in its optimizer step (`polynomial_products`)."""
     if cache is None:
         return "uncached"
@@ -754,7 +849,10 @@ def flush_rotation_caches(model: nn.Module) -> None:
         layer.flush_rotation_caches()
 
 
-def rotation_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:
+def rotation_layers(model: nn.Module, adapter_name: str | None = None) -> list[tuple[str, RotationLayer]]:
     """``(name, layer)`` for every POET or OFT layer of ``model`` (with ``adapter_name`` if given)."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, RotationLayer) and (adapter_name is None or adapter_name in m.poet_specs)]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, RotationLayer) and (adapter_name is None or adapter_name in m.poet_specs)
+    ]

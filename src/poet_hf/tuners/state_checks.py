@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Optional
 
 import torch
 
@@ -29,11 +28,11 @@ class AdapterStateError(ValueError):
         source: the file it was read from, if known.
     """
 
-    def __init__(self, problem: str, source: Optional[str] = None) -> None:
+    def __init__(self, problem: str, source: str | None = None) -> None:
         self.problem, self.source = problem, source
         super().__init__(f"{source}: {problem}" if source else problem)
 
-    def in_file(self, source: str) -> "AdapterStateError":
+    def in_file(self, source: str) -> AdapterStateError:
         """The same error naming ``source``, unless it names a file already.
 
         Args:
@@ -61,15 +60,18 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
     ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
     expected, held = max(ends, default=0), size - 8 - header_len
     if held != expected:
-        raise AdapterStateError(f"truncated or damaged: its header describes {expected} bytes of tensor data, the file "
-                                f"holds {held}", path)
+        raise AdapterStateError(
+            f"truncated or damaged: its header describes {expected} bytes of tensor data, the file holds {held}", path
+        )
 
 
-def index_problem(index: torch.Tensor, spec: SideSpec) -> Optional[str]:
+def index_problem(index: torch.Tensor, spec: SideSpec) -> str | None:
     """What is wrong with ``index`` as the index tensor of a side of shape ``spec`` (``None`` if nothing)."""
     expected = {BLOCK: spec.dim, FULL: spec.block}.get(spec.kind, 0)
-    what = {BLOCK: f"a permutation of 0..{spec.dim - 1}", FULL: f"a sorted subset of {spec.block} distinct indices "
-            f"in 0..{spec.dim - 1}"}.get(spec.kind, "empty (contiguous blocks)")
+    what = {
+        BLOCK: f"a permutation of 0..{spec.dim - 1}",
+        FULL: f"a sorted subset of {spec.block} distinct indices in 0..{spec.dim - 1}",
+    }.get(spec.kind, "empty (contiguous blocks)")
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
         return f"has dtype {index.dtype}; it must be an integer tensor, {what}"
     if index.dim() != 1 or index.numel() != expected:
@@ -89,11 +91,13 @@ def index_problem(index: torch.Tensor, spec: SideSpec) -> Optional[str]:
     return None
 
 
-def skew_problem(skew: torch.Tensor, expected_shape: torch.Size, spec: SideSpec) -> Optional[str]:
+def skew_problem(skew: torch.Tensor, expected_shape: torch.Size, spec: SideSpec) -> str | None:
     """What is wrong with a loaded skew parameter against the shape the side's block size implies."""
     if tuple(skew.shape) != tuple(expected_shape):
-        return (f"has shape {tuple(skew.shape)}, but block size {spec.block} on a {spec.dim}-dimensional side implies "
-                f"{tuple(expected_shape)} (rows × b(b−1)/2)")
+        return (
+            f"has shape {tuple(skew.shape)}, but block size {spec.block} on a {spec.dim}-dimensional side implies "
+            f"{tuple(expected_shape)} (rows × b(b−1)/2)"
+        )
     if not skew.dtype.is_floating_point:
         return f"has dtype {skew.dtype}; skew parameters are floating point"
     if not bool(torch.isfinite(skew).all()):
@@ -101,7 +105,7 @@ def skew_problem(skew: torch.Tensor, expected_shape: torch.Size, spec: SideSpec)
     return None
 
 
-def merge_count_problem(count: torch.Tensor) -> Optional[str]:
+def merge_count_problem(count: torch.Tensor) -> str | None:
     """What is wrong with a loaded merge count (a non-negative integer scalar)."""
     if count.numel() != 1 or count.dtype.is_floating_point or int(count.reshape(())) < 0:
         return f"must be a non-negative integer scalar, got {count.dtype} of shape {tuple(count.shape)}"

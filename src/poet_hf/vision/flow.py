@@ -255,7 +255,9 @@ class ReflectionFlowModel(PreTrainedModel):
         for level in range(config.num_levels):
             channels *= 4
             seed = config.seed + 1000 * level
-            self.levels.append(nn.ModuleList(FlowStep(channels, config, seed + step) for step in range(config.steps_per_level)))
+            self.levels.append(
+                nn.ModuleList(FlowStep(channels, config, seed + step) for step in range(config.steps_per_level))
+            )
             if level < config.num_levels - 1:
                 channels //= 2
         self.post_init()
@@ -327,7 +329,9 @@ class ReflectionFlowModel(PreTrainedModel):
         return x + 0.5
 
     @torch.no_grad()
-    def sample(self, num_samples: int, temperature: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample(
+        self, num_samples: int, temperature: float = 1.0, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """Draw ``num_samples`` images by inverting ``z ~ N(0, temperature^2 I)``.
 
         Args:
@@ -346,13 +350,17 @@ class ReflectionFlowModel(PreTrainedModel):
 
     def dequantize(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in evaluation."""
-        generator = None if self.training else torch.Generator(device=pixel_values.device).manual_seed(
-            self.EVAL_NOISE_SEED)
-        noise = torch.rand(pixel_values.shape, generator=generator, dtype=pixel_values.dtype,
-                           device=pixel_values.device)
+        generator = (
+            None if self.training else torch.Generator(device=pixel_values.device).manual_seed(self.EVAL_NOISE_SEED)
+        )
+        noise = torch.rand(
+            pixel_values.shape, generator=generator, dtype=pixel_values.dtype, device=pixel_values.device
+        )
         return pixel_values + noise / self.config.num_bins
 
-    def forward(self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs) -> ReflectionFlowOutput | tuple:
+    def forward(
+        self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs
+    ) -> ReflectionFlowOutput | tuple:
         """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see [`dequantize`][poet_hf.vision.flow.ReflectionFlowModel.dequantize])."""
         latents, logdet = self.encode(self.dequantize(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)

@@ -15,7 +15,6 @@ The model takes ``pixel_values`` in pixel space (``[0, 1]``) and normalises insi
 
 from __future__ import annotations
 
-
 from typing import Any
 
 import torch
@@ -90,11 +89,15 @@ class LipConvNetConfig(PretrainedConfig):
             if len(value) != 5:
                 raise ValueError(f"LipConvNetConfig: `{name}` needs one entry per block (5), got {list(value)!r}")
         if any(t not in CONV_TYPES for t in conv_types):
-            raise ValueError(f"LipConvNetConfig: `conv_types` entries must be in {CONV_TYPES}, got {list(conv_types)!r}")
+            raise ValueError(
+                f"LipConvNetConfig: `conv_types` entries must be in {CONV_TYPES}, got {list(conv_types)!r}"
+            )
         if last_layer not in LAST_LAYERS:
             raise ValueError(f"LipConvNetConfig: `last_layer` must be one of {LAST_LAYERS}, got {last_layer!r}")
         if eco_orthogonal_map not in ECO_MAPS:
-            raise ValueError(f"LipConvNetConfig: `eco_orthogonal_map` must be one of {ECO_MAPS}, got {eco_orthogonal_map!r}")
+            raise ValueError(
+                f"LipConvNetConfig: `eco_orthogonal_map` must be one of {ECO_MAPS}, got {eco_orthogonal_map!r}"
+            )
         if len(image_mean) != num_channels or len(image_std) != num_channels:
             raise ValueError(
                 f"LipConvNetConfig: `image_mean` and `image_std` need num_channels={num_channels} entries, got "
@@ -128,14 +131,27 @@ class LipConvNetConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-def _make_conv(config: LipConvNetConfig, kind: str, c_in: int, c_out: int, kernel: int, stride: int, size: int) -> nn.Module:
+def _make_conv(
+    config: LipConvNetConfig, kind: str, c_in: int, c_out: int, kernel: int, stride: int, size: int
+) -> nn.Module:
     if kind == "eco":
         return EcoConv2d(
-            c_in, c_out, kernel, stride, input_size=size, orthogonal_map=config.eco_orthogonal_map,
-            train_terms=config.eco_train_terms, baked=config.baked,
+            c_in,
+            c_out,
+            kernel,
+            stride,
+            input_size=size,
+            orthogonal_map=config.eco_orthogonal_map,
+            train_terms=config.eco_train_terms,
+            baked=config.baked,
         )
     return SocConv2d(
-        c_in, c_out, kernel, stride, input_size=size, train_terms=config.soc_train_terms,
+        c_in,
+        c_out,
+        kernel,
+        stride,
+        input_size=size,
+        train_terms=config.soc_train_terms,
         eval_terms=config.soc_eval_terms,
     )
 

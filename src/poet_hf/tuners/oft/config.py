@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from peft.config import PeftConfig
 
-from ..registry import peft_type_member
-
 from ...orthogonal import check_neumann_terms
 from ..bnb import REQUANTIZE_MODES
+from ..config_utils import (
+    CheckedLoadConfig,
+    cache_rotations_field,
+    check_bool,
+    check_choice,
+    check_positive_int,
+    normalize_peft_target_fields,
+    peft_field,
+    requantize_field,
+)
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
-from ..config_utils import (peft_field, CheckedLoadConfig, cache_rotations_field, check_bool, check_choice, check_positive_int,
-                            normalize_peft_target_fields, requantize_field)
+from ..registry import peft_type_member
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
@@ -35,56 +42,85 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
     to convert its weights.
     """
 
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
-        metadata={"help": "Module names or a regex to wrap. Default per model_type, the same as POET: every Linear "
-                  "inside the transformer blocks, never embeddings or lm_head."},
+        metadata={
+            "help": "Module names or a regex to wrap. Default per model_type, the same as POET: every Linear "
+            "inside the transformer blocks, never embeddings or lm_head."
+        },
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or a regex to leave out."}
     )
-    r: int = field(default=0, metadata={"help": "Number of blocks per layer (block_size = in_features / r). Set "
-                                        "exactly one of `r` and `block_size`."})
-    block_size: int = field(default=32, metadata={"help": "Block size b; must divide the input dimension of every "
-                                                  "target (in·kh·kw for Conv2d). Set exactly one of `r` and "
-                                                  "`block_size`."})
+    r: int = field(
+        default=0,
+        metadata={
+            "help": "Number of blocks per layer (block_size = in_features / r). Set "
+            "exactly one of `r` and `block_size`."
+        },
+    )
+    block_size: int = field(
+        default=32,
+        metadata={
+            "help": "Block size b; must divide the input dimension of every "
+            "target (in·kh·kw for Conv2d). Set exactly one of `r` and "
+            "`block_size`."
+        },
+    )
     neumann_terms: int = field(
-        default=5, metadata={"help": "Cayley–Neumann terms n, PEFT's num_cayley_neumann_terms (R = I + 2Q + … + "
-                             "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = exact Cayley."}
+        default=5,
+        metadata={
+            "help": "Cayley–Neumann terms n, PEFT's num_cayley_neumann_terms (R = I + 2Q + … + "
+            "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = exact Cayley."
+        },
     )
     block_share: bool = field(default=False, metadata={"help": "One skew block shared by all blocks of a layer."})
     coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep each skew block in a Frobenius ball."})
-    eps: float = field(default=6e-5, metadata={"help": "COFT radius, divided by sqrt(number of parameter blocks) "
-                                               "as in PEFT. Only used with coft=True."})
+    eps: float = field(
+        default=6e-5,
+        metadata={
+            "help": "COFT radius, divided by sqrt(number of parameter blocks) as in PEFT. Only used with coft=True."
+        },
+    )
     module_dropout: float = field(
-        default=0.0, metadata={"help": "Multiplicative dropout: in training, int(p·blocks) random blocks of R are "
-                               "replaced by the identity at each forward."}
+        default=0.0,
+        metadata={
+            "help": "Multiplicative dropout: in training, int(p·blocks) random blocks of R are "
+            "replaced by the identity at each forward."
+        },
     )
     spo: Literal["contiguous", "block"] = field(
         default="contiguous",
-        metadata={"help": "'contiguous': the fixed contiguous blocks of PEFT's OFT. 'block': block-stochastic, "
-                  "the blocks act on a random permutation of the input dimension, resampled at every "
-                  "merge-then-reinitialize."},
+        metadata={
+            "help": "'contiguous': the fixed contiguous blocks of PEFT's OFT. 'block': block-stochastic, "
+            "the blocks act on a random permutation of the input dimension, resampled at every "
+            "merge-then-reinitialize."
+        },
     )
-    merge_every: Optional[int] = field(
-        default=None, metadata={"help": "None: plain OFT, never merged during training. An int: optimizer steps "
-                                "between merge-then-reinitialize (fold R into W0, zero Q, resample)."}
+    merge_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "None: plain OFT, never merged during training. An int: optimizer steps "
+            "between merge-then-reinitialize (fold R into W0, zero Q, resample)."
+        },
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
     cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
-        metadata={"help": "'activation' rotates the inputs before the base op (PEFT's way); 'weight' materialises "
-                  "W0·R^T; 'auto' picks the cheaper by a multiply-add count. Conv2d always uses 'weight'."},
+        metadata={
+            "help": "'activation' rotates the inputs before the base op (PEFT's way); 'weight' materialises "
+            "W0·R^T; 'auto' picks the cheaper by a multiply-add count. Conv2d always uses 'weight'."
+        },
     )
     init_weights: bool = field(
         default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
     )
     bias: Literal["none", "all", "oft_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
-    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
-    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
+    layers_to_transform: list[int] | int | None = peft_field("layers_to_transform")
+    layers_pattern: list[str] | str | None = peft_field("layers_pattern")
+    modules_to_save: list[str] | None = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,8 +140,11 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             check_bool(name, getattr(self, name))
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
             raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
-        if (not isinstance(self.module_dropout, (int, float)) or isinstance(self.module_dropout, bool)
-                or not 0 <= self.module_dropout < 1):
+        if (
+            not isinstance(self.module_dropout, (int, float))
+            or isinstance(self.module_dropout, bool)
+            or not 0 <= self.module_dropout < 1
+        ):
             raise ValueError(f"`module_dropout` must be a probability in [0, 1), got {self.module_dropout!r}")
         if self.block_share and self.module_dropout > 0:
             raise ValueError("`module_dropout` has no effect with `block_share`=True (one shared block); set it to 0")
@@ -142,8 +181,10 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
                 )
             block_size = dim // self.r
             if block_size < 2:
-                raise ValueError(f"`r`={self.r} gives blocks of size {block_size} for target module '{layer_name}' "
-                                 f"(input dimension {dim}); use fewer blocks")
+                raise ValueError(
+                    f"`r`={self.r} gives blocks of size {block_size} for target module '{layer_name}' "
+                    f"(input dimension {dim}); use fewer blocks"
+                )
             return block_size
         if dim % self.block_size:
             raise ValueError(
@@ -153,7 +194,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         return self.block_size
 
     @classmethod
-    def from_peft_config(cls, peft_config: "PeftConfig", **overrides: object) -> "OftConfig":
+    def from_peft_config(cls, peft_config: PeftConfig, **overrides: object) -> OftConfig:
         """The ``OftConfig`` that computes what PEFT's ``OFTConfig`` computes (for Linear / Conv1D targets).
 
         Mapping: ``oft_block_size → block_size``, ``num_cayley_neumann_terms → neumann_terms`` (0 when
@@ -184,13 +225,23 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             terms = 0
         module_dropout = 0.0 if peft_config.block_share else peft_config.module_dropout  # PEFT ignores it there
         fields = dict(
-            target_modules=peft_config.target_modules, exclude_modules=peft_config.exclude_modules,
-            r=peft_config.r, block_size=peft_config.oft_block_size, neumann_terms=terms,
-            block_share=peft_config.block_share, coft=peft_config.coft, eps=peft_config.eps,
-            module_dropout=module_dropout, init_weights=peft_config.init_weights, bias=peft_config.bias,
-            layers_to_transform=peft_config.layers_to_transform, layers_pattern=peft_config.layers_pattern,
-            modules_to_save=peft_config.modules_to_save, task_type=peft_config.task_type,
-            base_model_name_or_path=peft_config.base_model_name_or_path, inference_mode=peft_config.inference_mode,
+            target_modules=peft_config.target_modules,
+            exclude_modules=peft_config.exclude_modules,
+            r=peft_config.r,
+            block_size=peft_config.oft_block_size,
+            neumann_terms=terms,
+            block_share=peft_config.block_share,
+            coft=peft_config.coft,
+            eps=peft_config.eps,
+            module_dropout=module_dropout,
+            init_weights=peft_config.init_weights,
+            bias=peft_config.bias,
+            layers_to_transform=peft_config.layers_to_transform,
+            layers_pattern=peft_config.layers_pattern,
+            modules_to_save=peft_config.modules_to_save,
+            task_type=peft_config.task_type,
+            base_model_name_or_path=peft_config.base_model_name_or_path,
+            inference_mode=peft_config.inference_mode,
         )
         if isinstance(fields["target_modules"], set):
             fields["target_modules"] = sorted(fields["target_modules"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -30,7 +30,7 @@ class OftOptions:
     module_dropout: float
 
 
-def dropout_keep_mask(num_blocks: int, p: float, device: torch.device) -> Optional[torch.Tensor]:
+def dropout_keep_mask(num_blocks: int, p: float, device: torch.device) -> torch.Tensor | None:
     """Flags of the blocks kept when ``int(p · num_blocks)`` random blocks become the identity (PEFT's
     multiplicative dropout); ``None`` when none is dropped.
 
@@ -71,12 +71,19 @@ class OftLayer(RotationLayer):
         """Add adapter ``adapter_name`` described by an ``OftConfig``."""
         block_size = config.resolve_block_size(self.in_features, layer_name)
         spec = make_side_spec(config.spo, self.in_features, block_size, 0, layer_name, "block_size")
-        self.oft_options[adapter_name] = OftOptions(block_share=config.block_share, coft=config.coft, eps=config.eps,
-                                                    module_dropout=config.module_dropout)
-        settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
-                                    forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize, cache_rotations=config.cache_rotations,
-                                    init_weights=config.init_weights)
+        self.oft_options[adapter_name] = OftOptions(
+            block_share=config.block_share, coft=config.coft, eps=config.eps, module_dropout=config.module_dropout
+        )
+        settings = RotationSettings(
+            layer_name=layer_name,
+            seed=config.seed,
+            neumann_terms=config.neumann_terms,
+            forward=config.forward,
+            source=getattr(config, "loaded_from", None),
+            requantize=config.requantize,
+            cache_rotations=config.cache_rotations,
+            init_weights=config.init_weights,
+        )
         rows = 1 if config.block_share else spec.num_blocks
         self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows})
 
@@ -103,8 +110,9 @@ class OftLayer(RotationLayer):
             if options.coft:
                 self.project_coft(a)
             if self.training and options.module_dropout > 0:
-                keep[a] = dropout_keep_mask(self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout,
-                                            self.get_base_layer().weight.device)
+                keep[a] = dropout_keep_mask(
+                    self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout, self.get_base_layer().weight.device
+                )
         if self.fused_enabled() and len(adapter_names) == 1:
             return self.fused_forward(x, adapter_names[0], keep.get(adapter_names[0]))
         return self.reference_forward(x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)

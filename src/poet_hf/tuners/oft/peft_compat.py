@@ -69,12 +69,16 @@ def our_oft_state_dict_to_peft(state_dict: dict[str, torch.Tensor], exact_cayley
             out[key[: -len(OUR_KEY)] + PEFT_KEY] = value * _sign(exact_cayley)
         elif key.endswith(OUR_KEY + "_index"):
             if value.numel():
-                raise ValueError(f"'{key}' holds a block permutation (spo='block'); PEFT's OFT has contiguous "
-                                 "blocks only, so this adapter has no PEFT equivalent")
+                raise ValueError(
+                    f"'{key}' holds a block permutation (spo='block'); PEFT's OFT has contiguous "
+                    "blocks only, so this adapter has no PEFT equivalent"
+                )
         elif key.endswith(".poet_oft_merge_count"):
             if int(value):
-                raise ValueError(f"'{key}' = {int(value)}: merge-then-reinitialize changed the base weights, which a "
-                                 "PEFT OFT adapter cannot carry; export the merged model instead")
+                raise ValueError(
+                    f"'{key}' = {int(value)}: merge-then-reinitialize changed the base weights, which a "
+                    "PEFT OFT adapter cannot carry; export the merged model instead"
+                )
         elif ".base_layer.weight" in key:
             raise ValueError(f"'{key}' is a modified base weight, which a PEFT OFT adapter cannot carry")
         else:

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from peft.config import PeftConfig
 
-from ..registry import peft_type_member
-
 from ...orthogonal import check_neumann_terms
+from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields, peft_field
 from ..constants import BIAS_CHOICES
-from ..config_utils import peft_field, check_choice, check_positive_int, normalize_peft_target_fields
+from ..registry import peft_type_member
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
 PARAMETERIZATIONS = ("cayley", "householder", "reflection", "fgd")
@@ -38,25 +37,28 @@ class OrthogonalConfig(PeftConfig):
       ``OrthogonalModel.stiefel_parameters()`` as its ``stiefel_params``).
     """
 
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={"help": "Module names or a regex to rewrite; default per model_type (the Linears of the blocks)."},
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(default=None, metadata={"help": "Modules to leave out."})
+    exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules to leave out."})
     parameterization: Literal["cayley", "householder", "reflection", "fgd"] = field(
         default="cayley", metadata={"help": f"One of {PARAMETERIZATIONS}; see the class docstring."}
     )
     neumann_terms: int = field(
-        default=0, metadata={"help": "cayley: 0 = exact Cayley transform (orthogonal to rounding); k >= 2 = Neumann terms."}
+        default=0,
+        metadata={"help": "cayley: 0 = exact Cayley transform (orthogonal to rounding); k >= 2 = Neumann terms."},
     )
-    num_reflections: Optional[int] = field(
+    num_reflections: int | None = field(
         default=None, metadata={"help": "householder: reflections per layer; None = the largest even number <= d."}
     )
     householder_block_size: int = field(default=32, metadata={"help": "householder: reflections per WY block."})
-    conv_input_size: Optional[Union[int, dict[str, int]]] = field(
+    conv_input_size: int | dict[str, int] | None = field(
         default=None,
-        metadata={"help": "Spatial input size seen by the Conv2d targets (ECO builds the conv for one size): an int "
-                  "for all, or {module-name suffix: size}. Required when a Conv2d is targeted."},
+        metadata={
+            "help": "Spatial input size seen by the Conv2d targets (ECO builds the conv for one size): an int "
+            "for all, or {module-name suffix: size}. Required when a Conv2d is targeted."
+        },
     )
     eco_orthogonal_map: Literal["matrix_exp", "taylor"] = field(
         default="matrix_exp",
@@ -65,13 +67,15 @@ class OrthogonalConfig(PeftConfig):
     seed: int = field(default=0, metadata={"help": "Seed of random (init_weights=False) adapters and ECO kernels."})
     init_weights: bool = field(
         default=True,
-        metadata={"help": "True: each layer starts at the polar factor of its weight. False: a random orthogonal "
-                  "perturbation of it, for tests."},
+        metadata={
+            "help": "True: each layer starts at the polar factor of its weight. False: a random orthogonal "
+            "perturbation of it, for tests."
+        },
     )
     bias: Literal["none", "all", "orthogonal_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
-    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
-    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
+    layers_to_transform: list[int] | int | None = peft_field("layers_to_transform")
+    layers_pattern: list[str] | str | None = peft_field("layers_pattern")
+    modules_to_save: list[str] | None = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,7 +101,7 @@ class OrthogonalConfig(PeftConfig):
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
 
-    def input_size_for(self, layer_name: str) -> Optional[int]:
+    def input_size_for(self, layer_name: str) -> int | None:
         """The ``conv_input_size`` that applies to ``layer_name`` (exact name or dotted suffix), if any.
 
         Args:

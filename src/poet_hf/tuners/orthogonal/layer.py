@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ class OrthogonalLayer(BaseTunerLayer):
         weight = base_layer.weight
         self.out_features, self.in_features = weight.shape[0], weight[0].numel()
 
-    def _active(self) -> Optional[str]:
+    def _active(self) -> str | None:
         active = [a for a in self.active_adapters if a in self.orthogonal_settings]
         if len(active) > 1:
             raise ValueError(
@@ -81,8 +81,10 @@ class OrthogonalLayer(BaseTunerLayer):
         return float(self.orthogonal_init_change[adapter_name])
 
     def extra_repr(self) -> str:
-        parts = [f"{a}: {s['parameterization']}, init_change={self.init_change(a):.3g}"
-                 for a, s in self.orthogonal_settings.items()]
+        parts = [
+            f"{a}: {s['parameterization']}, init_change={self.init_change(a):.3g}"
+            for a, s in self.orthogonal_settings.items()
+        ]
         return "; ".join(parts)
 
     def unmerge(self) -> None:
@@ -95,7 +97,7 @@ class OrthogonalLayer(BaseTunerLayer):
             for key, value in stash.items():
                 setattr(base, key, value)
 
-    def _adapters_to_merge(self, adapter_names: Optional[list[str]]) -> list[str]:
+    def _adapters_to_merge(self, adapter_names: list[str] | None) -> list[str]:
         """PEFT's selection of adapters to merge, restricted to ours; at most one, since each replaces the weight."""
         adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.orthogonal_settings]
         if len(adapter_names) + len(self.merged_adapters) > 1:
@@ -154,8 +156,10 @@ class Linear(_OrthogonalModule):
         else:  # fgd: the weight itself, kept on the Stiefel manifold by FeedbackGD
             param = polar.clone()
             if not config.init_weights:
-                rot = polar_factor(torch.eye(d, dtype=torch.float64) + 0.1 * torch.randn(d, d, generator=generator,
-                                                                                             dtype=torch.float64))
+                rot = polar_factor(
+                    torch.eye(d, dtype=torch.float64)
+                    + 0.1 * torch.randn(d, d, generator=generator, dtype=torch.float64)
+                )
                 param = self._rotate(polar, rot)
         self.orthogonal_settings[adapter_name] = settings
         self.orthogonal_weight[adapter_name] = nn.Parameter(param.float().to(device))
@@ -213,7 +217,7 @@ class Linear(_OrthogonalModule):
             0 if bias is None else bias
         )
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Write the orthogonal weight into the base layer (its old weight is kept for `unmerge`)."""
         for adapter_name in self._adapters_to_merge(adapter_names):
             with torch.no_grad():
@@ -229,7 +233,7 @@ class Linear(_OrthogonalModule):
 class Conv2d(_OrthogonalModule):
     """An ``nn.Conv2d`` replaced by an ECO orthogonal convolution (circular padding, fixed input size)."""
 
-    def _check_geometry(self, layer_name: str, size: Optional[int]) -> tuple[int, int]:
+    def _check_geometry(self, layer_name: str, size: int | None) -> tuple[int, int]:
         base = self.get_base_layer()
         kh, kw = base.kernel_size
         if size is None:
@@ -261,8 +265,16 @@ class Conv2d(_OrthogonalModule):
         base = self.get_base_layer()
         size = config.input_size_for(layer_name)
         kernel, stride = self._check_geometry(layer_name, size)
-        eco = EcoConv2d(base.in_channels, base.out_channels, kernel, stride, input_size=size, bias=False,
-                        orthogonal_map=config.eco_orthogonal_map, device=base.weight.device)
+        eco = EcoConv2d(
+            base.in_channels,
+            base.out_channels,
+            kernel,
+            stride,
+            input_size=size,
+            bias=False,
+            orthogonal_map=config.eco_orthogonal_map,
+            device=base.weight.device,
+        )
         eco.reset_parameters(spo_generator(config.seed, 0, layer_name, "eco", adapter_name))
         self.orthogonal_settings[adapter_name] = {"parameterization": "eco", "layer_name": layer_name}
         self.orthogonal_eco[adapter_name] = eco
@@ -272,7 +284,9 @@ class Conv2d(_OrthogonalModule):
             eco.train(base.training)
         # ECO starts from its own random orthogonal kernel (the polar factor of a convolution operator is not an
         # ECO kernel); record how far it is from the old kernel where the shapes agree.
-        change = _relative_change(kernel_now, base.weight.detach()) if kernel_now.shape == base.weight.shape else math.nan
+        change = (
+            _relative_change(kernel_now, base.weight.detach()) if kernel_now.shape == base.weight.shape else math.nan
+        )
         self.orthogonal_init_change[adapter_name] = torch.tensor(change, device=base.weight.device)
         self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
         self.set_adapter(self.active_adapters)
@@ -282,7 +296,7 @@ class Conv2d(_OrthogonalModule):
         bias = self.get_base_layer().bias
         return out if bias is None else out + bias.to(out.dtype).view(1, -1, 1, 1)
 
-    def merge(self, safe_merge: bool = False, adapter_names: Optional[list[str]] = None) -> None:
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Turn the base Conv2d into the ECO operator: its kernel, dilation and circular padding (stride 1 only)."""
         for adapter_name in self._adapters_to_merge(adapter_names):
             eco = self.orthogonal_eco[adapter_name]

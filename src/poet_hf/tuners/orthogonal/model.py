@@ -15,8 +15,9 @@ from .layer import Conv2d, Linear, OrthogonalLayer
 logger = logging.getLogger(__name__)
 
 
-def create_orthogonal_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str,
-                             **kwargs: Any) -> OrthogonalLayer:
+def create_orthogonal_module(
+    config: Any, adapter_name: str, target: nn.Module, layer_name: str, **kwargs: Any
+) -> OrthogonalLayer:
     """Wrap ``target`` in the orthogonal layer for its type, or raise a ``ValueError`` naming the type."""
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if is_bnb_module(base_layer):
@@ -48,8 +49,9 @@ class OrthogonalModel(BaseTuner):
     target_module_mapping = DEFAULT_TARGET_MODULES
     layer_factory = staticmethod(create_orthogonal_module)
 
-    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
-                            **optional_kwargs) -> None:
+    def _create_and_replace(
+        self, peft_config, adapter_name, target, target_name, parent, current_key, **optional_kwargs
+    ) -> None:
         if current_key is None:
             raise ValueError("current_key must not be None")
         if isinstance(target, OrthogonalLayer):
@@ -60,18 +62,29 @@ class OrthogonalModel(BaseTuner):
                 new_module.requires_grad_(False)
             self._replace_module(parent, target_name, new_module, target)
         layer = target if isinstance(target, OrthogonalLayer) else new_module
-        logger.info("orthogonal adapter '%s' on %s: relative weight change at init %.4g", adapter_name, current_key,
-                    layer.init_change(adapter_name))
+        logger.info(
+            "orthogonal adapter '%s' on %s: relative weight change at init %.4g",
+            adapter_name,
+            current_key,
+            layer.init_change(adapter_name),
+        )
 
     def init_change_report(self, adapter_name: str | None = None) -> dict[str, float]:
         """``{layer name: ||O_init - W0||_F / ||W0||_F}``: how much making each layer orthogonal changed it."""
         adapter_name = adapter_name or self.active_adapters[0]
-        return {name: m.init_change(adapter_name) for name, m in self.model.named_modules()
-                if isinstance(m, OrthogonalLayer) and adapter_name in m.orthogonal_settings}
+        return {
+            name: m.init_change(adapter_name)
+            for name, m in self.model.named_modules()
+            if isinstance(m, OrthogonalLayer) and adapter_name in m.orthogonal_settings
+        }
 
     def stiefel_parameters(self, adapter_name: str | None = None) -> list[nn.Parameter]:
         """The weights of ``parameterization="fgd"`` layers, for ``FeedbackGD(..., stiefel_params=...)``."""
         adapter_name = adapter_name or self.active_adapters[0]
-        return [m.orthogonal_weight[adapter_name] for m in self.model.modules()
-                if isinstance(m, OrthogonalLayer) and adapter_name in m.orthogonal_settings
-                and m.orthogonal_settings[adapter_name]["parameterization"] == "fgd"]
+        return [
+            m.orthogonal_weight[adapter_name]
+            for m in self.model.modules()
+            if isinstance(m, OrthogonalLayer)
+            and adapter_name in m.orthogonal_settings
+            and m.orthogonal_settings[adapter_name]["parameterization"] == "fgd"
+        ]

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..config_utils import (peft_field, CheckedLoadConfig, cache_rotations_field, check_bool, check_budget, check_choice,
-                            check_positive_int, normalize_peft_target_fields, per_side, requantize_field)
 from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
+from ..config_utils import (
+    CheckedLoadConfig,
+    cache_rotations_field,
+    check_bool,
+    check_budget,
+    check_choice,
+    check_positive_int,
+    normalize_peft_target_fields,
+    peft_field,
+    per_side,
+    requantize_field,
+)
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
 
@@ -32,69 +42,90 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     in the paper's Fig. 5; a ``budget`` may be a fraction of the dimension or an absolute index-set size.
     """
 
-    target_modules: Optional[Union[list[str], str]] = field(
+    target_modules: list[str] | str | None = field(
         default=None,
         metadata={
             "help": "Module names or a regex to wrap. Default per model_type: every Linear inside the transformer "
             "blocks, never embeddings or lm_head."
         },
     )
-    exclude_modules: Optional[Union[list[str], str]] = field(
+    exclude_modules: list[str] | str | None = field(
         default=None, metadata={"help": "Module names or a regex to leave out."}
     )
     spo: Literal["block", "full", "contiguous"] = field(
         default="block",
-        metadata={"help": "'block': permuted block-diagonal rotations (POET-BS); 'full': one b×b block on a random "
-                  "index subset (POET-FS); 'contiguous': block-diagonal on fixed contiguous blocks, no permutation "
-                  "(OFT's layout, no gathers: the fine-tuning default, where runs rarely reach a merge)."},
+        metadata={
+            "help": "'block': permuted block-diagonal rotations (POET-BS); 'full': one b×b block on a random "
+            "index subset (POET-FS); 'contiguous': block-diagonal on fixed contiguous blocks, no permutation "
+            "(OFT's layout, no gathers: the fine-tuning default, where runs rarely reach a merge)."
+        },
     )
-    block_size: Union[int, dict[str, int]] = field(
-        default=256, metadata={"help": "Block size b for spo='block' or 'contiguous' (must divide the dims), or per "
-                               "side: {'input': b_R, 'output': b_P}."})
-    budget: Union[float, int, dict[str, Union[float, int]]] = field(
-        default=0.5, metadata={"help": "For spo='full': the index-set size per side, as a fraction of the dimension "
-                               "(a float in (0, 1]: b = ⌈budget·d⌉) or an absolute size (an int >= 2, Table 1's b); or "
-                               "per side: {'input': …, 'output': …} (Fig. 5's R:P splits)."})
+    block_size: int | dict[str, int] = field(
+        default=256,
+        metadata={
+            "help": "Block size b for spo='block' or 'contiguous' (must divide the dims), or per "
+            "side: {'input': b_R, 'output': b_P}."
+        },
+    )
+    budget: float | int | dict[str, float | int] = field(
+        default=0.5,
+        metadata={
+            "help": "For spo='full': the index-set size per side, as a fraction of the dimension "
+            "(a float in (0, 1]: b = ⌈budget·d⌉) or an absolute size (an int >= 2, Table 1's b); or "
+            "per side: {'input': …, 'output': …} (Fig. 5's R:P splits)."
+        },
+    )
     sides: Literal["both", "input", "output"] = field(
         default="both", metadata={"help": "'both' (R and P), 'input' (R only, OFT-like) or 'output' (P only)."}
     )
     neumann_terms: int = field(
-        default=6, metadata={"help": "Cayley–Neumann terms n, counted as PEFT does (R = I + 2Q + … + 2Q^(n-2) + "
-                             "Q^(n-1)); the paper's eq. 6 counts k = n − 2 (its recipe k = 4 is n = 6, the default). "
-                             "0 = the exact Cayley transform."}
+        default=6,
+        metadata={
+            "help": "Cayley–Neumann terms n, counted as PEFT does (R = I + 2Q + … + 2Q^(n-2) + "
+            "Q^(n-1)); the paper's eq. 6 counts k = n − 2 (its recipe k = 4 is n = 6, the default). "
+            "0 = the exact Cayley transform."
+        },
     )
-    merge_every: int = field(default=400, metadata={"help": "Optimizer steps between merge-then-reinitialize (the "
-                                                    "default is the paper's §5.2 value)."})
-    base_init: Optional[str] = field(
+    merge_every: int = field(
+        default=400,
+        metadata={"help": "Optimizer steps between merge-then-reinitialize (the default is the paper's §5.2 value)."},
+    )
+    base_init: str | None = field(
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
     )
-    base_quantization: Optional[Literal["nf4", "fp4", "int8"]] = field(
+    base_quantization: Literal["nf4", "fp4", "int8"] | None = field(
         default=None,
-        metadata={"help": "Quantise every target W0 with bitsandbytes after base_init (QPOET pretraining; needs the "
-                  "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row). "
-                  "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."},
+        metadata={
+            "help": "Quantise every target W0 with bitsandbytes after base_init (QPOET pretraining; needs the "
+            "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row). "
+            "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."
+        },
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
     cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
-        metadata={"help": "'weight' materialises P^T W0 R^T; 'activation' rotates activations around the base op; "
-                  "'auto' picks the cheaper by a flop count (tokens vs dimensions)."},
+        metadata={
+            "help": "'weight' materialises P^T W0 R^T; 'activation' rotates activations around the base op; "
+            "'auto' picks the cheaper by a flop count (tokens vs dimensions)."
+        },
     )
-    train_other_params: Optional[bool] = field(
+    train_other_params: bool | None = field(
         default=None,
-        metadata={"help": "Keep non-targeted parameters (embeddings, norms, lm_head) trainable and save them. "
-                  "None means True when base_init is set (pretraining from scratch), else False."},
+        metadata={
+            "help": "Keep non-targeted parameters (embeddings, norms, lm_head) trainable and save them. "
+            "None means True when base_init is set (pretraining from scratch), else False."
+        },
     )
     init_weights: bool = field(
         default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
     )
     bias: Literal["none", "all", "poet_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: Optional[Union[list[int], int]] = peft_field("layers_to_transform")
-    layers_pattern: Optional[Union[list[str], str]] = peft_field("layers_pattern")
-    modules_to_save: Optional[list[str]] = peft_field("modules_to_save")
+    layers_to_transform: list[int] | int | None = peft_field("layers_to_transform")
+    layers_pattern: list[str] | str | None = peft_field("layers_pattern")
+    modules_to_save: list[str] | None = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -102,8 +133,9 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         normalize_peft_target_fields(self)
         check_choice("spo", self.spo, SPO_CHOICES)
         for side, value in per_side("block_size", self.block_size).items():
-            check_positive_int(f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value,
-                               minimum=2)
+            check_positive_int(
+                f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value, minimum=2
+            )
         for side, value in per_side("budget", self.budget).items():
             check_budget(value, f"budget[{side!r}]" if isinstance(self.budget, dict) else "budget", absolute=True)
         check_choice("sides", self.sides, SIDES_CHOICES)

@@ -54,25 +54,42 @@ class PoetLayer(RotationLayer):
     def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
         """Add adapter ``adapter_name`` described by a ``PoetConfig``."""
         if config.forward == "activation" and self.is_conv2d:
-            raise ValueError(f"`forward`='activation' is not supported for Conv2d target '{layer_name}' (R rotates "
-                             "the in·kh·kw axis of the weight, not an activation space); use 'weight' or 'auto'")
+            raise ValueError(
+                f"`forward`='activation' is not supported for Conv2d target '{layer_name}' (R rotates "
+                "the in·kh·kw axis of the weight, not an activation space); use 'weight' or 'auto'"
+            )
         dims = {SIDE_INPUT: self.in_features, SIDE_OUTPUT: self.out_features}
         wanted = {"both": (SIDE_INPUT, SIDE_OUTPUT), "input": (SIDE_INPUT,), "output": (SIDE_OUTPUT,)}[config.sides]
         field = "budget" if config.spo == "full" else "block_size"
         blocks, budgets = side_values(config, "block_size"), side_values(config, "budget")
-        specs = {side: make_side_spec(config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]),
-                                      layer_name, field) for side in wanted}
-        settings = RotationSettings(layer_name=layer_name, seed=config.seed, neumann_terms=config.neumann_terms,
-                                    forward=config.forward, source=getattr(config, "loaded_from", None),
-                                    requantize=config.requantize, cache_rotations=config.cache_rotations,
-                                    init_weights=config.init_weights, base_init=config.base_init)
+        specs = {
+            side: make_side_spec(
+                config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]), layer_name, field
+            )
+            for side in wanted
+        }
+        settings = RotationSettings(
+            layer_name=layer_name,
+            seed=config.seed,
+            neumann_terms=config.neumann_terms,
+            forward=config.forward,
+            source=getattr(config, "loaded_from", None),
+            requantize=config.requantize,
+            cache_rotations=config.cache_rotations,
+            init_weights=config.init_weights,
+            base_init=config.base_init,
+        )
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
             if self.get_base_layer().weight.device.type == "meta":
-                raise ValueError(f"`base_quantization`={config.base_quantization!r} quantises W0 when the adapter is "
-                                 f"added, but '{layer_name}' is on the meta device; materialize the base model first "
-                                 "(poet_hf.initialization.materialize_model)")
-        self.add_rotation_adapter(adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()})
+                raise ValueError(
+                    f"`base_quantization`={config.base_quantization!r} quantises W0 when the adapter is "
+                    f"added, but '{layer_name}' is on the meta device; materialize the base model first "
+                    "(poet_hf.initialization.materialize_model)"
+                )
+        self.add_rotation_adapter(
+            adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()}
+        )
         if config.base_quantization is not None:
             self.quantize_base(config.base_quantization)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
@@ -17,8 +17,9 @@ from ..state_checks import AdapterStateError
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 
-def create_tuner_module(config: Any, adapter_name: str, target: nn.Module, layer_name: str,
-                        layer_classes: tuple[type, type, type]) -> RotationLayer:
+def create_tuner_module(
+    config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, type, type]
+) -> RotationLayer:
     """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
     a ``ValueError`` naming the type.
 
@@ -68,8 +69,9 @@ class PoetModel(BaseTuner):
         for module in (self, self.model):
             module.register_forward_hook(_release_caches_if_raising, always_call=True)
 
-    def _create_and_replace(self, peft_config, adapter_name, target, target_name, parent, current_key,
-                            **optional_kwargs) -> None:
+    def _create_and_replace(
+        self, peft_config, adapter_name, target, target_name, parent, current_key, **optional_kwargs
+    ) -> None:
         if current_key is None:
             raise ValueError("current_key must not be None")
         if isinstance(target, RotationLayer):
@@ -84,8 +86,9 @@ class PoetModel(BaseTuner):
         super()._mark_only_adapters_as_trainable(model)
         if any(holds_full_model(self.peft_config[a]) for a in self.active_adapters):
             # Pretraining from scratch: embeddings, norms and lm_head train normally beside the POET layers.
-            inside_tuner_layers = {id(p) for m in model.modules() if isinstance(m, BaseTunerLayer)
-                                   for p in m.parameters()}
+            inside_tuner_layers = {
+                id(p) for m in model.modules() if isinstance(m, BaseTunerLayer) for p in m.parameters()
+            }
             for param in model.parameters():
                 if id(param) not in inside_tuner_layers:
                     param.requires_grad = True
@@ -116,7 +119,7 @@ class PoetModel(BaseTuner):
             drop_residual(base)
         return model
 
-    def merge_and_reinit(self, adapter_name: Optional[str] = None) -> dict[str, Any]:
+    def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
         """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
@@ -134,10 +137,12 @@ def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) ->
             raise AdapterStateError(
                 f"merge counts disagree: layer '{first}' has merged {counts[first]} times but '{other}' "
                 f"{counts[other]} times; the layers of adapter '{adapter_name}' merge together, so they must hold one "
-                "count", layers[0][1].poet_settings[adapter_name].source)
+                "count",
+                layers[0][1].poet_settings[adapter_name].source,
+            )
 
 
-def poet_layers(model: nn.Module, adapter_name: Optional[str] = None) -> list[tuple[str, RotationLayer]]:
+def poet_layers(model: nn.Module, adapter_name: str | None = None) -> list[tuple[str, RotationLayer]]:
     """``(name, layer)`` for every layer merge-then-reinitialize applies to: POET's, and OFT's (one-sided POET)."""
     return rotation_layers(model, adapter_name)
 
