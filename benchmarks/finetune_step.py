@@ -18,11 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.common import optimizer_step
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("oft", "poet", "lora")

@@ -204,7 +204,7 @@ def load_worker(out: str, preset_name: str, checkpoint: str, loading: str) -> No
 def memory_cgroup_root() -> Path | None:
     """This process's cgroup-v1 memory controller folder, if a child cgroup can be made there (else ``None``)."""
     try:
-        line = next(l for l in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in l)
+        line = next(entry for entry in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in entry)
         root = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].lstrip("/")
         probe = root / f"poet_probe_{os.getpid()}"
         probe.mkdir()

@@ -67,7 +67,7 @@ def run(quick: bool = False) -> list[dict]:
             with torch.no_grad():
                 diff = float((models["peft"](x) - models["ours"](x)).abs().max())
 
-            def step(model: nn.Module) -> None:
+            def step(model: nn.Module, x: torch.Tensor = x, grad: torch.Tensor = grad) -> None:
                 model.zero_grad(set_to_none=True)
                 x.grad = None
                 model(x).backward(grad)

@@ -63,7 +63,7 @@ def chat_dataset(rows: int = 256):
 
     text = load_embedded_corpus()["train"][0]["text"]
     lines = [line.strip() for line in text.splitlines() if len(line.strip()) > 20]
-    pairs = list(zip(lines[:-1], lines[1:]))[:rows]
+    pairs = list(zip(lines[:-1], lines[1:], strict=True))[:rows]
     return Dataset.from_dict(
         {
             "messages": [

@@ -121,7 +121,7 @@ def main() -> None:
         "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model)),
         # the largest share of a skew parameter one process holds (1 when unsharded)
         "skew_local_share": max(
-            getattr(p, "to_local", lambda: p)().numel() / p.numel() for p in poet_parameters(model)
+            (p.to_local() if hasattr(p, "to_local") else p).numel() / p.numel() for p in poet_parameters(model)
         ),
     }
     if args.steps == 30 and args.resume_from is None:

@@ -204,7 +204,7 @@ def test_every_public_object_documents_its_arguments_return_value_and_errors():
     assert not problems, f"{len(problems)} docstring gaps:\n" + "\n".join(problems)
 
 
-# --- the README is a landing page --------------------------------------------------------------------------------------
+# --- the README is a landing page -------------------------------------------------------------------------------------
 def test_readme_is_a_landing_page_that_starts_with_the_two_commands_and_links_into_the_site():
     readme = (ROOT / "README.md").read_text()
     lines = readme.splitlines()

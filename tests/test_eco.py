@@ -196,15 +196,27 @@ def test_power_iteration_converges_to_the_spectral_norm():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(in_channels=4, out_channels=4, kernel_size=3, input_size=4), "4, which kernel_size=3 does not divide"),
-        (dict(in_channels=4, out_channels=4, kernel_size=3, input_size=(6, 8)), "width seen by the convolution is 8"),
-        (dict(in_channels=2, out_channels=8, kernel_size=3, stride=2, input_size=8), "is 4, which kernel_size=3"),
-        (dict(in_channels=2, out_channels=8, kernel_size=3, stride=2, input_size=9), "stride=2 must divide"),
-        (dict(in_channels=2, out_channels=2, kernel_size=2, input_size=5), "5, which kernel_size=2"),
-        (dict(in_channels=2, out_channels=2, kernel_size=0, input_size=4), "`kernel_size` must be an int >= 1"),
-        (dict(in_channels=2, out_channels=2, kernel_size=3, input_size=0), "`input_size`"),
-        (dict(in_channels=2, out_channels=2, kernel_size=3, input_size=6, orthogonal_map="cayley"), "`orthogonal_map`"),
-        (dict(in_channels=2, out_channels=2, kernel_size=3, input_size=6, train_terms=0), "`train_terms`"),
+        (
+            {"in_channels": 4, "out_channels": 4, "kernel_size": 3, "input_size": 4},
+            "4, which kernel_size=3 does not divide",
+        ),
+        (
+            {"in_channels": 4, "out_channels": 4, "kernel_size": 3, "input_size": (6, 8)},
+            "width seen by the convolution is 8",
+        ),
+        (
+            {"in_channels": 2, "out_channels": 8, "kernel_size": 3, "stride": 2, "input_size": 8},
+            "is 4, which kernel_size=3",
+        ),
+        ({"in_channels": 2, "out_channels": 8, "kernel_size": 3, "stride": 2, "input_size": 9}, "stride=2 must divide"),
+        ({"in_channels": 2, "out_channels": 2, "kernel_size": 2, "input_size": 5}, "5, which kernel_size=2"),
+        ({"in_channels": 2, "out_channels": 2, "kernel_size": 0, "input_size": 4}, "`kernel_size` must be an int >= 1"),
+        ({"in_channels": 2, "out_channels": 2, "kernel_size": 3, "input_size": 0}, "`input_size`"),
+        (
+            {"in_channels": 2, "out_channels": 2, "kernel_size": 3, "input_size": 6, "orthogonal_map": "cayley"},
+            "`orthogonal_map`",
+        ),
+        ({"in_channels": 2, "out_channels": 2, "kernel_size": 3, "input_size": 6, "train_terms": 0}, "`train_terms`"),
     ],
 )
 def test_impossible_sizes_raise_at_construction(kwargs, fragment):

@@ -76,8 +76,8 @@ def train(model, kind: str, steps: int = 4, merge_at: tuple[int, ...] = (2,)):
             optimizer.state.clear()
     model.eval()
     layers = poet_layers(model)
-    assert layers and all(int(l.poet_merge_count["default"]) == len(merge_at) for _, l in layers)
-    assert max(float(l.poet_R["default"].abs().max()) for _, l in layers) > 1e-3  # live, non-identity factors
+    assert layers and all(int(layer.poet_merge_count["default"]) == len(merge_at) for _, layer in layers)
+    assert max(float(layer.poet_R["default"].abs().max()) for _, layer in layers) > 1e-3  # live, non-identity factors
     return model
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -149,7 +150,7 @@ def test_momentum_free_branch_contracts_non_square():
         w.grad = torch.zeros_like(w)
         opt.step()
         devs.append(stiefel_deviation(w))
-    ratios = [b / a for a, b in zip(devs, devs[1:])]
+    ratios = [b / a for a, b in itertools.pairwise(devs)]
     assert abs(ratios[-1] - (1 - 2 * 0.4)) <= 0.01
 
 
@@ -216,7 +217,7 @@ def test_state_dict_round_trip_continues_identically():
     clone_opt = _optimizer(clone)
     clone_opt.load_state_dict(saved_opt)
     _train(clone, clone_opt, 10, seed=2)
-    for a, b in zip(model.parameters(), clone.parameters()):
+    for a, b in zip(model.parameters(), clone.parameters(), strict=True):
         assert torch.equal(a, b)
     assert [g["stiefel"] for g in opt.param_groups] == [True, False]
 
@@ -227,7 +228,7 @@ def test_unconstrained_group_is_bitwise_sgd():
     b = copy.deepcopy(a)
     opt_a = FeedbackGD(a.parameters(), lr=0.1, momentum=0.9, stiefel=False, weight_decay=0.01, nesterov=True)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
-    for step in range(10):
+    for _ in range(10):
         x = torch.randn(4, 5)
         for model, opt in ((a, opt_a), (b, opt_b)):
             opt.zero_grad()

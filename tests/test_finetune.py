@@ -142,7 +142,11 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
     lines = [line.strip() for line in (workspace / "heldout.txt").read_text().splitlines() if len(line.split()) >= 3]
     questions = [line for line in lines if line.endswith("?")][:150]
     others = [line for line in lines if not line.endswith("?")][: len(questions)]
-    rows = [{"text": line, "label": int(line.endswith("?"))} for pair in zip(questions, others) for line in pair]
+    rows = [
+        {"text": line, "label": int(line.endswith("?"))}
+        for pair in zip(questions, others, strict=True)
+        for line in pair
+    ]
     assert len(rows) >= 200
     data = tmp_path / "lines.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))

@@ -117,7 +117,7 @@ def test_logdet_matches_jacobian_of_whole_flow():
         model.eval()
         x = torch.rand(1, 1, 4, 4, dtype=F64)
         jac = torch.autograd.functional.jacobian(
-            lambda v: model.encode(v.reshape(1, 1, 4, 4))[0].reshape(-1), x.reshape(-1)
+            lambda v, model=model: model.encode(v.reshape(1, 1, 4, 4))[0].reshape(-1), x.reshape(-1)
         )
         _, logdet = model.encode(x)
         assert abs(float(logdet.detach()) - float(torch.linalg.slogdet(jac)[1])) <= 1e-8

@@ -92,7 +92,7 @@ def test_shared_and_dropped_blocks_have_exact_gradients(strategy):
         y = rotated_forward(strategy, x, weight, None, s, v, None, None)
         torch.testing.assert_close(y, x.detach() @ dense_rotation(s, v) @ weight.T, rtol=0, atol=1e-12)
         assert torch.autograd.gradcheck(
-            lambda x_, v_: rotated_forward(strategy, x_, weight, None, s, v_, None, None), (x, v)
+            lambda x_, v_, s=s: rotated_forward(strategy, x_, weight, None, s, v_, None, None), (x, v)
         )
     # A dropped block's parameters get no gradient.
     y = rotated_forward(strategy, x, weight, None, side_masked, vec_masked, None, None)
@@ -183,7 +183,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
             merge_and_reinit(fused)
             with plain_autograd():
                 merge_and_reinit(plain)
-            merged = {name: state for name, state in (("fused", fused.state_dict()), ("plain", plain.state_dict()))}
+            merged = {"fused": fused.state_dict(), "plain": plain.state_dict()}
             floats = {k for k, v in merged["plain"].items() if v.is_floating_point()}
             assert all(torch.equal(merged["fused"][k], v) for k, v in merged["plain"].items() if k not in floats)
             gaps.append(_relative_gap(*({k: merged[name][k] for k in floats} for name in ("fused", "plain"))))

@@ -71,7 +71,7 @@ def test_gradients_match_torch_householder_product():
     ref = torch.autograd.grad((torch.linalg.householder_product(a, tau) * weight).sum(), (a, tau))
     for fn in (householder_product_sequential, lambda x, t: householder_product_blocked(x, t, 4)):
         got = torch.autograd.grad((fn(a, tau) * weight).sum(), (a, tau))
-        for g, r in zip(got, ref):
+        for g, r in zip(got, ref, strict=True):
             assert (g - r).abs().max() <= 1e-10
 
 

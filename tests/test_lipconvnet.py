@@ -18,7 +18,7 @@ from poet_hf.vision.certify import certified_radius, pgd_l2_attack
 from poet_hf.vision.lipconvnet import LIPCONVNET_DEPTHS
 
 F64 = torch.float64
-SMALL = dict(init_channels=4, num_labels=10)
+SMALL = {"init_channels": 4, "num_labels": 10}
 # A 12x12 layout (12 -> 6 -> 3 -> 1 -> 1 -> 1) for the tests that need many forwards.
 TINY = dict(
     image_size=12,
@@ -47,14 +47,14 @@ def freeze_power_iteration(model):
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(depth=6), "`depth` must be one of"),
-        (dict(init_channels=3), "`init_channels` must be an even int"),
-        (dict(conv_types=["eco"] * 4), "`conv_types` needs one entry per block"),
-        (dict(conv_types=["eco", "soc", "eco", "eco", "bcop"]), "`conv_types` entries must be in"),
-        (dict(last_layer="linear"), "`last_layer` must be one of"),
-        (dict(image_std=[0.2, 0.2]), "need num_channels=3 entries"),
-        (dict(image_size=28), "block 3 stride 2 does not divide its 7x7 input"),
-        (dict(eco_orthogonal_map="qr"), "`eco_orthogonal_map`"),
+        ({"depth": 6}, "`depth` must be one of"),
+        ({"init_channels": 3}, "`init_channels` must be an even int"),
+        ({"conv_types": ["eco"] * 4}, "`conv_types` needs one entry per block"),
+        ({"conv_types": ["eco", "soc", "eco", "eco", "bcop"]}, "`conv_types` entries must be in"),
+        ({"last_layer": "linear"}, "`last_layer` must be one of"),
+        ({"image_std": [0.2, 0.2]}, "need num_channels=3 entries"),
+        ({"image_size": 28}, "block 3 stride 2 does not divide its 7x7 input"),
+        ({"eco_orthogonal_map": "qr"}, "`eco_orthogonal_map`"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, fragment):

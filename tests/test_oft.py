@@ -69,7 +69,7 @@ def dense_rotation(layer, adapter="default") -> torch.Tensor:
     return block_rotation_dense(index if index.numel() else None, blocks)
 
 
-# --- 1. conformance with PEFT's OFTConfig ------------------------------------------------------------------------------
+# --- 1. conformance with PEFT's OFTConfig -----------------------------------------------------------------------------
 @pytest.mark.parametrize("peft_terms,exact", [(5, False), (4, False), (3, False), (7, False), (5, True)])
 @pytest.mark.parametrize("block_share", [False, True])
 @pytest.mark.parametrize("forward", ["activation", "weight"])
@@ -181,7 +181,7 @@ def test_merged_or_permuted_adapters_do_not_pretend_to_map_to_peft():
         our_oft_state_dict_to_peft(get_peft_model_state_dict(model), False)
 
 
-# --- identity at init, targets, dense reference for Linear / Conv1D ----------------------------------------------------
+# --- identity at init, targets, dense reference for Linear / Conv1D ---------------------------------------------------
 @pytest.mark.parametrize("build", [tiny_llama, tiny_gpt2])
 def test_identity_at_init_and_dense_reference(build):
     with torch.no_grad():
@@ -207,7 +207,7 @@ def test_default_targets_are_poets_and_r_sets_blocks_per_layer():
     assert trainable and all(".poet_oft_R." in n for n in trainable)
 
 
-# --- 2. Conv2d: weight-side, exact for every kernel, stride, padding, dilation ------------------------------------------
+# --- 2. Conv2d: weight-side, exact for every kernel, stride, padding, dilation ----------------------------------------
 CONV_CASES = [(k, s, p, 1) for k, s, p in itertools.product([1, 3, 5], [1, 2], [0, 1])] + [(3, 1, 1, 2)]
 
 
@@ -280,12 +280,12 @@ def _merge_unmerge(terms: int, std: float):
     model = get_peft_model(tiny_llama(), OftConfig(block_size=16, neumann_terms=terms))
     set_random_skew(model, std=std)
     layers = oft_layers(model)
-    w0 = {n: l.weight_matrix().detach().clone() for n, l in layers}
+    w0 = {n: layer.weight_matrix().detach().clone() for n, layer in layers}
     with torch.no_grad():
         expected = model(input_ids=IDS).logits
         model.merge_adapter()
         merged_logits = model(input_ids=IDS).logits
-    merged = {n: l.weight_matrix().detach().clone() for n, l in layers}
+    merged = {n: layer.weight_matrix().detach().clone() for n, layer in layers}
     model.unmerge_adapter()
     return model, layers, w0, merged, (merged_logits - expected).abs().max()
 
@@ -344,7 +344,7 @@ def test_small_rotations_unmerge_by_transpose_even_with_neumann():
 def test_merge_and_reinit_keeps_logits_and_resamples_only_for_block(spo):
     model = get_peft_model(tiny_llama(), OftConfig(block_size=16, spo=spo, seed=3))
     set_random_skew(model, std=0.05)
-    before_index = {n: l.poet_oft_R_index["default"].clone() for n, l in oft_layers(model)}
+    before_index = {n: layer.poet_oft_R_index["default"].clone() for n, layer in oft_layers(model)}
     with torch.no_grad():
         before = model(input_ids=IDS).logits
     info = merge_and_reinit(model)
@@ -373,12 +373,12 @@ def test_save_reload_is_exact_after_block_stochastic_merges(tmp_path):
     reloaded = PeftModel.from_pretrained(tiny_llama(), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=IDS).logits, expected, rtol=0, atol=0)
-    for (name, a), (_, b) in zip(oft_layers(model), oft_layers(reloaded)):
+    for (name, a), (_, b) in zip(oft_layers(model), oft_layers(reloaded), strict=True):
         assert torch.equal(a.poet_oft_R_index["default"], b.poet_oft_R_index["default"]), name
         assert int(b.poet_oft_merge_count["default"]) == 2
 
 
-# --- module dropout ----------------------------------------------------------------------------------------------------
+# --- module dropout ---------------------------------------------------------------------------------------------------
 def test_module_dropout_replaces_exactly_int_p_blocks_by_identity_in_training_only():
     model = get_peft_model(OneLinear(), OftConfig(block_size=16, target_modules=["lin"], module_dropout=0.5))
     set_random_skew(model, std=0.1)
@@ -467,7 +467,7 @@ def test_fine_tuned_oft_preserves_hyperspherical_energy_to_the_neumann_error(ter
         assert abs(hyperspherical_energy(control) / he0 - 1) > 1e-5, name
 
 
-# --- config validation --------------------------------------------------------------------------------------------------
+# --- config validation ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "fields,named",
     [

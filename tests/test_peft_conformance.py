@@ -67,7 +67,7 @@ def test_peft_fsdp_wrap_policy_wraps_the_decoder_layers_holding_our_adapters(tun
     assert not policy(module=model.base_model.model.model.norm, recurse=False, nonwrapped_numel=0)
 
 
-# --- 2. adapter dtype follows autocast_adapter_dtype --------------------------------------------------------------------
+# --- 2. adapter dtype follows autocast_adapter_dtype ------------------------------------------------------------------
 class EcoCNN(nn.Module):
     """A CNN whose convolutions the orthogonal tuner can make ECO convolutions (6 × 6 maps, 3 × 3 kernels)."""
 
@@ -160,7 +160,7 @@ def test_add_load_and_from_pretrained_follow_autocast_adapter_dtype(tmp_path, tu
         assert dtypes == {expected}, name
 
 
-# --- 3. large steps stay finite ----------------------------------------------------------------------------------------
+# --- 3. large steps stay finite ---------------------------------------------------------------------------------------
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -250,7 +250,7 @@ def test_the_cap_warns_once_per_run(monkeypatch, caplog):
     assert sum("MAX_SKEW_NORM" in r.getMessage() for r in caplog.records) == 1
 
 
-# --- 4. two adapters are independent ------------------------------------------------------------------------------------
+# --- 4. two adapters are independent ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("tuner", TUNERS)
 def test_two_adapters_with_one_config_differ_and_each_name_reproduces(tuner):
     def state(name_pairs):

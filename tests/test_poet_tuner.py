@@ -151,7 +151,7 @@ def test_merge_and_reinit_keeps_logits_zeroes_q_and_resamples():
     randomize(model, op_norm=0.2)
     with torch.no_grad():
         before = outputs(model, "llama")
-    perms_before = {n: l.poet_R_index["default"].clone() for n, l in poet_layers(model)}
+    perms_before = {n: layer.poet_R_index["default"].clone() for n, layer in poet_layers(model)}
     info = merge_and_reinit(model)
     assert info["layers"] == 14 and info["merge_count"] == 1 and info["max_q_norm"] > 0.1
     with torch.no_grad():
@@ -166,7 +166,7 @@ def test_merge_permutations_reproduce_in_a_fresh_process():
     model = poet("llama", seed=11)
     merge_and_reinit(model)
     merge_and_reinit(model)
-    here = {n: l.poet_P_index["default"].tolist() for n, l in poet_layers(model)}
+    here = {n: layer.poet_P_index["default"].tolist() for n, layer in poet_layers(model)}
     code = textwrap.dedent("""
         import sys; sys.path.insert(0, 'tests')
         from peft import get_peft_model
@@ -175,7 +175,7 @@ def test_merge_permutations_reproduce_in_a_fresh_process():
         from models import tiny_llama
         model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, seed=11))
         merge_and_reinit(model); merge_and_reinit(model)
-        print({n: l.poet_P_index['default'].tolist() for n, l in poet_layers(model)})
+        print({n: layer.poet_P_index['default'].tolist() for n, layer in poet_layers(model)})
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert eval(out.strip().splitlines()[-1]) == here
@@ -217,7 +217,7 @@ def test_trainable_parameter_counts_match_table_2(size, spo, value, expected):
     assert abs(trainable / 1e6 - expected) <= 0.01
 
 
-# --- 5. weight vs activation strategy ------------------------------------------------------------------------------------
+# --- 5. weight vs activation strategy ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 @pytest.mark.parametrize("spo", ["block", "full"])
 @pytest.mark.numerics
@@ -260,7 +260,7 @@ def test_save_reload_is_exact_after_merges(tmp_path, spo):
     with torch.no_grad():
         got = outputs(reloaded, "llama")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    for (name, a), (_, b) in zip(poet_layers(model), poet_layers(reloaded)):
+    for (name, a), (_, b) in zip(poet_layers(model), poet_layers(reloaded), strict=True):
         assert torch.equal(a.poet_R_index["default"], b.poet_R_index["default"]), name
         assert int(b.poet_merge_count["default"]) == 2
 
@@ -278,7 +278,7 @@ def test_reload_reports_no_missing_or_unexpected_adapter_keys(tmp_path):
     assert not [k for k in result.missing_keys if ".poet_" in k]
 
 
-# --- 7. merge_and_unload -> stock transformers ----------------------------------------------------------------------------
+# --- 7. merge_and_unload -> stock transformers ------------------------------------------------------------------------
 def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path):
     model = poet("llama")
     randomize(model, op_norm=0.2)
@@ -328,7 +328,7 @@ def test_peft_merge_unmerge_restores_base_and_keeps_adapter():
     assert torch.equal(layer.poet_R["default"].detach(), skew)
 
 
-# --- 8. bad configs ----------------------------------------------------------------------------------------------------
+# --- 8. bad configs ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -365,10 +365,10 @@ def test_activation_forward_on_conv2d_is_rejected():
 
 
 @pytest.mark.numerics
-# --- base_init ----------------------------------------------------------------------------------------------------------
+# --- base_init --------------------------------------------------------------------------------------------------------
 def test_normalized_base_init_gives_unit_norm_neurons_and_trainable_non_targets():
     model = poet("llama", base_init="normalized")
-    for name, layer in poet_layers(model):
+    for _, layer in poet_layers(model):
         norms = layer.weight_matrix().detach().norm(dim=1)
         # Normalising a float32 row and measuring it again each sum n squares: within γ_(n+2) of 1 on both counts.
         torch.testing.assert_close(
@@ -387,7 +387,7 @@ def test_uniform_spectrum_base_init_has_unit_singular_values():
 
 
 @pytest.mark.numerics
-# --- multiple adapters ---------------------------------------------------------------------------------------------------
+# --- multiple adapters ------------------------------------------------------------------------------------------------
 def test_two_adapters_compose_like_the_dense_product_and_disable_restores_base():
     model = poet("llama", init_weights=False)
     model.add_adapter("second", PoetConfig(block_size=16, init_weights=False, seed=4))
@@ -406,7 +406,7 @@ def test_two_adapters_compose_like_the_dense_product_and_disable_restores_base()
         assert (outputs(model, "llama") - reference).abs().max() <= 1e-6
 
 
-# --- dtypes and versions ------------------------------------------------------------------------------------------------
+# --- dtypes and versions ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["weight", "activation"])
 def test_adapter_stays_float32_under_bfloat16_base(strategy):
     base = tiny_llama().to(torch.bfloat16)

@@ -127,7 +127,7 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     assert source.calls == 1
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     assert not [t for t in saved if t.shape == weight.shape]  # the dense W0 is not kept for the backward
-    r, p = (dense_rotation_of(side, vec) for side, vec in zip(sides, vecs))
+    r, p = (dense_rotation_of(side, vec) for side, vec in zip(sides, vecs, strict=True))
     torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p, rtol=0, atol=1e-12)
     y.sum().backward()
     assert source.calls == 2  # rebuilt in the backward, never kept
@@ -284,7 +284,7 @@ def test_training_with_merges_stays_within_the_measured_requantisation_error(qua
     quantized, dense = get_peft_model(base, config), get_peft_model(reference, copy.deepcopy(config))
     errors = _train(quantized, 20, 10)
     assert _train(dense, 20, 10) == [0.0, 0.0] and len(errors) == 2 and errors[0] > 0
-    for (name, q_layer), (_, d_layer) in zip(rotation_layers(quantized), rotation_layers(dense)):
+    for (name, q_layer), (_, d_layer) in zip(rotation_layers(quantized), rotation_layers(dense), strict=True):
         q_weight, d_weight = q_layer.effective_weight_matrix(), d_layer.effective_weight_matrix()
         relative = float((q_weight - d_weight).norm() / d_weight.norm())
         # Each merge moves W0 by its reported error; training after the first merge sees that perturbation
@@ -310,7 +310,7 @@ def test_save_and_load_on_a_quantised_base_is_exact_after_merges(tmp_path, quant
     torch.manual_seed(5)  # a different plain base: W0, its quantisation and the residuals must come from the file
     loaded = PeftModel.from_pretrained(TwoLayers(), tmp_path)
     assert torch.equal(loaded(x), expected)
-    for (_, saved), (_, reloaded) in zip(rotation_layers(model), rotation_layers(loaded)):
+    for (_, saved), (_, reloaded) in zip(rotation_layers(model), rotation_layers(loaded), strict=True):
         assert torch.equal(code_values(saved.get_base_layer()), code_values(reloaded.get_base_layer()))
         assert torch.equal(quant.residual(saved.get_base_layer()), quant.residual(reloaded.get_base_layer()))
         assert int(reloaded.merge_counts["default"]) == 2
@@ -338,7 +338,9 @@ def test_an_oft_adapter_on_a_transformers_4bit_model_round_trips_and_exports(tmp
         return AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=bnb_config)
 
     model = get_peft_model(load_base(), OftConfig(block_size=16, init_weights=False))
-    assert len(rotation_layers(model)) == 14 and all(l.base_quantization == "nf4" for _, l in rotation_layers(model))
+    assert len(rotation_layers(model)) == 14 and all(
+        layer.base_quantization == "nf4" for _, layer in rotation_layers(model)
+    )
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(input_ids=ids).logits

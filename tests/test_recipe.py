@@ -62,7 +62,7 @@ def test_the_default_is_the_papers_k_4_and_the_error_speaks_both_conventions():
         PoetConfig(neumann_terms=1)
 
 
-# --- 2. presets ---------------------------------------------------------------------------------------------------------
+# --- 2. presets -------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "preset,lr,paper_steps",
     [
@@ -189,7 +189,9 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
     rows = pad_documents(Dataset.from_dict({"text": docs}), tokenizer, seq_len=32)
     lengths = [len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs]
     assert [sum(r) for r in rows["attention_mask"]] == [min(n, 32) for n in lengths]
-    assert all(label == -100 for label, keep in zip(rows["labels"][0], rows["attention_mask"][0]) if not keep)
+    assert all(
+        label == -100 for label, keep in zip(rows["labels"][0], rows["attention_mask"][0], strict=True) if not keep
+    )
     corpus = tmp_path / "short.jsonl"
     lines = [" ".join(["Speak the speech, I pray you."] * (1 + i % 5)) for i in range(60)]
     corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))

@@ -143,7 +143,7 @@ def test_logdet_gradients_match_autograd_of_slogdet(kind):
 
     got = torch.autograd.grad((auxiliary_reflection_logabsdet(x, build(factor), symmetric) * cot).sum(), (factor, x))
     ref = torch.autograd.grad((reference_logabsdet(x, build(factor)) * cot).sum(), (factor, x))
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert torch.isfinite(g).all()
         assert (g - r).abs().max() <= 1e-9
 

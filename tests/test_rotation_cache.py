@@ -135,7 +135,7 @@ def test_the_polynomial_runs_twice_per_optimizer_step_whatever_the_accumulation(
     rebuild for its VJP); with it, the step's first forward builds it and the last backward rebuilds it once."""
     model = build()
     sides = sum(len(layer.poet_specs["default"]) for _, layer in rotation_layers(model))
-    for i, ids in enumerate(batches(4)):
+    for ids in batches(4):
         backward(model, ids)
     assert count_polynomials["n"] == 2 * 4 * sides
     count_polynomials["n"] = 0
@@ -336,7 +336,7 @@ def test_the_cost_model_counts_the_polynomial_as_each_micro_batch_pays_it():
     base = strategy_costs(1024, 768, 768, block, block, training=True)
     products = {phase: polynomial_products(5, phase) for phase in ("uncached", "building", "deferred", "closing")}
     assert products == {"uncached": 7, "building": 2, "deferred": 0, "closing": 5}
-    for phase, count in products.items():
+    for count in products.values():
         costs = strategy_costs(1024, 768, 768, block, block, training=True, polynomial=count)
         assert {name: cost["macs"] - base[name]["macs"] for name, cost in costs.items()} == dict.fromkeys(
             base, count * per_product

@@ -84,7 +84,7 @@ def test_auxiliary_layer_matches_dense_formula_and_scales_norms_by_sigma():
     layer = network.layers[1]
     x = torch.randn(6, d, dtype=torch.float64)
     w_v, w_u, sigma = layer.v_transpose.weight.detach(), layer.u.weight.detach(), layer.sigma.detach()
-    for row, out in zip(x, layer(x)):
+    for row, out in zip(x, layer(x), strict=True):
         z = sigma * (dense_reflection(w_v @ row) @ row)
         want = dense_reflection(w_u @ z) @ z
         assert torch.allclose(out, want, atol=1e-12)

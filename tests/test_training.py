@@ -111,8 +111,8 @@ def test_a_reference_block_gives_each_side_its_rate_by_block_size():
     sides = {b: sum(p.numel() for p in g["params"]) for b, g in poet.items()}
     layers = poet_layers(model)
     assert sides == {
-        8: sum(l.poet_R["default"].numel() for _, l in layers),
-        16: sum(l.poet_P["default"].numel() for _, l in layers),
+        8: sum(layer.poet_R["default"].numel() for _, layer in layers),
+        16: sum(layer.poet_P["default"].numel() for _, layer in layers),
     }
     assert [g["lr"] for g in poet_param_groups(model, 1e-2, 2e-3, 0.0, []) if g.get("poet")] == [2e-3]
 
@@ -150,7 +150,7 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, data):
         assert abs(resumed[step] - full[step]) <= 1e-6, (step, resumed[step], full[step])
     # The merge at step 3 happened before the checkpoint; the resumed run still knows it (spectrum bound, logs).
     assert [m["step"] for m in resumed_history] == [m["step"] for m in full_history] == [3, 6]
-    for before, after in zip(full_history, resumed_history):
+    for before, after in zip(full_history, resumed_history, strict=True):
         assert after["max_neumann_bound"] == pytest.approx(before["max_neumann_bound"], rel=1e-5)
 
 
@@ -231,19 +231,19 @@ def local_corpus(tmp_path_factory):
 
 
 def small_args(tmp_path, method, corpus, **overrides):
-    fields = dict(
-        method=method,
-        steps=4,
-        batch_size=2,
-        global_batch_size=2,
-        seq_len=64,
-        merge_every=2,
-        max_eval_sequences=8,
-        logging_steps=1,
-        output_dir=str(tmp_path / method),
-        block_size=32,
-        dataset=corpus,
-    )
+    fields = {
+        "method": method,
+        "steps": 4,
+        "batch_size": 2,
+        "global_batch_size": 2,
+        "seq_len": 64,
+        "merge_every": 2,
+        "max_eval_sequences": 8,
+        "logging_steps": 1,
+        "output_dir": str(tmp_path / method),
+        "block_size": 32,
+        "dataset": corpus,
+    }
     fields.update(overrides)
     return PretrainArguments(**fields)
 

@@ -109,7 +109,7 @@ def pytest_assertion_pass(item, lineno: int, orig: str, expl: str) -> None:
     shown_parts = _top_level_split(_strip_parens(expl.splitlines()[0]), " and ")
     if len(source_parts) != len(shown_parts):
         source_parts = [orig] * len(shown_parts)
-    for source, shown in zip(source_parts, shown_parts):
+    for source, shown in zip(source_parts, shown_parts, strict=True):
         shown_cmp = _comparison(_strip_parens(shown))
         if shown_cmp is None:
             continue

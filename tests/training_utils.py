@@ -55,22 +55,22 @@ def tiny_poet_model(vocab: int, seed: int = 0, meta: bool = False, **poet_kwargs
 
 
 def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
-    fields = dict(
-        output_dir=str(output_dir),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        poet_learning_rate=3e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        data_seed=0,
-        use_cpu=True,
-        dataloader_drop_last=True,
-        max_grad_norm=1.0,
-        lr_scheduler_type="constant",
-    )
+    fields = {
+        "output_dir": str(output_dir),
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 3e-3,
+        "poet_learning_rate": 3e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "seed": 0,
+        "data_seed": 0,
+        "use_cpu": True,
+        "dataloader_drop_last": True,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "constant",
+    }
     fields.update(arg_overrides)
     return PoetTrainer(
         model=model, args=PoetTrainingArguments(**fields), train_dataset=dataset, data_collator=default_data_collator
@@ -78,16 +78,16 @@ def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
 
 
 # An odd vocabulary: the embeddings and head split into uneven shards.
-TINY_LLAMA = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+TINY_LLAMA = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
 
 
 def meta_poet_model(spo: str, base_init: str | None = "normalized", config_from: str | None = None, **poet_kwargs):

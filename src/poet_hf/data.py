@@ -10,7 +10,6 @@ import gzip
 import json
 from itertools import chain
 from pathlib import Path
-from typing import Union
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 
@@ -32,7 +31,7 @@ EMBEDDED_TRAIN_PLAYS = (
 EMBEDDED_VALIDATION_PLAYS = ("as_you_like_it",)
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
-AnyDatasetDict = Union[DatasetDict, IterableDatasetDict]
+AnyDatasetDict = DatasetDict | IterableDatasetDict
 
 
 def load_embedded_corpus() -> DatasetDict:
@@ -176,8 +175,8 @@ def pad_documents(
             batch[text_column], truncation=True, max_length=seq_len, padding="max_length", add_special_tokens=False
         )
         labels = [
-            [token if keep else -100 for token, keep in zip(ids, mask)]
-            for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])
+            [token if keep else -100 for token, keep in zip(ids, mask, strict=True)]
+            for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
         ]
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": labels}
 

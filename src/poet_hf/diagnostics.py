@@ -50,7 +50,8 @@ def _svdvals(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def singular_values(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Singular values (descending, float64) of every target weight; see [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
+    """Singular values (descending, float64) of every target weight; see
+    [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
 
     Args:
         model: the model.
@@ -86,7 +87,8 @@ def module_singular_values(model: nn.Module, names: list[str], progress: bool = 
 
 
 def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
-    """One row per module-name group (the name's last part, e.g. ``q_proj``) of [`singular_values`][poet_hf.diagnostics.singular_values] output:
+    """One row per module-name group (the name's last part, e.g. ``q_proj``) of
+    [`singular_values`][poet_hf.diagnostics.singular_values] output:
     ``count``, mean ``sigma_max``, mean ``sigma_min`` and the worst ``condition`` number of the group.
 
     Args:
@@ -165,7 +167,7 @@ def plot_spectra(
     if not names:
         raise ValueError("no target weights to plot")
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes[0], names, strict=True):
         ax.plot(before[name].numpy(), label="before", lw=2)
         ax.plot(after[name].numpy(), label="after", lw=1.2, ls="--")
         ax.set_title(name.removeprefix("base_model.model.").removeprefix("model."), fontsize=8)

@@ -126,10 +126,12 @@ def shard_model(
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
-    tied), then the root (in place; returns ``model``). Each parameter is split along [`shard_dim`][poet_hf.distributed.shard_dim].
+    tied), then the root (in place; returns ``model``). Each parameter is split along
+    [`shard_dim`][poet_hf.distributed.shard_dim].
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
-    ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no process
+    ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no
+    process
     ever holds the whole model, and the result equals, bit for bit, the model one process would build.
 
     ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to

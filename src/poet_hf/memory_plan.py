@@ -1,6 +1,7 @@
 """How much memory one training process needs, planned from shapes alone, part by part.
 
-[`plan_memory`][poet_hf.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no initialisation), wraps it for the method
+[`plan_memory`][poet_hf.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no initialisation),
+wraps it for the method
 (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
@@ -294,7 +295,8 @@ def plan_memory(
             stay float32).
         batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
         processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"``
-            ([`shard_model`][poet_hf.distributed.shard_model]: per transformer block, the embeddings, the head, the root).
+            ([`shard_model`][poet_hf.distributed.shard_model]: per transformer block, the embeddings, the head, the
+            root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
         cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation.
@@ -302,7 +304,8 @@ def plan_memory(
         sharding: ``"ddp"`` or ``"fsdp2"`` (with ``processes`` > 1).
 
     Returns:
-        A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state training peak.
+        A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state
+        training peak.
 
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
@@ -397,7 +400,8 @@ def plan_memory(
 
 def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dict[int, int], processes: int) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
-    the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the root
+    the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
+    root
     when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient twice,
     unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
     ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""

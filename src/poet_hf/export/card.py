@@ -100,13 +100,13 @@ def render_model_card(
     eval_rows = [
         (k, _fmt(v)) for k, v in {**(eval_results or {}), **(run.pop("eval", None) or {})}.items() if v is not None
     ]
-    data = dict(
-        license=license,
-        pipeline_tag=_pipeline_tag(model),
-        tags=_tags(peft_type),
-        base_model=base_model if _is_hub_id(base_model) else None,
-        datasets=[d for d in dataset_refs if _is_hub_id(d)] or None,
-    )
+    data = {
+        "license": license,
+        "pipeline_tag": _pipeline_tag(model),
+        "tags": _tags(peft_type),
+        "base_model": base_model if _is_hub_id(base_model) else None,
+        "datasets": [d for d in dataset_refs if _is_hub_id(d)] or None,
+    }
     return render_card(
         CARD_TEMPLATE,
         data,

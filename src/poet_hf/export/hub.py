@@ -22,11 +22,13 @@ def push_merged_to_hub(
     revision: str | None = None,
     endpoint: str | None = None,
 ) -> str:
-    """Upload an export written by [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``; return the commit URL.
+    """Upload an export written by [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``;
+    return the commit URL.
 
     Uses ``huggingface_hub`` (``create_repo(exist_ok=True)`` then ``upload_folder``). The token is ``token``, else
     ``HF_TOKEN``, else the one saved by ``hf auth login``; the endpoint is ``endpoint``, else ``HF_ENDPOINT``.
-    The folder on disk is only read. Errors are raised as [`HubPushError`][poet_hf.export.HubPushError] with a readable message.
+    The folder on disk is only read. Errors are raised as [`HubPushError`][poet_hf.export.HubPushError] with a readable
+    message.
 
     Args:
         output_dir: the export folder.

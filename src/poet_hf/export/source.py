@@ -1,4 +1,5 @@
-"""Loading what [`export_merged`][poet_hf.export.export_merged] folds: a ``PeftModel``, a trainer holding one, or a directory
+"""Loading what [`export_merged`][poet_hf.export.export_merged] folds: a ``PeftModel``, a trainer holding one, or a
+directory
 (``save_pretrained`` output or a ``PoetTrainer`` checkpoint), as a float32 ``PeftModel`` with its training facts."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class LoadedSource:
 
 
 def supported_peft_types() -> frozenset[str]:
-    """PEFT types [`export_merged`][poet_hf.export.export_merged] accepts: poet_hf's registered tuners, plus POET, OFT and ORTHOGONAL.
+    """PEFT types [`export_merged`][poet_hf.export.export_merged] accepts: poet_hf's registered tuners, plus POET, OFT
+    and ORTHOGONAL.
 
     Returns:
         The PEFT type names.

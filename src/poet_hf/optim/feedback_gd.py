@@ -141,19 +141,19 @@ class FeedbackGD(torch.optim.Optimizer):
         dampening: float = 0.0,
         nesterov: bool = False,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            feedback=feedback,
-            stiefel=stiefel,
-            feedback_alpha=feedback_alpha,
-            momentum_clip=momentum_clip,
-            exact_inverse=exact_inverse,
-            lr_change=lr_change,
-            weight_decay=weight_decay,
-            dampening=dampening,
-            nesterov=nesterov,
-        )
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "feedback": feedback,
+            "stiefel": stiefel,
+            "feedback_alpha": feedback_alpha,
+            "momentum_clip": momentum_clip,
+            "exact_inverse": exact_inverse,
+            "lr_change": lr_change,
+            "weight_decay": weight_decay,
+            "dampening": dampening,
+            "nesterov": nesterov,
+        }
         if stiefel_params is not None:
             params = self._split_groups(params, stiefel_params)
         super().__init__(params, defaults)

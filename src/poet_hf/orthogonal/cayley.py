@@ -11,7 +11,8 @@ Convention (shared with PEFT OFTv2 and the POET-X kernel, so adapters interopera
   diverged (Table 5).
 
 The truncation error has a closed form: ``R_exact - R_n = R_exact Q^{n-1}`` (Q commutes with
-``(I - Q)^{-1}``), so ``R_n = R_exact (I - Q^{n-1})`` and ``||R_n - R_exact||_2 = ||Q||_2^{n-1}``; see ``neumann_error_bound``.
+``(I - Q)^{-1}``), so ``R_n = R_exact (I - Q^{n-1})`` and ``||R_n - R_exact||_2 = ||Q||_2^{n-1}``; see
+``neumann_error_bound``.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def random_skew_params(
     op_norm: float = 0.1,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose ``block_size``-square skew
+    """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose
+    ``block_size``-square skew
     matrices have operator norm about ``op_norm``: a non-identity start for adapters and tests.
 
     A ``b × b`` Gaussian skew matrix with entry std ``s`` has operator norm about ``2 s √b``.
@@ -85,7 +87,8 @@ def paper_neumann_k(terms: int) -> int | None:
 
 
 def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
-    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms − 2).
+    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms −
+    2).
 
     Args:
         terms: the value to check.
@@ -152,7 +155,8 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``: ``Q = U − Uᵀ`` gives ``dL/dU = dQ − dQᵀ``, read on the
+    """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``: ``Q = U − Uᵀ`` gives
+    ``dL/dU = dQ − dQᵀ``, read on the
     strict upper triangle. Only the skew part of ``grad_q`` contributes."""
     upper, lower = _triangle_flat_indices(block_size, grad_q.device)
     flat = grad_q.reshape(*grad_q.shape[:-2], block_size * block_size)
@@ -454,7 +458,8 @@ def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> to
     """Rotation blocks ``(..., b, b)`` from skew parameter vectors ``(..., b(b-1)/2)``.
 
     Evaluated by `rotation_from_skew`; under autograd through `OrthogonalFromVector`, which keeps only
-    ``vec`` for the backward (the plain composition [`cayley_neumann`][poet_hf.orthogonal.cayley_neumann] ∘ [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] is the
+    ``vec`` for the backward (the plain composition [`cayley_neumann`][poet_hf.orthogonal.cayley_neumann] ∘
+    [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] is the
     reference it is tested against). Blocks beyond `MAX_SKEW_NORM` are rescaled onto it
     (`skew_norm_scale`).
 

@@ -3,7 +3,8 @@
 How the kernel is built (paper §4–5, with the digest's corrections, ``research/seed-000-eco.md``):
 
 1. ``L`` skew-symmetric ``c x c`` matrices ``A_l``, one per conjugate-pair class of the ``k x k`` frequency grid
-   (``L = (k²+1)/2`` for odd ``k``, ``(k²+4)/2`` for even ``k``; Algorithm 2, [`construct_index_map`][poet_hf.orthogonal.construct_index_map]).
+   (``L = (k²+1)/2`` for odd ``k``, ``(k²+4)/2`` for even ``k``; Algorithm 2,
+   [`construct_index_map`][poet_hf.orthogonal.construct_index_map]).
 2. Each is spectrally normalised (power iteration, Miyato-style) and exponentiated: a truncated Taylor series
    ``Σ_{i=0}^{T} A^i/i!`` (paper Eq. 15) in training, or ``torch.matrix_exp`` (exact), by option.
 3. The orthogonal blocks are placed on the ``k x k`` frequency grid, ``P0[i, j] = Q[I[i, j]]``, and
@@ -153,7 +154,7 @@ def eco_geometry(
     """
     k = kernel_size
     ksize, dil, pads = [], [], []
-    for axis, n in zip(("height", "width"), spatial_size):
+    for axis, n in zip(("height", "width"), spatial_size, strict=True):
         if n == 1 or k == 1:
             ksize.append(1)
             dil.append(1)

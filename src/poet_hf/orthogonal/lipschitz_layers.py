@@ -42,7 +42,7 @@ def fantastic_four(kernel: torch.Tensor, vectors: list[torch.Tensor], iterations
     operator norm. The SOC code scales its kernel by ``correction / min σ``.
     """
     sigmas, updated = [], []
-    for (_, u_axes, v_axes), u in zip(_FOUR_RESHAPES, vectors):
+    for (_, u_axes, v_axes), u in zip(_FOUR_RESHAPES, vectors, strict=True):
         # The reshaping's transpose, rows over u's axes: power iteration on it gives the reshaping's top singular pair.
         matrix = kernel.permute(*u_axes, *v_axes).reshape(u.numel(), -1)
         u_flat = power_iteration(matrix, u.reshape(-1), iterations)
@@ -146,7 +146,7 @@ class SocConv2d(nn.Module):
         return [getattr(self, f"u{index}") for index in range(1, 5)]
 
     def _store(self, vectors: list[torch.Tensor]) -> None:
-        for target, value in zip(self._vectors(), vectors):
+        for target, value in zip(self._vectors(), vectors, strict=True):
             target.copy_(value)
 
     def skew_kernel(self, update: bool = False) -> torch.Tensor:

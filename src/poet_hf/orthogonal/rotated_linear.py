@@ -13,7 +13,8 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
 
 Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
-`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in`` gather per pass) so that every block
+`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in``
+gather per pass) so that every block
 product runs on contiguous blocks and activations are gathered at most once per side.
 
 The frozen ``W0`` is a tensor, or a `DenseWeight`: a callable that returns it dense (a quantised base
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +162,7 @@ class DenseWeight(Protocol):
     def __call__(self) -> torch.Tensor: ...
 
 
-WeightSource = Union[torch.Tensor, DenseWeight]
+WeightSource = torch.Tensor | DenseWeight
 
 
 def _save_weight(ctx: Any, weight: WeightSource) -> torch.Tensor | None:
@@ -336,7 +337,10 @@ class _WeightStrategy(torch.autograd.Function):
                 r_blocks, r_eval = input_side.blocks(r_vec)
             if output_side is not None:
                 p_blocks, p_eval = output_side.blocks(p_vec)
-            cast = lambda t: None if t is None else t.to(rotation_dtype)
+
+            def cast(t):
+                return None if t is None else t.to(rotation_dtype)
+
             effective, gathered, rotated_in = _effective_weight(
                 _dense(weight, ctx).to(rotation_dtype), input_side, cast(r_blocks), output_side, cast(p_blocks)
             )

@@ -148,10 +148,10 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             self._angle_warned = True
             rate = getattr(args, "poet_learning_rate", None) or args.learning_rate
             logger.warning(
-                "after %d steps the rotations already turn a layer by %.0f° (> %.0f°, FINETUNE_WARN_ANGLE): fine-tuning "
-                "a pretrained model this fast usually damages it. Lower the rotation learning rate (now %g); the defaults "
-                "are 1e-3 for OFT and, for POET, 1e-3 at a 32-block side with poet_reference_block=32 scaling other "
-                "sizes.",
+                "after %d steps the rotations already turn a layer by %.0f° (> %.0f°, FINETUNE_WARN_ANGLE): "
+                "fine-tuning a pretrained model this fast usually damages it. Lower the rotation learning rate "
+                "(now %g); the defaults are 1e-3 for OFT and, for POET, 1e-3 at a 32-block side with "
+                "poet_reference_block=32 scaling other sizes.",
                 step,
                 angle,
                 FINETUNE_WARN_ANGLE,

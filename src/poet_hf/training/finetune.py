@@ -1,6 +1,7 @@
 """Fine-tune a pretrained model with POET, OFT or LoRA (the POET paper's Table 6 setting, any HF model).
 
-``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.training.finetune.run_finetuning]. The steps, top to bottom:
+``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.training.finetune.run_finetuning]. The
+steps, top to bottom:
 
 1. load the model by hub name or local path (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``)
    and its tokenizer;

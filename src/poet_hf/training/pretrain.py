@@ -1,7 +1,8 @@
 """LLaMA pretraining from scratch with POET or a baseline, as in the POET paper's Table 2.
 
 Every method runs through the same data, model presets and ``PoetTrainer``, so a comparison is one command
-per row. ``scripts/pretrain.py`` is the command-line face of [`run_pretraining`][poet_hf.training.pretrain.run_pretraining].
+per row. ``scripts/pretrain.py`` is the command-line face of
+[`run_pretraining`][poet_hf.training.pretrain.run_pretraining].
 """
 
 from __future__ import annotations
@@ -398,7 +399,8 @@ def build_llama(
     """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column.
 
     Built on the ``meta`` device and materialized on ``device`` by
-    [`materialize_model`][poet_hf.initialization.materialize_model] (transformers' initialisation, keyed by ``seed`` and each
+    [`materialize_model`][poet_hf.initialization.materialize_model] (transformers' initialisation, keyed by ``seed`` and
+    each
     module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
     shard by shard with the same values.
 

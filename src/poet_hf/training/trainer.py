@@ -51,7 +51,8 @@ class PoetTrainer(CrashSafeTrainer):
 
     - Optimizer: POET parameters at ``args.poet_learning_rate`` without weight decay; the rest at
       ``args.learning_rate`` with Trainer's usual decay rules. The scheduler scales both groups.
-    - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback] (merge every ``merge_every`` steps, optimizer-state reset, post-merge
+    - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback] (merge every ``merge_every`` steps,
+    optimizer-state reset, post-merge
       clip ramp).
     - Logs the POET learning rate, merge count, ``||Q||``, orthogonality error and vector-probe cosines.
     - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json``, so a model pretrained
@@ -64,8 +65,10 @@ class PoetTrainer(CrashSafeTrainer):
     own shard ([`distributed`][poet_hf.distributed]). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
 
     A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is
-    materialized here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole on
-    ``args.device``, or, when Accelerate runs FSDP2, sharded first by [`shard_model`][poet_hf.distributed.shard_model] with
+    materialized here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole
+    on
+    ``args.device``, or, when Accelerate runs FSDP2, sharded first by [`shard_model`][poet_hf.distributed.shard_model]
+    with
     the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
 
     Args beyond ``Trainer``'s:

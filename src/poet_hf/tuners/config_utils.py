@@ -47,10 +47,10 @@ def requantize_field() -> Any:
     return field(
         default="feedback",
         metadata={
-            "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' (nearest code, "
-            "and the rounding residual is kept, int8, about 1 byte per entry, and added back at the next fold, so "
-            "the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' (unbiased random "
-            "rounding, seeded per layer and merge). Ignored for a float W0."
+            "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
+            "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
+            "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' "
+            "(unbiased random rounding, seeded per layer and merge). Ignored for a float W0."
         },
     )
 
@@ -76,8 +76,8 @@ def cache_rotations_field() -> Any:
     return field(
         default=True,
         metadata={
-            "help": "Under gradient accumulation, build each rotation once per optimizer step and run its Cayley-Neumann "
-            "VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
+            "help": "Under gradient accumulation, build each rotation once per optimizer step and run its "
+            "Cayley-Neumann VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
             "poet_hf.defer_rotation_grads in a plain loop). Holds the rotation blocks and their pending gradient, "
             "2·rows·b² floats per side, across the window. False rebuilds the rotation per micro-batch: less "
             "memory, more time. Without accumulation nothing changes."

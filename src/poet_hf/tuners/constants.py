@@ -10,7 +10,10 @@ BIAS_CHOICES = {name: ("none", "all", f"{name}_only") for name in ("poet", "oft"
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # BERT-like encoders name their block linears `dense` too, like the pooler and heads outside the blocks,
 # so they are matched by a regex anchored in `encoder.layer.<i>`.
-_ENCODER_BLOCKS = r".*encoder\.layer\.\d+\.(attention\.(self|attention)\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+_ENCODER_BLOCKS = (
+    r".*encoder\.layer\.\d+\."
+    r"(attention\.(self|attention)\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+)
 # ViT in transformers 5 names its block linears like LLaMA's attention plus fc1/fc2; the pooler is outside.
 _VIT_BLOCKS = r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))"
 

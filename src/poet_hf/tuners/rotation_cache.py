@@ -7,7 +7,8 @@ inside the backward where DDP and FSDP2 reduce gradients. A micro-batch defers w
 
 - ``transformers.Trainer`` / ``PoetTrainer`` or ``accelerate``'s ``accumulate`` say it is not the step's last
   (``accelerate``'s ``GradientState.sync_gradients`` is ``False``), or
-- it runs inside [`defer_rotation_grads`][poet_hf.defer_rotation_grads] (a plain loop: wrap every micro-batch but the last, as DDP's ``no_sync``).
+- it runs inside [`defer_rotation_grads`][poet_hf.defer_rotation_grads] (a plain loop: wrap every micro-batch but the
+last, as DDP's ``no_sync``).
 
 Outside both, a layer behaves as without accumulation (nothing is cached). A cache is emptied by the last
 micro-batch's backward; its pending gradient is applied to the skew parameters' ``.grad`` ("flushed") and the cache

@@ -187,7 +187,8 @@ class RotationLayer(BaseTunerLayer):
 
     def _check_loaded_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
         """``load_state_dict`` pre-hook: every incoming index, skew and merge-count tensor of this layer must be what
-        the math needs (`state_checks`); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming it."""
+        the math needs (`state_checks`); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError]
+        naming it."""
         names = {id(child): name for name, child in self.named_children()}
         for adapter_name, specs in self.poet_specs.items():
             checks = [(self.merge_counts, merge_count_problem)]
@@ -719,7 +720,7 @@ class RotationLayer(BaseTunerLayer):
                 stacklevel=3,
             )
 
-    # --- POET training-time merge-then-reinitialize --------------------------------------------------------------------
+    # --- POET training-time merge-then-reinitialize -------------------------------------------------------------------
     @torch.no_grad()
     def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
         """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.

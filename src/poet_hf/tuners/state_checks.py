@@ -4,7 +4,8 @@ A POET or OFT adapter is only a rotation if each side's index tensor is a permut
 sorted index subset (fully stochastic) of the right size, its skew parameter has the shape its block size implies,
 and its merge count is a non-negative integer that agrees across the adapter's layers (they merge together). A file
 that breaks any of these would otherwise load silently and compute a wrong, non-orthogonal function, or fail at the
-first forward with a bare ``IndexError``. [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] names the file, the tensor and what is wrong.
+first forward with a bare ``IndexError``. [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] names the
+file, the tensor and what is wrong.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class AdapterStateError(ValueError):
 
 
 def check_safetensors_file(path: str | os.PathLike) -> None:
-    """Raise [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] unless ``path`` is a whole safetensors file: its header parses and the data
+    """Raise [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] unless ``path`` is a whole safetensors
+    file: its header parses and the data
     it describes ends exactly at the end of the file (a truncated or extended file fails). Reads the header only."""
     path = os.fspath(path)
     size = os.path.getsize(path)

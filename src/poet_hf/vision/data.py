@@ -173,7 +173,7 @@ def iterate_batches(
         rows: Iterable[dict] = data[start : start + batch_size]
         if isinstance(rows, dict):  # a datasets.Dataset slice is a dict of columns
             keys = list(rows)
-            rows = [dict(zip(keys, values)) for values in zip(*rows.values())]
+            rows = [dict(zip(keys, values, strict=True)) for values in zip(*rows.values(), strict=True)]
         pixels, labels = [], []
         for row in rows:
             image = row.get("pixel_values", row.get("img", row.get("image")))

@@ -101,7 +101,8 @@ class ReflectionFlowConfig(PretrainedConfig):
 
 @dataclass
 class ReflectionFlowOutput(ModelOutput):
-    """``loss``: mean bits per dimension; ``bits_per_dim`` and ``log_likelihood`` (nats) per image; ``latents`` (B, D)."""
+    """``loss``: mean bits per dimension; ``bits_per_dim`` and ``log_likelihood`` (nats) per image;
+    ``latents`` (B, D)."""
 
     loss: torch.Tensor | None = None
     bits_per_dim: torch.Tensor | None = None
@@ -318,7 +319,7 @@ class ReflectionFlowModel(PreTrainedModel):
         """
         shapes = self._level_shapes()
         sizes = [math.prod(s) for s in shapes]
-        pieces = [p.reshape(-1, *s) for p, s in zip(latents.split(sizes, dim=1), shapes)]
+        pieces = [p.reshape(-1, *s) for p, s in zip(latents.split(sizes, dim=1), shapes, strict=True)]
         x = pieces[-1]
         for index in reversed(range(len(self.levels))):
             if index < len(self.levels) - 1:
@@ -349,7 +350,8 @@ class ReflectionFlowModel(PreTrainedModel):
     EVAL_NOISE_SEED = 0
 
     def dequantize(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in evaluation."""
+        """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in
+        evaluation."""
         generator = (
             None if self.training else torch.Generator(device=pixel_values.device).manual_seed(self.EVAL_NOISE_SEED)
         )
@@ -361,7 +363,8 @@ class ReflectionFlowModel(PreTrainedModel):
     def forward(
         self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs
     ) -> ReflectionFlowOutput | tuple:
-        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see [`dequantize`][poet_hf.vision.flow.ReflectionFlowModel.dequantize])."""
+        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see
+        [`dequantize`][poet_hf.vision.flow.ReflectionFlowModel.dequantize])."""
         latents, logdet = self.encode(self.dequantize(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)
         log_likelihood = log_prior + logdet

@@ -10,7 +10,8 @@ per ``conv_types`` (paper default: SOC in blocks 1–2, ECO in 3–5, Table 3). 
 (first ``num_labels`` rows of an orthogonal matrix) or a row-normalised linear layer (LLN).
 
 The model takes ``pixel_values`` in pixel space (``[0, 1]``) and normalises inside, so its Lipschitz constant,
-[`LipConvNetForImageClassification.lipschitz_constant`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.lipschitz_constant], includes the ``1/min(std)`` factor.
+[`LipConvNetForImageClassification.lipschitz_constant`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.lipschitz_constant],
+includes the ``1/min(std)`` factor.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class LipConvNetConfig(PretrainedConfig):
         eco_train_terms: Taylor terms of ECO in training (paper: 5).
         soc_train_terms: SOC Taylor terms in training (SOC: 5).
         soc_eval_terms: SOC Taylor terms in evaluation (SOC: 10).
-        baked: ECO layers hold a stored kernel (set by [`LipConvNetForImageClassification.bake`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.bake]).
+        baked: ECO layers hold a stored kernel (set by
+            [`LipConvNetForImageClassification.bake`][poet_hf.vision.lipconvnet.LipConvNetForImageClassification.bake]).
 
     Raises:
         ValueError: a field is out of range, or a block's stride does not divide its input size.
@@ -83,7 +85,8 @@ class LipConvNetConfig(PretrainedConfig):
             raise ValueError(f"LipConvNetConfig: `depth` must be one of {LIPCONVNET_DEPTHS}, got {depth!r}")
         if not isinstance(init_channels, int) or init_channels < 2 or init_channels % 2:
             raise ValueError(
-                f"LipConvNetConfig: `init_channels` must be an even int >= 2 (MaxMin pairs channels), got {init_channels!r}"
+                "LipConvNetConfig: `init_channels` must be an even int >= 2 (MaxMin pairs channels), "
+                f"got {init_channels!r}"
             )
         for name, value in (("kernel_sizes", kernel_sizes), ("strides", strides), ("conv_types", conv_types)):
             if len(value) != 5:

@@ -325,7 +325,7 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    eps, accuracy = zip(*metrics["certified_curve"])
+    eps, accuracy = zip(*metrics["certified_curve"], strict=True)
     fig, ax = plt.subplots(figsize=(5, 3.4))
     ax.plot(eps, [100 * a for a in accuracy], lw=2, label="certified")
     if "pgd_accuracy_at" in metrics:
@@ -351,13 +351,13 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
 def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
     """The model card text from ``poet_hf/model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
     config = model.config
-    card_data = dict(
-        pipeline_tag="image-classification",
-        license="apache-2.0",
-        tags=["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
-        datasets=[args.dataset] if args.dataset != DEFAULT_DATASET else None,
-        metrics=["accuracy"],
-    )
+    card_data = {
+        "pipeline_tag": "image-classification",
+        "license": "apache-2.0",
+        "tags": ["poet_hf", "lipschitz", "orthogonal-convolution", "eco", "certified-robustness"],
+        "datasets": [args.dataset] if args.dataset != DEFAULT_DATASET else None,
+        "metrics": ["accuracy"],
+    }
     card = render_card(
         "lipconvnet.md",
         card_data,

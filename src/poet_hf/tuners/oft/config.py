@@ -38,7 +38,8 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
     The field names follow PEFT's ``OFTConfig`` where the meaning is the same (``r``, ``module_dropout``, ``coft``,
     ``eps``, ``block_share``, ``bias``, …); ``block_size`` is PEFT's ``oft_block_size`` and ``neumann_terms`` its
     ``num_cayley_neumann_terms`` (0 = exact Cayley, PEFT's ``use_cayley_neumann=False``). Use
-    [`from_peft_config`][poet_hf.OftConfig.from_peft_config] to convert a PEFT config and [`peft_oft_state_dict_to_ours`][poet_hf.tuners.oft.peft_oft_state_dict_to_ours]
+    [`from_peft_config`][poet_hf.OftConfig.from_peft_config] to convert a PEFT config and
+    [`peft_oft_state_dict_to_ours`][poet_hf.tuners.oft.peft_oft_state_dict_to_ours]
     to convert its weights.
     """
 
@@ -224,25 +225,25 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         else:
             terms = 0
         module_dropout = 0.0 if peft_config.block_share else peft_config.module_dropout  # PEFT ignores it there
-        fields = dict(
-            target_modules=peft_config.target_modules,
-            exclude_modules=peft_config.exclude_modules,
-            r=peft_config.r,
-            block_size=peft_config.oft_block_size,
-            neumann_terms=terms,
-            block_share=peft_config.block_share,
-            coft=peft_config.coft,
-            eps=peft_config.eps,
-            module_dropout=module_dropout,
-            init_weights=peft_config.init_weights,
-            bias=peft_config.bias,
-            layers_to_transform=peft_config.layers_to_transform,
-            layers_pattern=peft_config.layers_pattern,
-            modules_to_save=peft_config.modules_to_save,
-            task_type=peft_config.task_type,
-            base_model_name_or_path=peft_config.base_model_name_or_path,
-            inference_mode=peft_config.inference_mode,
-        )
+        fields = {
+            "target_modules": peft_config.target_modules,
+            "exclude_modules": peft_config.exclude_modules,
+            "r": peft_config.r,
+            "block_size": peft_config.oft_block_size,
+            "neumann_terms": terms,
+            "block_share": peft_config.block_share,
+            "coft": peft_config.coft,
+            "eps": peft_config.eps,
+            "module_dropout": module_dropout,
+            "init_weights": peft_config.init_weights,
+            "bias": peft_config.bias,
+            "layers_to_transform": peft_config.layers_to_transform,
+            "layers_pattern": peft_config.layers_pattern,
+            "modules_to_save": peft_config.modules_to_save,
+            "task_type": peft_config.task_type,
+            "base_model_name_or_path": peft_config.base_model_name_or_path,
+            "inference_mode": peft_config.inference_mode,
+        }
         if isinstance(fields["target_modules"], set):
             fields["target_modules"] = sorted(fields["target_modules"])
         if isinstance(fields["exclude_modules"], set):

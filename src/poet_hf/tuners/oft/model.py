@@ -11,7 +11,8 @@ class OftModel(PoetModel):
     """Turns a model into an OFT model: every target weight ``W0`` is used as ``W0 · R^T``.
 
     Use it through PEFT: ``get_peft_model(model, OftConfig(...))``. It is `PoetModel` with the OFT layers,
-    so PEFT's ``merge_and_unload``, ``save_pretrained``, ``set_adapter``… and [`merge_and_reinit`][poet_hf.merge_and_reinit] all work.
+    so PEFT's ``merge_and_unload``, ``save_pretrained``, ``set_adapter``… and
+    [`merge_and_reinit`][poet_hf.merge_and_reinit] all work.
     """
 
     prefix: str = "poet_oft_"

@@ -31,7 +31,7 @@ def create_tuner_module(
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if quantization_of(base_layer) is not None:
         return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
-    for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes):
+    for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes, strict=True):
         if isinstance(base_layer, base_type):
             return layer_cls(target, adapter_name, config=config, layer_name=layer_name)
     raise ValueError(
@@ -53,7 +53,8 @@ class PoetModel(BaseTuner):
     """Turns a model into a POET model: every target weight ``W0`` is used as ``P^T W0 R^T``.
 
     Use it through PEFT: ``get_peft_model(model, PoetConfig(...))``. Beyond PEFT's usual calls
-    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers [`merge_and_reinit`][poet_hf.merge_and_reinit], the
+    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers
+    [`merge_and_reinit`][poet_hf.merge_and_reinit], the
     training-time POET step.
     """
 
@@ -120,13 +121,15 @@ class PoetModel(BaseTuner):
         return model
 
     def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
-        """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
+        """Fold R and P into ``W0`` in every POET layer, zero Q and resample; see
+        [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
 
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
     """The layers of one adapter merge together, so after a load their merge counts must agree (a
-    ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming two that
+    ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming
+    two that
     disagree."""
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
