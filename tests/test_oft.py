@@ -1,6 +1,7 @@
 """The OFT tuner against PEFT's own OFT, dense float64 references, F.conv2d and the
 hyperspherical energy computed here."""
 
+import copy
 import itertools
 import math
 
@@ -231,6 +232,42 @@ def test_conv2d_is_base_conv_at_init_and_merged_conv_after(kernel, stride, paddi
         assert (got - base(x)).abs().max() > 1e-2  # the adapter does something
         plain = model.merge_and_unload()
         assert (plain(x).double() - expected).abs().max() <= 1e-5
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    "padding,padding_mode", [(1, "zeros"), ((1, 2), "zeros"), ("same", "zeros"), ("valid", "zeros"), (1, "reflect")]
+)
+def test_conv2d_with_any_padding_matches_torch_conv_and_its_gradients_check(padding, padding_mode):
+    # String paddings and non-zero padding modes pad the input first; the backward used to crash on "same"/"valid"
+    # (convolution_backward takes no string). Reference: torch's own nn.Conv2d holding the dense merged weight, float64.
+    torch.manual_seed(0)
+    base = nn.Conv2d(4, 6, 3, padding=padding, padding_mode=padding_mode).double()
+    holder = nn.Module()
+    holder.conv = copy.deepcopy(base)
+    model = get_peft_model(holder, OftConfig(r=2, block_size=0, target_modules=["conv"], init_weights=False))
+    layer = model.base_model.model.conv
+    x = torch.randn(1, 4, 7, 7, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    w = base.weight.detach()
+    r = dense_rotation(layer)
+    reference = copy.deepcopy(base)
+    with torch.no_grad():
+        reference.weight.copy_((w.reshape(6, -1) @ r.T).reshape(w.shape))
+        got, expected = layer(x), reference(x)
+        magnitudes = copy.deepcopy(reference)  # Σ|x||W_eff|: what every output entry sums, padding included
+        magnitudes.weight.copy_((w.reshape(6, -1).abs() @ r.abs().T).reshape(w.shape))
+        magnitudes.bias.abs_()
+        scale = magnitudes(x.abs())
+    # An output sums 36 products of the merged weight, itself 18-term dot products of W and a 6-term Cayley–Neumann
+    # polynomial of an 18 × 18 block (both sides: ours in place, the reference by explicit powers).
+    assert ((got - expected).abs() <= 2 * gamma(36 + 18 * 6 * 18, torch.float64) * scale).all()
+    assert (got - layer.get_base_layer()(x)).abs().max() > 1e-2  # the adapter does something
+    name, skew = next((n, p) for n, p in layer.named_parameters() if "poet_oft_R" in n)
+
+    def output(x_: torch.Tensor, skew_: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(layer, {name: skew_}, (x_,))
+
+    assert torch.autograd.gradcheck(output, (x.clone().requires_grad_(), skew.detach().clone().requires_grad_()))
 
 
 @pytest.mark.parametrize("kernel,stride,padding", list(itertools.product([1, 3, 5], [1, 2], [0, 1])))

@@ -298,20 +298,27 @@ class RotationLayer(BaseTunerLayer):
     def is_conv2d(self) -> bool:
         return isinstance(self.get_base_layer(), nn.Conv2d)
 
+    def _pads_input(self) -> bool:
+        """Whether the input is padded before an unpadded convolution: a ``padding_mode`` other than zeros (as
+        ``nn.Conv2d`` does), or ``padding="same"``/``"valid"``, which ``convolution_backward`` does not take."""
+        base = self.get_base_layer()
+        return isinstance(base, nn.Conv2d) and (base.padding_mode != "zeros" or isinstance(base.padding, str))
+
     def base_operation(self) -> LinearOp | Conv2dOp:
         """The base layer's operation with its weight given as the out × in matrix."""
         base = self.get_base_layer()
-        if not self.is_conv2d:
+        if not isinstance(base, nn.Conv2d):
             return LinearOp()
-        padding = (0, 0) if base.padding_mode != "zeros" else base.padding
+        padding = (0, 0) if self._pads_input() else base.padding
         return Conv2dOp(tuple(base.weight.shape), base.stride, padding, base.dilation, base.groups)
 
     def _pad_input(self, x: torch.Tensor) -> torch.Tensor:
-        """``padding_mode`` other than zeros is applied before the (unpadded) convolution, as ``nn.Conv2d`` does."""
+        """Pad ``x`` as the base convolution would (`_pads_input`), with ``nn.Conv2d``'s own left/right split."""
         base = self.get_base_layer()
-        if self.is_conv2d and base.padding_mode != "zeros":
-            return F.pad(x, base._reversed_padding_repeated_twice, mode=base.padding_mode)
-        return x
+        if not self._pads_input():
+            return x
+        mode = "constant" if base.padding_mode == "zeros" else base.padding_mode
+        return F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
 
     # --- adapters ----------------------------------------------------------------------------------------------------
     def add_rotation_adapter(
