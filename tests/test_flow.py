@@ -8,6 +8,7 @@ import pytest
 import torch
 from tolerances import gamma
 from torch.autograd.functional import jacobian
+from transformers import PreTrainedModel
 
 from poet_hf.vision import ReflectionFlowConfig, ReflectionFlowModel
 from poet_hf.vision.flow import squeeze, unsqueeze
@@ -165,3 +166,17 @@ def test_config_validation():
         ReflectionFlowConfig(num_bins=1)
     with pytest.raises(ValueError, match="newton_on_fail"):
         ReflectionFlowConfig(newton_on_fail="skip")
+
+
+def test_the_flow_keeps_the_module_and_pretrained_model_methods_it_inherits():
+    # The coupling's channel split and the pixel dequantisation once shadowed nn.Module.half() and
+    # PreTrainedModel.dequantize() (an int attribute and a method with another signature).
+    config = ReflectionFlowConfig(image_size=4, num_levels=1, steps_per_level=1, num_bins=17, hidden_channels=8)
+    model = ReflectionFlowModel(config).half()
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+    assert ReflectionFlowModel.dequantize is PreTrainedModel.dequantize
+    pixels = torch.full((2, 1, 4, 4), 0.5)
+    model.float().eval()
+    noisy = model.dequantize_pixels(pixels)
+    assert ((noisy - pixels) >= 0).all() and ((noisy - pixels) < 1 / 17).all()
+    assert torch.equal(noisy, model.dequantize_pixels(pixels))  # a fixed seed in evaluation

@@ -184,7 +184,7 @@ class AffineCoupling(nn.Module):
         # Zero last layer: every coupling starts as the identity (Glow).
         nn.init.zeros_(self.net[-1].weight)
         nn.init.zeros_(self.net[-1].bias)
-        self.half = half
+        self.split = half
 
     def _scale_shift(self, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.net(xa)
@@ -192,12 +192,12 @@ class AffineCoupling(nn.Module):
         return torch.sigmoid(raw + 2.0), shift
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        xa, xb = x[:, : self.half], x[:, self.half :]
+        xa, xb = x[:, : self.split], x[:, self.split :]
         scale, shift = self._scale_shift(xa)
         return torch.cat([xa, (xb + shift) * scale], 1), torch.log(scale).flatten(1).sum(-1)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        ya, yb = y[:, : self.half], y[:, self.half :]
+        ya, yb = y[:, : self.split], y[:, self.split :]
         scale, shift = self._scale_shift(ya)
         return torch.cat([ya, yb / scale - shift], 1)
 
@@ -349,7 +349,7 @@ class ReflectionFlowModel(PreTrainedModel):
 
     EVAL_NOISE_SEED = 0
 
-    def dequantize(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def dequantize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in
         evaluation."""
         generator = (
@@ -364,8 +364,8 @@ class ReflectionFlowModel(PreTrainedModel):
         self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs
     ) -> ReflectionFlowOutput | tuple:
         """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see
-        [`dequantize`][poet_hf.vision.flow.ReflectionFlowModel.dequantize])."""
-        latents, logdet = self.encode(self.dequantize(pixel_values))
+        [`dequantize_pixels`][poet_hf.vision.flow.ReflectionFlowModel.dequantize_pixels])."""
+        latents, logdet = self.encode(self.dequantize_pixels(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)
         log_likelihood = log_prior + logdet
         d = self.num_dims
