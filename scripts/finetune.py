@@ -16,6 +16,7 @@ import json
 
 from transformers import HfArgumentParser
 
+from poet_hf.distributed import end_distributed
 from poet_hf.training.finetune import FinetuneArguments, run_finetuning
 
 
@@ -40,3 +41,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    end_distributed(exit_process=True)  # gloo can abort the interpreter's exit otherwise

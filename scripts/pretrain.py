@@ -17,6 +17,7 @@ import json
 from transformers import HfArgumentParser
 
 from poet_hf.data import load_tokenizer
+from poet_hf.distributed import end_distributed
 from poet_hf.training.pretrain import PretrainArguments, resolve_recipe, run_pretraining
 
 
@@ -55,3 +56,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    end_distributed(exit_process=True)  # gloo can abort the interpreter's exit otherwise

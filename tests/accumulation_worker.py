@@ -113,8 +113,9 @@ def main() -> None:
                 "tensors": len(grads),
             }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
-    dist.destroy_process_group()
+    from poet_hf.distributed import end_distributed
+
+    end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 
 
 if __name__ == "__main__":

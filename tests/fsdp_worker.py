@@ -131,8 +131,9 @@ def main() -> None:
         ids = rows[:2, :12]
         torch.save(wrapped(input_ids=ids).logits.detach(), args.out / f"logits{rank}.pt")
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it (an abort at exit)
-    dist.destroy_process_group()
+    from poet_hf.distributed import end_distributed
+
+    end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 
 
 if __name__ == "__main__":

@@ -63,8 +63,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     for case in ("init-block", "init-full", "checkpoint-scatter", "checkpoint-broadcast"):
         run_case(out, case, checkpoint)
-    dist.barrier()  # no rank tears gloo down while its peer still talks to it
-    dist.destroy_process_group()
+    from poet_hf.distributed import end_distributed
+
+    end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 
 
 if __name__ == "__main__":

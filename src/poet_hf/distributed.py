@@ -15,6 +15,8 @@ Every function here that gathers is a collective: call it on every rank.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ __all__ = [
     "gather_full_state_dict",
     "unsharded_replica",
     "save_pretrained_unsharded",
+    "end_distributed",
 ]
 
 
@@ -39,6 +42,28 @@ def _rank() -> int:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+def end_distributed(exit_process: bool = False) -> None:
+    """Tear down the default process group when one is up: every rank meets at a barrier, then destroys it.
+
+    With ``exit_process=True`` the process then ends at once (``os._exit(0)``, after flushing stdout and stderr).
+    gloo's threads outlive ``destroy_process_group`` (PyTorch keeps references to the group), and the interpreter's
+    finalization can then abort ("terminate called without an active exception", exit -6) although the run
+    succeeded. ``os._exit`` skips ``atexit`` handlers: call it as the last line of a launched script. Without a
+    process group this does nothing and returns.
+
+    Args:
+        exit_process: end the process with status 0 after the teardown.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    dist.destroy_process_group()
+    if exit_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def is_sharded(model: nn.Module) -> bool:
