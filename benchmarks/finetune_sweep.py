@@ -3,8 +3,8 @@
 On both testbed tasks (``benchmarks/finetune_quality.py``), one run each: OFT and LoRA at their defaults, then POET
 over its block layout (contiguous or permuted), learning rate, block size (each side at ``lr·32/b``), the paper's fully
 stochastic recipe, merge interval and Cayley–Neumann terms. Rows carry the evaluation loss after 5 steps (``loss @5``:
-no damage if below ``loss before``)
-and the largest angle a layer's rotations turn it by at step 5 (``angle @5``, degrees).
+no damage if below ``loss before``) and the largest angle a layer's rotations turn it by at step 5 (``angle @5``,
+degrees).
 """
 
 from __future__ import annotations

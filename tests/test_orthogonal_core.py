@@ -67,9 +67,8 @@ def test_cayley_neumann_equals_truncated_series(terms):
 @pytest.mark.parametrize("terms", [2, 3, 5, 8])
 def test_cayley_neumann_error_vanishes_as_q_norm_to_zero_at_order_k_minus_1(terms):
     # ||R_k - R_exact||_2 = ||Q||_2^(k-1) exactly (R_k = R_exact (I - Q^(k-1))). Rounding: the series is off entrywise
-    # by
-    # terms·γ_8·Σ c_i ρ^i (as above), the reference (I + Q)(I − Q)⁻¹ by about 2·γ_8·κ(I − Q) entrywise (an inverse and
-    # a product, ‖·‖ ≤ 1 + ρ), and ‖E‖_2 ≤ 8·max|E_ij| for an 8 × 8 matrix.
+    # by terms·γ_8·Σ c_i ρ^i (as above), the reference (I + Q)(I − Q)⁻¹ by about 2·γ_8·κ(I − Q) entrywise (an inverse
+    # and a product, ‖·‖ ≤ 1 + ρ), and ‖E‖_2 ≤ 8·max|E_ij| for an 8 × 8 matrix.
     for op_norm in (0.3, 0.1, 0.03):
         q = random_skew(8, op_norm)
         err = torch.linalg.matrix_norm(cayley_neumann(q, terms) - torch.stack([cayley_inverse(x) for x in q]), ord=2)

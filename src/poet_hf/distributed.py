@@ -156,8 +156,7 @@ def shard_model(
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
     ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no
-    process
-    ever holds the whole model, and the result equals, bit for bit, the model one process would build.
+    process ever holds the whole model, and the result equals, bit for bit, the model one process would build.
 
     ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
     ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ``shard_placement_fn`` to place shards yourself, …).

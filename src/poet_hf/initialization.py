@@ -3,8 +3,7 @@ is sharded.
 
 Built under ``with torch.device("meta")``, a model (POET or OFT adapters included) holds no memory.
 [`materialize_model`][poet_hf.initialization.materialize_model] then gives every tensor still on ``meta`` its storage
-(under FSDP2 only the process's
-shard) and its value:
+(under FSDP2 only the process's shard) and its value:
 
 - tensors a checkpoint holds are read from it (``safetensors``); in a sharded model rank 0 reads each tensor and
   sends every process its shard (``loading="scatter"``) or the whole tensor (``"broadcast"``, what Accelerate's
@@ -258,9 +257,9 @@ def materialize_model(
 
     Raises:
         ValueError: ``loading`` is not one of [`CHECKPOINT_LOADING`][poet_hf.initialization.CHECKPOINT_LOADING]; a meta
-            module holds another PEFT method's
-            adapter or a quantised layer, whose initialisation this cannot reproduce, or a tensor no initialisation
-            writes (`initial_values`); or ``checkpoint`` lacks a persistent tensor of the base model.
+            module holds another PEFT method's adapter or a quantised layer, whose initialisation this cannot reproduce,
+            or a tensor no initialisation writes (`initial_values`); or ``checkpoint`` lacks a persistent tensor of the
+            base model.
         FileNotFoundError: ``checkpoint`` is not a folder or file with safetensors weights.
     """
     from torch.distributed.tensor import DTensor

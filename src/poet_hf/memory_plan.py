@@ -1,8 +1,8 @@
 """How much memory one training process needs, planned from shapes alone, part by part.
 
 [`plan_memory`][poet_hf.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no initialisation),
-wraps it for the method
-(POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off it:
+wraps it for the method (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off
+it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
   in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.distributed.shard_dim]);
@@ -401,9 +401,8 @@ def plan_memory(
 def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dict[int, int], processes: int) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
     the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
-    root
-    when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient twice,
-    unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
+    root when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient
+    twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
     ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
 
     def unsharded(parameters) -> int:

@@ -1,8 +1,7 @@
 """Export a POET / OFT / orthogonal model as a plain Hugging Face checkpoint, write its model card, push it.
 
 [`export_merged`][poet_hf.export.export_merged] loads the source (`source`), folds every PEFT tuner layer into plain
-weights through
-PEFT's own ``merge_and_unload`` in float32 (`folding`), casts to the requested dtype, and writes
+weights through PEFT's own ``merge_and_unload`` in float32 (`folding`), casts to the requested dtype, and writes
 ``model.safetensors`` (sharded above ``max_shard_size``), ``config.json``, the tokenizer when there is one, and a
 ``README.md`` model card (`card`) into a temporary directory beside the target that is renamed into place at
 the end (`writing`): an interrupted export leaves nothing half-written.

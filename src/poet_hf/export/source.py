@@ -1,6 +1,6 @@
 """Loading what [`export_merged`][poet_hf.export.export_merged] folds: a ``PeftModel``, a trainer holding one, or a
-directory
-(``save_pretrained`` output or a ``PoetTrainer`` checkpoint), as a float32 ``PeftModel`` with its training facts."""
+directory (``save_pretrained`` output or a ``PoetTrainer`` checkpoint), as a float32 ``PeftModel`` with its training
+facts."""
 
 from __future__ import annotations
 

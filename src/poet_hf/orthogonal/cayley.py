@@ -62,8 +62,8 @@ def random_skew_params(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose
-    ``block_size``-square skew
-    matrices have operator norm about ``op_norm``: a non-identity start for adapters and tests.
+    ``block_size``-square skew matrices have operator norm about ``op_norm``: a non-identity start for adapters and
+    tests.
 
     A ``b × b`` Gaussian skew matrix with entry std ``s`` has operator norm about ``2 s √b``.
 
@@ -156,8 +156,7 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
     """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``: ``Q = U − Uᵀ`` gives
-    ``dL/dU = dQ − dQᵀ``, read on the
-    strict upper triangle. Only the skew part of ``grad_q`` contributes."""
+    ``dL/dU = dQ − dQᵀ``, read on the strict upper triangle. Only the skew part of ``grad_q`` contributes."""
     upper, lower = _triangle_flat_indices(block_size, grad_q.device)
     flat = grad_q.reshape(*grad_q.shape[:-2], block_size * block_size)
     return flat.index_select(-1, upper) - flat.index_select(-1, lower)

@@ -23,7 +23,7 @@ are folded into the kernel (``weight[:c_out, :c_in·s²]``), so evaluation is on
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn as nn
@@ -52,10 +52,13 @@ ORTHOGONAL_MAPS = ("taylor", "matrix_exp")
 
 def as_pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
     """``(h, w)`` from an int or a pair of positive ints; ``ValueError`` naming ``name`` otherwise."""
-    pair = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    if isinstance(value, int):
+        pair: tuple[Any, ...] = (value, value)  # a bool too: refused below
+    else:
+        pair = tuple(value)
     if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair):
         raise ValueError(f"`{name}` must be a positive int or a pair of positive ints, got {value!r}")
-    return pair  # type: ignore[return-value]
+    return cast(tuple[int, int], pair)
 
 
 def construct_index_map(kernel_size: int) -> tuple[torch.Tensor, int]:
@@ -235,6 +238,9 @@ class EcoConv2d(nn.Module):
             size, or that size is 1) or an option is invalid.
     """
 
+    u: torch.Tensor  # buffers: the power-iteration vectors, and the baked kernel
+    weight: torch.Tensor
+
     def __init__(
         self,
         in_channels: int,
@@ -273,7 +279,7 @@ class EcoConv2d(nn.Module):
         self.effective_kernel_size, self.dilation, self.padding = eco_geometry(self.conv_size, self.block_kernel_size)
         self.conv_in_channels = self.in_channels * self.stride**2
         self.width = max(self.conv_in_channels, self.out_channels)
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         # A plain list, not a buffer: transformers materialises non-persistent buffers empty after meta init.
         self.index_map, num_blocks = _index_map_list(self.block_kernel_size)
         self.num_blocks = num_blocks

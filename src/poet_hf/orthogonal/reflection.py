@@ -215,18 +215,15 @@ def auxiliary_reflection_inverse(
 ) -> torch.Tensor:
     """Solve ``H(W x) x = y`` for rows ``y (..., d)`` by damped Newton from ``x_0 = y`` (seed-002 §3).
 
-    Stops when every row's relative residual ``||f(x) - y|| / ||y||`` is below ``tol`` (default 100 ulp of the
-    dtype); otherwise raises [`NewtonConvergenceError`][poet_hf.orthogonal.NewtonConvergenceError]
-    (``on_fail="raise"``), warns, or returns the last
-    iterate. So whatever it returns is a verified preimage of ``y``.
+    Stops when every row's relative residual ``||f(x) - y|| / ||y||`` is below ``tol`` (default 100 ulp of the dtype);
+    otherwise raises [`NewtonConvergenceError`][poet_hf.orthogonal.NewtonConvergenceError] (``on_fail="raise"``), warns,
+    or returns the last iterate. So whatever it returns is a verified preimage of ``y``.
 
     The preimage is unique when ``W`` comes from [`invertible_weight`][poet_hf.orthogonal.invertible_weight] (the map is
-    then a bijection, Theorem 2).
-    For an unconstrained ``W`` it need not be: in 2000 random draws of ``W = I − Q + 0.1·N(0, 1)`` (``d = 6``,
-    float64), Newton from ``x_0 = y`` failed to converge in 0.1% (raised) and converged to *another* preimage than
-    the ``x`` that produced ``y`` in 1.5% — a residual cannot tell those apart. Use
-    [`invertible_weight`][poet_hf.orthogonal.invertible_weight]
-    where the inverse must be the one.
+    then a bijection, Theorem 2). For an unconstrained ``W`` it need not be: in 2000 random draws of ``W = I − Q +
+    0.1·N(0, 1)`` (``d = 6``, float64), Newton from ``x_0 = y`` failed to converge in 0.1% (raised) and converged to
+    *another* preimage than the ``x`` that produced ``y`` in 1.5% — a residual cannot tell those apart. Use
+    [`invertible_weight`][poet_hf.orthogonal.invertible_weight] where the inverse must be the one.
 
     The iterations run without autograd; when a graph is wanted, one last plain Newton step is taken with autograd
     on, which gives the implicit-function gradient.

@@ -14,8 +14,8 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
 Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
 `RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in``
-gather per pass) so that every block
-product runs on contiguous blocks and activations are gathered at most once per side.
+gather per pass) so that every block product runs on contiguous blocks and activations are gathered at most once per
+side.
 
 The frozen ``W0`` is a tensor, or a `DenseWeight`: a callable that returns it dense (a quantised base
 dequantises itself). A callable is called in the forward and again in the backward and never saved, so at most one
@@ -262,9 +262,9 @@ class Conv2dOp:
     """``nn.Conv2d``'s operation with the weight given as the matrix ``out × (in/groups·kh·kw)``."""
 
     weight_shape: tuple[int, ...]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
     groups: int
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -400,8 +400,7 @@ def build_llama(
 
     Built on the ``meta`` device and materialized on ``device`` by
     [`materialize_model`][poet_hf.initialization.materialize_model] (transformers' initialisation, keyed by ``seed`` and
-    each
-    module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
+    each module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
     shard by shard with the same values.
 
     Args:

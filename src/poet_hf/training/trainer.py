@@ -64,12 +64,10 @@ class PoetTrainer(CrashSafeTrainer):
     permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
     own shard ([`distributed`][poet_hf.distributed]). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
 
-    A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is
-    materialized here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole
-    on
+    A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is materialized
+    here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole on
     ``args.device``, or, when Accelerate runs FSDP2, sharded first by [`shard_model`][poet_hf.distributed.shard_model]
-    with
-    the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
+    with the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
 
     Args beyond ``Trainer``'s:
         run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).

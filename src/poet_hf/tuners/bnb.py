@@ -17,7 +17,7 @@ met or asked for.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -33,6 +33,10 @@ _INSTALL_HINT = "pip install 'poet_hf[quant]' (the `quant` extra: bitsandbytes)"
 # Multiply-add equivalents per entry of one dequantisation (cost model): a table look-up and a scale for 4-bit,
 # a scale for int8. Measured on this project's CPU, dequantising costs about 1/100 of a matmul over 1024 tokens.
 DEQUANTIZE_COST = {"nf4": 2.0, "fp4": 2.0, "int8": 1.0}
+
+
+# A bnb.nn.Linear4bit or Linear8bitLt: bitsandbytes ships no type information, so its layers are typed loosely.
+BnbLayer = Any
 
 
 def import_bitsandbytes() -> Any:
@@ -71,13 +75,13 @@ def quantization_of(module: nn.Module) -> str | None:
     )
 
 
-def _backend(module: nn.Module) -> Any:
+def _backend(module: BnbLayer) -> Any:
     from peft.utils.quantization_utils import resolve_quantization_backend
 
     return resolve_quantization_backend(module)
 
 
-def _unpack_for_cpu(module: nn.Module) -> None:
+def _unpack_for_cpu(module: BnbLayer) -> None:
     """Undo the AVX512-BF16 packing bitsandbytes applies to a 4-bit weight in a CPU inference forward, so that the
     stored codes are again the layout its dequantisation and state dict expect."""
     weight = module.weight
@@ -87,7 +91,7 @@ def _unpack_for_cpu(module: nn.Module) -> None:
         weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
 
 
-def dequantize(module: nn.Module) -> torch.Tensor:
+def dequantize(module: BnbLayer) -> torch.Tensor:
     """The dense ``out × in`` weight of a bitsandbytes linear layer, in the dtype it was quantised from."""
     _unpack_for_cpu(module)
     return _backend(module).get_base_weight(module)
@@ -98,16 +102,16 @@ class QuantizedWeight:
 
     Only the module is referenced, so nothing dense outlives a call (one layer's ``W0`` at a time)."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, module: BnbLayer, dtype: torch.dtype) -> None:
         self.module = module
         self.dtype = dtype
-        self.dequantize_cost = DEQUANTIZE_COST[quantization_of(module)]
+        self.dequantize_cost = DEQUANTIZE_COST[cast(str, quantization_of(module))]
 
     def __call__(self) -> torch.Tensor:
         return dequantize(self.module).to(self.dtype)
 
 
-def compute_dtype(module: nn.Module) -> torch.dtype:
+def compute_dtype(module: BnbLayer) -> torch.dtype:
     """The dtype a bitsandbytes layer computes in: its ``compute_dtype`` (4-bit), else its quantisation source."""
     dtype = getattr(module, "compute_dtype", None)
     if dtype is None:
@@ -133,7 +137,7 @@ def stochastic_round(
     return chosen * scale
 
 
-def _grid_rounded(module: nn.Module, matrix: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """``matrix`` stochastically rounded onto the grid the module's quantiser will use, so that requantising it
     keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over the code book) or
     per row (int8, 127 levels each way)."""
@@ -205,14 +209,14 @@ def decode_residual(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (padded * scales[:, None]).reshape(-1)[: flat.numel()].reshape(codes.shape)
 
 
-def drop_residual(module: nn.Module) -> None:
+def drop_residual(module: BnbLayer) -> None:
     """Remove the requantisation residual from a quantised base (when it leaves its adapter)."""
     for name in (RESIDUAL_CODES, RESIDUAL_SCALES):
         if hasattr(module, name):
             delattr(module, name)
 
 
-def residual(module: nn.Module) -> torch.Tensor | None:
+def residual(module: BnbLayer) -> torch.Tensor | None:
     """The requantisation residual stored on a quantised base (error feedback), or ``None``."""
     if not hasattr(module, RESIDUAL_CODES):
         return None
@@ -220,8 +224,8 @@ def residual(module: nn.Module) -> torch.Tensor | None:
 
 
 def quantize_linear(
-    linear: nn.Module, quantization: str, compute_dtype: torch.dtype | None = None, double_quant: bool = True
-) -> nn.Module:
+    linear: nn.Linear, quantization: str, compute_dtype: torch.dtype | None = None, double_quant: bool = True
+) -> BnbLayer:
     """A ``bnb.nn.Linear4bit`` (``"nf4"``, ``"fp4"``) or ``bnb.nn.Linear8bitLt`` (``"int8"``) holding ``linear``'s
     weight, quantised, and its bias; on ``linear``'s device."""
     if quantization not in BASE_QUANTIZATIONS:
@@ -257,7 +261,7 @@ def quantize_linear(
     return module.to(weight.device)
 
 
-def quantized_bytes(module: nn.Module) -> int:
+def quantized_bytes(module: BnbLayer) -> int:
     """Bytes a quantised layer keeps for its weight: the codes, the quantisation statistics and the requantisation
     residual (error feedback) when there is one."""
     weight = module.weight
@@ -272,7 +276,7 @@ def quantized_bytes(module: nn.Module) -> int:
     return total + sum(t.numel() * t.element_size() for t in extra if t is not None)
 
 
-def load_quantized_state(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
     """Install the quantised weight that ``state_dict`` holds under ``prefix`` (the codes at ``weight`` and their
     statistics) into the bitsandbytes layer ``module``, before ``load_state_dict`` copies the codes.
 
@@ -315,7 +319,7 @@ def load_quantized_state(module: nn.Module, state_dict: dict[str, torch.Tensor],
     module.state.reset_grads()
 
 
-def dense_linear(module: nn.Module, dtype: torch.dtype | None = None) -> nn.Linear:
+def dense_linear(module: BnbLayer, dtype: torch.dtype | None = None) -> nn.Linear:
     """A plain ``nn.Linear`` holding a bitsandbytes layer's dequantised weight (in ``dtype``, default its compute
     dtype or float32) and its bias."""
     weight = dequantize(module).to(dtype or torch.promote_types(compute_dtype(module), torch.float32))
@@ -333,11 +337,11 @@ def dequantize_modules(model: nn.Module) -> dict[str, Any] | None:
     ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``), so that the model
     saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
     ``BitsAndBytesConfig`` as a dict, or one describing the layers found), ``None`` if nothing was quantised."""
-    kinds = set()
+    kinds: set[str] = set()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if is_bnb_module(child):
-                kinds.add(quantization_of(child))
+                kinds.add(cast(str, quantization_of(child)))
                 double_quant = bool(getattr(getattr(child.weight, "quant_state", None), "nested", False))
                 setattr(parent, name, dense_linear(child))
     if not kinds:

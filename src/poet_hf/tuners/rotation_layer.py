@@ -16,12 +16,13 @@ forward, statistics) is here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +55,7 @@ from ..orthogonal.rotated_linear import (
 )
 from ..orthogonal.spo import SideSpec
 from . import bnb, rotation_cache
+from .module_mixin import ModuleMixin
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
 logger = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torc
     return torch.linalg.inv(blocks), {"method": "solve", "orth_error": orth_error, "cond": cond, "error_bound": bound}
 
 
-class RotationLayer(BaseTunerLayer):
+class RotationLayer(BaseTunerLayer, ModuleMixin):
     """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them.
 
     A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
@@ -191,12 +193,14 @@ class RotationLayer(BaseTunerLayer):
         naming it."""
         names = {id(child): name for name, child in self.named_children()}
         for adapter_name, specs in self.poet_specs.items():
-            checks = [(self.merge_counts, merge_count_problem)]
+            checks: list[tuple[nn.Module, Callable[[torch.Tensor], str | None]]] = [
+                (self.merge_counts, merge_count_problem)
+            ]
             for side, spec in specs.items():
                 params, indices = self.side_containers(side)
-                checks.append((indices, lambda t, spec=spec: index_problem(t, spec)))
+                checks.append((indices, functools.partial(index_problem, spec=spec)))
                 shape = params[adapter_name].shape
-                checks.append((params, lambda t, spec=spec, shape=shape: skew_problem(t, shape, spec)))
+                checks.append((params, functools.partial(skew_problem, expected_shape=shape, spec=spec)))
             for container, problem_of in checks:
                 key = f"{prefix}{names[id(container)]}.{adapter_name}"
                 problem = problem_of(state_dict[key]) if key in state_dict else None
@@ -209,27 +213,35 @@ class RotationLayer(BaseTunerLayer):
         """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
         return bnb.quantization_of(self.get_base_layer())
 
+    def _base_weight(self) -> torch.Tensor:
+        """The stored weight of a float base (``Linear``, ``Conv1D``, ``Conv2d``)."""
+        return cast(torch.Tensor, self.get_base_layer().weight)
+
+    def _base_bias(self) -> torch.Tensor | None:
+        return cast("torch.Tensor | None", self.get_base_layer().bias)
+
     @property
     def weight_shape(self) -> tuple[int, int]:
         """The logical ``(out, in)`` shape of the base weight (never a quantised layer's packed storage)."""
         base = self.get_base_layer()
         if self.base_quantization is not None:
-            return base.out_features, base.in_features
-        shape = base.weight.shape
+            return cast(int, base.out_features), cast(int, base.in_features)
+        shape = self._base_weight().shape
         return (shape[1], shape[0]) if self._weight_transposed else (shape[0], math.prod(shape[1:]))
 
     @property
     def weight_dtype(self) -> torch.dtype:
         """The dtype the base weight is used in (a quantised base's compute dtype)."""
-        base = self.get_base_layer()
-        return bnb.compute_dtype(base) if self.base_quantization is not None else base.weight.dtype
+        if self.base_quantization is not None:
+            return bnb.compute_dtype(self.get_base_layer())
+        return self._base_weight().dtype
 
     def weight_matrix(self) -> torch.Tensor:
         """The out × in base weight: a view of the stored weight, or a quantised base dequantised (a new tensor)."""
         base = self.get_base_layer()
         if self.base_quantization is not None:
             return bnb.dequantize(base).to(self.weight_dtype)
-        weight = base.weight
+        weight = self._base_weight()
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
     def dense_weight(self) -> torch.Tensor | bnb.QuantizedWeight:
@@ -244,7 +256,7 @@ class RotationLayer(BaseTunerLayer):
         calls it). Only this layer's weight is gathered, never the model's."""
         if self.base_quantization is not None:
             return self.weight_matrix()
-        weight = full_tensor(self.get_base_layer().weight)
+        weight = full_tensor(self._base_weight())
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
     def set_weight_matrix(
@@ -258,7 +270,7 @@ class RotationLayer(BaseTunerLayer):
         if self.base_quantization is not None:
             self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
             return
-        weight = self.get_base_layer().weight
+        weight = self._base_weight()
         write_full(weight, matrix.T if self._weight_transposed else matrix.reshape(weight.shape))
 
     def check_quantizable(self, quantization: str, layer_name: str) -> None:
@@ -283,10 +295,10 @@ class RotationLayer(BaseTunerLayer):
 
     def base_weight_bytes(self) -> int:
         """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
-        base = self.get_base_layer()
         if self.base_quantization is None:
-            return base.weight.numel() * base.weight.element_size()
-        return bnb.quantized_bytes(base)
+            weight = self._base_weight()
+            return weight.numel() * weight.element_size()
+        return bnb.quantized_bytes(self.get_base_layer())
 
     def _load_quantized_base(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
         """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
@@ -309,14 +321,14 @@ class RotationLayer(BaseTunerLayer):
         base = self.get_base_layer()
         if not isinstance(base, nn.Conv2d):
             return LinearOp()
-        padding = (0, 0) if self._pads_input() else base.padding
+        padding = (0, 0) if self._pads_input() else cast(tuple[int, ...], base.padding)
         return Conv2dOp(tuple(base.weight.shape), base.stride, padding, base.dilation, base.groups)
 
     def _pad_input(self, x: torch.Tensor) -> torch.Tensor:
         """Pad ``x`` as the base convolution would (`_pads_input`), with ``nn.Conv2d``'s own left/right split."""
-        base = self.get_base_layer()
         if not self._pads_input():
             return x
+        base = cast(nn.Conv2d, self.get_base_layer())
         mode = "constant" if base.padding_mode == "zeros" else base.padding_mode
         return F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
 
@@ -329,7 +341,7 @@ class RotationLayer(BaseTunerLayer):
         [`materialize_model`][poet_hf.initialization.materialize_model]."""
         self.poet_specs[adapter_name] = specs
         self.poet_settings[adapter_name] = settings
-        device = self.get_base_layer().weight.device
+        device = self._base_weight().device
         self.merge_counts[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
         for side, spec in specs.items():
             params, indices = self.side_containers(side)
@@ -454,7 +466,7 @@ class RotationLayer(BaseTunerLayer):
     ) -> torch.Tensor:
         """The forward as a plain autograd composition (several adapters compose in order); ``keep`` maps an
         adapter to the input-side blocks it keeps (OFT's module dropout)."""
-        bias = self.get_base_layer().bias
+        bias = self._base_bias()
         op = self.base_operation()
         x = self._pad_input(x)
         keep = keep or {}
@@ -541,7 +553,7 @@ class RotationLayer(BaseTunerLayer):
             polynomial=polynomial_products(terms, polynomial_phase) if training else 0,
         )
         affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
-        return min(affordable, key=affordable.get)
+        return min(affordable, key=affordable.__getitem__)
 
     def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``base(x, P^T W0 R^T)`` through the fused functions of `rotated_linear`."""
@@ -566,7 +578,7 @@ class RotationLayer(BaseTunerLayer):
             strategy,
             self._pad_input(x),
             self.dense_weight(),
-            self.get_base_layer().bias,
+            self._base_bias(),
             r_side,
             r_vec,
             p_side,
@@ -591,7 +603,7 @@ class RotationLayer(BaseTunerLayer):
             if not defer:
                 return None, False
             cache = self._rotation_caches[(adapter_name, side)] = RotationCache()
-            vec._poet_rotation_cache = cache  # read by rotation_cache.anchor_to_gradient
+            vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
             rotation_cache.track(self)
         if rotation_cache.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
@@ -645,14 +657,14 @@ class RotationLayer(BaseTunerLayer):
             grad = self.side_rotation(adapter_name, side).vector_grad(None, pending, full_tensor(param))
             if sharded:
                 torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.AVG)
-                grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+                grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)  # type: ignore[attr-defined]  # a DTensor
             param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def train(self, mode: bool = True) -> Any:
         """``eval()`` ends any accumulation window: deferred gradients are applied and the caches freed."""
         if not mode:
             self.flush_rotation_caches(collective=False)
-        return nn.Module.train(self, mode)
+        return nn.Module.train(cast(nn.Module, self), mode)  # the concrete layers are nn.Modules
 
     def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
         """The forward with the given active adapters (a subclass adds its own options around it)."""
@@ -746,7 +758,7 @@ class RotationLayer(BaseTunerLayer):
         self._fold_into_base(
             self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name, count
         )
-        if self.base_quantization is not None:
+        if self.requantization_error is not None and self.base_quantization is not None:
             stats["requantization_error"] = self.requantization_error
         self.merge_counts[adapter_name].fill_(count)
         for side in self.sides(adapter_name):

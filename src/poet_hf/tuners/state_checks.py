@@ -47,8 +47,8 @@ class AdapterStateError(ValueError):
 
 def check_safetensors_file(path: str | os.PathLike) -> None:
     """Raise [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] unless ``path`` is a whole safetensors
-    file: its header parses and the data
-    it describes ends exactly at the end of the file (a truncated or extended file fails). Reads the header only."""
+    file: its header parses and the data it describes ends exactly at the end of the file (a truncated or extended file
+    fails). Reads the header only."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     try:

@@ -4,8 +4,7 @@ If every logit difference ``f_y - f_j`` is ``K_yj``-Lipschitz in the input, no p
 ``||δ||_2 < (f_y - f_j)(x) / K_yj`` can make ``j`` overtake ``y``. With an orthogonal head and a network Lipschitz
 constant ``L``, ``K_yj <= √2·L`` (``||w_y - w_j|| = √2`` for orthonormal rows), so the radius is
 ``margin / (√2·L)`` with ``margin = f_top1 - f_top2``. With a row-normalised (LLN) head, ``K_yj = ||w_y -
-w_j||·L_feat``.
-``L`` includes the input normalisation (``1/min(std)``) because the model normalises internally.
+w_j||·L_feat``. ``L`` includes the input normalisation (``1/min(std)``) because the model normalises internally.
 """
 
 from __future__ import annotations

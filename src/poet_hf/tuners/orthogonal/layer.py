@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,10 @@ from ...orthogonal import (
     skew_from_vector,
     spo_generator,
 )
+from ..module_mixin import ModuleMixin
+
+if TYPE_CHECKING:
+    from ...orthogonal.eco import EcoConv2d
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +42,7 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
     return float(torch.linalg.norm(new.double() - old) / torch.linalg.norm(old).clamp_min(1e-30))
 
 
-class OrthogonalLayer(BaseTunerLayer):
+class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
     """Adapter state of one rewritten module; one adapter can be active at a time (each replaces the weight)."""
 
     adapter_layer_names = ("orthogonal_weight", "orthogonal_eco")
@@ -55,8 +59,9 @@ class OrthogonalLayer(BaseTunerLayer):
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
         self.kwargs = kwargs
-        weight = base_layer.weight
-        self.out_features, self.in_features = weight.shape[0], weight[0].numel()
+        weight = cast(torch.Tensor, base_layer.weight)
+        self.out_features: int = weight.shape[0]
+        self.in_features: int = weight[0].numel()
 
     def _active(self) -> str | None:
         active = [a for a in self.active_adapters if a in self.orthogonal_settings]
@@ -76,6 +81,9 @@ class OrthogonalLayer(BaseTunerLayer):
             return self.base_layer(x, *args, **kwargs)
         return self._orthogonal_forward(x, adapter)
 
+    def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
+        raise NotImplementedError
+
     def init_change(self, adapter_name: str) -> float:
         """``||O_init - W0||_F / ||W0||_F`` recorded when the adapter was created."""
         return float(self.orthogonal_init_change[adapter_name])
@@ -93,7 +101,7 @@ class OrthogonalLayer(BaseTunerLayer):
             adapter = self.merged_adapters.pop()
             stash = self._stash.pop(adapter)
             base = self.get_base_layer()
-            base.weight.data = stash.pop("weight")
+            cast(torch.Tensor, base.weight).data = stash.pop("weight")
             for key, value in stash.items():
                 setattr(base, key, value)
 
@@ -114,6 +122,9 @@ class _OrthogonalModule(nn.Module, OrthogonalLayer):
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name)
 
+    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+        raise NotImplementedError
+
     forward = OrthogonalLayer.forward  # nn.Module precedes OrthogonalLayer in the MRO, as in PEFT's own layers
     extra_repr = OrthogonalLayer.extra_repr
 
@@ -124,13 +135,16 @@ class _OrthogonalModule(nn.Module, OrthogonalLayer):
 class Linear(_OrthogonalModule):
     """An ``nn.Linear`` whose weight is replaced by an orthogonal one (see ``OrthogonalConfig.parameterization``)."""
 
+    def _linear(self) -> nn.Linear:
+        return cast(nn.Linear, self.get_base_layer())
+
     @property
     def rotation_dim(self) -> int:
         return max(self.in_features, self.out_features)
 
     def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
         """Add ``adapter_name``: start at the polar factor of the base weight (or near it if not ``init_weights``)."""
-        weight = self.get_base_layer().weight
+        weight = self._linear().weight
         device = weight.device
         polar = polar_factor(weight.detach())
         kind = config.parameterization
@@ -206,8 +220,8 @@ class Linear(_OrthogonalModule):
         return self._rotate(self.orthogonal_polar[adapter_name], self.rotation(adapter_name))
 
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str, with_bias: bool = True) -> torch.Tensor:
-        bias = self.get_base_layer().bias if with_bias else None
-        bias = None if bias is None else bias.to(x.dtype)
+        base_bias = self._linear().bias if with_bias else None
+        bias = None if base_bias is None else base_bias.to(x.dtype)
         kind = self.orthogonal_settings[adapter_name]["parameterization"]
         if kind != "reflection":
             return F.linear(x, self.orthogonal_matrix(adapter_name).to(x.dtype), bias)
@@ -224,7 +238,7 @@ class Linear(_OrthogonalModule):
                 matrix = self.orthogonal_matrix(adapter_name).detach()
             if safe_merge and not torch.isfinite(matrix).all():
                 raise ValueError(f"NaNs or infs found while merging orthogonal adapter '{adapter_name}'")
-            base = self.get_base_layer()
+            base = self._linear()
             self._stash[adapter_name] = {"weight": base.weight.data}
             base.weight.data = matrix.to(base.weight.dtype).clone()
             self.merged_adapters.append(adapter_name)
@@ -233,8 +247,11 @@ class Linear(_OrthogonalModule):
 class Conv2d(_OrthogonalModule):
     """An ``nn.Conv2d`` replaced by an ECO orthogonal convolution (circular padding, fixed input size)."""
 
+    def _conv(self) -> nn.Conv2d:
+        return cast(nn.Conv2d, self.get_base_layer())
+
     def _check_geometry(self, layer_name: str, size: int | None) -> tuple[int, int]:
-        base = self.get_base_layer()
+        base = self._conv()
         kh, kw = base.kernel_size
         if size is None:
             raise ValueError(
@@ -262,7 +279,7 @@ class Conv2d(_OrthogonalModule):
         """Add ``adapter_name``: an ECO convolution with the base layer's channels, kernel size and stride."""
         from ...orthogonal.eco import EcoConv2d
 
-        base = self.get_base_layer()
+        base = self._conv()
         size = config.input_size_for(layer_name)
         kernel, stride = self._check_geometry(layer_name, size)
         eco = EcoConv2d(
@@ -293,13 +310,13 @@ class Conv2d(_OrthogonalModule):
 
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
         out = self.orthogonal_eco[adapter_name](x)
-        bias = self.get_base_layer().bias
+        bias = self._conv().bias
         return out if bias is None else out + bias.to(out.dtype).view(1, -1, 1, 1)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Turn the base Conv2d into the ECO operator: its kernel, dilation and circular padding (stride 1 only)."""
         for adapter_name in self._adapters_to_merge(adapter_names):
-            eco = self.orthogonal_eco[adapter_name]
+            eco = cast("EcoConv2d", self.orthogonal_eco[adapter_name])
             if eco.stride != 1:
                 raise ValueError(
                     f"cannot merge ECO adapter '{adapter_name}' with stride {eco.stride} into a plain Conv2d: ECO "
@@ -309,7 +326,7 @@ class Conv2d(_OrthogonalModule):
                 kernel = eco.fold_kernel(eco.full_kernel("matrix_exp")).detach()
             if safe_merge and not torch.isfinite(kernel).all():
                 raise ValueError(f"NaNs or infs found while merging orthogonal adapter '{adapter_name}'")
-            base = self.get_base_layer()
+            base = self._conv()
             keys = ("padding", "dilation", "padding_mode", "_reversed_padding_repeated_twice", "kernel_size")
             self._stash[adapter_name] = {"weight": base.weight.data, **{k: getattr(base, k) for k in keys}}
             pl, pr, pt, pb = eco.padding

@@ -52,10 +52,9 @@ def _release_caches_if_raising(module: nn.Module, args: Any, output: Any) -> Non
 class PoetModel(BaseTuner):
     """Turns a model into a POET model: every target weight ``W0`` is used as ``P^T W0 R^T``.
 
-    Use it through PEFT: ``get_peft_model(model, PoetConfig(...))``. Beyond PEFT's usual calls
-    (``merge_and_unload``, ``save_pretrained``, ``set_adapter``…) it offers
-    [`merge_and_reinit`][poet_hf.merge_and_reinit], the
-    training-time POET step.
+    Use it through PEFT: ``get_peft_model(model, PoetConfig(...))``. Beyond PEFT's usual calls (``merge_and_unload``,
+    ``save_pretrained``, ``set_adapter``…) it offers [`merge_and_reinit`][poet_hf.merge_and_reinit], the training-time
+    POET step.
     """
 
     prefix: str = "poet_"
@@ -129,8 +128,7 @@ class PoetModel(BaseTuner):
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
     """The layers of one adapter merge together, so after a load their merge counts must agree (a
     ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming
-    two that
-    disagree."""
+    two that disagree."""
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
         counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
