@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -34,9 +35,9 @@ def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> 
         if not any(name.endswith(n) for n in names or []):
             continue
         if isinstance(module, BaseTunerLayer):
-            weight = full_tensor(module.get_base_layer().weight).detach().float()
+            weight = full_tensor(cast(torch.Tensor, module.get_base_layer().weight)).detach().float()
             for adapter in module.active_adapters:
-                weight = weight + module.get_delta_weight(adapter).detach().float()
+                weight = weight + module.get_delta_weight(adapter).detach().float()  # type: ignore[attr-defined]  # every PEFT layer has it
             weights[name] = weight
         elif isinstance(module, nn.Linear):
             weights[name] = full_tensor(module.weight).detach().float()  # gathered when FSDP2 shards it

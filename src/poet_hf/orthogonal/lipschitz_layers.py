@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -114,7 +115,7 @@ class SocConv2d(nn.Module):
         self.width = max(self.conv_in_channels, self.out_channels)
         self.padding = (kernel_size // 2,) * 4
         self.update_power_iteration = True
-        factory = {"device": device, "dtype": dtype}
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(self.width, self.width, kernel_size, kernel_size, **factory))
         for index, shape in enumerate(self._vector_shapes(), start=1):
             self.register_buffer(f"u{index}", torch.empty(shape, **factory))

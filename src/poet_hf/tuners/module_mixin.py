@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
         def train(self, mode: bool = True) -> Self: ...
 
+        def requires_grad_(self, requires_grad: bool = True) -> Self: ...
+
 else:
 
     class ModuleMixin:

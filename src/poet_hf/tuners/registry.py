@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import importlib
+from typing import TYPE_CHECKING
 
 import peft
 from packaging.version import Version
+
+if TYPE_CHECKING:
+    from peft.utils.peft_types import PeftType
 
 SUPPORTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
 
@@ -29,7 +33,7 @@ def check_peft_version(version: str = peft.__version__) -> None:
         )
 
 
-def peft_type_member(name: str) -> enum.Enum:
+def peft_type_member(name: str) -> PeftType:
     """``PeftType[name.upper()]``, added to PEFT's ``PeftType`` str-enum first if needed.
 
     A config's ``peft_type`` must be the enum member (PEFT's code reads ``.value``); as a ``str`` enum it is written
@@ -50,7 +54,7 @@ def _add_peft_type(name: str) -> None:
         return
     member = str.__new__(PeftType, key)
     member._name_, member._value_ = key, key
-    member.__objclass__ = PeftType
+    member.__objclass__ = PeftType  # type: ignore[attr-defined]  # what Enum sets on its own members
     PeftType._member_map_[key] = member
     PeftType._value2member_map_[key] = member
     PeftType._member_names_.append(key)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from accelerate.state import GradientState
 
+from ..orthogonal.rotated_linear import RotationCache
+
 logger = logging.getLogger(__name__)
 
 _explicit_deferrals = 0
@@ -131,12 +133,13 @@ def anchor_to_gradient(param: torch.Tensor) -> None:
 
     Registered on the layer's own parameter object. FSDP2 replaces it by sharded and unsharded copies, on which the
     hook never runs: there the cache is freed by the step's last micro-batch, a merge or the step only."""
-    cache, grad = getattr(param, "_poet_rotation_cache", None), param.grad
+    cache: RotationCache | None = getattr(param, "_poet_rotation_cache", None)
+    grad = param.grad
     if cache is None or cache.pending is None or grad is None:
         return
     if getattr(grad, "_poet_anchor_cache", None) is not cache:
-        grad._poet_anchor = _GradAnchor(cache)
-        grad._poet_anchor_cache = cache
+        grad._poet_anchor = _GradAnchor(cache)  # type: ignore[attr-defined]  # kept alive by the gradient tensor
+        grad._poet_anchor_cache = cache  # type: ignore[attr-defined]
     cache.grad_version = grad._version
 
 

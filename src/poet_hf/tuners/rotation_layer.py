@@ -163,6 +163,10 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
     def _init_containers(self) -> None:
         raise NotImplementedError
 
+    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+        """Add ``adapter_name`` from the tuner's ``config`` (each method builds its own sides)."""
+        raise NotImplementedError
+
     def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         """The skew parameters and index buffers of ``side``, keyed by adapter name."""
         raise NotImplementedError
@@ -291,7 +295,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
     def quantize_base(self, quantization: str) -> None:
         """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
         if self.base_quantization is None:
-            self.base_layer = bnb.quantize_linear(self.get_base_layer(), quantization)
+            self.base_layer = bnb.quantize_linear(cast(nn.Linear, self.get_base_layer()), quantization)
 
     def base_weight_bytes(self) -> int:
         """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""

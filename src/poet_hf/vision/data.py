@@ -117,7 +117,7 @@ def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Ten
             raise ValueError(f"image_to_tensor: `num_channels` must be 1 or 3 for PIL images, got {num_channels}")
         image = image.convert(mode)
         if image.size != (image_size, image_size):
-            image = image.resize((image_size, image_size), Image.BILINEAR)
+            image = image.resize((image_size, image_size), Image.Resampling.BILINEAR)
         array = np.asarray(image, dtype=np.float32) / 255.0
         tensor = torch.from_numpy(array.reshape(image_size, image_size, num_channels)).permute(2, 0, 1)
     if tuple(tensor.shape) != (num_channels, image_size, image_size):
@@ -181,6 +181,10 @@ def iterate_batches(
             pixels.append(
                 image_to_tensor(image, num_channels, image_size) if not isinstance(image, torch.Tensor) else image
             )
+            if label is None:
+                raise ValueError(
+                    f"an image row needs a label in `labels` or `label`; this row has the fields {sorted(row)}"
+                )
             labels.append(int(label))
         yield torch.stack(pixels), torch.tensor(labels, dtype=torch.long)
 

@@ -110,11 +110,11 @@ class PoetModel(BaseTuner):
             to_return.update(state_dict)
         return to_return
 
-    def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:
+    def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:  # type: ignore[override]  # PEFT annotates None, returns the model
         """PEFT's unload; a quantised base leaves without the requantisation residual, which only the next fold
         of an adapter would use."""
         bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
-        model = super()._unload_and_optionally_merge(*args, **kwargs)
+        model: nn.Module = super()._unload_and_optionally_merge(*args, **kwargs)  # type: ignore[func-returns-value]
         for base in bases:
             drop_residual(base)
         return model
@@ -132,7 +132,9 @@ def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) ->
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
         counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
-        first = layers[0][0] if layers else None
+        if not layers:
+            continue
+        first = layers[0][0]
         other = next((name for name, count in counts.items() if count != counts[first]), None)
         if other is not None:
             raise AdapterStateError(
