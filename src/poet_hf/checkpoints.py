@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
@@ -244,12 +244,20 @@ class CrashSafeTrainer(Trainer):
         except AdapterStateError as error:
             raise error.in_file(resume_from_checkpoint) from None
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> TrainOutput:
         """``Trainer.train``; ``resume_from_checkpoint`` may also be ``"auto"``/``"latest"`` (module docstring)."""
-        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, cast(str, self.args.output_dir))
         if checkpoint is not None and self._finished_at(checkpoint):
             return self._load_finished_run(checkpoint)
-        return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+        return super().train(
+            resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
 
     def _finished_at(self, checkpoint: str) -> bool:
         """Whether ``checkpoint`` ended its run and the arguments ask for no more steps."""

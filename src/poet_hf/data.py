@@ -10,6 +10,7 @@ import gzip
 import json
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
 
@@ -31,7 +32,10 @@ EMBEDDED_TRAIN_PLAYS = (
 EMBEDDED_VALIDATION_PLAYS = ("as_you_like_it",)
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
-AnyDatasetDict = DatasetDict | IterableDatasetDict
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+AnyDatasetDict: TypeAlias = DatasetDict | IterableDatasetDict
 
 
 def load_embedded_corpus() -> DatasetDict:
@@ -114,10 +118,11 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 4096):
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | None = None):
+def load_tokenizer(name_or_path: str | None = None) -> PreTrainedTokenizerBase:
     """``AutoTokenizer.from_pretrained(name_or_path)``, or the embedded BPE when ``None``. Ensures an EOS token."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    tokenizer: PreTrainedTokenizerBase
     if name_or_path is None:
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_file=str(EMBEDDED_DIR / "shakespeare_bpe.json"),

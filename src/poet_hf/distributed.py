@@ -18,11 +18,13 @@ import copy
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .tuners.peft_utils import base_model_of
 
 __all__ = [
     "shard_model",
@@ -80,9 +82,9 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _block_classes(model: nn.Module) -> tuple[type, ...]:
+def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The transformer block classes to shard one by one: transformers' ``_no_split_modules``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     names = set(getattr(base, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
@@ -112,7 +114,7 @@ def _embedding_units(model: nn.Module) -> list[nn.Module]:
     """The input embeddings and the output head, to shard as units of their own: left to the root, FSDP2 would
     hold them unsharded from the start of the forward to the end of the backward (the root is not resharded after
     its forward), a full vocabulary × hidden copy of each per process. Tied, they stay with the root."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     units = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
     shared = len(units) == 2 and {id(p) for p in units[0].parameters()} & {id(p) for p in units[1].parameters()}
     return [] if shared else units
@@ -184,8 +186,7 @@ def shard_model(
 
     refuse_quantized_bases(model)
     if mesh is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     blocks = _block_classes(model)
     fully_shard_kwargs.setdefault("shard_placement_fn", _placement(mesh.size()))
     for module in [m for m in model.modules() if isinstance(m, blocks)] + _embedding_units(model):
@@ -210,7 +211,8 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], state)  # full_state_dict: plain tensors
 
 
 def _unwrapped_class(module: nn.Module) -> type:
@@ -242,7 +244,7 @@ def unsharded_replica(model: nn.Module) -> nn.Module | None:
     from peft import PeftModel, get_peft_model
 
     base = model.get_base_model() if isinstance(model, PeftModel) else model
-    replica = _unwrapped_class(base)(copy.deepcopy(base.config))
+    replica: Any = _unwrapped_class(base)(copy.deepcopy(base.config))  # then a PeftModel around it
     if isinstance(model, PeftModel):
         names = list(model.peft_config)
         replica = get_peft_model(replica, copy.deepcopy(model.peft_config[names[0]]), adapter_name=names[0])
@@ -273,5 +275,5 @@ def save_pretrained_unsharded(model: nn.Module, output_dir: str | Path, **kwargs
     """
     state = gather_full_state_dict(model)
     if _rank() == 0:
-        model.save_pretrained(output_dir, state_dict=state, is_main_process=True, **kwargs)
+        cast(Any, model).save_pretrained(output_dir, state_dict=state, is_main_process=True, **kwargs)
     barrier()

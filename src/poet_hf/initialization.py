@@ -26,6 +26,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,15 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
+from .tuners.peft_utils import base_model_of
 from .tuners.rotation_layer import RotationLayer, rotation_layers, write_full
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["CHECKPOINT_LOADING", "has_meta_tensors", "materialize_model"]
+
+_Module = TypeVar("_Module", bound=nn.Module)
 
 CHECKPOINT_LOADING = ("scatter", "broadcast")
 _PEFT_WRAPPERS = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.|$)")
@@ -65,13 +72,13 @@ def _keyed_seed(seed: int, name: str) -> int:
     return spo_generator(seed, 0, name, "materialize").initial_seed()
 
 
-def _owners(model: nn.Module) -> dict[int, nn.Module]:
+def _owners(model: nn.Module) -> dict[int, PreTrainedModel]:
     """Each module's nearest enclosing ``transformers`` ``PreTrainedModel`` (whose ``_init_weights`` applies)."""
     from transformers import PreTrainedModel
 
-    owners: dict[int, nn.Module] = {}
+    owners: dict[int, PreTrainedModel] = {}
 
-    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+    def visit(module: nn.Module, owner: PreTrainedModel | None) -> None:
         owner = module if isinstance(module, PreTrainedModel) else owner
         if owner is not None:
             owners[id(module)] = owner
@@ -83,7 +90,7 @@ def _owners(model: nn.Module) -> dict[int, nn.Module]:
 
 
 @torch.no_grad()
-def initial_values(module: nn.Module, owner: nn.Module | None, key: str, seed: int) -> dict[str, torch.Tensor]:
+def initial_values(module: nn.Module, owner: PreTrainedModel | None, key: str, seed: int) -> dict[str, torch.Tensor]:
     """Fresh values of ``module``'s own parameters and buffers, whole, on the CPU, under a generator keyed by
     (``seed``, ``key``): ``owner._init_weights`` applied to a shallow copy of the module holding whole tensors, or,
     for what that leaves untouched (or without a ``transformers`` owner), the module's ``reset_parameters``.
@@ -94,7 +101,7 @@ def initial_values(module: nn.Module, owner: nn.Module | None, key: str, seed: i
     from torch.distributed.fsdp import FSDPModule
 
     plain_class = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))  # FSDP2's subclass aside
-    shadow = object.__new__(plain_class)
+    shadow = cast(nn.Module, object.__new__(plain_class))
     shadow.__dict__.update(module.__dict__)
     shadow._parameters = {
         n: None if p is None else nn.Parameter(_unset(p), p.requires_grad) for n, p in module._parameters.items()
@@ -105,8 +112,9 @@ def initial_values(module: nn.Module, owner: nn.Module | None, key: str, seed: i
         if owner is not None:
             owner._init_weights(shadow)
         untouched = [n for n, t in _named_tensors(shadow) if t.is_floating_point() and t.isnan().all()]
-        if untouched and hasattr(shadow, "reset_parameters"):
-            shadow.reset_parameters()
+        reset_parameters = getattr(shadow, "reset_parameters", None)
+        if untouched and reset_parameters is not None:
+            reset_parameters()
             untouched = [n for n, t in _named_tensors(shadow) if t.is_floating_point() and t.isnan().all()]
     if untouched:
         raise ValueError(
@@ -186,7 +194,7 @@ def _receive_from_rank0(target: torch.Tensor, full: torch.Tensor | None, loading
     device = target.device
     if full is not None:
         full = full.to(device=device, dtype=target.dtype)
-    placements = getattr(target, "placements", ())
+    placements: tuple[Any, ...] = getattr(target, "placements", ())
     if (
         not isinstance(target, DTensor)
         or loading == "broadcast"
@@ -231,12 +239,12 @@ def _named_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def materialize_model(
-    model: nn.Module,
+    model: _Module,
     seed: int = 0,
     device: str | torch.device | None = None,
     checkpoint: str | Path | None = None,
     loading: str = "scatter",
-) -> nn.Module:
+) -> _Module:
     """Give every tensor of ``model`` still on the ``meta`` device its storage on ``device`` and its value (in
     place; returns ``model``). Tensors already materialized are left as they are.
 
@@ -268,11 +276,11 @@ def materialize_model(
         raise ValueError(f"`loading` must be one of {CHECKPOINT_LOADING}, got {loading!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    layers = [layer for _, layer in rotation_layers(model) if has_meta_tensors(layer)]
+    layers = [layer for _, layer in rotation_layers(model) if has_meta_tensors(cast(nn.Module, layer))]
     adapter_state = {
         id(m)
         for layer in layers
-        for child in layer.children()
+        for child in cast(nn.Module, layer).children()
         if child is not layer.base_layer
         for m in child.modules()
     }  # drawn by the layer's reset_rotation_state
@@ -294,6 +302,7 @@ def materialize_model(
                 if sharded:
                     _receive_from_rank0(target, value, loading)
                 else:
+                    assert value is not None  # one process: the checkpoint is read here
                     write_full(target, value)
                 continue
             values = values or initial_values(module, owners.get(id(module)), key, seed)
@@ -301,7 +310,7 @@ def materialize_model(
     for layer in layers:
         for adapter_name in layer.poet_specs:
             layer.reset_rotation_state(adapter_name)
-    base = _base_model(model)
+    base = base_model_of(model)
     if hasattr(base, "tie_weights"):
         base.tie_weights()
     return model
@@ -324,7 +333,7 @@ def _checkpoint_names(
         return stored
     if not sharded or _rank() == 0:
         stored.source = SafetensorsCheckpoint(checkpoint)
-        base = _base_model(model)
+        base = base_model_of(model)
         prefix = getattr(base, "base_model_prefix", "")
         tied = set(getattr(base, "all_tied_weights_keys", None) or {})  # restored by tie_weights, never saved
         missing = []
@@ -349,7 +358,7 @@ def _checkpoint_names(
     if sharded:
         box = [(dict(stored), problem) if _rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        names, problem = box[0]
+        names, problem = cast(tuple[dict[str, Any], str | None], box[0])  # every rank has rank 0's now
         stored.update(names)
     if problem:
         raise ValueError(problem)
@@ -366,7 +375,3 @@ def _refuse_foreign(name: str, module: nn.Module) -> None:
         )
     if is_bnb_module(module) and has_meta_tensors(module):
         raise ValueError(f"'{name}' is a quantised layer on the meta device; quantise a materialized model instead")
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model

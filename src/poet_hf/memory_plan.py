@@ -30,10 +30,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from .tuners.peft_utils import base_model_of
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["METHODS", "SHARDINGS", "PARTS", "MemoryPlan", "plan_memory", "format_plans"]
 
@@ -111,7 +116,7 @@ def _resolve_model_config(model: Any) -> Any:
     return AutoConfig.from_pretrained(str(model))
 
 
-def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> nn.Module:
+def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> Any:
     from transformers import AutoModelForCausalLM
 
     from .training.pretrain import PRESETS, build_llama
@@ -131,7 +136,7 @@ def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget
         return _wrap(model, method, block_size, budget, rank)
 
 
-def _wrap(model: nn.Module, method: str, block_size: int, budget: float, rank: int) -> nn.Module:
+def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, rank: int) -> Any:
     """The method as the pretraining recipes apply it: POET and LoRA train every other parameter too (the paper's
     baselines), OFT fine-tunes its adapters alone, AdamW and GaLore train the plain model."""
     from peft import LoraConfig, get_peft_model
@@ -143,7 +148,7 @@ def _wrap(model: nn.Module, method: str, block_size: int, budget: float, rank: i
     if method in ("adamw", "galore"):
         return model
     if method in ("poet-bs", "poet-fs"):
-        rotation = (
+        rotation: dict[str, Any] = (
             {"spo": "block", "block_size": block_size} if method == "poet-bs" else {"spo": "full", "budget": budget}
         )
         return get_peft_model(model, PoetConfig(**rotation, train_other_params=True))
@@ -162,7 +167,7 @@ def _in_targeted_linear(parameter_name: str) -> bool:
     return ".base_layer." in parameter_name
 
 
-def _galore_targets(model: nn.Module) -> set[str]:
+def _galore_targets(model: PreTrainedModel) -> set[str]:
     from .tuners.constants import DEFAULT_TARGET_MODULES
 
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
@@ -173,7 +178,7 @@ def _galore_targets(model: nn.Module) -> set[str]:
     }
 
 
-def _block_classes(model: nn.Module) -> tuple[type, ...]:
+def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The transformer block classes (what FSDP2 shards one by one); none for a model that declares none."""
     from .distributed import _block_classes as sharded_block_classes
 
@@ -216,7 +221,7 @@ def _fused_attention(query, key, value, *args, **kwargs):
 
 
 def _trace_activations(
-    model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, blocks: tuple[type, ...]
+    model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, blocks: tuple[type[nn.Module], ...]
 ) -> tuple[int, int, int, int]:
     """``(saved outside the blocks, saved by the largest block, all saved, one block's input)`` in bytes, from one
     meta forward of the training loss (``dtype`` the activations' float type)."""
@@ -254,10 +259,10 @@ def _trace_activations(
         for hook in hooks:
             hook.remove()
     per_block: dict[int, int] = {}
-    for size, index in saved.values():
-        if index is not None:
-            per_block[index] = per_block.get(index, 0) + size
-    outside = sum(size for size, index in saved.values() if index is None)
+    for nbytes, block in saved.values():
+        if block is not None:
+            per_block[block] = per_block.get(block, 0) + nbytes
+    outside = sum(nbytes for nbytes, block in saved.values() if block is None)
     return outside, max(per_block.values(), default=0), sum(size for size, _ in saved.values()), block_input[0]
 
 
@@ -398,7 +403,9 @@ def plan_memory(
     return MemoryPlan(method, parts, settings, counts)
 
 
-def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dict[int, int], processes: int) -> int:
+def _gathered_bytes(
+    model: Any, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], processes: int
+) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
     the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
     root when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient
@@ -408,7 +415,7 @@ def _gathered_bytes(model: nn.Module, blocks: tuple[type, ...], entry_bytes: dic
     def unsharded(parameters) -> int:
         return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model_of(model)
     head = base.get_output_embeddings()
     head_parameters = list(head.parameters()) if head is not None else []
     largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)

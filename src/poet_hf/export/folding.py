@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ..tuners.bnb import dequantize_modules
 from ..tuners.rotation_layer import RotationLayer
 from .source import ExportError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def tuner_layer_names(model: Any) -> list[str]:
@@ -26,7 +28,7 @@ def max_merge_count(model: Any) -> int | None:
     return max(counts) if counts else None
 
 
-def fold(model: Any, progress: bool | None) -> tuple[nn.Module, dict | None]:
+def fold(model: Any, progress: bool | None) -> tuple[PreTrainedModel, dict | None]:
     """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight.
 
     Quantised (bitsandbytes) layers are dequantised first, so the fold is ``R·dequant(W0)·P`` in full precision, the

@@ -9,13 +9,16 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..distributed import is_sharded, unsharded_replica
 from ..tuners.config_utils import holds_full_model
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 RUN_INFO_NAME = "poet_run.json"  # written by PoetTrainer beside each checkpoint
@@ -256,7 +259,7 @@ def _instantiate(cls: Any, config: Any) -> nn.Module:
     return cls.from_config(config).to(torch.float32)
 
 
-def _check_full_state(model: nn.Module, path: Path) -> None:
+def _check_full_state(model: PeftModel, path: Path) -> None:
     """Refuse a model rebuilt from its config whose adapter file does not hold every base weight."""
     saved = _saved_adapter_keys(path)
     if saved is None:

@@ -86,7 +86,7 @@ def export_merged(
         spectrum_summary(module_singular_values(plain, target_names, show_progress(progress))) if spectrum else []
     )
     export_dtype = export_dtype or loaded.dtype
-    plain.to(export_dtype)
+    plain.to(export_dtype)  # type: ignore[arg-type]  # transformers' decorated .to drops torch's dtype overload
     if record_quantization and quantization_config is not None:
         plain.config.source_quantization_config = quantization_config
     card = render_model_card(

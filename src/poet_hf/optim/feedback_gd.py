@@ -29,7 +29,7 @@ disagree):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import torch
 
@@ -178,6 +178,12 @@ class FeedbackGD(torch.optim.Optimizer):
                     split.append({**group, "params": chosen, "stiefel": flag})
         return split
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One optimizer step; ``closure`` re-evaluates the loss, as in ``torch.optim.SGD``."""
@@ -187,19 +193,20 @@ class FeedbackGD(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError("FeedbackGD does not support sparse gradients")
                 if group["stiefel"]:
-                    self._stiefel_step(p, group)
+                    self._stiefel_step(p, grad, group)
                 else:
-                    self._sgd_step(p, group)
+                    self._sgd_step(p, grad, group)
         return loss
 
-    def _sgd_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _sgd_step(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
         # The same operations, in the same order, as torch.optim.SGD's single-tensor path.
-        d_p = p.grad if group["weight_decay"] == 0 else p.grad.add(p, alpha=group["weight_decay"])
+        d_p = grad if group["weight_decay"] == 0 else grad.add(p, alpha=group["weight_decay"])
         momentum = group["momentum"]
         if momentum != 0:
             state = self.state[p]
@@ -225,12 +232,12 @@ class FeedbackGD(torch.optim.Optimizer):
             buf.mul_(lr / old)
         return buf
 
-    def _stiefel_step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _stiefel_step(self, p: torch.Tensor, grad_p: torch.Tensor, group: dict[str, Any]) -> None:
         lr, mu = group["lr"] * group["lr_multiplier"], group["momentum"]
         beta = group["feedback"] if group["feedback_alpha"] is None else group["feedback_alpha"] * lr / 4
         work = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
         theta = _tall(p).to(work)
-        grad = _tall(p.grad).to(work)
+        grad = _tall(grad_p).to(work)
         eye = torch.eye(theta.shape[1], dtype=work, device=p.device)
         gram = theta.T @ theta
         # (theta^T theta)^{-1} ~= 2I - theta^T theta: first-order Neumann series (Theorem 4.8).

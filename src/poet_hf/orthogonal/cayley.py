@@ -220,7 +220,9 @@ def _linear_in_q(a: float, b: float, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, torch.Tensor | None, list]:
+def _neumann_partial_sums(
+    q: torch.Tensor, terms: int
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
     """``R``, ``Z = Q²`` and the partial sums ``[H_1, …, H_m]`` of Horner's rule in ``Z`` (``H_0 = R``); an ``H_m``
     that is a multiple of the identity is ``None``. Works on ``(n, b, b)`` batches."""
     pairs = _neumann_pairs(terms)
@@ -229,13 +231,14 @@ def _neumann_partial_sums(q: torch.Tensor, terms: int) -> tuple[torch.Tensor, to
     z = torch.bmm(q, q)
     last_a, last_b = pairs[-1]
     h = None if last_b == 0 else _linear_in_q(last_a, last_b, q)
-    sums = [h]
+    sums: list[torch.Tensor | None] = [h]
     for j in range(len(pairs) - 2, -1, -1):
         a, b = pairs[j]
         h = torch.add(q * b, z, alpha=last_a) if h is None else torch.baddbmm(q * b, z, h)  # C_j + Z H_{j+1}
         h.diagonal(dim1=-2, dim2=-1).add_(a)
         if j:
             sums.append(h)
+    assert h is not None  # the loop ran: two or more pairs
     return h, z, sums[::-1]
 
 
@@ -343,7 +346,11 @@ def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.
         return hit[2]
     scale = skew_norm_scale(q, terms)
     ident = id(vec)
-    _scale_cache[ident] = (weakref.ref(vec, lambda _, ident=ident: _scale_cache.pop(ident, None)), key, scale)
+
+    def forget(_: weakref.ref) -> None:
+        _scale_cache.pop(ident, None)
+
+    _scale_cache[ident] = (weakref.ref(vec, forget), key, scale)
     return scale
 
 
@@ -413,6 +420,8 @@ class SkewRotation:
         if len(pairs) == 1:
             return (pairs[0][1] * grad).reshape(self._shape)
         through_q = grad * pairs[0][1]
+        z = self._z
+        assert z is not None  # set by the forward for two or more pairs
         grad_h, grad_z = grad, None
         for j, h_next in enumerate(self._sums):  # H_j = C_j + Z H_{j+1}
             if h_next is None:  # H_m = c I: Z H_m costs no product
@@ -423,9 +432,10 @@ class SkewRotation:
                 if grad_z is None
                 else torch.baddbmm(grad_z, grad_h, h_next.transpose(-1, -2))
             )
-            grad_h = torch.bmm(self._z, grad_h)  # Zᵀ = Z
+            grad_h = torch.bmm(z, grad_h)  # Zᵀ = Z
             through_q.add_(grad_h, alpha=pairs[j + 1][1])
         # Z = QQ contributes −(dZ Q + Q dZ), whose skew part is the skew part of −(dZ + dZᵀ)Q.
+        assert grad_z is not None  # the loop ran: there is at least one partial sum
         return torch.baddbmm(through_q, grad_z + grad_z.transpose(-1, -2), self.q, alpha=-1).reshape(self._shape)
 
 

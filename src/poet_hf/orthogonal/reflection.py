@@ -111,7 +111,7 @@ class _LogDetParts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, s, u, v, symmetric: bool):  # type: ignore[override]
+    def forward(ctx, weight, s, u, v, symmetric: bool):
         lam, p, p_inv = _eig(weight, symmetric)
         cdtype = p.dtype
         a = 1 - 2 * s.to(cdtype).unsqueeze(-1) * lam  # (N, d) eigenvalues of A per row
@@ -124,7 +124,7 @@ class _LogDetParts(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_logdet, g_bracket):  # type: ignore[override]
+    def backward(ctx, g_logdet, g_bracket):
         weight, s, lam, p, p_inv, a, u_e, v_e = ctx.saved_tensors
         cdtype = p.dtype
         real = weight.dtype
@@ -325,6 +325,9 @@ class AuxiliaryReflection(nn.Module):
     Raises:
         ValueError: an argument is out of range (``features`` < 2, ``margin`` ≤ 0, a bad ``init``…).
     """
+
+    factor: nn.Parameter  # V, when invertible (W = invertible_weight(V)); else the weight W itself
+    weight: nn.Parameter
 
     def __init__(
         self,

@@ -175,6 +175,7 @@ def _save_weight(ctx: Any, weight: WeightSource) -> torch.Tensor | None:
 def _dense(weight: WeightSource | None, ctx: Any = None) -> torch.Tensor:
     """The dense ``W0``: a saved tensor, or a fresh call of the `DenseWeight` (``ctx.weight_source``)."""
     source = getattr(ctx, "weight_source", None) if weight is None else weight
+    assert source is not None  # the forward kept a tensor or a callable
     return source if isinstance(source, torch.Tensor) else source()
 
 
@@ -294,6 +295,12 @@ class Conv2dOp:
         return grad_y.sum((0, 2, 3))
 
 
+def _given(blocks: torch.Tensor | None) -> torch.Tensor:
+    """A side's rotation blocks, which always come with the side."""
+    assert blocks is not None
+    return blocks
+
+
 # --- the weight strategy ----------------------------------------------------------------------------------------------
 def _effective_weight(
     weight: torch.Tensor,
@@ -305,8 +312,8 @@ def _effective_weight(
     """``Pᵀ W Rᵀ`` and the intermediates its backward needs: ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and
     ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
     gathered = weight_in_block_coordinates(weight, input_side, output_side)
-    rotated_in = gathered if input_side is None else _right(gathered, input_side, _transpose(r_blocks))
-    rotated = rotated_in if output_side is None else _left(rotated_in, output_side, _transpose(p_blocks))
+    rotated_in = gathered if input_side is None else _right(gathered, input_side, _transpose(_given(r_blocks)))
+    rotated = rotated_in if output_side is None else _left(rotated_in, output_side, _transpose(_given(p_blocks)))
     return weight_from_block_coordinates(rotated, input_side, output_side), gathered, rotated_in
 
 
@@ -389,7 +396,7 @@ def _pre_rotation_output(
     u = (
         x2.to(base_dtype)
         if input_side is None
-        else _rotate_input(x2.to(rotation_dtype), input_side, r_blocks.to(rotation_dtype)).to(base_dtype)
+        else _rotate_input(x2.to(rotation_dtype), input_side, _given(r_blocks).to(rotation_dtype)).to(base_dtype)
     )
     gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
     return op.forward(u, gathered, None if bias is None else bias.to(base_dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -34,14 +35,15 @@ def starts_from_pretrained(model: nn.Module, adapter: str = "default") -> bool:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model under DDP / compile wrappers."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
+        model = cast(nn.Module, getattr(model, "module", None) or getattr(model, "_orig_mod", None))
     return model
 
 
 def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> int | None:
     """``args.merge_every`` if set, else the POET config's ``merge_every``; ``None`` for a model without POET."""
-    if getattr(args, "merge_every", None):
-        return args.merge_every
+    interval = getattr(args, "merge_every", None)  # PoetTrainingArguments has it
+    if interval:
+        return interval
     config = getattr(model, "peft_config", {}).get(adapter)
     return getattr(config, "merge_every", None) if poet_layers(model) else None
 
@@ -109,7 +111,8 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         self.base_max_grad_norm = args.max_grad_norm
-        saved = (state.stateful_callbacks or {}).get(type(self).__name__)
+        stateful = cast(dict[str, Any], state.stateful_callbacks or {})  # name -> state, as read from the checkpoint
+        saved = stateful.get(type(self).__name__)
         if state.global_step and not self.history and saved:  # resumed: the merges before the checkpoint
             saved = saved[0] if isinstance(saved, list) else saved
             self.history = [m for m in saved.get("attributes", {}).get("history", []) if m["step"] <= state.global_step]

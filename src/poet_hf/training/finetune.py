@@ -20,7 +20,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,9 @@ from ..tuners.oft import OftConfig
 from ..tuners.poet import PoetConfig
 from .arguments import PoetTrainingArguments
 from .trainer import PoetTrainer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 METHODS = ("poet", "oft", "lora")
 TASKS = ("causal-lm", "sequence-classification")
@@ -250,7 +253,7 @@ class FinetuneArguments:
 
 
 # --- 1. model and tokenizer -------------------------------------------------------------------------------------------
-def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[torch.nn.Module, list[str]]:
+def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[PreTrainedModel, list[str]]:
     """The pretrained model for ``args.task`` (a hub name or a local path), and the modules the checkpoint did not
     provide: a new classification head, or the pooler a sentence-embedding checkpoint lacks. Those start random, so
     they train fully and are saved beside the adapter."""
@@ -265,7 +268,10 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)), []
     if args.task == "causal-lm":
-        model, info = AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized)
+        model, info = cast(  # output_loading_info: the model and what loading found
+            tuple[PreTrainedModel, dict[str, Any]],
+            AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized),
+        )
     else:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             args.model, num_labels=num_labels, output_loading_info=True, **quantized
@@ -369,7 +375,8 @@ def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: 
     if args.method == "oft":
         chosen.pop("budget", None)
         return OftConfig(seed=args.seed, **chosen, **common)
-    return LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, **common)
+    lora_alpha = args.lora_alpha or 2 * args.lora_rank
+    return LoraConfig(r=args.lora_rank, lora_alpha=lora_alpha, **common)  # type: ignore[arg-type]  # a float works
 
 
 def apply_method(
@@ -388,7 +395,7 @@ def training_arguments(args: FinetuneArguments) -> PoetTrainingArguments:
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate,
+        learning_rate=cast(float, args.learning_rate),  # __post_init__ sets the method's default
         poet_learning_rate=args.poet_learning_rate,
         poet_reference_block=(args.poet_reference_block or None) if args.method == "poet" else None,
         merge_every=args.merge_every if args.method != "lora" else None,
@@ -441,10 +448,10 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
     torch.manual_seed(args.seed)
     tokenizer = load_model_tokenizer(args)
     train, evaluation, num_labels = load_finetune_data(args, tokenizer)
-    model, new_modules = load_model(args, num_labels)
-    if args.task == "sequence-classification" and getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
-    model = apply_method(args, model, new_modules)
+    base, new_modules = load_model(args, num_labels)
+    if args.task == "sequence-classification" and getattr(base.config, "pad_token_id", None) is None:
+        base.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
+    model = apply_method(args, base, new_modules)
     trainer = PoetTrainer(
         model=model,
         args=training_arguments(args),
@@ -496,7 +503,7 @@ def export_model(trainer: PoetTrainer, export_dir: str, tokenizer) -> Path:
 
     from ..export import export_merged
 
-    model = trainer.model
+    model: Any = trainer.model  # a PeftModel
     if getattr(model, "peft_type", None) == "LORA":
         merged = copy.deepcopy(model).merge_and_unload()
         merged.save_pretrained(export_dir)

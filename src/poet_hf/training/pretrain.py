@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
@@ -28,6 +28,9 @@ from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
 from .trainer import PoetTrainer
+
+if TYPE_CHECKING:
+    from peft import PeftConfig
 
 METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
 
@@ -335,7 +338,7 @@ def resolve_recipe(
     }
     if args.method.startswith("poet"):
         terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
-        sides = {
+        sides: dict[str, dict[str, Any]] = {
             "block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
             "budget": {
                 "input": _budget(args.budget_input) if args.budget_input else budget,
@@ -439,7 +442,7 @@ def apply_recipe(
     method = recipe["method"]
     if method in ("poet-bs", "poet-fs"):
         rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
-        config = PoetConfig(
+        config: PeftConfig = PoetConfig(
             spo=recipe["spo"],
             **rotation,
             neumann_terms=recipe["neumann_terms"],
@@ -530,7 +533,8 @@ def neumann_drift_bound(trainer: PoetTrainer, model: torch.nn.Module) -> float |
         return None
     callback = trainer.merge_callback
     live = max(layer.rotation_stats("default")["neumann_bound"] for _, layer in layers)
-    return math.prod(1 + m["max_neumann_bound"] for m in callback.history) * (1 + live) - 1
+    history = callback.history if callback is not None else []
+    return math.prod(1 + m["max_neumann_bound"] for m in history) * (1 + live) - 1
 
 
 def _perplexity(loss: float) -> float:
@@ -566,7 +570,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     if args.method == "lora" or args.base_quantization:
         materialize_model(base, seed=args.seed)
     model = apply_recipe(base, recipe, seed=args.seed)
-    run_info = {
+    run_info: dict[str, Any] = {
         "method": args.method,
         "preset": args.preset,
         "dataset": args.dataset,
@@ -582,7 +586,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         processing_class=tokenizer,
         run_info=run_info,
     )
-    targets = DEFAULT_TARGET_MODULES["llama"]
+    targets = cast(list[str], DEFAULT_TARGET_MODULES["llama"])  # a list of suffixes for llama
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
 from ..distributed import shard_model
 from ..export.source import RUN_INFO_NAME
 from ..initialization import has_meta_tensors, materialize_model
+from ..tuners.peft_utils import base_model_of
 from ..tuners.poet import poet_layers
 from .callback import MergeReinitCallback, unwrap
 from .optimizer import poet_param_groups
@@ -94,7 +96,7 @@ class PoetTrainer(CrashSafeTrainer):
         self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
         self.run_info = dict(run_info or {})
-        self.has_poet = bool(poet_layers(unwrap(self.model)))
+        self.has_poet = bool(poet_layers(self._unwrapped_model()))
         if self.has_poet:
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
             check_sharding(
@@ -128,11 +130,17 @@ class PoetTrainer(CrashSafeTrainer):
         value = getattr(self.args, "poet_learning_rate", None)
         return self.args.learning_rate if value is None else value
 
-    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
-        opt_model = self.model if model is None else model
+    def _unwrapped_model(self) -> nn.Module:
+        """The model under DDP / compile wrappers (``Trainer`` holds one from ``__init__`` on)."""
+        return unwrap(cast(nn.Module, self.model))
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        opt_model = cast(nn.Module, self.model if model is None else model)
         if self.optimizer is not None or not self.has_poet:
             return super().create_optimizer(model)
-        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(
+            self.args, cast(Any, opt_model)
+        )
         kwargs = dict(kwargs)
         if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
             raise ValueError(
@@ -173,12 +181,12 @@ class PoetTrainer(CrashSafeTrainer):
                 merge_count = max(
                     (
                         int(m.merge_counts[callback.adapter_name])
-                        for _, m in poet_layers(unwrap(self.model), callback.adapter_name)
+                        for _, m in poet_layers(self._unwrapped_model(), callback.adapter_name)
                     ),
                     default=0,
                 )
                 return {**statistics, "poet/merge_count": merge_count}
-        return poet_statistics(unwrap(self.model))
+        return poet_statistics(self._unwrapped_model())
 
     @property
     def merge_callback(self) -> MergeReinitCallback | None:
@@ -186,15 +194,15 @@ class PoetTrainer(CrashSafeTrainer):
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
-        output_dir = output_dir or self.args.output_dir
+        output_dir = cast(str, output_dir or self.args.output_dir)
         if not self.args.should_save:
             return
-        base = unwrap(self.model)
-        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        base = self._unwrapped_model()
+        base = base_model_of(base)
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
         callback = self.merge_callback
-        merge_every = callback.interval(self.args, self.model) if callback else None
+        merge_every = callback.interval(self.args, cast(nn.Module, self.model)) if callback else None
         info = {
             **self.run_info,
             "merge_every": merge_every,

@@ -137,10 +137,10 @@ def anchor_to_gradient(param: torch.Tensor) -> None:
     grad = param.grad
     if cache is None or cache.pending is None or grad is None:
         return
+    cache.grad_version = grad._version
     if getattr(grad, "_poet_anchor_cache", None) is not cache:
         grad._poet_anchor = _GradAnchor(cache)  # type: ignore[attr-defined]  # kept alive by the gradient tensor
         grad._poet_anchor_cache = cache  # type: ignore[attr-defined]
-    cache.grad_version = grad._version
 
 
 def gradient_was_reset(param: torch.Tensor, cache: Any) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +67,7 @@ class ReflectionFlowConfig(PretrainedConfig):
         invertible: bool = True,
         num_bins: int = 256,
         newton_iters: int = 30,
-        newton_on_fail: str = "raise",
+        newton_on_fail: Literal["raise", "warn", "ignore"] = "raise",
         seed: int = 0,
         **kwargs,
     ) -> None:
@@ -127,6 +128,8 @@ def unsqueeze(x: torch.Tensor) -> torch.Tensor:
 class ActNorm(nn.Module):
     """Per-channel affine ``(x + bias) * exp(log_scale)``, initialised from the first training batch (Glow)."""
 
+    initialized: torch.Tensor  # a buffer: whether the first batch has set the statistics
+
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.bias = nn.Parameter(torch.zeros(1, channels, 1, 1))
@@ -154,6 +157,8 @@ class ActNorm(nn.Module):
 class FixedRotation(nn.Module):
     """A fixed random orthogonal 1x1 convolution, the paper's companion of the invertible reflection (seed-002 §5.3)."""
 
+    rotation: torch.Tensor  # a buffer
+
     def __init__(self, channels: int, seed: int) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
@@ -174,16 +179,18 @@ class AffineCoupling(nn.Module):
     def __init__(self, channels: int, hidden: int) -> None:
         super().__init__()
         half = channels // 2
+        last = nn.Conv2d(hidden, 2 * (channels - half), 3, padding=1)
+        # Zero last layer: every coupling starts as the identity (Glow).
+        nn.init.zeros_(last.weight)
+        if last.bias is not None:
+            nn.init.zeros_(last.bias)
         self.net = nn.Sequential(
             nn.Conv2d(half, hidden, 3, padding=1),
             nn.ReLU(),
             nn.Conv2d(hidden, hidden, 1),
             nn.ReLU(),
-            nn.Conv2d(hidden, 2 * (channels - half), 3, padding=1),
+            last,
         )
-        # Zero last layer: every coupling starts as the identity (Glow).
-        nn.init.zeros_(self.net[-1].weight)
-        nn.init.zeros_(self.net[-1].bias)
         self.split = half
 
     def _scale_shift(self, xa: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +241,7 @@ class FlowStep(nn.Module):
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         x = self.reflection.inverse(self.coupling.inverse(y))
         for layer in reversed(self.pre):
-            x = layer.inverse(x)
+            x = cast("ActNorm | FixedRotation", layer).inverse(x)
         return x
 
 
@@ -286,7 +293,7 @@ class ReflectionFlowModel(PreTrainedModel):
         latents = []
         for index, steps in enumerate(self.levels):
             x = squeeze(x)
-            for step in steps:
+            for step in cast(nn.ModuleList, steps):
                 x, ld = step(x)
                 logdet = logdet + ld
             if index < len(self.levels) - 1:
@@ -324,8 +331,8 @@ class ReflectionFlowModel(PreTrainedModel):
         for index in reversed(range(len(self.levels))):
             if index < len(self.levels) - 1:
                 x = torch.cat([x, pieces[index]], 1)
-            for step in reversed(self.levels[index]):
-                x = step.inverse(x)
+            for step in reversed(cast(nn.ModuleList, self.levels[index])):
+                x = cast(FlowStep, step).inverse(x)
             x = unsqueeze(x)
         return x + 0.5
 

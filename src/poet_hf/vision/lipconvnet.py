@@ -16,7 +16,7 @@ includes the ``1/min(std)`` factor.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn as nn
@@ -74,7 +74,7 @@ class LipConvNetConfig(PretrainedConfig):
         last_layer: str = "orthogonal",
         image_mean: list[float] | tuple[float, ...] = (0.4914, 0.4822, 0.4465),
         image_std: list[float] | tuple[float, ...] = (0.2507, 0.2507, 0.2507),
-        eco_orthogonal_map: str = "taylor",
+        eco_orthogonal_map: Literal["taylor", "matrix_exp"] = "taylor",
         eco_train_terms: int = 5,
         soc_train_terms: int = 5,
         soc_eval_terms: int = 10,
@@ -186,11 +186,13 @@ class LipConvNetForImageClassification(PreTrainedModel):
             channels, size = 2 * width, size // stride
         self.features = nn.Sequential(*layers)
         self.feature_dim = channels * size * size
+        num_labels = cast(int, config.num_labels)  # PretrainedConfig derives it from id2label
+        self.head: EcoConv2d | RowNormLinear
         if config.last_layer == "orthogonal":
             # First num_labels rows of an orthogonal matrix: an ECO 1x1 conv on the flattened features.
-            self.head = EcoConv2d(self.feature_dim, config.num_labels, 1, input_size=1, baked=config.baked)
+            self.head = EcoConv2d(self.feature_dim, num_labels, 1, input_size=1, baked=config.baked)
         else:
-            self.head = RowNormLinear(self.feature_dim, config.num_labels)
+            self.head = RowNormLinear(self.feature_dim, num_labels)
         self.post_init()
 
     @classmethod
@@ -239,7 +241,7 @@ class LipConvNetForImageClassification(PreTrainedModel):
         return ImageClassifierOutputWithNoAttention(loss=loss, logits=logits)
 
     # ---------------------------------------------------------------------------------------------------------
-    def conv_layers(self) -> list[nn.Module]:
+    def conv_layers(self) -> list[EcoConv2d | SocConv2d]:
         """The orthogonal conv layers, in order.
 
         Returns:

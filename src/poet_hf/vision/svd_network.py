@@ -15,6 +15,7 @@ Adam with PyTorch's defaults and ``σ ~ U(0.99, 1.01)`` follow the paper; batch 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -184,7 +185,7 @@ def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     train, test = load_flat_dataset(args.dataset, seed=args.seed)
-    runs = {m: train_svd_network(m, train, test, args, progress=lambda it, m=m: tqdm(it, desc=m)) for m in args.methods}
+    runs = {m: train_svd_network(m, train, test, args, progress=functools.partial(tqdm, desc=m)) for m in args.methods}
     if "auxiliary" in runs:
         base = runs["auxiliary"]["seconds_per_epoch"]
         for run in runs.values():

@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,10 +32,12 @@ __all__ = [
 # The ℓ2 radii the ECO and SOC papers report certified accuracy at (pixel scale [0, 1]).
 REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, "1.0": 1.0}
 
+_T = TypeVar("_T")
+
 # Values left None in VisionTrainArgs: the quick default, and the ECO/SOC papers' recipe (ECO digest §3.2: SGD with
 # momentum 0.9, wd 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05, ×0.1 at epochs 50 and 150 of 200,
 # RandomCrop(padding 4) + RandomHorizontalFlip, 32 channels in the first block).
-QUICK_DEFAULTS = {
+QUICK_DEFAULTS: dict[str, Any] = {
     "init_channels": 8,
     "epochs": 4.0,
     "batch_size": 64,
@@ -46,7 +48,7 @@ QUICK_DEFAULTS = {
     "lr_milestones": None,
     "augment": False,
 }
-ECO_PAPER_RECIPE = {
+ECO_PAPER_RECIPE: dict[str, Any] = {
     "init_channels": 32,
     "epochs": 200.0,
     "batch_size": 128,
@@ -174,7 +176,7 @@ class VisionTrainArgs:
             raise ValueError(f"`recipe` must be one of {tuple(RECIPES)} or None, got {self.recipe!r}")
         if self.optim is not None and self.optim not in ("adamw", "sgd"):
             raise ValueError(f"`optim` must be one of ('adamw', 'sgd'), got {self.optim!r}")
-        defaults = RECIPES.get(self.recipe, QUICK_DEFAULTS)
+        defaults = QUICK_DEFAULTS if self.recipe is None else RECIPES[self.recipe]
         if self.lr_milestones is None and defaults["lr_milestones"] and self.epochs is not None:
             # A shortened recipe keeps its schedule's shape: decays at the same fractions of training.
             self.lr_milestones = [m * self.epochs / defaults["epochs"] for m in defaults["lr_milestones"]]
@@ -185,6 +187,12 @@ class VisionTrainArgs:
             self.learning_rate = 0.1 if self.depth > 25 else 0.05
         if self.gamma < 0:
             raise ValueError(f"`gamma` must be >= 0, got {self.gamma!r}")
+
+
+def _resolved(value: _T | None) -> _T:
+    """A recipe field, which `VisionTrainArgs.__post_init__` has filled."""
+    assert value is not None
+    return value
 
 
 def _infer_channels(dataset) -> int:
@@ -200,7 +208,7 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
         depth=args.depth,
         num_channels=num_channels,
         image_size=args.image_size,
-        init_channels=args.init_channels,
+        init_channels=_resolved(args.init_channels),
         conv_types=args.conv_types,
         kernel_sizes=[int(k) for k in args.kernel_sizes],
         strides=[int(s) for s in args.strides],
@@ -232,13 +240,19 @@ def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps
     """SGD (with momentum) or AdamW, with the step decay at ``lr_milestones`` or a cosine schedule."""
     from transformers import get_cosine_schedule_with_warmup
 
+    optimizer: torch.optim.Optimizer
     if args.optim == "sgd":
         optimizer = torch.optim.SGD(
-            model.parameters(), lr=args.learning_rate, momentum=args.momentum, weight_decay=args.weight_decay
+            model.parameters(),
+            lr=_resolved(args.learning_rate),
+            momentum=_resolved(args.momentum),
+            weight_decay=_resolved(args.weight_decay),
         )
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    total = max(1, math.ceil(args.epochs * steps_per_epoch))
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=_resolved(args.learning_rate), weight_decay=_resolved(args.weight_decay)
+        )
+    total = max(1, math.ceil(_resolved(args.epochs) * steps_per_epoch))
     if args.lr_milestones:
         milestones = [round(epoch * steps_per_epoch) for epoch in args.lr_milestones]
         return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=args.lr_decay)
@@ -266,12 +280,14 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
         list(feature.names) if hasattr(feature, "names") else [str(i) for i in sorted(set(train_split["label"]))]
     )
     model = build_model(args, train_split, label_names)
-    transform = pixel_value_transform(model.config.num_channels, model.config.image_size, augment=args.augment)
-    steps_per_epoch = math.ceil(len(train_split) / args.batch_size)
+    transform = pixel_value_transform(
+        model.config.num_channels, model.config.image_size, augment=_resolved(args.augment)
+    )
+    steps_per_epoch = math.ceil(len(train_split) / _resolved(args.batch_size))
     training_args = TrainingArguments(
         output_dir=args.output_dir,
-        per_device_train_batch_size=args.batch_size,
-        num_train_epochs=args.epochs,
+        per_device_train_batch_size=_resolved(args.batch_size),
+        num_train_epochs=_resolved(args.epochs),
         logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500,

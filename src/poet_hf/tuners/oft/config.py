@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from peft.config import PeftConfig
 
@@ -21,6 +21,9 @@ from ..config_utils import (
 )
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..registry import peft_type_member
+
+if TYPE_CHECKING:
+    from peft import OFTConfig
 
 OFT_PEFT_TYPE = "POET_OFT"  # PEFT already owns "OFT"; ours is registered beside it as "poet_oft"
 OFT_SPO_CHOICES = ("contiguous", "block")
@@ -195,7 +198,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         return self.block_size
 
     @classmethod
-    def from_peft_config(cls, peft_config: PeftConfig, **overrides: object) -> OftConfig:
+    def from_peft_config(cls, peft_config: OFTConfig, **overrides: Any) -> OftConfig:
         """The ``OftConfig`` that computes what PEFT's ``OFTConfig`` computes (for Linear / Conv1D targets).
 
         Mapping: ``oft_block_size → block_size``, ``num_cayley_neumann_terms → neumann_terms`` (0 when
@@ -225,7 +228,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         else:
             terms = 0
         module_dropout = 0.0 if peft_config.block_share else peft_config.module_dropout  # PEFT ignores it there
-        fields = {
+        fields: dict[str, Any] = {
             "target_modules": peft_config.target_modules,
             "exclude_modules": peft_config.exclude_modules,
             "r": peft_config.r,

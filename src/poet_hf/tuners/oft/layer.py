@@ -104,15 +104,17 @@ class OftLayer(RotationLayer):
     def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
         """``base(x, W0 · R^T)``: COFT projects the skew blocks first; in training, module dropout replaces random
         blocks by the identity (the forward only: merges never drop blocks)."""
-        keep = {}
+        keep: dict[str, torch.Tensor] = {}
         for a in adapter_names:
             options = self.oft_options[a]
             if options.coft:
                 self.project_coft(a)
             if self.training and options.module_dropout > 0:
-                keep[a] = dropout_keep_mask(
-                    self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout, self.get_base_layer().weight.device
+                mask = dropout_keep_mask(
+                    self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout, self._base_weight().device
                 )
+                if mask is not None:
+                    keep[a] = mask
         if self.fused_enabled() and len(adapter_names) == 1:
             return self.fused_forward(x, adapter_names[0], keep.get(adapter_names[0]))
         return self.reference_forward(x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)

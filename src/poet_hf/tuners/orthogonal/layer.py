@@ -84,6 +84,10 @@ class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+        """Add ``adapter_name`` from the tuner's ``config`` (Linear and Conv2d build their own)."""
+        raise NotImplementedError
+
     def init_change(self, adapter_name: str) -> float:
         """``||O_init - W0||_F / ||W0||_F`` recorded when the adapter was created."""
         return float(self.orthogonal_init_change[adapter_name])
@@ -121,9 +125,6 @@ class _OrthogonalModule(nn.Module, OrthogonalLayer):
         OrthogonalLayer.__init__(self, base_layer, **kwargs)
         self._active_adapter = adapter_name
         self.update_layer(adapter_name, config, layer_name)
-
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
-        raise NotImplementedError
 
     forward = OrthogonalLayer.forward  # nn.Module precedes OrthogonalLayer in the MRO, as in PEFT's own layers
     extra_repr = OrthogonalLayer.extra_repr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
@@ -46,11 +47,19 @@ class OrthogonalModel(BaseTuner):
 
     prefix: str = "orthogonal_"
     tuner_layer_cls = OrthogonalLayer
-    target_module_mapping = DEFAULT_TARGET_MODULES
+    target_module_mapping = DEFAULT_TARGET_MODULES  # type: ignore[assignment]  # PEFT annotates lists; it matches regex strings too
     layer_factory = staticmethod(create_orthogonal_module)
 
     def _create_and_replace(
-        self, peft_config, adapter_name, target, target_name, parent, current_key, **optional_kwargs
+        self,
+        peft_config: PeftConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        parameter_name: str | None = None,
+        **optional_kwargs: Any,
     ) -> None:
         if current_key is None:
             raise ValueError("current_key must not be None")

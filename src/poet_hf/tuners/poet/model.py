@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
+from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
@@ -18,7 +19,7 @@ from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 
 def create_tuner_module(
-    config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, type, type]
+    config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
 ) -> RotationLayer:
     """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
     a ``ValueError`` naming the type.
@@ -58,9 +59,9 @@ class PoetModel(BaseTuner):
     """
 
     prefix: str = "poet_"
-    tuner_layer_cls = PoetLayer
-    target_module_mapping = DEFAULT_TARGET_MODULES
-    layer_classes = (Linear, Conv1D, Conv2d)
+    tuner_layer_cls: type[RotationLayer] = PoetLayer
+    target_module_mapping = DEFAULT_TARGET_MODULES  # type: ignore[assignment]  # PEFT annotates lists; it matches regex strings too
+    layer_classes: tuple[type[RotationLayer], ...] = (Linear, Conv1D, Conv2d)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -70,7 +71,15 @@ class PoetModel(BaseTuner):
             module.register_forward_hook(_release_caches_if_raising, always_call=True)
 
     def _create_and_replace(
-        self, peft_config, adapter_name, target, target_name, parent, current_key, **optional_kwargs
+        self,
+        peft_config: PeftConfig,
+        adapter_name: str,
+        target: nn.Module,
+        target_name: str,
+        parent: nn.Module,
+        current_key: str,
+        parameter_name: str | None = None,
+        **optional_kwargs: Any,
     ) -> None:
         if current_key is None:
             raise ValueError("current_key must not be None")
@@ -114,7 +123,7 @@ class PoetModel(BaseTuner):
         """PEFT's unload; a quantised base leaves without the requantisation residual, which only the next fold
         of an adapter would use."""
         bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
-        model: nn.Module = super()._unload_and_optionally_merge(*args, **kwargs)  # type: ignore[func-returns-value]
+        model = cast(nn.Module, super()._unload_and_optionally_merge(*args, **kwargs))
         for base in bases:
             drop_residual(base)
         return model
