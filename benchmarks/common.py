@@ -7,6 +7,11 @@ from collections.abc import Callable
 import torch
 from torch.utils import benchmark
 
+# glibc's mmap threshold grows to the largest block freed (up to 32 MB), after which freed blocks stay in its heap and
+# in the resident set: peak RSS then carries several hundred MB of slack that moves with allocation order, not with
+# tensors. Memory is therefore measured with the threshold fixed (every method alike); time under the default.
+FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
 
 def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> float:
     """Median seconds per call of ``fn`` (``torch.utils.benchmark``, which synchronises CUDA)."""

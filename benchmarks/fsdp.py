@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import FIXED_MMAP
+
 ROOT = Path(__file__).resolve().parent.parent
 SEQ, VOCAB = 256, 32000
 
@@ -252,7 +254,7 @@ def _torchrun(processes: int, call: str, timeout: int = 3600, check: bool = True
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // processes)),
-            "MALLOC_MMAP_THRESHOLD_": "131072",
+            **FIXED_MMAP,
         }
         subprocess.run(
             [

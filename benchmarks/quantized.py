@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from benchmarks.common import FIXED_MMAP
+
 # Rotation sizes: the median largest ||Q||_2 per layer and side at a merge of the README's tiny pretraining run
 # (block 32, 50 steps between merges; measured 0.17), and a tenth of it (shorter intervals or lower rates).
 TRAINING_Q_NORM = 0.17
@@ -98,10 +100,6 @@ def drift_rows(q_norms: tuple = (TRAINING_Q_NORM, TRAINING_Q_NORM / 10)) -> list
     return rows
 
 
-# glibc's mmap threshold grows to the largest block freed (up to 32 MB), after which freed blocks stay in its heap and
-# in the resident set: peak RSS then carries several hundred MB of slack that moves with allocation order, not with
-# tensors. Memory is therefore measured with the threshold fixed (every method alike); time under the default.
-FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 PRETRAIN = ("llama-130m", 4)  # preset, micro-batch (× 256 tokens)
 PRETRAIN_METHODS = (
     ("adamw", None, "nearest"),
