@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
+    from poet_hf.export import ExportError, export_merged
 
     try:
         path = export_merged(
@@ -81,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export.py: error: {error}", file=sys.stderr)
         return 1
     print(f"exported {args.source} -> {path}")
-    if not args.push_to_hub:
-        return 0
+    return push(args, path, token) if args.push_to_hub else 0
+
+
+def push(args: argparse.Namespace, path: str, token: str | None) -> int:
+    """Upload the finished export; on failure say that the export itself is complete."""
+    from poet_hf.export import HubPushError, push_merged_to_hub
+
     try:
         url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private, token=token)
     except HubPushError as error:

@@ -17,48 +17,48 @@ import json
 import sys
 from typing import Any
 
-# The options passed through to poet_hf.plan_memory; their defaults are read off its signature (one place).
-OPTIONS = ("block_size", "budget", "rank", "dtype", "batch_size", "seq_len", "accumulation", "processes", "sharding")
+# The options passed through to poet_hf.plan_memory, with their help; defaults are read off its signature.
+OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "block_size": ("POET-BS / OFT block size b", {"type": int}),
+    "budget": ("POET-FS budget, a fraction of each dimension in (0, 1]", {"type": float}),
+    "rank": ("LoRA rank and GaLore projection rank", {"type": int}),
+    "dtype": ("weights' and activations' dtype; adapter parameters stay float32", {}),
+    "batch_size": ("sequences per micro-batch per process", {"type": int}),
+    "seq_len": ("tokens per sequence", {"type": int}),
+    "accumulation": (
+        "micro-batches per optimizer step: gradients and POET's rotation caches persist between them",
+        {"type": int},
+    ),
+    "processes": ("data-parallel processes", {"type": int}),
+    "sharding": ("ddp: every process holds the whole model; fsdp2: fully_shard per block", {}),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS, plan_memory
 
     defaults = {name: p.default for name, p in inspect.signature(plan_memory).parameters.items()}
+    choices = {"method": METHODS, "dtype": tuple(DTYPES), "sharding": SHARDINGS}
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-
-    def option(name: str, help: str, **kwargs: Any) -> None:
-        parser.add_argument(f"--{name}", default=defaults[name], help=f"{help} (default: {defaults[name]})", **kwargs)
-
     parser.add_argument(
         "--model",
         required=True,
         help="a preset (tiny, llama-60m, llama-130m, llama-350m, llama-1.3b), a config.json or its "
         "folder, or a Hub id (its config.json only, from the local cache when offline)",
     )
-    option("method", "training method", choices=METHODS)
     parser.add_argument(
         "--compare",
         default="",
         help=f"comma-separated methods to plan side by side with --method (from {', '.join(METHODS)})",
     )
-    option("block_size", "POET-BS / OFT block size b", type=int)
-    option("budget", "POET-FS budget, a fraction of each dimension in (0, 1]", type=float)
-    option("rank", "LoRA rank and GaLore projection rank", type=int)
-    option("dtype", "weights' and activations' dtype; adapter parameters stay float32", choices=tuple(DTYPES))
-    option("batch_size", "sequences per micro-batch per process", type=int)
-    option("seq_len", "tokens per sequence", type=int)
-    option(
-        "accumulation",
-        "micro-batches per optimizer step: gradients and POET's rotation caches persist between them",
-        type=int,
-    )
-    option("processes", "data-parallel processes", type=int)
-    option(
-        "sharding",
-        "ddp: every process holds the whole model; fsdp2: fully_shard per block",
-        choices=SHARDINGS,
-    )
+    for name, (text, kwargs) in {"method": ("training method", {}), **OPTIONS}.items():
+        parser.add_argument(
+            f"--{name}",
+            default=defaults[name],
+            choices=choices.get(name),
+            help=f"{text} (default: {defaults[name]})",
+            **kwargs,
+        )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     parser.add_argument("--json", action="store_true", help="print the plans as JSON instead of the table")
     return parser

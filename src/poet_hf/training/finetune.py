@@ -269,7 +269,7 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)), []
     if args.task == "causal-lm":
         model, info = cast(  # output_loading_info: the model and what loading found
-            tuple[PreTrainedModel, dict[str, Any]],
+            "tuple[PreTrainedModel, dict[str, Any]]",
             AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized),
         )
     else:

@@ -358,7 +358,14 @@ class ReflectionFlowModel(PreTrainedModel):
 
     def dequantize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in
-        evaluation."""
+        evaluation.
+
+        Args:
+            pixel_values: images quantised to ``num_bins`` levels in ``[0, 1)``.
+
+        Returns:
+            The dequantised images, the same shape.
+        """
         generator = (
             None if self.training else torch.Generator(device=pixel_values.device).manual_seed(self.EVAL_NOISE_SEED)
         )
