@@ -100,6 +100,21 @@ class RotationSettings:
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
+    @classmethod
+    def from_config(cls, config: Any, layer_name: str) -> RotationSettings:
+        """What a layer keeps of a ``PoetConfig`` or ``OftConfig`` (OFT has no ``base_init``)."""
+        return cls(
+            layer_name=layer_name,
+            seed=config.seed,
+            neumann_terms=config.neumann_terms,
+            forward=config.forward,
+            source=getattr(config, "loaded_from", None),
+            requantize=config.requantize,
+            cache_rotations=config.cache_rotations,
+            init_weights=config.init_weights,
+            base_init=getattr(config, "base_init", None),
+        )
+
 
 @torch.no_grad()
 def invert_blocks(blocks: torch.Tensor, weight_dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -74,16 +74,7 @@ class OftLayer(RotationLayer):
         self.oft_options[adapter_name] = OftOptions(
             block_share=config.block_share, coft=config.coft, eps=config.eps, module_dropout=config.module_dropout
         )
-        settings = RotationSettings(
-            layer_name=layer_name,
-            seed=config.seed,
-            neumann_terms=config.neumann_terms,
-            forward=config.forward,
-            source=getattr(config, "loaded_from", None),
-            requantize=config.requantize,
-            cache_rotations=config.cache_rotations,
-            init_weights=config.init_weights,
-        )
+        settings = RotationSettings.from_config(config, layer_name)
         rows = 1 if config.block_share else spec.num_blocks
         self.add_rotation_adapter(adapter_name, settings, {SIDE_INPUT: spec}, {SIDE_INPUT: rows})
 

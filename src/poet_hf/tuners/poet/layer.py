@@ -68,17 +68,7 @@ class PoetLayer(RotationLayer):
             )
             for side in wanted
         }
-        settings = RotationSettings(
-            layer_name=layer_name,
-            seed=config.seed,
-            neumann_terms=config.neumann_terms,
-            forward=config.forward,
-            source=getattr(config, "loaded_from", None),
-            requantize=config.requantize,
-            cache_rotations=config.cache_rotations,
-            init_weights=config.init_weights,
-            base_init=config.base_init,
-        )
+        settings = RotationSettings.from_config(config, layer_name)
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
             if self.get_base_layer().weight.device.type == "meta":
