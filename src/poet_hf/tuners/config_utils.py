@@ -121,7 +121,7 @@ class CheckedLoadConfig:
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs: Any):
-        config = super().from_pretrained(  # type: ignore[misc]
+        config = super().from_pretrained(  # type: ignore[misc]  # a mixin: PeftConfig, after it in the MRO, has it
             pretrained_model_name_or_path, subfolder=subfolder, **kwargs
         )
         weights = os.path.join(str(pretrained_model_name_or_path), subfolder or "", ADAPTER_WEIGHTS_NAME)
