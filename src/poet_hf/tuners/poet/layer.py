@@ -71,7 +71,7 @@ class PoetLayer(RotationLayer):
         settings = RotationSettings.from_config(config, layer_name)
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
-            if self.get_base_layer().weight.device.type == "meta":
+            if self._base_weight().device.type == "meta":
                 raise ValueError(
                     f"`base_quantization`={config.base_quantization!r} quantises W0 when the adapter is "
                     f"added, but '{layer_name}' is on the meta device; materialize the base model first "
