@@ -1,6 +1,6 @@
 """A tiny POET run that resumes with ``resume_from_checkpoint="auto"``, for the chaos tests of test_checkpoints.py.
 
-Usage: chaos_worker.py OUT_DIR [KILL_POINT]. Runs (or under ``accelerate launch``, every rank runs) a POET training
+Usage: chaos_worker.py OUT_DIR [KILL_POINT]. Runs (or, started as DDP ranks, every rank runs) a POET training
 into OUT_DIR with checkpoints every 3 steps, merges every 5, and at most 2 checkpoints kept; at the end rank 0 writes
 OUT_DIR/result.json (per-step losses and a hash of every parameter and buffer).
 
@@ -29,7 +29,8 @@ MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 90, 3, 5
 
 
 def die() -> None:
-    """SIGKILL this process; under torchrun the agent then stops the other ranks and the launcher fails."""
+    """SIGKILL this process; under DDP the launcher (torchrun's agent, or tests/prewarmed.py) then stops the other
+    ranks and the launch fails."""
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -13,6 +13,9 @@ from transformers import PreTrainedModel
 from poet_hf.vision import ReflectionFlowConfig, ReflectionFlowModel
 from poet_hf.vision.flow import squeeze, unsqueeze
 
+# One xdist worker runs every test here (pyproject: --dist loadgroup), so the module's flow is trained once.
+pytestmark = pytest.mark.xdist_group("flow")
+
 F64 = torch.float64
 
 

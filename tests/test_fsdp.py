@@ -9,35 +9,25 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import prewarmed
 import pytest
 import torch
 from peft import PeftModel
 from tolerances import tiny_model_tolerance
-from training_utils import free_port
 from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
+
+# One xdist worker runs every test here (pyproject: --dist loadgroup), so the module's 2-rank runs happen once.
+pytestmark = pytest.mark.xdist_group("fsdp")
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "fsdp_worker.py")
 
 
 def torchrun(out: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        WORKER,
-        str(out),
-        *args,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    """tests/fsdp_worker.py in 2 ranks, as ``torchrun --nproc_per_node 2`` starts them (tests/prewarmed.py)."""
+    prewarmed.run(WORKER, [out, *args], out.parent / f"{out.name}.log", ranks=2)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -3,20 +3,21 @@
 way: the base materialized in one process, the adapters added to real weights (or ``from_pretrained``)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from training_utils import TINY_LLAMA, free_port, meta_poet_model, randomize_rotations
+from training_utils import TINY_LLAMA, meta_poet_model, randomize_rotations
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.initialization import has_meta_tensors, materialize_model
+
+# One xdist worker runs every test here (pyproject: --dist loadgroup), so the module's 2-rank run happens once.
+pytestmark = pytest.mark.xdist_group("materialize")
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,22 +58,7 @@ def checkpoint(tmp_path_factory):
 def sharded(tmp_path_factory, checkpoint):
     """The four cases of tests/materialize_worker.py, run once by two processes: their output folder."""
     out = tmp_path_factory.mktemp("sharded")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(HERE / "materialize_worker.py"),
-        str(out),
-        str(checkpoint),
-    ]
-    result = subprocess.run(
-        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    prewarmed.run(HERE / "materialize_worker.py", [out, checkpoint], out / "worker.log", ranks=2)
     return out
 
 

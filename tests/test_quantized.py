@@ -425,21 +425,11 @@ def test_a_trainer_run_on_a_quantised_w0_resumes_bit_for_bit(tmp_path, quantizat
 
 
 @pytest.mark.slow
-def test_tiny_pretraining_on_an_int8_w0_reaches_the_float32_perplexity(tmp_path):
-    """The README's main job, shortened to 60 steps with a merge every 15 (4 merges): an int8 W0 ends within 5 % of
-    the float32 run's validation perplexity."""
-    from poet_hf.training.pretrain import PretrainArguments, run_pretraining
-
-    results = {}
-    for quantization in (None, "int8"):
-        args = PretrainArguments(
-            output_dir=str(tmp_path / str(quantization)),
-            steps="60",
-            merge_every=15,
-            base_quantization=quantization,
-            logging_steps=1000,
-        )
-        results[quantization] = run_pretraining(args)
-    assert results["int8"]["merges"] == 4
-    assert results["int8"]["val_perplexity"] < results["int8"]["initial_val_perplexity"] / 5  # it trained
-    assert abs(results["int8"]["val_perplexity"] / results[None]["val_perplexity"] - 1) < 0.05
+@pytest.mark.xdist_group("tiny_pretraining")
+def test_tiny_pretraining_on_an_int8_w0_reaches_the_float32_perplexity(tiny_pretraining):
+    """The README's main job, shortened (tests/conftest.py): an int8 W0 ends within 5 % of the float32 run's
+    validation perplexity."""
+    int8, float32 = tiny_pretraining("int8"), tiny_pretraining()
+    assert int8["merges"] == 4
+    assert int8["val_perplexity"] < int8["initial_val_perplexity"] / 5  # it trained
+    assert abs(int8["val_perplexity"] / float32["val_perplexity"] - 1) < 0.05

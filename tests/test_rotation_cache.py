@@ -9,17 +9,14 @@ and 2-process DDP and FSDP2 (tests/accumulation_worker.py).
 import contextlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from models import tiny_gpt2
 from peft import get_peft_model
 from tolerances import gamma, tiny_model_tolerance
-from training_utils import free_port
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
@@ -299,20 +296,7 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
 def test_ddp_and_fsdp2_accumulation_equals_the_single_process_reference(tmp_path):
     """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first
     k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(HERE / "accumulation_worker.py"),
-        str(tmp_path),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    prewarmed.run(HERE / "accumulation_worker.py", [tmp_path], tmp_path / "worker.log", ranks=2)
     tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(8, torch.float64)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from training_utils import free_port, tiny_dataset, tiny_poet_model, tiny_trainer
@@ -204,13 +205,7 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quan
         capture_output=True,
         timeout=600,
     )
-    subprocess.run(
-        [sys.executable, worker, str(tmp_path / "single"), "4", *extra],
-        check=True,
-        env=env,
-        capture_output=True,
-        timeout=600,
-    )
+    prewarmed.run(worker, [tmp_path / "single", "4", *extra], tmp_path / "single.log", env=env)
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((tmp_path / "single" / "rank0.json").read_text())
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == 3
@@ -288,9 +283,11 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_co
 
 
 @pytest.mark.slow
-def test_pretraining_lowers_validation_perplexity_fivefold(tmp_path):
-    # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset.
-    results = run_pretraining(PretrainArguments(steps=30, max_eval_sequences=32, output_dir=str(tmp_path / "main")))
+@pytest.mark.xdist_group("tiny_pretraining")
+def test_pretraining_lowers_validation_perplexity_fivefold(tiny_pretraining):
+    # The README's main job, shortened: the embedded corpus, POET-BS, the tiny preset, 4 merges.
+    results = tiny_pretraining()
+    assert results["merges"] == 4
     assert results["val_perplexity"] * 5 <= results["initial_val_perplexity"]
     losses = results["train_losses"]
     assert losses[-1] < losses[0] - 0.5  # the logged training loss falls by more than half a nat
