@@ -1,9 +1,12 @@
 """The POET tuner against dense float64 references and the base models."""
 
+import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
+import prewarmed
 import pytest
 import torch
 from models import TinyCNN, tiny_bert, tiny_gpt2, tiny_llama
@@ -162,23 +165,27 @@ def test_merge_and_reinit_keeps_logits_zeroes_q_and_resamples():
         assert not torch.equal(layer.poet_R_index["default"], perms_before[name])
 
 
-def test_merge_permutations_reproduce_in_a_fresh_process():
+def test_merge_permutations_reproduce_in_a_fresh_process(tmp_path):
     model = poet("llama", seed=11)
     merge_and_reinit(model)
     merge_and_reinit(model)
     here = {n: layer.poet_P_index["default"].tolist() for n, layer in poet_layers(model)}
-    code = textwrap.dedent("""
-        import sys; sys.path.insert(0, 'tests')
+    # A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py).
+    (tmp_path / "merges.py").write_text(
+        textwrap.dedent(f"""
+        import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
         from peft import get_peft_model
         from poet_hf import PoetConfig, merge_and_reinit
         from poet_hf.tuners.poet import poet_layers
         from models import tiny_llama
         model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, seed=11))
         merge_and_reinit(model); merge_and_reinit(model)
-        print({n: layer.poet_P_index['default'].tolist() for n, layer in poet_layers(model)})
+        indices = {{n: layer.poet_P_index['default'].tolist() for n, layer in poet_layers(model)}}
+        open(sys.argv[1], 'w').write(json.dumps(indices))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert eval(out.strip().splitlines()[-1]) == here
+    )
+    prewarmed.run(tmp_path / "merges.py", [tmp_path / "merges.json"], tmp_path / "merges.log")
+    assert json.loads((tmp_path / "merges.json").read_text()) == here
 
 
 # --- 4. parameter counts of the paper's Table 2 -----------------------------------------------------------------------

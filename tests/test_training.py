@@ -180,31 +180,34 @@ class StopAt(TrainerCallback):
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", [None, "int8"])  # int8: W0 requantised at every merge, on every rank
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quantization):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    # On a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
+    env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     worker = str(HERE / "ddp_worker.py")
     extra = [quantization] if quantization else []
-    subprocess.run(
-        [*launch, "--num_processes", "2", worker, str(tmp_path / "ddp"), "2", *extra],
-        check=True,
-        env=env,
-        capture_output=True,
-        timeout=600,
-    )
+    if quantization is None:
+        # As users launch: on a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
+        launch = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+        ]
+        subprocess.run(
+            [*launch, "--num_processes", "2", worker, str(tmp_path / "ddp"), "2"],
+            check=True,
+            env={**os.environ, **env},
+            capture_output=True,
+            timeout=600,
+        )
+    else:  # the same ranks, forked with torchrun's variables from the imports-only server (tests/prewarmed.py)
+        prewarmed.run(worker, [tmp_path / "ddp", "2", *extra], tmp_path / "ddp.log", env=env, ranks=2)
     prewarmed.run(worker, [tmp_path / "single", "4", *extra], tmp_path / "single.log", env=env)
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((tmp_path / "single" / "rank0.json").read_text())
