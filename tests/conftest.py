@@ -21,9 +21,12 @@ def _seed(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests on the pretrained testbed run last: CI builds the testbed beside the rest of the suite
-    (`.ci/run`), and these wait for it."""
-    items.sort(key=lambda item: item.get_closest_marker("testbed") is not None)
+    """The tests on the pretrained testbed run first, all on one xdist worker (group "testbed"): the first builds the
+    testbed (about 5 minutes of one core on a clean clone) while the other worker runs the rest of the suite."""
+    for item in items:
+        if item.get_closest_marker("testbed") is not None:
+            item.add_marker(pytest.mark.xdist_group("testbed"))
+    items.sort(key=lambda item: item.get_closest_marker("testbed") is None)
 
 
 @pytest.fixture(scope="session")
@@ -49,3 +52,13 @@ def tiny_pretraining(tmp_path_factory):
         return reports[base_quantization]
 
     return report
+
+
+@pytest.fixture(scope="session")
+def stock_python():
+    """Runs snippets in new processes that never import poet_hf (tests/stock_python.py)."""
+    from stock_python import StockPython
+
+    python = StockPython()
+    yield python
+    python.close()

@@ -118,8 +118,9 @@ FRESH_PROCESS = textwrap.dedent("""
 """)
 
 
-def check_in_fresh_process(export_dir: Path, kind: str, expected: torch.Tensor, tmp_path: Path) -> dict:
-    """Load ``export_dir`` with a stock Auto class in a new interpreter that never imports poet_hf."""
+def check_in_fresh_process(stock_python, export_dir: Path, kind: str, expected: torch.Tensor, tmp_path: Path) -> dict:
+    """Load ``export_dir`` with a stock Auto class in a new process that never imports poet_hf (the
+    ``stock_python`` fixture)."""
     side = tmp_path / f"reference-{kind}"
     side.mkdir(exist_ok=True)
     torch.save(inputs_for(kind), side / "inputs.pt")
@@ -130,15 +131,7 @@ def check_in_fresh_process(export_dir: Path, kind: str, expected: torch.Tensor, 
         "expected": str(side / "expected.pt"),
         "auto": "AutoModelForImageClassification" if kind == "vit" else "AutoModelForCausalLM",
     }
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS, json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=SUBPROCESS_TIMEOUT,
-    )
+    done = stock_python.run(FRESH_PROCESS, json.dumps(spec), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["poet_hf_imported"] is False
@@ -160,19 +153,19 @@ def assert_plain_export(path: Path) -> None:
 @pytest.mark.numerics
 # --- in-memory LLaMA, GPT-2 (Conv1D), ViT (Conv2d patch embedding) ----------------------------
 @pytest.mark.parametrize("kind,spo", [("llama", "block"), ("gpt2", "full"), ("vit", "block")])
-def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo):
+def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo, stock_python):
     model = trained(kind, spo=spo)
     expected = logits(model, kind)
     path = export_merged(model, tmp_path / "export")
     assert_plain_export(path)
-    result = check_in_fresh_process(path, kind, expected, tmp_path)
+    result = check_in_fresh_process(stock_python, path, kind, expected, tmp_path)
     assert result["class"] == type(model.get_base_model()).__name__
     # the export did not touch the POET model it came from
     assert poet_layers(model) and torch.equal(logits(model, kind), expected)
 
 
 # --- OFT and orthogonal-layer adapters fold through the same path -------------------------------------------------
-def test_export_oft_and_orthogonal_models(tmp_path):
+def test_export_oft_and_orthogonal_models(tmp_path, stock_python):
     from transformers import AutoModelForCausalLM as StockAuto
 
     from poet_hf.tuners.oft import OftConfig
@@ -183,7 +176,7 @@ def test_export_oft_and_orthogonal_models(tmp_path):
     assert (expected - logits(tiny_llama(), "llama")).abs().max() > 1e-3
     path = export_merged(oft, tmp_path / "oft")
     assert "**OFT**" in (path / "README.md").read_text()
-    check_in_fresh_process(path, "llama", expected, tmp_path)
+    check_in_fresh_process(stock_python, path, "llama", expected, tmp_path)
     orth = get_peft_model(tiny_llama(), OrthogonalConfig(target_modules=["q_proj", "v_proj"], init_weights=False))
     expected = logits(orth, "llama")
     plain = StockAuto.from_pretrained(export_merged(orth, tmp_path / "orth", spectrum=False), dtype=torch.float32)
@@ -227,7 +220,7 @@ def saved_adapter_dir(tmp_path: Path, **config) -> tuple[Path, torch.Tensor]:
     return adapter_dir, logits(model, "llama")
 
 
-def test_export_from_save_pretrained_directory_sharded_with_tokenizer(tmp_path, adapter_dir):
+def test_export_from_save_pretrained_directory_sharded_with_tokenizer(tmp_path, adapter_dir, stock_python):
     from transformers import AutoTokenizer
 
     adapter_dir, expected = adapter_dir
@@ -237,11 +230,11 @@ def test_export_from_save_pretrained_directory_sharded_with_tokenizer(tmp_path, 
     shards = sorted(p.name for p in path.glob("model-*.safetensors"))
     assert len(shards) >= 2 and (path / "model.safetensors.index.json").is_file()
     assert AutoTokenizer.from_pretrained(path)("w3 w7 w125")["input_ids"] == [3, 7, 125]
-    check_in_fresh_process(path, "llama", expected, tmp_path)
+    check_in_fresh_process(stock_python, path, "llama", expected, tmp_path)
 
 
 # --- a PoetTrainer checkpoint, pretrained from scratch (rebuilt from its config.json) ----------------
-def test_export_from_poet_trainer_checkpoint(tmp_path):
+def test_export_from_poet_trainer_checkpoint(tmp_path, stock_python):
     from poet_hf.training import PoetTrainer, PoetTrainingArguments
 
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, base_init="normalized", merge_every=2))
@@ -275,7 +268,7 @@ def test_export_from_poet_trainer_checkpoint(tmp_path):
     path = export_merged(checkpoint, tmp_path / "export")
     assert_plain_export(path)
     assert (path / "tokenizer.json").is_file()
-    check_in_fresh_process(path, "llama", expected, tmp_path)
+    check_in_fresh_process(stock_python, path, "llama", expected, tmp_path)
     card = (path / "README.md").read_text()
     assert "| learning rate | 0.01 |" in card and "| POET learning rate | 0.005 |" in card
     assert "| merge_every | 2 |" in card and "| base_init | normalized |" in card

@@ -222,11 +222,12 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
 
 @pytest.fixture(scope="module")
 def testbed():
-    """The pretrained causal LM of the testbed and its fine-tuning domain (built on first use, cached)."""
+    """The pretrained causal LM of the testbed and its fine-tuning domain (built on first use, cached; one thread, as
+    the xdist worker it runs on)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks import testbed
 
-    return testbed.ensure_causal_lm(), testbed.milton_corpus()
+    return testbed.ensure_causal_lm(threads=1), testbed.milton_corpus()
 
 
 def run_on_testbed(testbed, tmp_path, *argv: str) -> tuple[dict, dict[int, float]]:

@@ -1,8 +1,6 @@
 """The POET tuner against dense float64 references and the base models."""
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -286,7 +284,7 @@ def test_reload_reports_no_missing_or_unexpected_adapter_keys(tmp_path):
 
 
 # --- 7. merge_and_unload -> stock transformers ------------------------------------------------------------------------
-def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path):
+def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path, stock_python):
     model = poet("llama")
     randomize(model, op_norm=0.2)
     merge_and_reinit(model)
@@ -311,8 +309,9 @@ def test_merge_and_unload_gives_plain_model_loadable_without_poet_hf(tmp_path):
         assert 'poet_hf' not in sys.modules
         print(diff)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert float(out.strip().splitlines()[-1]) <= 1e-5
+    done = stock_python.run(code, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5
 
 
 @pytest.mark.numerics
