@@ -3,8 +3,8 @@ transformers, PEFT and poet_hf.
 
 A fresh interpreter spends about 14 s of CPU on those imports (PEFT's pulls in torch._dynamo and torch._inductor), and
 the multi-process tests start dozens of processes. A child forked from the server (multiprocessing's forkserver, which
-imports them once and has run nothing else) is a new process with only the imports done: it reads all
-it resumes from disk, gets the environment torchrun would give it, and a SIGKILL ends it as it ends any process.
+imports them once and has run nothing else) is a new process with only the imports done: it reads all it resumes from
+disk, gets the environment torchrun would give it, and a SIGKILL ends it as it ends any process.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ class Ranks:
 
     def __init__(self, processes: list[multiprocessing.process.BaseProcess]):
         self.processes = processes
-        self.pid = processes[0].pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
