@@ -20,6 +20,7 @@ def _seed(request):
     torch.manual_seed(0)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """The tests on the pretrained testbed run first, all on one xdist worker (group "testbed"): the first builds the
     testbed (about 5 minutes of one core on a clean clone) while the other worker runs the rest of the suite."""
