@@ -23,7 +23,7 @@ def _seed(request):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """The tests on the pretrained testbed run first, all on one xdist worker (group "testbed"): the first builds the
-    testbed (about 5 minutes of one core on a clean clone) while the other worker runs the rest of the suite."""
+    testbed (about 5½ minutes of one core on a clean clone) while the other worker runs the rest of the suite."""
     for item in items:
         if item.get_closest_marker("testbed") is not None:
             item.add_marker(pytest.mark.xdist_group("testbed"))
