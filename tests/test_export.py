@@ -131,7 +131,7 @@ def check_in_fresh_process(stock_python, export_dir: Path, kind: str, expected: 
         "expected": str(side / "expected.pt"),
         "auto": "AutoModelForImageClassification" if kind == "vit" else "AutoModelForCausalLM",
     }
-    done = stock_python.run(FRESH_PROCESS, json.dumps(spec), cwd=tmp_path)
+    done = stock_python.run(FRESH_PROCESS, json.dumps(spec), cwd=tmp_path, timeout=SUBPROCESS_TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["poet_hf_imported"] is False
