@@ -1,5 +1,6 @@
 """Crash-safe checkpoints (poet_hf.checkpoints) and checked loads (poet_hf.tuners.state_checks).
 
+- A fresh process draws the same SPO permutations from the same seed, which is what lets a restarted run redraw them.
 - A run SIGKILLed at random moments and at named points (inside a checkpoint write, just before its publication,
   inside a rotation, inside a merge), each time restarted with ``resume_from_checkpoint="auto"``, ends bit for bit
   where an uninterrupted run ends; the same under 2-process DDP.
@@ -29,11 +30,27 @@ from poet_hf.checkpoints import (
     latest_complete_checkpoint,
     resolve_resume_checkpoint,
 )
+from poet_hf.orthogonal import sample_permutation, spo_generator
 from poet_hf.tuners.state_checks import AdapterStateError
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "chaos_worker.py"
 ENV = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONWARNINGS": "ignore"}
+
+
+# --- determinism across processes ------------------------------------------------------------------------------------
+def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
+    """A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py) draws the
+    permutations this one draws: what a restarted run needs to redraw the killed run's (SPO is keyed, not stateful)."""
+    (tmp_path / "draw.py").write_text(
+        "import json, sys\n"
+        "from poet_hf.orthogonal import sample_permutation, spo_generator\n"
+        "draw = sample_permutation(32, spo_generator(7, 2, 'layers.3.mlp.up_proj', 'output'))\n"
+        "open(sys.argv[1], 'w').write(json.dumps(draw.tolist()))\n"
+    )
+    prewarmed.run(tmp_path / "draw.py", [tmp_path / "draw.json"], tmp_path / "draw.log")
+    here = sample_permutation(32, spo_generator(7, 2, "layers.3.mlp.up_proj", "output")).tolist()
+    assert json.loads((tmp_path / "draw.json").read_text()) == here
 
 
 # --- chaos -----------------------------------------------------------------------------------------------------------

@@ -137,6 +137,42 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
+def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(workspace, tmp_path):
+    from transformers import TrainerCallback
+
+    from poet_hf.training.finetune import FinetuneArguments, run_finetuning
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    evaluations = Steps()
+    args = FinetuneArguments(
+        model=str(workspace / "pretrained"),
+        method="poet",
+        dataset=str(workspace / "heldout.txt"),
+        output_dir=str(tmp_path),
+        seq_len=64,
+        block_size=16,
+        max_steps=8,
+        batch_size=8,
+        max_eval_samples=16,
+        eval_steps=3,
+        learning_rate=1e-2,
+        merge_every=4,  # a merge at the last step, before its evaluation
+        disable_tqdm=True,
+    )
+    results = run_finetuning(args, callbacks=[evaluations])
+    # Before training, every 3 steps, and at the last step (transformers adds it when eval_steps does not divide it).
+    assert evaluations.steps == [0, 3, 6, 8]
+    # The reported loss is the final model's: a new evaluation of it agrees to the bit.
+    assert results["after"]["loss"] == results["trainer"].evaluate()["eval_loss"]
+    assert results["after"]["loss"] < results["before"]["loss"]
+
+
 def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
     # Label: is the line a question? A decoder classifier reads the last token, so this is learnable quickly.
     lines = [line.strip() for line in (workspace / "heldout.txt").read_text().splitlines() if len(line.split()) >= 3]
@@ -230,27 +266,28 @@ def testbed():
     return testbed.ensure_causal_lm(threads=1), testbed.milton_corpus()
 
 
-def run_on_testbed(testbed, tmp_path, *argv: str) -> tuple[dict, dict[int, float]]:
+def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fields) -> tuple[dict, dict[int, float]]:
+    """``run_finetuning`` on the testbed at FinetuneArguments' defaults but for ``fields``, evaluated before, after,
+    and at the steps in ``evaluate_at`` (each evaluation costs about as much as 3 training steps)."""
+    from transformers import TrainerCallback
+
+    from poet_hf.training.finetune import run_finetuning
+
+    class EvaluateAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_evaluate = control.should_evaluate or state.global_step in evaluate_at
+
     model, data = testbed
-    results = finetune_main(
-        [
-            "--model",
-            str(model),
-            "--dataset",
-            str(data),
-            "--output_dir",
-            str(tmp_path),
-            "--max_eval_samples",
-            "64",
-            "--eval_steps",
-            "5",
-            "--logging_steps",
-            "1000",
-            "--disable_tqdm",
-            "true",
-            *argv,
-        ]
+    args = FinetuneArguments(
+        model=str(model),
+        dataset=str(data),
+        output_dir=str(tmp_path),
+        max_eval_samples=64,
+        logging_steps=1000,
+        disable_tqdm=True,
+        **fields,
     )
+    results = run_finetuning(args, callbacks=[EvaluateAt()])
     history = results["trainer"].state.log_history
     return results, {log["step"]: log["eval_loss"] for log in history if "eval_loss" in log}
 
@@ -259,7 +296,7 @@ def run_on_testbed(testbed, tmp_path, *argv: str) -> tuple[dict, dict[int, float
 @pytest.mark.parametrize("method", ["poet", "oft", "lora"])
 def test_every_method_at_its_defaults_improves_the_pretrained_model(testbed, tmp_path, caplog, method):
     with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
-        results, evaluations = run_on_testbed(testbed, tmp_path, "--method", method, "--max_steps", "20")
+        results, evaluations = run_on_testbed(testbed, tmp_path, method=method, max_steps=20, evaluate_at=(5,))
     before = results["before"]["loss"]
     assert results["after"]["loss"] < before - 0.1  # from 6.13: POET 5.83, OFT 5.97, LoRA 5.99 after 20 steps
     assert evaluations[5] < before  # the first steps do not damage the model
@@ -319,9 +356,7 @@ def test_poet_rates_scale_with_the_block_size_so_large_blocks_do_not_damage_the_
 @pytest.mark.testbed
 def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(testbed, tmp_path, caplog):
     with caplog.at_level("WARNING", logger="poet_hf.training.callback"):
-        results, _ = run_on_testbed(
-            testbed, tmp_path, "--method", "poet", "--learning_rate", "3e-2", "--max_steps", "10"
-        )
+        results, _ = run_on_testbed(testbed, tmp_path, method="poet", learning_rate=3e-2, max_steps=10)
     warnings = [r.getMessage() for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
     assert len(warnings) == 1 and "0.03" in warnings[0]
     layers = [layer for _, layer in poet_layers(results["trainer"].model)]

@@ -1,8 +1,5 @@
 """The orthogonal core against dense float64 references (tests/reference.py)."""
 
-import json
-
-import prewarmed
 import pytest
 import torch
 from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
@@ -147,16 +144,3 @@ def test_generators_are_keyed_by_seed_merge_count_layer_and_side():
         assert not torch.equal(base, draw(*other))
     subset = sample_subset(64, 20, spo_generator(0, 0, "x", "input"))
     assert subset.numel() == 20 and subset.unique().numel() == 20 and torch.equal(subset, subset.sort().values)
-
-
-def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
-    """A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py)."""
-    (tmp_path / "draw.py").write_text(
-        "import json, sys\n"
-        "from poet_hf.orthogonal import sample_permutation, spo_generator\n"
-        "draw = sample_permutation(32, spo_generator(7, 2, 'layers.3.mlp.up_proj', 'output'))\n"
-        "open(sys.argv[1], 'w').write(json.dumps(draw.tolist()))\n"
-    )
-    prewarmed.run(tmp_path / "draw.py", [tmp_path / "draw.json"], tmp_path / "draw.log")
-    here = sample_permutation(32, spo_generator(7, 2, "layers.3.mlp.up_proj", "output")).tolist()
-    assert json.loads((tmp_path / "draw.json").read_text()) == here

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import torch
 from peft import LoraConfig
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, default_data_collator
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    TrainerCallback,
+    default_data_collator,
+)
 
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
 from ..initialization import has_meta_tensors
@@ -197,8 +203,8 @@ class FinetuneArguments:
     eval_steps: int | None = field(
         default=None,
         metadata={
-            "help": "also evaluate every this many steps (the "
-            "losses go to the log and results.json); default: before and after only"
+            "help": "also evaluate every this many steps and at the last (the losses go to the log and "
+            "results.json; the last is the 'after' one); default: before and after only"
         },
     )
     report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
@@ -433,6 +439,25 @@ def _metrics(result: dict[str, float], task: str) -> dict[str, float]:
     return metrics
 
 
+class _LastEvaluation(TrainerCallback):
+    """The metrics of the trainer's latest evaluation and the step it ran at."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.metrics: dict[str, float] | None = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.step, self.metrics = state.global_step, metrics
+
+
+def _evaluate_after_training(trainer: PoetTrainer, last: _LastEvaluation) -> dict[str, float]:
+    """The final model's metrics: those of the evaluation the trainer ran at the last step (with ``eval_steps``,
+    ``transformers`` evaluates the last step too) when nothing has changed the model since, else a new evaluation."""
+    if last.metrics is not None and last.step == trainer.state.global_step and not trainer.args.load_best_model_at_end:
+        return last.metrics
+    return trainer.evaluate()
+
+
 def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> dict[str, Any]:
     """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
     also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
@@ -452,6 +477,7 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
     if args.task == "sequence-classification" and getattr(base.config, "pad_token_id", None) is None:
         base.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
     model = apply_method(args, base, new_modules)
+    last_evaluation = _LastEvaluation()
     trainer = PoetTrainer(
         model=model,
         args=training_arguments(args),
@@ -461,12 +487,13 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
         data_collator=default_data_collator,
         processing_class=tokenizer,
         compute_metrics=accuracy if args.task == "sequence-classification" else None,
-        callbacks=callbacks,
+        callbacks=[*(callbacks or []), last_evaluation],
         run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},
     )
     before = _metrics(trainer.evaluate(), args.task)
+    last_evaluation.metrics = None  # only an evaluation during training can stand for the final one
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    after = _metrics(trainer.evaluate(), args.task)
+    after = _metrics(_evaluate_after_training(trainer, last_evaluation), args.task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results: dict[str, Any] = {
         "method": args.method,
