@@ -477,7 +477,6 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
     if args.task == "sequence-classification" and getattr(base.config, "pad_token_id", None) is None:
         base.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
     model = apply_method(args, base, new_modules)
-    last_evaluation = _LastEvaluation()
     trainer = PoetTrainer(
         model=model,
         args=training_arguments(args),
@@ -487,11 +486,12 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
         data_collator=default_data_collator,
         processing_class=tokenizer,
         compute_metrics=accuracy if args.task == "sequence-classification" else None,
-        callbacks=[*(callbacks or []), last_evaluation],
+        callbacks=callbacks,
         run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},
     )
     before = _metrics(trainer.evaluate(), args.task)
-    last_evaluation.metrics = None  # only an evaluation during training can stand for the final one
+    last_evaluation = _LastEvaluation()  # added after the evaluation before training, which it must not see
+    trainer.add_callback(last_evaluation)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     after = _metrics(_evaluate_after_training(trainer, last_evaluation), args.task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
