@@ -12,12 +12,13 @@ import pytest
 import torch
 from models import tiny_llama
 from peft import get_peft_model
-from reference import block_rotation_dense, subset_rotation_dense
+from reference import block_rotation_dense, neumann_series, skew_dense, subset_rotation_dense
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig
+from poet_hf.diagnostics import _probe_vector, poet_statistics
 from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
-from poet_hf.orthogonal.cayley import paper_neumann_k
+from poet_hf.orthogonal.cayley import MAX_SKEW_NORM, paper_neumann_k
 from poet_hf.training.pretrain import PretrainArguments, resolve_recipe
 from poet_hf.tuners.poet import poet_layers
 
@@ -238,6 +239,52 @@ def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
             e_orth = float(torch.linalg.matrix_norm(dense @ dense.T - eye) / torch.linalg.matrix_norm(eye))
             assert metrics[side]["e_orth"] == pytest.approx(e_orth, rel=1e-10) and e_orth > 1e-4
             assert metrics[side]["trace"] == pytest.approx(float(torch.trace(dense)) / spec.dim, rel=1e-12)
+
+
+@pytest.mark.parametrize("spo", ["block", "full"])
+def test_logged_statistics_are_those_of_the_dense_rotations(spo):
+    """What PoetTrainer logs (`poet_statistics`) and a merge records (`rotation_stats`), from one float64 evaluation
+    of each side's blocks, against loop-built skew matrices, explicit Neumann powers and dense rotations: the
+    largest ``||Q||_2`` and block error, the bound from the singular values of the materialized blocks, the layer
+    means of e_orth and of the probe cosine ``vᵀ R v``. float64 rounding of 16 × 16 products is about 1e-14."""
+    terms = 3
+    model = get_peft_model(tiny_llama(), PoetConfig(spo=spo, block_size=16, neumann_terms=terms, init_weights=False))
+    layers = poet_layers(model)
+    with torch.no_grad():
+        for _, layer in layers:
+            for side in layer.poet_specs["default"]:
+                layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
+    q_norm, block_error, probe, e_orth = 0.0, 0.0, {"R": [], "P": []}, {"R": [], "P": []}
+    for _, layer in layers:
+        bound = 1.0
+        for side, spec in layer.poet_specs["default"].items():
+            qs = [skew_dense(row.double(), spec.block) for row in layer.skew_parameter("default", side).detach()]
+            blocks = torch.stack([neumann_series(q, terms) for q in qs])
+            q_norm = max(q_norm, max(float(torch.linalg.svdvals(q).max()) for q in qs))
+            eye_b = torch.eye(spec.block, dtype=torch.float64)
+            errors = torch.linalg.matrix_norm(blocks @ blocks.mT - eye_b) / spec.block**0.5
+            block_error = max(block_error, float(errors.max()))
+            bound *= 1 + float((torch.linalg.svdvals(blocks) - 1).abs().max())
+            index = layer.index_buffer("default", side)
+            dense = (
+                subset_rotation_dense(index, blocks[0], spec.dim)
+                if spo == "full"
+                else block_rotation_dense(index, blocks)
+            )
+            eye = torch.eye(spec.dim, dtype=torch.float64)
+            letter = "R" if side == "input" else "P"
+            e_orth[letter].append(float(torch.linalg.matrix_norm(dense @ dense.T - eye) / spec.dim**0.5))
+            v = _probe_vector(layer, "default", side, spec.dim)
+            probe[letter].append(float(v @ dense @ v))
+        assert layer.rotation_stats("default")["neumann_bound"] == pytest.approx(bound - 1, rel=1e-10)
+        assert bound - 1 > 1e-3
+    stats = poet_statistics(model)
+    assert stats["poet/q_norm"] == pytest.approx(q_norm, rel=1e-12) and q_norm < MAX_SKEW_NORM  # no rescaling
+    assert stats["poet/block_orth_error"] == pytest.approx(block_error, rel=1e-10)
+    for letter in "RP":
+        assert stats[f"poet/e_orth_{letter}"] == pytest.approx(sum(e_orth[letter]) / len(layers), rel=1e-10)
+        assert stats[f"poet/probe_cos_{letter}"] == pytest.approx(sum(probe[letter]) / len(layers), rel=1e-12)
+        assert stats[f"poet/probe_cos_{letter}"] < 1 - 1e-4  # the probes see the rotations
 
 
 def test_exact_cayley_rotations_have_zero_e_orth():

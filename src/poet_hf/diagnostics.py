@@ -211,17 +211,18 @@ def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, flo
     q_norm, block_error, merge_count = 0.0, 0.0, 0
     per_type: dict[str, list[float]] = {}
     for name, layer in poet_layers(model, adapter):
-        stats = layer.rotation_stats(adapter)
+        rotations = layer.float64_rotations(adapter)  # one evaluation per layer and side serves every statistic
+        stats = layer.rotation_stats(adapter, rotations)
         q_norm, block_error = max(q_norm, stats["q_norm"]), max(block_error, stats["orth_error"])
         merge_count = int(layer.merge_counts[adapter])
         layer_type = name.rsplit(".", 1)[-1]
-        for side, metrics in layer.paper_metrics(adapter).items():
+        for side, metrics in layer.paper_metrics(adapter, rotations).items():
             letter = "R" if side == "input" else "P"
             for metric, value in metrics.items():
                 per_type.setdefault(f"{metric}_{letter}/{layer_type}", []).append(value)
             spec = layer.poet_specs[adapter][side]
             v = _probe_vector(layer, adapter, side, spec.dim)
-            blocks = layer.rotation_blocks(adapter, side, dtype=torch.float64).cpu()
+            blocks = rotations[side][1].cpu()
             cosine = float(spec.matmul_right(v[None], layer.index_buffer(adapter, side).cpu(), blocks)[0] @ v)
             per_type.setdefault(f"probe_cos_{letter}", []).append(cosine)
     stats = {"poet/merge_count": merge_count, "poet/q_norm": q_norm, "poet/block_orth_error": block_error}

@@ -501,8 +501,13 @@ def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:
     Returns:
         The bound per block, shape ``q.shape[:-2]``.
     """
+    return neumann_error_bound_at_norm(torch.linalg.matrix_norm(q, ord=2), terms)
+
+
+def neumann_error_bound_at_norm(theta: torch.Tensor, terms: int) -> torch.Tensor:
+    """`neumann_error_bound` of blocks whose spectral norms ``||Q||_2`` are ``theta`` (elementwise); a caller that has
+    the norms already spares an SVD per block."""
     check_neumann_terms(terms)
     if terms == 0:
-        return q.new_zeros(q.shape[:-2])
-    theta = torch.linalg.matrix_norm(q, ord=2).to(torch.complex128)
-    return ((1 - (1j * theta) ** (terms - 1)).abs() - 1).abs().to(q.dtype)
+        return torch.zeros_like(theta)
+    return ((1 - (1j * theta.to(torch.complex128)) ** (terms - 1)).abs() - 1).abs().to(theta.dtype)

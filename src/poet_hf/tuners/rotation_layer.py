@@ -32,7 +32,6 @@ from torch import nn
 
 from ..orthogonal import (
     cayley_neumann,
-    neumann_error_bound,
     num_skew_params,
     orthogonal_from_vector,
     orthogonality_error,
@@ -40,7 +39,7 @@ from ..orthogonal import (
     skew_from_vector,
     spo_generator,
 )
-from ..orthogonal.cayley import skew_norm_scale, skew_spectral_norm
+from ..orthogonal.cayley import neumann_error_bound_at_norm, skew_norm_scale, skew_spectral_norm
 from ..orthogonal.rotated_linear import (
     ACTIVATION,
     ACTIVATION_RECOMPUTE,
@@ -410,8 +409,15 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
     ) -> torch.Tensor:
         """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider);
         blocks flagged ``False`` in ``keep`` are the identity."""
-        spec = self.sides(adapter_name)[side]
         param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
+        blocks = self._blocks_from_vector(param, adapter_name, side)
+        if keep is not None:
+            eye = torch.eye(blocks.shape[-1], dtype=dtype, device=blocks.device)
+            blocks = torch.where(keep[:, None, None], blocks, eye)
+        return blocks
+
+    def _blocks_from_vector(self, param: torch.Tensor, adapter_name: str, side: str) -> torch.Tensor:
+        spec = self.sides(adapter_name)[side]
         terms = self.poet_settings[adapter_name].neumann_terms
         if _FUSED:
             blocks = orthogonal_from_vector(param, spec.block, terms)
@@ -421,9 +427,18 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
             blocks = cayley_neumann(q if scale is None else q * scale, terms)
         if blocks.shape[0] != spec.num_blocks:  # one block shared by all
             blocks = blocks.expand(spec.num_blocks, -1, -1)
-        if keep is not None:
-            blocks = torch.where(keep[:, None, None], blocks, torch.eye(spec.block, dtype=dtype, device=blocks.device))
         return blocks
+
+    @torch.no_grad()
+    def float64_rotations(self, adapter_name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per side, ``(Q, blocks)``: the skew blocks and the ``(num_blocks, b, b)`` orthogonal blocks, in float64.
+        Every statistic (`rotation_stats`, `paper_metrics`, ``diagnostics.poet_statistics``) is computed from these;
+        computing them once per logging step and passing them on is what keeps logging cheap."""
+        rotations = {}
+        for side, spec in self.sides(adapter_name).items():
+            param = full_tensor(self.skew_parameter(adapter_name, side)).double()
+            rotations[side] = (skew_from_vector(param, spec.block), self._blocks_from_vector(param, adapter_name, side))
+        return rotations
 
     def rotate_weight(
         self, matrix: torch.Tensor, adapter_name: str, inverse: bool = False, report: dict[str, Any] | None = None
@@ -806,13 +821,17 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         )
 
     @torch.no_grad()
-    def paper_metrics(self, adapter_name: str) -> dict[str, dict[str, float]]:
+    def paper_metrics(
+        self, adapter_name: str, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> dict[str, dict[str, float]]:
         """Per side, the POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` and trace metric ``Tr(R)/m`` (appendices A,
-        G, J) of the whole ``m × m`` rotation, from its blocks in float64: a permutation changes neither, and the
-        identity outside a fully stochastic block adds nothing to the error and ``m − b`` to the trace."""
+        G, J) of the whole ``m × m`` rotation, from its blocks in float64 (``rotations``, from `float64_rotations`, when
+        the caller has them): a permutation changes neither, and the identity outside a fully stochastic block adds
+        nothing to the error and ``m − b`` to the trace."""
+        rotations = rotations if rotations is not None else self.float64_rotations(adapter_name)
         metrics = {}
         for side, spec in self.sides(adapter_name).items():
-            blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
+            blocks = rotations[side][1]
             # ||RRᵀ − I||_F² is the sum over blocks of ||BBᵀ − I||_F² = b · orthogonality_error(B)².
             squared_error = float((orthogonality_error(blocks) ** 2).sum()) * spec.block
             trace = float(blocks.diagonal(dim1=-2, dim2=-1).sum()) + (spec.dim - spec.block * blocks.shape[0])
@@ -820,19 +839,23 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         return metrics
 
     @torch.no_grad()
-    def rotation_stats(self, adapter_name: str) -> dict[str, float]:
+    def rotation_stats(
+        self, adapter_name: str, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> dict[str, float]:
         """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||R R^T − I||_F/√b``) and ``neumann_bound``
         (the bound on any singular value's relative change the live rotations cause, from
-        [`neumann_error_bound`][poet_hf.orthogonal.neumann_error_bound]), over blocks and sides."""
+        [`neumann_error_bound`][poet_hf.orthogonal.neumann_error_bound]), over blocks and sides; from ``rotations``
+        (`float64_rotations`) when the caller has them."""
+        rotations = rotations if rotations is not None else self.float64_rotations(adapter_name)
         stats = {"q_norm": 0.0, "orth_error": 0.0, "neumann_bound": 0.0}
         bound = 1.0
         terms = self.poet_settings[adapter_name].neumann_terms
-        for side, spec in self.sides(adapter_name).items():
-            q = skew_from_vector(full_tensor(self.skew_parameter(adapter_name, side)).double(), spec.block)
-            blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
-            stats["q_norm"] = max(stats["q_norm"], float(torch.linalg.matrix_norm(q, ord=2).max()))
+        for q, blocks in rotations.values():
+            largest_norm = torch.linalg.matrix_norm(q, ord=2).max()
+            stats["q_norm"] = max(stats["q_norm"], float(largest_norm))
             stats["orth_error"] = max(stats["orth_error"], float(orthogonality_error(blocks).max()))
-            bound *= 1 + float(neumann_error_bound(q, terms).max())
+            # The bound grows with ||Q||_2, so the block with the largest norm has the largest bound.
+            bound *= 1 + float(neumann_error_bound_at_norm(largest_norm, terms))
         stats["neumann_bound"] = bound - 1
         return stats
 
