@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
-MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 90, 3, 5
+MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 60, 3, 5
 
 
 def die() -> None:
