@@ -1,7 +1,6 @@
 """The memory planner: its counts are the real model's, its formulas the paper's (POET Table 1)."""
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -110,23 +109,13 @@ def test_bad_arguments_name_the_field(argument, value):
         plan_memory("tiny", **{"method": "poet-bs", argument: value})
 
 
-def test_command_line_prints_parts_and_ends_with_the_total(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "plan_memory.py"),
-            "--model",
-            "llama-60m",
-            "--method",
-            "poet-bs",
-            "--compare",
-            "adamw",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    lines = result.stdout.strip().splitlines()
+def test_command_line_prints_parts_and_ends_with_the_total(capsys):
+    """scripts/plan_memory.py's main, in this process (a new interpreter would spend its time importing)."""
+    spec = importlib.util.spec_from_file_location("plan_memory_script", ROOT / "scripts" / "plan_memory.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--model", "llama-60m", "--method", "poet-bs", "--compare", "adamw"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     plan = plan_memory("llama-60m", "poet-bs")
     assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"
     assert lines[0].split()[-2:] == ["poet-bs", "adamw"]
