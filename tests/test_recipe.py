@@ -214,6 +214,12 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
 
 
 # --- 4. the paper's diagnostics --------------------------------------------------------------------------------------
+def dense_rotation(layer, side: str, blocks: torch.Tensor, spo: str) -> torch.Tensor:
+    """One side's whole ``m × m`` rotation from its float64 blocks and its permutation / index set (eqs. 4–5)."""
+    index, dim = layer.index_buffer("default", side), layer.poet_specs["default"][side].dim
+    return subset_rotation_dense(index, blocks[0], dim) if spo == "full" else block_rotation_dense(index, blocks)
+
+
 @pytest.mark.parametrize("spo", ["block", "full"])
 def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
     model = get_peft_model(tiny_llama(), PoetConfig(spo=spo, block_size=16, neumann_terms=3, init_weights=False))
@@ -229,12 +235,7 @@ def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
                     for row in layer.skew_parameter("default", side).detach()
                 ]
             )
-            index = layer.index_buffer("default", side)
-            dense = (
-                subset_rotation_dense(index, blocks[0], spec.dim)
-                if spo == "full"
-                else block_rotation_dense(index, blocks)
-            )
+            dense = dense_rotation(layer, side, blocks, spo)
             eye = torch.eye(spec.dim, dtype=torch.float64)
             e_orth = float(torch.linalg.matrix_norm(dense @ dense.T - eye) / torch.linalg.matrix_norm(eye))
             assert metrics[side]["e_orth"] == pytest.approx(e_orth, rel=1e-10) and e_orth > 1e-4
@@ -265,12 +266,7 @@ def test_logged_statistics_are_those_of_the_dense_rotations(spo):
             errors = torch.linalg.matrix_norm(blocks @ blocks.mT - eye_b) / spec.block**0.5
             block_error = max(block_error, float(errors.max()))
             bound *= 1 + float((torch.linalg.svdvals(blocks) - 1).abs().max())
-            index = layer.index_buffer("default", side)
-            dense = (
-                subset_rotation_dense(index, blocks[0], spec.dim)
-                if spo == "full"
-                else block_rotation_dense(index, blocks)
-            )
+            dense = dense_rotation(layer, side, blocks, spo)
             eye = torch.eye(spec.dim, dtype=torch.float64)
             letter = "R" if side == "input" else "P"
             e_orth[letter].append(float(torch.linalg.matrix_norm(dense @ dense.T - eye) / spec.dim**0.5))
