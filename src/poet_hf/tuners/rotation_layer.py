@@ -60,6 +60,10 @@ from .state_checks import AdapterStateError, index_problem, merge_count_problem,
 logger = logging.getLogger(__name__)
 
 
+# Per side, ``(Q, blocks)`` in float64 (`RotationLayer.float64_rotations`).
+SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
 class QuantizedMergeWarning(UserWarning):
     """A merge or unmerge into a quantised base changed ``W0`` by a requantisation (its measured size is in the
     message)."""
@@ -430,7 +434,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         return blocks
 
     @torch.no_grad()
-    def float64_rotations(self, adapter_name: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def float64_rotations(self, adapter_name: str) -> SideRotations:
         """Per side, ``(Q, blocks)``: the skew blocks and the ``(num_blocks, b, b)`` orthogonal blocks, in float64.
         Every statistic (`rotation_stats`, `paper_metrics`, ``diagnostics.poet_statistics``) is computed from these;
         computing them once per logging step and passing them on is what keeps logging cheap."""
@@ -821,9 +825,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         )
 
     @torch.no_grad()
-    def paper_metrics(
-        self, adapter_name: str, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    ) -> dict[str, dict[str, float]]:
+    def paper_metrics(self, adapter_name: str, rotations: SideRotations | None = None) -> dict[str, dict[str, float]]:
         """Per side, the POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` and trace metric ``Tr(R)/m`` (appendices A,
         G, J) of the whole ``m × m`` rotation, from its blocks in float64 (``rotations``, from `float64_rotations`, when
         the caller has them): a permutation changes neither, and the identity outside a fully stochastic block adds
@@ -839,9 +841,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         return metrics
 
     @torch.no_grad()
-    def rotation_stats(
-        self, adapter_name: str, rotations: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    ) -> dict[str, float]:
+    def rotation_stats(self, adapter_name: str, rotations: SideRotations | None = None) -> dict[str, float]:
         """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||R R^T − I||_F/√b``) and ``neumann_bound``
         (the bound on any singular value's relative change the live rotations cause, from
         [`neumann_error_bound`][poet_hf.orthogonal.neumann_error_bound]), over blocks and sides; from ``rotations``
