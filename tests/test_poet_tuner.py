@@ -355,9 +355,9 @@ def test_bad_config_fields_are_named(field, value):
         PoetConfig(**{field: value})
 
 
-def test_block_size_that_does_not_divide_is_rejected_at_build_time():
+def test_block_size_that_does_not_divide_is_rejected_at_build_time_when_strict():
     with pytest.raises(ValueError, match="`block_size`=24 does not divide"):
-        get_peft_model(tiny_llama(), PoetConfig(block_size=24))
+        get_peft_model(tiny_llama(), PoetConfig(block_size=24, strict_block_size=True))
 
 
 def test_unsupported_target_type_is_rejected():

@@ -21,6 +21,7 @@ from .cayley import num_skew_params
 __all__ = [
     "SideSpec",
     "make_side_spec",
+    "nearest_divisor",
     "blockdiag_right",
     "blockdiag_left",
     "blockdiag_grad_right",
@@ -236,6 +237,27 @@ class SideSpec:
     def apply_cost(self, other_dim: int) -> int:
         """Multiply-adds of rotating ``other_dim`` vectors of length ``dim``."""
         return other_dim * (self.block**2 if self.kind == FULL else self.dim * self.block)
+
+
+def nearest_divisor(dim: int, size: int) -> int:
+    """The divisor of ``dim`` nearest to ``size`` (a tie goes to the smaller), never 1; ``dim`` itself when
+    ``size >= dim``.
+
+    This is PEFT's rule for an ``oft_block_size`` that does not divide a layer (``OFTLayer.adjust_oft_parameters``),
+    except that a 1-block (a 1×1 rotation is ±1, so nothing would train) gives way to the next divisor above.
+
+    Args:
+        dim: the dimension to split into equal blocks (>= 2).
+        size: the block size asked for (>= 2).
+
+    Returns:
+        A divisor of ``dim`` in ``[2, dim]``.
+    """
+    if size >= dim:
+        return dim
+    lower = next(d for d in range(size, 0, -1) if dim % d == 0)
+    higher = next(d for d in range(size, dim + 1) if dim % d == 0)
+    return lower if lower > 1 and size - lower <= higher - size else higher
 
 
 def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name: str, field: str) -> SideSpec:

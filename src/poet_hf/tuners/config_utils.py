@@ -71,6 +71,31 @@ def peft_field(name: str) -> Any:
     return field(default=None, metadata={"help": _PEFT_FIELD_HELP[name]})
 
 
+def strict_block_size_field() -> Any:
+    """The ``strict_block_size`` field of the rotation configs (`block_sizes`)."""
+    return field(
+        default=False,
+        metadata={
+            "help": "False (default): a block size (or OFT's r) that does not divide a targeted side becomes its "
+            "nearest divisor (PEFT's rule for OFT; never 1), with one warning listing the layers, and the sizes are "
+            "recorded in block_size_pattern. True: such a layer is an error."
+        },
+    )
+
+
+def block_size_pattern_field() -> Any:
+    """The ``block_size_pattern`` field of the rotation configs (`block_sizes`)."""
+    return field(
+        default_factory=dict,
+        metadata={
+            "help": "Block size per target module, by its full name in the base model (e.g. "
+            "'model.layers.0.mlp.down_proj'); POET may give {'input': b_R, 'output': b_P}. An entry overrides "
+            "block_size for that module and must divide it. Filled when the model is built with the sizes that "
+            "were adjusted to fit, and saved with the adapter, so a reload builds the same blocks."
+        },
+    )
+
+
 def cache_rotations_field() -> Any:
     """The ``cache_rotations`` field of the rotation configs (`rotation_cache`)."""
     return field(

@@ -8,9 +8,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from peft.config import PeftConfig
 
 from ...orthogonal import check_neumann_terms
+from ...orthogonal.spo import nearest_divisor
+from ..block_sizes import check_block_size_pattern, resolve_block_size
 from ..bnb import REQUANTIZE_MODES
 from ..config_utils import (
     CheckedLoadConfig,
+    block_size_pattern_field,
     cache_rotations_field,
     check_bool,
     check_choice,
@@ -18,6 +21,7 @@ from ..config_utils import (
     normalize_peft_target_fields,
     peft_field,
     requantize_field,
+    strict_block_size_field,
 )
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..registry import peft_type_member
@@ -59,18 +63,19 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
     r: int = field(
         default=0,
         metadata={
-            "help": "Number of blocks per layer (block_size = in_features / r). Set "
-            "exactly one of `r` and `block_size`."
+            "help": "Number of blocks per layer (block_size = in_features / r; where r does not divide, the "
+            "nearest divisor, see strict_block_size). Set exactly one of `r` and `block_size`."
         },
     )
     block_size: int = field(
         default=32,
         metadata={
-            "help": "Block size b; must divide the input dimension of every "
-            "target (in·kh·kw for Conv2d). Set exactly one of `r` and "
-            "`block_size`."
+            "help": "Block size b of the input side (in·kh·kw for Conv2d); where it does not divide a target, the "
+            "nearest divisor is used (see strict_block_size). Set exactly one of `r` and `block_size`."
         },
     )
+    strict_block_size: bool = strict_block_size_field()
+    block_size_pattern: dict[str, int] = block_size_pattern_field()
     neumann_terms: int = field(
         default=5,
         metadata={
@@ -140,7 +145,8 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         if self.block_size == 1:
             raise ValueError("`block_size` must be 0 (use `r`) or an integer >= 2, got 1 (a 1×1 rotation is ±1)")
         check_neumann_terms(self.neumann_terms)
-        for name in ("block_share", "coft", "init_weights", "cache_rotations"):
+        check_block_size_pattern(self.block_size_pattern, per_side_allowed=False)
+        for name in ("block_share", "coft", "init_weights", "cache_rotations", "strict_block_size"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
             raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
@@ -162,40 +168,40 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
 
     def resolve_block_size(self, dim: int, layer_name: str) -> int:
-        """The block size for a target whose rotated dimension is ``dim``; ``ValueError`` if it does not divide.
+        """The block size for a target whose rotated (input) dimension is ``dim`` (`block_sizes`).
 
-        Unlike PEFT, which silently snaps a non-dividing size to a nearby divisor (with a warning), a size that
-        does not divide is an error here, raised when the model is built.
+        ``block_size``, or ``dim / r``, where it divides ``dim``; otherwise, as PEFT's OFT does, the nearest divisor,
+        recorded in ``block_size_pattern`` (with ``strict_block_size``, an error). ``r`` is fitted as a number of
+        blocks, so the result is ``dim`` over the divisor of ``dim`` nearest to ``r``.
 
         Args:
             dim: the rotated (input) dimension.
-            layer_name: the module's name, for the message.
+            layer_name: the module's name, the key of ``block_size_pattern``.
 
         Returns:
-            The block size.
+            The block size, a divisor of ``dim`` of at least 2.
 
         Raises:
-            ValueError: the size (or ``r``) does not divide ``dim``, or gives 1 × 1 blocks.
+            ValueError: with ``strict_block_size``, the size (or ``r``) does not divide ``dim``; or a
+                ``block_size_pattern`` entry does not; or ``r`` gives 1 × 1 blocks.
         """
-        if self.r:
-            if dim % self.r:
-                raise ValueError(
-                    f"`r`={self.r} does not divide the {dim}-dimensional input side of target module '{layer_name}'; "
-                    "choose a number of blocks that divides every targeted input dimension"
-                )
-            block_size = dim // self.r
-            if block_size < 2:
-                raise ValueError(
-                    f"`r`={self.r} gives blocks of size {block_size} for target module '{layer_name}' "
-                    f"(input dimension {dim}); use fewer blocks"
-                )
-            return block_size
-        if dim % self.block_size:
+        if not self.r or layer_name in self.block_size_pattern:
+            return resolve_block_size(self, layer_name, "input", dim, self.block_size or dim, "block_size", False)
+        if dim % self.r and self.strict_block_size:
             raise ValueError(
-                f"`block_size`={self.block_size} does not divide the {dim}-dimensional input side of target module "
-                f"'{layer_name}'; choose a block size that divides every targeted input dimension"
+                f"`r`={self.r} does not divide the {dim}-dimensional input side of target module '{layer_name}'; "
+                "choose a number of blocks that divides every targeted input dimension, or set "
+                "`strict_block_size`=False to use the nearest divisor"
             )
-        return self.block_size
+        blocks = self.r if dim % self.r == 0 else nearest_divisor(dim, self.r)
+        if blocks * 2 > dim:
+            raise ValueError(
+                f"`r`={self.r} gives blocks of size {dim // blocks} for target module '{layer_name}' "
+                f"(input dimension {dim}); use fewer blocks"
+            )
+        if blocks != self.r:
+            self.block_size_pattern[layer_name] = dim // blocks
+        return dim // blocks
 
     @classmethod
     def from_peft_config(cls, peft_config: OFTConfig, **overrides: Any) -> OftConfig:

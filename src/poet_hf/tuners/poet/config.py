@@ -8,9 +8,11 @@ from typing import Literal
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
+from ..block_sizes import check_block_size_pattern
 from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..config_utils import (
     CheckedLoadConfig,
+    block_size_pattern_field,
     cache_rotations_field,
     check_bool,
     check_budget,
@@ -20,6 +22,7 @@ from ..config_utils import (
     peft_field,
     per_side,
     requantize_field,
+    strict_block_size_field,
 )
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
@@ -63,10 +66,12 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     block_size: int | dict[str, int] = field(
         default=256,
         metadata={
-            "help": "Block size b for spo='block' or 'contiguous' (must divide the dims), or per "
-            "side: {'input': b_R, 'output': b_P}."
+            "help": "Block size b for spo='block' or 'contiguous', or per side: {'input': b_R, 'output': b_P}. "
+            "Where b does not divide a side, that side uses the nearest divisor (see strict_block_size)."
         },
     )
+    strict_block_size: bool = strict_block_size_field()
+    block_size_pattern: dict[str, int | dict[str, int]] = block_size_pattern_field()
     budget: float | int | dict[str, float | int] = field(
         default=0.5,
         metadata={
@@ -136,6 +141,8 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             check_positive_int(
                 f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value, minimum=2
             )
+        check_bool("strict_block_size", self.strict_block_size)
+        check_block_size_pattern(self.block_size_pattern, per_side_allowed=True)
         for side, value in per_side("budget", self.budget).items():
             check_budget(value, f"budget[{side!r}]" if isinstance(self.budget, dict) else "budget", absolute=True)
         check_choice("sides", self.sides, SIDES_CHOICES)

@@ -14,6 +14,7 @@ from torch import nn
 
 from ...orthogonal import init_base_weight, spo_generator, subset_size
 from ...orthogonal.spo import make_side_spec
+from ..block_sizes import resolve_block_size
 from ..rotation_layer import SIDE_INPUT, SIDE_OUTPUT, RotationLayer, RotationSettings
 
 
@@ -62,6 +63,11 @@ class PoetLayer(RotationLayer):
         wanted = {"both": (SIDE_INPUT, SIDE_OUTPUT), "input": (SIDE_INPUT,), "output": (SIDE_OUTPUT,)}[config.sides]
         field = "budget" if config.spo == "full" else "block_size"
         blocks, budgets = side_values(config, "block_size"), side_values(config, "budget")
+        if config.spo != "full":
+            blocks = {
+                side: resolve_block_size(config, layer_name, side, dims[side], blocks[side], field, per_side=True)
+                for side in wanted
+            }
         specs = {
             side: make_side_spec(
                 config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]), layer_name, field

@@ -10,6 +10,7 @@ from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
+from ..block_sizes import warn_adjusted_block_sizes
 from ..bnb import drop_residual, quantization_of
 from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
@@ -69,6 +70,19 @@ class PoetModel(BaseTuner):
         # PEFT reaches the wrapped model through this tuner (task models) or directly (PeftModel): hook both.
         for module in (self, self.model):
             module.register_forward_hook(_release_caches_if_raising, always_call=True)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """PEFT's injection, then one warning listing the layers whose block size was adjusted to fit
+        (`block_sizes`)."""
+        config = self.peft_config[adapter_name]
+        before = dict(getattr(config, "block_size_pattern", {}))
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        if getattr(config, "block_size_pattern", None):
+            dims = {
+                name: {side: spec.dim for side, spec in layer.sides(adapter_name).items()}
+                for name, layer in rotation_layers(model, adapter_name)
+            }
+            warn_adjusted_block_sizes(config, before, dims)
 
     def _create_and_replace(
         self,
