@@ -1,9 +1,11 @@
-"""Supervised fine-tuning with TRL's ``SFTTrainer`` and an OFT or POET adapter (``peft_config=``).
+"""Supervised fine-tuning with TRL's ``SFTTrainer`` and an OFT or POET adapter.
 
-What it shows: ``SFTTrainer`` builds the PEFT model from ``OftConfig`` / ``PoetConfig`` exactly as it does from
-PEFT's own configs, trains it on a chat-formatted dataset (a ``messages`` column, rendered by the tokenizer's chat
-template, the loss on the assistant turns only), and the saved adapter reloads with ``PeftModel.from_pretrained``.
-With POET, ``MergeReinitCallback`` adds the merge-then-reinitialize steps to TRL's trainer.
+What it shows: ``SFTTrainer`` trains a PEFT model built from ``OftConfig`` / ``PoetConfig.for_finetuning()`` on a
+chat-formatted dataset (a ``messages`` column, rendered by the tokenizer's chat template, the loss on the assistant
+turns only), with the optimizer ``PoetTrainer`` would build (``create_poet_optimizer``: the rotations at their own
+rate, a side of block size b at lr·32/b) and, for POET, ``MergeReinitCallback`` for the merge-then-reinitialize steps
+and the optimizer-state resets; the saved adapter reloads with ``PeftModel.from_pretrained``. (``SFTTrainer(...,
+peft_config=OftConfig(...))`` works too, as with PEFT's own configs, but trains every parameter at one rate.)
 
 By default it runs on a CPU in under a minute: a small LLaMA built from a config (no download), fine-tuned on a chat
 dataset made of the bundled plays' lines ("Continue this line: <line>" → the next line). On real checkpoints:
@@ -99,23 +101,24 @@ def small_model_and_tokenizer():
 
 
 def peft_config(method: str) -> Any:
+    """OFT at its defaults, or POET's fine-tuning recipe (contiguous 32-blocks), merging every 10 steps to show it."""
     from poet_hf import OftConfig, PoetConfig
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     if method == "oft":
-        return OftConfig(block_size=16, target_modules=targets, task_type="CAUSAL_LM")
-    return PoetConfig(spo="contiguous", block_size=16, merge_every=10, target_modules=targets, task_type="CAUSAL_LM")
+        return OftConfig(task_type="CAUSAL_LM")
+    return PoetConfig.for_finetuning(merge_every=10, task_type="CAUSAL_LM")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Fine-tune, evaluate before and after, save the adapter and reload it; returns the figures."""
     from datasets import load_dataset
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     import poet_hf  # noqa: F401  (registers the tuners with PEFT)
-    from poet_hf import MergeReinitCallback
+    from poet_hf import MergeReinitCallback, create_poet_optimizer
+    from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
 
     if args.model is None:
         model, tokenizer = small_model_and_tokenizer()
@@ -125,7 +128,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer.chat_template = CHAT_TEMPLATE
     data = chat_dataset() if args.dataset is None else load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=32, seed=0)
-    learning_rate = args.learning_rate or (3e-3 if args.model is None else 1e-3)
+    learning_rate = args.learning_rate or (
+        3e-3 if args.model is None else POET_FINETUNE_RECIPES["default"].learning_rate
+    )
     config = SFTConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -143,6 +148,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         eval_strategy="no",
         disable_tqdm=True,
     )
+    model = get_peft_model(model, peft_config(args.method))
+    # A side of block size b at lr·32/b (the fine-tuning recipe); the scheduler comes from `config`.
+    reference_block = POET_FINETUNE_RECIPES["default"].reference_block
+    optimizer = create_poet_optimizer(model, config, poet_reference_block=reference_block)
     callbacks = [MergeReinitCallback()] if args.method == "poet" else []
     trainer = SFTTrainer(
         model=model,
@@ -150,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         train_dataset=split["train"],
         eval_dataset=split["test"],
         processing_class=tokenizer,
-        peft_config=peft_config(args.method),
+        optimizers=(optimizer, None),
         callbacks=callbacks,
     )
     before = trainer.evaluate()["eval_loss"]

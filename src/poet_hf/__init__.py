@@ -27,6 +27,7 @@ _LAZY_EXPORTS = {
     "PoetTrainer": "poet_hf.training",
     "PoetTrainingArguments": "poet_hf.training",
     "MergeReinitCallback": "poet_hf.training",
+    "create_poet_optimizer": "poet_hf.training",
     "export_merged": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
     "plan_memory": "poet_hf.memory_plan",

@@ -2,7 +2,7 @@
 
 from .arguments import PoetTrainingArguments
 from .callback import MergeReinitCallback, clip_threshold
-from .optimizer import poet_param_groups, poet_parameters, reset_optimizer_state
+from .optimizer import create_poet_optimizer, poet_param_groups, poet_parameters, reset_optimizer_state
 from .trainer import PoetTrainer
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "PoetTrainingArguments",
     "MergeReinitCallback",
     "clip_threshold",
+    "create_poet_optimizer",
     "poet_param_groups",
     "poet_parameters",
     "reset_optimizer_state",

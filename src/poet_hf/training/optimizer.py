@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from ..tuners.rotation_layer import RotationLayer
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 
 def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -93,6 +97,68 @@ def poet_param_groups(
                 }
             )
     return [g for g in groups if g["params"]]
+
+
+def create_poet_optimizer(
+    model: nn.Module,
+    args: TrainingArguments,
+    *,
+    poet_learning_rate: float | None = None,
+    poet_reference_block: int | None = None,
+    optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+    decay_parameter_names: Iterable[str] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer `PoetTrainer` builds, for any ``transformers.Trainer`` (TRL's ``SFTTrainer`` too) or a loop.
+
+    Pass it as ``Trainer(..., optimizers=(optimizer, None))`` (the Trainer then builds the scheduler from ``args``,
+    which scales every group) with [`MergeReinitCallback`][poet_hf.MergeReinitCallback], which merges and resets the
+    rotations' optimizer state (`reset_optimizer_state`) every ``merge_every`` steps. In a hand-written loop call
+    ``merge_and_reinit(model)`` and ``reset_optimizer_state(optimizer, poet_parameters(model))`` yourself. Like PEFT's
+    ``create_loraplus_optimizer``, it groups the parameters by rate: the groups of `poet_param_groups`, with the
+    class and keyword arguments of ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``).
+
+    Args:
+        model: the PEFT model (built before the Trainer, e.g. by ``get_peft_model``).
+        args: the training arguments (``TrainingArguments``, ``SFTConfig``, `PoetTrainingArguments`, …): ``optim``,
+            ``learning_rate``, ``weight_decay``, and ``poet_learning_rate`` / ``poet_reference_block`` where they
+            exist.
+        poet_learning_rate: the rotations' rate; default ``args.poet_learning_rate``, else ``args.learning_rate``.
+        poet_reference_block: a side of block size ``b`` trains at ``poet_learning_rate · poet_reference_block / b``;
+            default ``args.poet_reference_block``, else one rate for every side. The fine-tuning recipe uses 32
+            (`POET_FINETUNE_RECIPES`).
+        optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
+        decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        ValueError: ``args.optim`` builds its own parameter groups (GaLore, APOLLO, …), which the two rates cannot
+            join.
+    """
+    from transformers import Trainer
+
+    optimizer_cls, kwargs = optimizer_cls_and_kwargs or Trainer.get_optimizer_cls_and_kwargs(args, cast(Any, model))
+    if {"params", "model", "optimizer_dict"} & set(kwargs):
+        raise ValueError(
+            f"optim={args.optim!r} builds its own parameter groups, which POET's two "
+            "learning rates cannot be combined with; use an AdamW-type optim"
+        )
+    if decay_parameter_names is None:  # Trainer's rule; the method reads nothing of the trainer
+        decay_parameter_names = Trainer.get_decay_parameter_names(cast(Any, None), model)
+    if poet_learning_rate is None:
+        poet_learning_rate = getattr(args, "poet_learning_rate", None)
+    if poet_reference_block is None:
+        poet_reference_block = getattr(args, "poet_reference_block", None)
+    groups = poet_param_groups(
+        model,
+        args.learning_rate,
+        args.learning_rate if poet_learning_rate is None else poet_learning_rate,
+        args.weight_decay,
+        decay_parameter_names,
+        poet_reference_block,
+    )
+    return optimizer_cls(groups, **kwargs)
 
 
 @torch.no_grad()

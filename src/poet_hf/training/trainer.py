@@ -17,7 +17,7 @@ from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
 from ..tuners.poet import poet_layers
 from .callback import MergeReinitCallback, unwrap
-from .optimizer import poet_param_groups
+from .optimizer import create_poet_optimizer
 
 
 def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
@@ -135,27 +135,17 @@ class PoetTrainer(CrashSafeTrainer):
         return unwrap(cast(nn.Module, self.model))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """POET's optimizer ([`create_poet_optimizer`][poet_hf.create_poet_optimizer]) for a model with POET
+        layers; Trainer's otherwise, or when one was passed in ``optimizers``."""
         opt_model = cast(nn.Module, self.model if model is None else model)
         if self.optimizer is not None or not self.has_poet:
             return super().create_optimizer(model)
-        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(
-            self.args, cast(Any, opt_model)
-        )
-        kwargs = dict(kwargs)
-        if "params" in kwargs or "model" in kwargs or "optimizer_dict" in kwargs:
-            raise ValueError(
-                f"optim={self.args.optim!r} builds its own parameter groups, which POET's two "
-                "learning rates cannot be combined with; use an AdamW-type optim"
-            )
-        groups = poet_param_groups(
+        self.optimizer = create_poet_optimizer(
             opt_model,
-            self.args.learning_rate,
-            self.poet_learning_rate,
-            self.args.weight_decay,
-            self.get_decay_parameter_names(opt_model),
-            getattr(self.args, "poet_reference_block", None),
+            self.args,
+            optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
+            decay_parameter_names=self.get_decay_parameter_names(opt_model),
         )
-        self.optimizer = optimizer_cls(groups, **kwargs)
         return self.optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

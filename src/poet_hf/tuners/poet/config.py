@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from peft.config import PeftConfig
 
@@ -28,6 +28,31 @@ from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICE
 from ..registry import peft_type_member
 
 POET_PEFT_TYPE = "POET"
+
+
+@dataclass(frozen=True)
+class PoetFinetuneRecipe:
+    """A fine-tuning recipe for POET: the adapter's fields and the rotations' learning rate.
+
+    Args:
+        config: `PoetConfig` fields; the others keep their defaults.
+        learning_rate: the rotations' rate at a ``reference_block`` side.
+        reference_block: a side of block size ``b`` trains at ``learning_rate · reference_block / b``
+            (``poet_reference_block`` of `PoetTrainingArguments` and `create_poet_optimizer`).
+    """
+
+    config: dict[str, Any]
+    learning_rate: float = 1e-3
+    reference_block: int = 32
+
+
+# "default": 32-blocks on both sides in OFT's contiguous layout (a fine-tuning run rarely reaches a merge, where a
+# permutation would pay off), at OFT's default block and rate; "paper": the POET paper's Table 6 setting, its
+# pretraining configuration (fully stochastic, budget 1/2). docs/finetuning.md has the sweep they come from.
+POET_FINETUNE_RECIPES: dict[str, PoetFinetuneRecipe] = {
+    "default": PoetFinetuneRecipe({"spo": "contiguous", "block_size": 32}),
+    "paper": PoetFinetuneRecipe({"spo": "full", "budget": 0.5}),
+}
 
 
 @dataclass
@@ -156,6 +181,29 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def for_finetuning(cls, recipe: str = "default", **overrides: Any) -> PoetConfig:
+        """The config of a POET fine-tuning recipe (`POET_FINETUNE_RECIPES`), for a pretrained model.
+
+        ``"default"`` is contiguous 32-blocks on both sides; train it at ``learning_rate=1e-3`` with
+        ``poet_reference_block=32`` (`PoetTrainingArguments`, or
+        [`create_poet_optimizer`][poet_hf.create_poet_optimizer] for another Trainer), as
+        ``POET_FINETUNE_RECIPES[recipe]`` records. ``"paper"`` is the POET paper's Table 6 setting (fully stochastic,
+        budget ½).
+
+        Args:
+            recipe: ``"default"`` or ``"paper"``.
+            **overrides: fields to set differently (``target_modules``, ``task_type``, …).
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: an unknown recipe.
+        """
+        check_choice("recipe", recipe, tuple(POET_FINETUNE_RECIPES))
+        return cls(**{**POET_FINETUNE_RECIPES[recipe].config, **overrides})
 
     @property
     def trains_other_params(self) -> bool:

@@ -1,0 +1,98 @@
+"""POET's optimizer for any Trainer: `create_poet_optimizer` builds PoetTrainer's groups and rates, and TRL's
+`SFTTrainer` fine-tunes the pretrained testbed LM with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import poet_hf  # noqa: F401  (registers the tuners)
+from poet_hf import MergeReinitCallback, PoetConfig, PoetTrainer, PoetTrainingArguments, create_poet_optimizer
+from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
+from poet_hf.tuners.rotation_layer import rotation_layers
+
+RECIPE = POET_FINETUNE_RECIPES["default"]
+
+
+def group_signature(optimizer: torch.optim.Optimizer) -> list[tuple]:
+    return [
+        (g["lr"], g["weight_decay"], g.get("poet", False), g.get("block_size"), [id(p) for p in g["params"]])
+        for g in optimizer.param_groups
+    ]
+
+
+def milton_rows(corpus_dir, split: str, characters: int = 600) -> list[str]:
+    text = json.loads((corpus_dir / f"{split}.jsonl").read_text())["text"]
+    return [text[i : i + characters] for i in range(0, len(text) - characters, characters)]
+
+
+@pytest.mark.testbed
+@pytest.mark.slow
+def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowers_the_loss(tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from benchmarks import testbed
+
+    model_dir, corpus = testbed.ensure_causal_lm(threads=1), testbed.milton_corpus()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Two block sizes, so that the per-side scaling has two groups to get right: R in 32-blocks, P in 64-blocks.
+    config = PoetConfig.for_finetuning(block_size={"input": 32, "output": 64}, task_type="CAUSAL_LM")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
+    sft_args = SFTConfig(
+        output_dir=str(tmp_path / "sft"),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=RECIPE.learning_rate,
+        lr_scheduler_type="linear",
+        max_length=128,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=4,
+        seed=0,
+        use_cpu=True,
+        bf16=False,  # SFTConfig's default is bf16; this test is float32 on a CPU
+        disable_tqdm=True,
+    )
+    optimizer = create_poet_optimizer(model, sft_args, poet_reference_block=RECIPE.reference_block)
+
+    poet_args = PoetTrainingArguments(
+        output_dir=str(tmp_path / "poet"),
+        learning_rate=RECIPE.learning_rate,
+        poet_reference_block=RECIPE.reference_block,
+        report_to="none",
+        use_cpu=True,
+    )
+    assert group_signature(optimizer) == group_signature(PoetTrainer(model=model, args=poet_args).create_optimizer())
+
+    # Independently of poet_param_groups: every skew parameter sits in one group, at lr·32/b for its side's b.
+    rate_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    expected = {
+        id(layer.skew_parameter("default", side)): RECIPE.learning_rate * RECIPE.reference_block / spec.block
+        for _, layer in rotation_layers(model)
+        for side, spec in layer.sides("default").items()
+    }
+    assert rate_of == expected and sorted(set(expected.values())) == [5e-4, 1e-3]
+
+    validation = Dataset.from_dict({"text": milton_rows(corpus, "validation")[:32]})
+    trainer = SFTTrainer(
+        model=model,
+        args=sft_args,
+        train_dataset=Dataset.from_dict({"text": milton_rows(corpus, "train")}),
+        eval_dataset=validation,
+        processing_class=tokenizer,
+        optimizers=(optimizer, None),
+        callbacks=[merges := MergeReinitCallback(merge_every=6)],
+    )
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    after = trainer.evaluate()["eval_loss"]
+    assert after < before - 0.05, (before, after)
+    # The Trainer stepped this optimizer, its scheduler scaled both groups alike, and the merges ran (and reset).
+    assert [g["lr"] for g in optimizer.param_groups] == [0.0, 0.0]  # linear decay to 0 at the last step
+    assert [m["step"] for m in merges.history] == [6, 12]
+    assert all(int(layer.merge_counts["default"]) == 2 for _, layer in rotation_layers(model))
