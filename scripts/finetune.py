@@ -6,27 +6,23 @@
     python scripts/finetune.py --model bert-base-uncased --task sequence-classification --method oft \\
         --dataset glue --dataset_config sst2 --text_column sentence
     python scripts/finetune.py --model ./my-llama --method oft --base_quantization nf4   # QOFT on a 4-bit base
+    python scripts/finetune.py --model ./my-llama --method poet --bf16 --gradient_checkpointing --optim adamw_torch
 
-Every option: python scripts/finetune.py --help
+Every TrainingArguments flag works (--bf16, --gradient_checkpointing, --torch_compile, --optim,
+--per_device_train_batch_size, --report_to, --push_to_hub, ...). Every option: python scripts/finetune.py --help
 """
 
 from __future__ import annotations
 
 import json
 
-from transformers import HfArgumentParser
-
 from poet_hf.distributed import end_distributed
-from poet_hf.training.finetune import FinetuneArguments, run_finetuning
-
-
-def build_parser() -> HfArgumentParser:
-    return HfArgumentParser(FinetuneArguments)
+from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
-    results = run_finetuning(args)
+    args, training = parse_finetune_arguments(argv)
+    results = run_finetuning(args, training)
     summary = {k: results[k] for k in ("method", "model", "task", "before", "after", "steps", "trainable_params")}
     if "export_dir" in results:
         summary["export_dir"] = results["export_dir"]

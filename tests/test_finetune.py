@@ -70,7 +70,7 @@ COMMON = [
     "16",
     "--max_steps",
     "20",
-    "--batch_size",
+    "--per_device_train_batch_size",
     "8",
     "--max_eval_samples",
     "16",
@@ -140,7 +140,7 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
 def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(workspace, tmp_path):
     from transformers import TrainerCallback
 
-    from poet_hf.training.finetune import FinetuneArguments, run_finetuning
+    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
 
     class Steps(TrainerCallback):
         def __init__(self):
@@ -150,7 +150,7 @@ def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(wo
             self.steps.append(state.global_step)
 
     evaluations = Steps()
-    args = FinetuneArguments(
+    args, training = parse_finetune_arguments(
         model=str(workspace / "pretrained"),
         method="poet",
         dataset=str(workspace / "heldout.txt"),
@@ -158,14 +158,15 @@ def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(wo
         seq_len=64,
         block_size=16,
         max_steps=8,
-        batch_size=8,
+        per_device_train_batch_size=8,
         max_eval_samples=16,
         eval_steps=3,
         learning_rate=1e-2,
         merge_every=4,  # a merge at the last step, before its evaluation
         disable_tqdm=True,
     )
-    results = run_finetuning(args, callbacks=[evaluations])
+    assert training.eval_strategy == "steps"  # eval_steps given: the recipe's default strategy follows it
+    results = run_finetuning(args, training, callbacks=[evaluations])
     # Before training, every 3 steps, and at the last step (transformers adds it when eval_steps does not divide it).
     assert evaluations.steps == [0, 3, 6, 8]
     # The reported loss is the final model's: a new evaluation of it agrees to the bit.
@@ -204,7 +205,7 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
             "16",
             "--max_steps",
             "30",
-            "--batch_size",
+            "--per_device_train_batch_size",
             "16",
             "--learning_rate",
             "3e-3",
@@ -239,7 +240,8 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
     from models import tiny_llama
 
     from poet_hf import OftConfig, PoetConfig
-    from poet_hf.training.finetune import POET_RECIPES, method_config, training_arguments
+    from poet_hf.training.finetune import method_config, parse_finetune_arguments
+    from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
 
     model = tiny_llama()
     for method, config_class in (("poet", PoetConfig), ("oft", OftConfig)):
@@ -247,13 +249,38 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
         for name in ("neumann_terms", "merge_every"):
             assert getattr(config, name) == config_class.__dataclass_fields__[name].default, (method, name)
     assert method_config(FinetuneArguments(model="x", method="oft"), model).block_size == OftConfig.block_size
-    for recipe, values in POET_RECIPES.items():
-        args = FinetuneArguments(model="x", method="poet", recipe=recipe)
+    for name, recipe in POET_FINETUNE_RECIPES.items():
+        args, training = parse_finetune_arguments(["--model", "x", "--method", "poet", "--recipe", name])
         config = method_config(args, model)
-        assert {name: getattr(args if name == "learning_rate" else config, name) for name in values} == values
-        assert training_arguments(args).poet_reference_block == 32
-    # What the command line sets wins over the recipe.
-    assert method_config(FinetuneArguments(model="x", method="poet", block_size=16), model).block_size == 16
+        assert {field: getattr(config, field) for field in recipe.config} == recipe.config
+        assert config == PoetConfig.for_finetuning(name, target_modules=config.target_modules, task_type="CAUSAL_LM")
+        assert (training.learning_rate, training.poet_reference_block) == (recipe.learning_rate, recipe.reference_block)
+    # What the command line sets wins over the recipe, in the script's options and in the training flags.
+    args, training = parse_finetune_arguments(
+        ["--model", "x", "--method", "poet", "--block_size", "16", "--learning_rate", "3e-4"]
+    )
+    assert method_config(args, model).block_size == 16 and training.learning_rate == 3e-4
+    assert training.poet_reference_block == 32
+    assert parse_finetune_arguments(["--model", "x", "--method", "oft"])[1].poet_reference_block is None
+
+
+def test_the_scripts_own_options_and_every_training_flag_parse_together():
+    from poet_hf.training.finetune import parse_finetune_arguments
+
+    argv = ["--model", "x", "--method", "poet-fs", "--bf16", "--gradient_checkpointing", "--optim", "adamw_torch"]
+    args, training = parse_finetune_arguments(
+        [*argv, "--per_device_train_batch_size", "4", "--seed", "3", "--torch_compile", "true", "--max_steps", "7"]
+    )
+    assert (args.method, args.recipe, args.spo) == ("poet", "paper", "full")  # the pretraining script's name
+    assert training.bf16 and training.gradient_checkpointing and training.torch_compile
+    assert (training.optim, training.max_steps, training.seed, training.data_seed) == ("adamw_torch", 7, 3, 3)
+    assert (training.per_device_train_batch_size, training.per_device_eval_batch_size) == (4, 4)
+    # The same from keyword fields, and the deprecated spelling of the batch size.
+    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
+        args, training = parse_finetune_arguments(model="x", batch_size=4, max_steps=7)
+    assert (training.per_device_train_batch_size, training.max_steps, training.output_dir) == (4, 7, "outputs/finetune")
+    with pytest.raises(ValueError, match="unknown field.*'steps'"):
+        parse_finetune_arguments(model="x", steps=7)
 
 
 @pytest.fixture(scope="module")
@@ -271,14 +298,14 @@ def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fi
     and at the steps in ``evaluate_at`` (each evaluation costs about as much as 3 training steps)."""
     from transformers import TrainerCallback
 
-    from poet_hf.training.finetune import run_finetuning
+    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
 
     class EvaluateAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             control.should_evaluate = control.should_evaluate or state.global_step in evaluate_at
 
     model, data = testbed
-    args = FinetuneArguments(
+    args, training = parse_finetune_arguments(
         model=str(model),
         dataset=str(data),
         output_dir=str(tmp_path),
@@ -287,7 +314,7 @@ def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fi
         disable_tqdm=True,
         **fields,
     )
-    results = run_finetuning(args, callbacks=[EvaluateAt()])
+    results = run_finetuning(args, training, callbacks=[EvaluateAt()])
     history = results["trainer"].state.log_history
     return results, {log["step"]: log["eval_loss"] for log in history if "eval_loss" in log}
 

@@ -19,7 +19,7 @@ class PoetTrainingArguments(TrainingArguments):
         metadata={
             "help": "If set, a POET side of block size b trains at poet_learning_rate · "
             "poet_reference_block / b, so every block size turns by the same angle per step (the "
-            "paper's Tables 8–9 tie lr = 1e-3·256/b, per side). None: one rate for every side."
+            "paper's Tables 8–9 tie lr = 1e-3·256/b, per side). None or 0: one rate for every side."
         },
     )
     merge_every: int | None = field(
@@ -42,11 +42,14 @@ class PoetTrainingArguments(TrainingArguments):
             raise ValueError(f"`merge_every` must be an integer >= 1 or None, got {self.merge_every!r}")
         if self.poet_learning_rate is not None and self.poet_learning_rate < 0:
             raise ValueError(f"`poet_learning_rate` must be >= 0, got {self.poet_learning_rate!r}")
+        if self.poet_reference_block == 0:  # the command line's way to say None
+            self.poet_reference_block = None
         if self.poet_reference_block is not None and (
             not isinstance(self.poet_reference_block, int) or self.poet_reference_block < 2
         ):
             raise ValueError(
-                f"`poet_reference_block` must be an integer >= 2 or None, got {self.poet_reference_block!r}"
+                f"`poet_reference_block` must be an integer >= 2, or 0 / None (one rate for every side), got "
+                f"{self.poet_reference_block!r}"
             )
         if self.post_merge_clip_steps < 0:
             raise ValueError(f"`post_merge_clip_steps` must be >= 0, got {self.post_merge_clip_steps!r}")

@@ -39,38 +39,37 @@ from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
 from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.oft import OftConfig
-from ..tuners.poet import PoetConfig
+from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
 from .arguments import PoetTrainingArguments
+from .cli import deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 METHODS = ("poet", "oft", "lora")
+# The pretraining script's names for POET's two layouts, accepted here too: the same method names in every script.
+METHOD_ALIASES = {"poet-bs": {"spo": "block"}, "poet-fs": {"recipe": "paper"}}
 TASKS = ("causal-lm", "sequence-classification")
-# POET's fine-tuning recipes (README, "Fine-tuning": the sweep they come from). "default" is what improved the
-# pretrained testbed models at OFT's cost: 32-blocks on both sides in OFT's contiguous layout (a fine-tuning run rarely
-# reaches a merge, where a permutation would pay off, and gathering by one costs the encoder 15 % per step);
-# "paper" is the POET paper's Table 6 setting, its pretraining configuration (fully stochastic, budget ½), which trains
-# about ten times the parameters at a higher cost per step. Anything a recipe leaves out comes from PoetConfig's
-# defaults.
-POET_RECIPES: dict[str, dict[str, Any]] = {
-    "default": {"spo": "contiguous", "block_size": 32, "learning_rate": 1e-3},
-    "paper": {"spo": "full", "budget": 0.5, "learning_rate": 1e-3},
-}
-# POET's learning rate is that of a 32-block side (OFT's default block); a side of block size b trains at lr·32/b
-# (PoetTrainingArguments.poet_reference_block), so a larger block or index set never turns faster per step.
-POET_REFERENCE_BLOCK = 32
-# OFT and LoRA: their configs' defaults, at these rates (PEFT's convention: one rate for every adapter parameter).
-DEFAULT_LEARNING_RATES = {"oft": 1e-3, "lora": 1e-3}
+# OFT and LoRA train at their configs' defaults at this rate (PEFT's convention: one rate for every adapter
+# parameter); POET at its recipe's (POET_FINETUNE_RECIPES).
+ADAPTER_LEARNING_RATE = 1e-3
 
 
 @dataclass
 class FinetuneArguments:
-    """Command-line options of ``scripts/finetune.py`` (parsed by ``transformers.HfArgumentParser``)."""
+    """The options of ``scripts/finetune.py`` beside `PoetTrainingArguments` (both parsed by
+    ``transformers.HfArgumentParser``; `parse_finetune_arguments`).
+
+    The training flags (``--learning_rate``, ``--max_steps``, ``--per_device_train_batch_size``, ``--seed``,
+    ``--merge_every``, ``--poet_reference_block``, …) are ``TrainingArguments``'; `finetune_defaults` gives the ones the
+    method's recipe decides.
+    """
 
     model: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
-    method: str = field(default="oft", metadata={"help": f"one of {', '.join(METHODS)}"})
+    method: str = field(
+        default="oft", metadata={"help": f"one of {', '.join(METHODS)} (also {', '.join(METHOD_ALIASES)})"}
+    )
     task: str = field(default="causal-lm", metadata={"help": f"one of {', '.join(TASKS)}"})
     dataset: str = field(
         default=EMBEDDED_CORPUS,
@@ -99,26 +98,24 @@ class FinetuneArguments:
     recipe: str = field(
         default="default",
         metadata={
-            "help": f"POET only: one of {', '.join(POET_RECIPES)}. 'default' "
-            "is 32-blocks on both sides in OFT's contiguous layout at lr 1e-3, what improved our pretrained "
-            "testbed models at OFT's cost; 'paper' is the POET paper's Table 6 setting (fully stochastic, "
-            "budget 1/2): about 10x the trainable parameters and, on the testbed, about 1.9x (LM) to 3x "
-            "(encoder) OFT's time per step, for less improvement at the same rate"
+            "help": f"POET only: one of {', '.join(POET_FINETUNE_RECIPES)} (PoetConfig.for_finetuning). 'default' "
+            "is 32-blocks on both sides in OFT's contiguous layout; 'paper' is the POET paper's Table 6 setting "
+            "(fully stochastic, budget 1/2): about 10x the trainable parameters and 1.9x (LM) to 3x (encoder) OFT's "
+            "time per step. docs/finetuning.md has the sweep"
         },
     )
     block_size: int | None = field(
         default=None,
         metadata={
-            "help": "POET / OFT block size (must divide the "
-            f"targeted dims); default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"
+            "help": "POET / OFT block size (a size that does not divide a layer becomes its nearest divisor); "
+            f"default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"
         },
     )
     neumann_terms: int | None = field(
         default=None,
         metadata={
-            "help": "Cayley–Neumann terms, PEFT's count (the "
-            "paper's k = n − 2; 0 = exact Cayley); default: the config's (POET "
-            f"{PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"
+            "help": "Cayley–Neumann terms, PEFT's count (the paper's k = n − 2; 0 = exact Cayley); default: the "
+            f"config's (POET {PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"
         },
     )
     spo: str | None = field(
@@ -135,100 +132,41 @@ class FinetuneArguments:
             f"fraction of the dimension (default: the recipe's, else PoetConfig's {PoetConfig.budget})"
         },
     )
-    merge_every: int | None = field(
-        default=None,
-        metadata={
-            "help": "merge-then-reinitialize interval; default: the "
-            f"config's (POET {PoetConfig.merge_every}, OFT never)"
-        },
-    )
     lora_rank: int = field(
         default=LoraConfig.r, metadata={"help": "LoRA rank r (--method lora); default: LoraConfig's"}
     )
-    lora_alpha: float | None = field(default=None, metadata={"help": "default: 2 × lora_rank"})
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha; default: 2 × lora_rank"})
     target_modules: str | None = field(
         default=None,
         metadata={"help": "comma-separated module names; default per model type (every Linear in the blocks)"},
     )
-    learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": "learning rate of the adapter parameters "
-            "(default: POET the recipe's, OFT 1e-3, LoRA 1e-3). For POET it is the rate "
-            f"of a {POET_REFERENCE_BLOCK}-block side; a side of block size b trains at "
-            f"lr·{POET_REFERENCE_BLOCK}/b"
-        },
-    )
-    poet_learning_rate: float | None = field(
-        default=None, metadata={"help": "POET/OFT skew parameters' learning rate; default learning_rate"}
-    )
-    poet_reference_block: int = field(
-        default=POET_REFERENCE_BLOCK,
-        metadata={
-            "help": "POET: a side of block size b "
-            "trains at the POET rate times poet_reference_block/b; 0: one rate for every "
-            "side"
-        },
-    )
-    max_steps: int = field(default=200, metadata={"help": "optimizer steps"})
-    batch_size: int = field(default=8, metadata={"help": "sequences per device per micro-batch"})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
-    weight_decay: float = field(default=0.0, metadata={"help": "weight decay of the non-rotation parameters"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping threshold"})
     max_train_samples: int | None = field(
         default=None, metadata={"help": "use at most this many training sequences / examples"}
     )
     max_eval_samples: int = field(default=256, metadata={"help": "evaluate on at most this many"})
-    output_dir: str = field(default="outputs/finetune", metadata={"help": "where the adapter and results.json go"})
     export_dir: str | None = field(default=None, metadata={"help": "export the merged plain model here"})
-    logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
-    save_steps: int = field(
-        default=0,
-        metadata={
-            "help": "checkpoint interval (0 = no intermediate checkpoints); "
-            "checkpoints are written atomically into --output_dir"
-        },
+    batch_size: int | None = field(
+        default=None, metadata={"help": "deprecated: use --per_device_train_batch_size (and its eval twin)"}
     )
-    save_total_limit: int | None = field(default=None, metadata={"help": "keep at most this many checkpoints"})
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "'auto' (or 'latest'): resume "
-            "from the newest complete checkpoint in --output_dir, or start fresh "
-            "if there is none, so after a crash you rerun the same command; or a "
-            "checkpoint folder"
-        },
-    )
-    eval_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "also evaluate every this many steps and at the last (the losses go to the log and "
-            "results.json; the last is the 'after' one); default: before and after only"
-        },
-    )
-    report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
-    disable_tqdm: bool = field(default=False, metadata={"help": "no progress bars"})
-    seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}")
-        if self.task not in TASKS:
-            raise ValueError(f"`task` must be one of {TASKS}, got {self.task!r}")
+        if self.method in METHOD_ALIASES:
+            for name, value in METHOD_ALIASES[self.method].items():
+                if name == "recipe" or getattr(self, name) is None:
+                    setattr(self, name, value)
+            self.method = "poet"
+        check_choice("method", self.method, METHODS + tuple(METHOD_ALIASES))
+        check_choice("task", self.task, TASKS)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
-        if self.recipe not in POET_RECIPES:
-            raise ValueError(f"`recipe` must be one of {tuple(POET_RECIPES)}, got {self.recipe!r}")
+        check_choice("recipe", self.recipe, tuple(POET_FINETUNE_RECIPES))
         if self.method != "poet" and self.recipe != "default":
             raise ValueError(
                 f"`recipe` applies to --method poet only; --method {self.method} takes its config's defaults"
             )
         if self.method == "poet":  # the recipe fills what the command line left unset
-            for name, value in POET_RECIPES[self.recipe].items():
+            for name, value in POET_FINETUNE_RECIPES[self.recipe].config.items():
                 if getattr(self, name) is None:
                     setattr(self, name, value)
-        elif self.learning_rate is None:
-            self.learning_rate = DEFAULT_LEARNING_RATES[self.method]
         allowed_spo = ("contiguous", "block", "full") if self.method == "poet" else ("contiguous", "block")
         if self.method in ("poet", "oft") and self.spo is not None and self.spo not in allowed_spo:
             raise ValueError(f"`spo` for --method {self.method} must be one of {allowed_spo}, got {self.spo!r}")
@@ -237,25 +175,56 @@ class FinetuneArguments:
                 "`dataset`='embedded' is an unlabelled corpus; sequence classification needs a "
                 "labelled dataset (an HF name or local files with text and label columns)"
             )
-        if (
-            not isinstance(self.poet_reference_block, int)
-            or self.poet_reference_block < 0
-            or self.poet_reference_block == 1
-        ):
-            raise ValueError(
-                f"`poet_reference_block` must be 0 (one rate for every side) or an integer >= 2, got "
-                f"{self.poet_reference_block!r}"
-            )
-        for name in (
-            "max_steps",
-            "batch_size",
-            "seq_len",
-            "gradient_accumulation_steps",
-            "lora_rank",
-            "max_eval_samples",
-        ):
+        for name in ("seq_len", "lora_rank", "max_eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
+        if self.batch_size is not None:
+            deprecated_alias("batch_size", "per_device_train_batch_size")
+
+
+def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:
+    """The training flags the method's recipe decides, for those the user did not give: POET's rotation rate and
+    its per-block-size scaling (`POET_FINETUNE_RECIPES`), OFT's and LoRA's rate, a short run, evaluation batches as
+    large as the training ones.
+
+    Args:
+        args: the script's options.
+        given: the training flags the user set.
+
+    Returns:
+        ``PoetTrainingArguments`` field values.
+    """
+    batch = given.get("per_device_train_batch_size", args.batch_size or 8)
+    values: dict[str, Any] = {
+        "output_dir": "outputs/finetune",
+        "max_steps": 200,
+        "learning_rate": ADAPTER_LEARNING_RATE,
+        "per_device_train_batch_size": batch,
+        "per_device_eval_batch_size": batch,
+        "logging_steps": 10,
+        "eval_strategy": "steps" if "eval_steps" in given else "no",
+    }
+    if args.method == "poet":
+        recipe = POET_FINETUNE_RECIPES[args.recipe]
+        values["learning_rate"] = recipe.learning_rate
+        values["poet_reference_block"] = recipe.reference_block
+    return run_defaults(0, given, **values)
+
+
+def parse_finetune_arguments(
+    argv: list[str] | None = None, **fields: Any
+) -> tuple[FinetuneArguments, PoetTrainingArguments]:
+    """``scripts/finetune.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
+    ``fields`` of either dataclass (`cli.parse_arguments`).
+
+    Args:
+        argv: the command line.
+        **fields: field values instead of a command line.
+
+    Returns:
+        ``(FinetuneArguments, PoetTrainingArguments)``.
+    """
+    return parse_arguments(FinetuneArguments, finetune_defaults, argv, fields or None)
 
 
 # --- 1. model and tokenizer -------------------------------------------------------------------------------------------
@@ -313,9 +282,10 @@ def load_model_tokenizer(args: FinetuneArguments):
 
 
 # --- 2. data ----------------------------------------------------------------------------------------------------------
-def load_finetune_data(args: FinetuneArguments, tokenizer) -> tuple[Any, Any, int | None]:
-    """Tokenized train and evaluation sets, and the number of labels (classification)."""
-    raw = load_corpus(args.dataset, args.dataset_config, seed=args.seed, validation_split=args.eval_split)
+def load_finetune_data(args: FinetuneArguments, tokenizer, seed: int = 0) -> tuple[Any, Any, int | None]:
+    """Tokenized train and evaluation sets, and the number of labels (classification); ``seed`` draws the held-out
+    twentieth of a dataset without an evaluation split."""
+    raw = load_corpus(args.dataset, args.dataset_config, seed=seed, validation_split=args.eval_split)
     if args.task == "causal-lm":
         train = pack_sequences(raw["train"], tokenizer, args.seq_len, args.text_column)
         evaluation = pack_sequences(raw["validation"], tokenizer, args.seq_len, args.text_column)
@@ -359,9 +329,16 @@ def target_modules(args: FinetuneArguments, model: torch.nn.Module):
     return DEFAULT_TARGET_MODULES[model_type]
 
 
-def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: list[str] | None = None):
+def method_config(
+    args: FinetuneArguments,
+    model: torch.nn.Module,
+    new_modules: list[str] | None = None,
+    seed: int = 0,
+    merge_every: int | None = None,
+):
     """The PEFT config of ``args.method``; ``new_modules`` (and, through the task type, classification heads) are
-    trained fully and saved beside the adapter."""
+    trained fully and saved beside the adapter. ``seed`` and ``merge_every`` are the training arguments' (the
+    rotations' permutations, and the interval the adapter records; ``None``: the config's)."""
     from peft import TaskType
 
     task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
@@ -373,56 +350,33 @@ def method_config(args: FinetuneArguments, model: torch.nn.Module, new_modules: 
     # Only what the command line (or the POET recipe) set; everything else is the config class's default.
     chosen = {
         name: getattr(args, name)
-        for name in ("spo", "block_size", "budget", "neumann_terms", "merge_every")
+        for name in ("spo", "block_size", "budget", "neumann_terms")
         if getattr(args, name) is not None
     }
+    if merge_every is not None:
+        chosen["merge_every"] = merge_every
     if args.method == "poet":
-        return PoetConfig(seed=args.seed, **chosen, **common)
+        return PoetConfig(seed=seed, **chosen, **common)
     if args.method == "oft":
         chosen.pop("budget", None)
-        return OftConfig(seed=args.seed, **chosen, **common)
+        return OftConfig(seed=seed, **chosen, **common)
     lora_alpha = args.lora_alpha or 2 * args.lora_rank
     return LoraConfig(r=args.lora_rank, lora_alpha=lora_alpha, **common)  # type: ignore[arg-type]  # a float works
 
 
 def apply_method(
-    args: FinetuneArguments, model: torch.nn.Module, new_modules: list[str] | None = None
+    args: FinetuneArguments,
+    model: torch.nn.Module,
+    new_modules: list[str] | None = None,
+    training: PoetTrainingArguments | None = None,
 ) -> torch.nn.Module:
     from peft import get_peft_model
 
-    return get_peft_model(model, method_config(args, model, new_modules))
+    seed, merge_every = (0, None) if training is None else (training.seed, training.merge_every)
+    return get_peft_model(model, method_config(args, model, new_modules, seed, merge_every))
 
 
 # --- 4. training ------------------------------------------------------------------------------------------------------
-def training_arguments(args: FinetuneArguments) -> PoetTrainingArguments:
-    return PoetTrainingArguments(
-        output_dir=args.output_dir,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=cast(float, args.learning_rate),  # __post_init__ sets the method's default
-        poet_learning_rate=args.poet_learning_rate,
-        poet_reference_block=(args.poet_reference_block or None) if args.method == "poet" else None,
-        merge_every=args.merge_every if args.method != "lora" else None,
-        lr_scheduler_type="linear",
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
-        logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit,
-        eval_strategy="steps" if args.eval_steps else "no",
-        eval_steps=args.eval_steps,
-        report_to=args.report_to,
-        seed=args.seed,
-        data_seed=args.seed,
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=args.disable_tqdm,
-    )
-
-
 def accuracy(eval_prediction) -> dict[str, float]:
     """Classification accuracy, for ``Trainer(compute_metrics=...)``."""
     logits, labels = eval_prediction
@@ -458,28 +412,34 @@ def _evaluate_after_training(trainer: PoetTrainer, last: _LastEvaluation) -> dic
     return trainer.evaluate()
 
 
-def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> dict[str, Any]:
+def run_finetuning(
+    args: FinetuneArguments, training: PoetTrainingArguments | None = None, callbacks: list | None = None
+) -> dict[str, Any]:
     """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
     also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
 
     Args:
-        args: the run's options (``scripts/finetune.py``'s flags).
+        args: the run's options (``scripts/finetune.py``'s own flags).
+        training: the training arguments (its ``TrainingArguments`` flags); ``None``: the method's defaults
+            (`finetune_defaults`).
         callbacks: extra ``TrainerCallback`` objects.
 
     Returns:
         The report (also written to ``results.json``), with the trainer under ``"trainer"``.
     """
     started = time.time()
-    torch.manual_seed(args.seed)
+    if training is None:
+        training = PoetTrainingArguments(**finetune_defaults(args, {}))
+    torch.manual_seed(training.seed)
     tokenizer = load_model_tokenizer(args)
-    train, evaluation, num_labels = load_finetune_data(args, tokenizer)
+    train, evaluation, num_labels = load_finetune_data(args, tokenizer, training.seed)
     base, new_modules = load_model(args, num_labels)
     if args.task == "sequence-classification" and getattr(base.config, "pad_token_id", None) is None:
         base.config.pad_token_id = tokenizer.pad_token_id  # decoder-only classifiers find the last token by it
-    model = apply_method(args, base, new_modules)
+    model = apply_method(args, base, new_modules, training)
     trainer = PoetTrainer(
         model=model,
-        args=training_arguments(args),
+        args=training,
         train_dataset=train,
         eval_dataset=evaluation,
         pretrained_weights=local_weights(args.model) if has_meta_tensors(model) else None,
@@ -492,7 +452,7 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
     before = _metrics(trainer.evaluate(), args.task)
     last_evaluation = _LastEvaluation()  # added after the evaluation before training, which it must not see
     trainer.add_callback(last_evaluation)
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     after = _metrics(_evaluate_after_training(trainer, last_evaluation), args.task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results: dict[str, Any] = {
@@ -508,9 +468,10 @@ def run_finetuning(args: FinetuneArguments, callbacks: list | None = None) -> di
         "eval_examples": len(evaluation),
         "wall_time_s": time.time() - started,
         "arguments": asdict(args),
+        "training_arguments": training.to_sanitized_dict(),
     }
     if trainer.is_world_process_zero():
-        output = Path(args.output_dir)
+        output = Path(cast(str, training.output_dir))
         output.mkdir(parents=True, exist_ok=True)
         trainer.save_model(str(output))
         if args.export_dir:

@@ -1,0 +1,122 @@
+"""Command lines over `PoetTrainingArguments`: every ``TrainingArguments`` flag, with a recipe's values as defaults.
+
+The training scripts parse two dataclasses with ``transformers.HfArgumentParser``: their own options (model, method,
+data, …) and `PoetTrainingArguments`, so every ``TrainingArguments`` flag works (``--bf16``,
+``--gradient_checkpointing``, ``--torch_compile``, ``--optim``, ``--per_device_train_batch_size``, ``--report_to``,
+``--push_to_hub``, …) and ``--help`` lists it. A recipe (a pretraining preset, a fine-tuning method) decides the
+defaults of some of those flags; `parse_arguments` reads what the user gave first, asks the script's ``defaults``
+function for the rest, and makes them the parser's defaults, so ``--help`` shows the values a run would use and a flag
+the user types always wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+from transformers import HfArgumentParser
+
+from .arguments import PoetTrainingArguments
+
+ScriptArgs = TypeVar("ScriptArgs")
+# (the script's options, the training flags the user gave) -> the defaults of the other training flags
+DefaultsFunction = Callable[[Any, dict[str, Any]], dict[str, Any]]
+
+
+def parse_arguments(
+    script_class: type[ScriptArgs],
+    defaults: DefaultsFunction,
+    argv: Sequence[str] | None = None,
+    fields: dict[str, Any] | None = None,
+) -> tuple[ScriptArgs, PoetTrainingArguments]:
+    """The script's options and its `PoetTrainingArguments`, from a command line or from keyword fields.
+
+    Args:
+        script_class: the dataclass of the script's own options.
+        defaults: gives the defaults of the training flags the user did not set (the recipe's).
+        argv: the command line (``None``: ``sys.argv[1:]``); ignored when ``fields`` is given.
+        fields: instead of a command line, field values of either dataclass (for Python callers).
+
+    Returns:
+        ``(script options, training arguments)``.
+
+    Raises:
+        ValueError: a field belongs to neither dataclass (``fields``), or an option is invalid.
+    """
+    if fields is not None:
+        return _from_fields(script_class, defaults, fields)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(cast(Any, (script_class, PoetTrainingArguments)))
+    script_args = _script_options(script_class, argv)
+    if script_args is not None:
+        parser.set_defaults(**defaults(script_args, given_training_flags(argv)))
+    parsed = parser.parse_args_into_dataclasses(args=argv)
+    return parsed[0], parsed[1]
+
+
+def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptArgs | None:
+    """The script's own options, read first (quietly: an error is the full parser's to report, with every option);
+    for ``--help``, required options the line leaves out get placeholders, so the help shows the recipe's defaults."""
+    if {"-h", "--help"} & set(argv):
+        argv = [a for a in argv if a not in ("-h", "--help")]
+        for f in dataclasses.fields(script_class):  # type: ignore[arg-type]
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f"--{f.name}" not in argv:
+                argv += [f"--{f.name}", f.name.upper()]
+    own = HfArgumentParser(cast(Any, script_class), add_help=False)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return own.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)[0]
+    except SystemExit:
+        return None
+
+
+def given_training_flags(argv: Sequence[str] | None) -> dict[str, Any]:
+    """The `PoetTrainingArguments` fields the command line sets, with their values (the others are absent)."""
+    probe = HfArgumentParser(cast(Any, PoetTrainingArguments), add_help=False)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return vars(probe.parse_known_args(args=argv)[0])
+
+
+def _from_fields(
+    script_class: type[ScriptArgs], defaults: DefaultsFunction, fields: dict[str, Any]
+) -> tuple[ScriptArgs, PoetTrainingArguments]:
+    script_names = {f.name for f in dataclasses.fields(script_class)}  # type: ignore[arg-type]
+    training_names = {f.name for f in dataclasses.fields(PoetTrainingArguments) if f.init}
+    unknown = set(fields) - script_names - training_names
+    if unknown:
+        raise ValueError(
+            f"unknown field(s) {sorted(unknown)}: not options of {script_class.__name__} nor of PoetTrainingArguments"
+        )
+    script_args = script_class(**{k: v for k, v in fields.items() if k in script_names})
+    given = {k: v for k, v in fields.items() if k in training_names and k not in script_names}
+    return script_args, PoetTrainingArguments(**{**defaults(script_args, given), **given})
+
+
+def deprecated_alias(old: str, new: str) -> None:
+    """Warn that option ``old`` is deprecated in favour of ``new`` (kept for one release)."""
+    warnings.warn(
+        f"`--{old}` is deprecated and will be removed in the next release; use `--{new}`", FutureWarning, stacklevel=3
+    )
+
+
+def run_defaults(seed: int, given: dict[str, Any], **values: Any) -> dict[str, Any]:
+    """The defaults every training script shares (no checkpoints unless ``--save_steps`` or ``--save_strategy``
+    asks for them; ``data_seed`` follows ``seed``; the CPU where no GPU is), then ``values``."""
+    import torch
+
+    return {
+        "save_strategy": "steps" if "save_steps" in given else "no",
+        "seed": seed,
+        "data_seed": given.get("seed", seed),
+        "use_cpu": not torch.cuda.is_available(),
+        "report_to": "none",
+        **values,
+    }
