@@ -58,7 +58,7 @@ def task_argv(task: str, steps: int | None = None) -> list[str]:
         str(steps or shape["steps"]),
         "--seq_len",
         str(shape["seq_len"]),
-        "--batch_size",
+        "--per_device_train_batch_size",
         str(shape["batch_size"]),
         "--max_eval_samples",
         str(shape["max_eval_samples"]),
@@ -75,14 +75,12 @@ def task_argv(task: str, steps: int | None = None) -> list[str]:
 
 def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
     """In the child process: one fine-tuning run of ``scripts/finetune.py`` with ``argv``; its report and costs."""
-    from transformers import HfArgumentParser
-
-    from poet_hf.training.finetune import FinetuneArguments, run_finetuning
+    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
 
     after_imports = _rss_mb()
-    (args,) = HfArgumentParser(FinetuneArguments).parse_args_into_dataclasses(args=[*argv, "--output_dir", output_dir])
+    args, training = parse_finetune_arguments([*argv, "--output_dir", output_dir])
     record: dict[str, Any] = {}
-    results = run_finetuning(args, callbacks=[_Probe(record)])
+    results = run_finetuning(args, training, callbacks=[_Probe(record)])
     trainer = results.pop("trainer")
     evaluations = {log["step"]: log["eval_loss"] for log in trainer.state.log_history if "eval_loss" in log}
     return {
@@ -95,6 +93,7 @@ def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
         "trainable": results["trainable_params"],
         "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
         "learning_rate": trainer.args.learning_rate,
+        "poet_learning_rate": getattr(trainer.args, "poet_learning_rate", None),
     }
 
 

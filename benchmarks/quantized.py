@@ -216,7 +216,7 @@ def quality_rows(quick: bool = False) -> list[dict]:
     for quantization in (None, "int8", "nf4"):
         with tempfile.TemporaryDirectory() as out:
             extra = ["--base_quantization", quantization] if quantization else []
-            extra += ["--steps", "20", "--merge_every", "5"] if quick else []
+            extra += ["--max_steps", "20", "--merge_every", "5"] if quick else []
             subprocess.run(
                 [sys.executable, str(root / "scripts" / "pretrain.py"), "--output_dir", out, *extra],
                 check=True,

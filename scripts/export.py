@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Export a POET / OFT model as a plain Hugging Face checkpoint, and optionally push it to the Hub.
 
-    python scripts/export.py SOURCE OUTPUT_DIR [--push-to-hub REPO_ID] [--hub-private] [--hub-token TOKEN]
+    python scripts/export.py SOURCE OUTPUT_DIR [--push_to_hub REPO_ID] [--hub_private] [--hub_token TOKEN]
                              [--dtype bf16|fp16|fp32] [--overwrite]
 
 SOURCE is a directory written by ``save_pretrained`` or a ``PoetTrainer`` checkpoint (``checkpoint-N/``).
 The Hub token may also come from ``HF_TOKEN`` (or ``hf auth login``); the endpoint from ``HF_ENDPOINT``.
+Flags are spelled as transformers spells them (``--push_to_hub``); the hyphenated forms work too, as there.
 Exit codes: 0 success; 1 export refused; 2 usage error or no Hub token (checked before exporting);
 3 export written, but the push failed (the export stays complete on disk).
 """
@@ -29,9 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the exported weights (folded in float32 first); default: the source's",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
-    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo")
-    parser.add_argument("--hub-private", action="store_true", help="create the Hub repo as private")
-    parser.add_argument("--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)")
+    parser.add_argument(
+        "--push_to_hub", "--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo"
+    )
+    parser.add_argument("--hub_private", "--hub-private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument(
+        "--hub_token", "--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)"
+    )
     from poet_hf.export import export_merged
 
     license_default = inspect.signature(export_merged).parameters["license"].default
@@ -39,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--license", default=license_default, help=f"license id for the model card (default: {license_default})"
     )
     parser.add_argument("--dataset", action="append", default=None, help="dataset id for the card (repeatable)")
-    parser.add_argument("--no-spectrum", action="store_true", help="skip the per-layer SVDs of the card's spectrum")
+    parser.add_argument(
+        "--no_spectrum", "--no-spectrum", action="store_true", help="skip the per-layer SVDs of the card's spectrum"
+    )
     return parser
 
 
@@ -48,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def hub_token(args: argparse.Namespace) -> str | None:
-    """--hub-token, else HF_TOKEN, else the token saved by `hf auth login`."""
+    """--hub_token, else HF_TOKEN, else the token saved by `hf auth login`."""
     from huggingface_hub import get_token
 
     return args.hub_token or os.environ.get("HF_TOKEN") or get_token()
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     token = hub_token(args) if args.push_to_hub else None
     if args.push_to_hub and not token:  # fail before the (possibly long) export, touching nothing on disk
         print(
-            f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub-token, set "
+            f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub_token, set "
             "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.",
             file=sys.stderr,
         )

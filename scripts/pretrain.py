@@ -5,33 +5,30 @@
     accelerate launch --num_processes 2 scripts/pretrain.py --preset tiny
     python scripts/pretrain.py --base_quantization int8               # QPOET: W0 stored in int8 (bitsandbytes)
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
-        --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --steps paper
+        --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --paper_steps
+    python scripts/pretrain.py --preset llama-130m --bf16 --gradient_checkpointing --torch_compile
 
-Every option: python scripts/pretrain.py --help
+Every TrainingArguments flag works (--bf16, --gradient_checkpointing, --torch_compile, --optim, --max_steps,
+--per_device_train_batch_size, --report_to, --push_to_hub, ...); a flag left out takes the preset's value.
+Every option, with the values a run would use: python scripts/pretrain.py [--preset ...] --help
 """
 
 from __future__ import annotations
 
 import json
 
-from transformers import HfArgumentParser
-
 from poet_hf.data import load_tokenizer
 from poet_hf.distributed import end_distributed
-from poet_hf.training.pretrain import PretrainArguments, resolve_recipe, run_pretraining
-
-
-def build_parser() -> HfArgumentParser:
-    return HfArgumentParser(PretrainArguments)
+from poet_hf.training.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe, run_pretraining
 
 
 def main(argv: list[str] | None = None) -> dict:
-    (args,) = build_parser().parse_args_into_dataclasses(args=argv)
+    args, training = parse_pretrain_arguments(argv)
     if args.print_recipe:
-        recipe = resolve_recipe(args, vocab_size=len(load_tokenizer(args.tokenizer)))
+        recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(load_tokenizer(args.tokenizer)))
         print(json.dumps(recipe, indent=2))
         return recipe
-    results = run_pretraining(args)
+    results = run_pretraining(args, training)
     summary = {
         k: results[k]
         for k in (
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(json.dumps(summary, indent=2))
     print(
         f"validation perplexity: {results['val_perplexity']:.2f} "
-        f"(initial {results['initial_val_perplexity']:.1f}) -> {args.output_dir}/results.json"
+        f"(initial {results['initial_val_perplexity']:.1f}) -> {training.output_dir}/results.json"
     )
     return results
 

@@ -35,21 +35,21 @@ def tiny_pretraining(tmp_path_factory):
     """The README's main job, shortened to 30 steps with a merge every 7 (4 merges) and 32 validation sequences: the
     report of ``run_pretraining`` for a given ``base_quantization``, each run once per worker (the tests that share
     them are in the xdist group "tiny_pretraining")."""
-    from poet_hf.training.pretrain import PretrainArguments, run_pretraining
+    from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
 
     reports: dict = {}
 
     def report(base_quantization: str | None = None) -> dict:
         if base_quantization not in reports:
             output_dir = tmp_path_factory.mktemp(f"pretraining-{base_quantization}")
-            arguments = PretrainArguments(
+            arguments = parse_pretrain_arguments(
                 output_dir=str(output_dir),
-                steps="30",
+                max_steps=30,
                 merge_every=7,
                 max_eval_sequences=32,
                 base_quantization=base_quantization,
             )
-            reports[base_quantization] = run_pretraining(arguments)
+            reports[base_quantization] = run_pretraining(*arguments)
         return reports[base_quantization]
 
     return report

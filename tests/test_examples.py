@@ -131,9 +131,9 @@ def test_each_accelerate_config_is_one_pretrain_py_accepts(name):
 
 def pretrain_arguments(output_dir: Path) -> list[str]:
     return [
-        "--steps",
+        "--max_steps",
         "2",
-        "--batch_size",
+        "--per_device_train_batch_size",
         "2",
         "--global_batch_size",
         "4",

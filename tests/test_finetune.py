@@ -3,6 +3,7 @@ the evaluation loss, and the exported merged model reproduces the fine-tuned log
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -388,3 +389,18 @@ def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(tes
     assert len(warnings) == 1 and "0.03" in warnings[0]
     layers = [layer for _, layer in poet_layers(results["trainer"].model)]
     assert max(layer.rotation_angle("default") for layer in layers) > 90  # about 230° at step 5
+
+
+@pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
+def test_the_finetuning_script_takes_trainer_flags(workspace, tmp_path, flags):
+    """As for pretraining: the blocks are recomputed in the backward, or the run is under bf16 autocast on a CPU."""
+    from training_utils import TrainingForwards
+
+    argv = ["--model", str(workspace / "pretrained"), "--method", "poet", "--dataset", str(workspace / "heldout.txt")]
+    with TrainingForwards() as seen:
+        results = finetune_main([*argv, "--output_dir", str(tmp_path), *COMMON, "--max_steps", "2", *flags])
+    assert results["steps"] == 2 and math.isfinite(results["after"]["loss"])
+    if flags == ["--gradient_checkpointing"]:
+        assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}
+    else:
+        assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0

@@ -19,7 +19,7 @@ from poet_hf import PoetConfig
 from poet_hf.diagnostics import _probe_vector, poet_statistics
 from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
 from poet_hf.orthogonal.cayley import MAX_SKEW_NORM, paper_neumann_k
-from poet_hf.training.pretrain import PretrainArguments, resolve_recipe
+from poet_hf.training.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
 from poet_hf.tuners.poet import poet_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +81,7 @@ def test_a_preset_alone_is_the_papers_run_but_for_its_length(preset, lr, paper_s
     assert recipe["neumann_terms"] == 6 and recipe["paper_neumann_k"] == 4 and recipe["base_init"] == "normalized"
     assert recipe["schedule"] == "cosine" and recipe["min_lr_ratio"] == 0.01 and recipe["warmup_steps"] == 0
     assert recipe["tokens_per_step"] == 512 * 256
-    paper = print_recipe("--preset", preset, "--steps", "paper")
+    paper = print_recipe("--preset", preset, "--paper_steps")
     assert paper["steps"] == paper_steps and paper["total_tokens"] == paper_steps * 512 * 256
 
 
@@ -114,13 +114,13 @@ def test_flags_override_every_recipe_value():
         "3e-3",
         "--poet_learning_rate",
         "5e-4",
-        "--batch_size",
+        "--per_device_train_batch_size",
         "16",
         "--global_batch_size",
         "256",
         "--neumann_terms",
         "5",
-        "--steps",
+        "--max_steps",
         "77",
     )
     assert (recipe["merge_every"], recipe["max_grad_norm"], recipe["weight_decay"]) == (200, 1.0, 0.0)
@@ -197,12 +197,12 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
     lines = [" ".join(["Speak the speech, I pray you."] * (1 + i % 5)) for i in range(60)]
     corpus.write_text("".join(json.dumps({"text": line}) + "\n" for line in lines))
     results = run_pretraining(
-        PretrainArguments(
+        *parse_pretrain_arguments(
             packing=False,
             dataset=str(corpus),
             seq_len=64,
-            steps=3,
-            batch_size=2,
+            max_steps=3,
+            per_device_train_batch_size=2,
             global_batch_size=2,
             max_eval_sequences=2,
             output_dir=str(tmp_path / "run"),
@@ -287,3 +287,12 @@ def test_exact_cayley_rotations_have_zero_e_orth():
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, neumann_terms=0, init_weights=False))
     for _, layer in poet_layers(model):
         assert max(m["e_orth"] for m in layer.paper_metrics("default").values()) < 1e-13
+
+
+def test_the_old_spellings_still_work_for_a_release_with_a_warning():
+    with pytest.warns(FutureWarning, match="--max_steps"):
+        assert print_recipe("--preset", "llama-60m", "--steps", "paper")["steps"] == 300_000
+    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
+        recipe = print_recipe("--preset", "llama-60m", "--batch_size", "16", "--steps", "77", "--method", "poet")
+    assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 32, 77)
+    assert recipe["method"] == "poet-bs"  # the fine-tuning script's name for POET

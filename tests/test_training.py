@@ -1,5 +1,6 @@
 """PoetTrainer: merges, optimizer reset, resume, DDP, spectrum, and every method."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,13 +10,15 @@ from pathlib import Path
 import prewarmed
 import pytest
 import torch
-from training_utils import free_port, tiny_dataset, tiny_poet_model, tiny_trainer
+from training_utils import TrainingForwards, free_port, tiny_dataset, tiny_poet_model, tiny_trainer
 from transformers import TrainerCallback
 
 from poet_hf import MergeReinitCallback
 from poet_hf.training import clip_threshold, poet_parameters
-from poet_hf.training.pretrain import PretrainArguments, run_pretraining
+from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
 from poet_hf.tuners.poet import poet_layers
+
+ROOT = Path(__file__).resolve().parent.parent
 
 HERE = Path(__file__).resolve().parent
 
@@ -231,8 +234,8 @@ def local_corpus(tmp_path_factory):
 def small_args(tmp_path, method, corpus, **overrides):
     fields = {
         "method": method,
-        "steps": 4,
-        "batch_size": 2,
+        "max_steps": 4,
+        "per_device_train_batch_size": 2,
         "global_batch_size": 2,
         "seq_len": 64,
         "merge_every": 2,
@@ -243,13 +246,13 @@ def small_args(tmp_path, method, corpus, **overrides):
         "dataset": corpus,
     }
     fields.update(overrides)
-    return PretrainArguments(**fields)
+    return parse_pretrain_arguments(**fields)
 
 
 @pytest.mark.parametrize("method", ["poet-bs", "poet-fs", "adamw", "lora"])
 def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
     export = {"export_dir": str(tmp_path / "export")} if method == "poet-bs" else {}
-    results = run_pretraining(small_args(tmp_path, method, local_corpus, **export))
+    results = run_pretraining(*small_args(tmp_path, method, local_corpus, **export))
     saved = json.loads((tmp_path / method / "results.json").read_text())
     assert saved["val_perplexity"] == pytest.approx(results["val_perplexity"])
     assert saved["tokens_seen"] == 4 * 2 * 64
@@ -273,12 +276,12 @@ def test_galore_without_package_says_how_to_install(tmp_path, local_corpus):
     except ImportError:
         pass
     with pytest.raises(SystemExit, match="pip install galore-torch"):
-        run_pretraining(small_args(tmp_path, "galore", local_corpus))
+        run_pretraining(*small_args(tmp_path, "galore", local_corpus))
 
 
 def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_corpus):
-    poet = run_pretraining(small_args(tmp_path, "poet-bs", local_corpus, steps=8, neumann_terms=3))
-    adamw = run_pretraining(small_args(tmp_path, "adamw", local_corpus, steps=8))
+    poet = run_pretraining(*small_args(tmp_path, "poet-bs", local_corpus, max_steps=8, neumann_terms=3))
+    adamw = run_pretraining(*small_args(tmp_path, "adamw", local_corpus, max_steps=8))
     bound = poet["spectrum_bound"]
     assert poet["merges"] == 4 and 1e-8 < bound < 0.05  # CNP with 3 terms is inexact, so the check is not vacuous
     assert poet["spectrum_drift"]["max_drift"] <= bound + 1e-5  # + float32 rounding of the folds
@@ -332,3 +335,25 @@ def test_tensorboard_logs_both_learning_rates_and_poet_statistics(tmp_path, data
     assert [e.value for e in events.Scalars("train/poet/merge_count")] == [0, 1, 1]
     assert events.Scalars("train/poet_learning_rate")[0].value == pytest.approx(2e-3)
     assert events.Scalars("train/learning_rate")[0].value == pytest.approx(1e-2)
+
+
+def pretrain_script():
+    spec = importlib.util.spec_from_file_location("pretrain_script", ROOT / "scripts" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
+def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flags):
+    """--gradient_checkpointing recomputes the blocks in the backward; --bf16 on a CPU trains under bf16 autocast
+    (the non-POET Linear layers, e.g. lm_head, return bf16), never silently in float32."""
+    small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64"]
+    argv = [*small, "--max_steps", "2", "--max_eval_sequences", "4", "--dataset", local_corpus, "--block_size", "32"]
+    with TrainingForwards() as seen:
+        results = pretrain_script().main([*argv, "--output_dir", str(tmp_path), "--logging_steps", "1", *flags])
+    assert results["steps"] == 2 and all(torch.isfinite(torch.tensor(results["train_losses"])))
+    if flags == ["--gradient_checkpointing"]:
+        assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}
+    else:
+        assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0

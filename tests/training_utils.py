@@ -108,3 +108,25 @@ def randomize_rotations(model: torch.nn.Module, round_: int) -> None:
 
     for name, layer in rotation_layers(model):
         layer.randomize_skew("default", spo_generator(11, round_, name, "test"), op_norm=0.3)
+
+
+class TrainingForwards:
+    """Records, while active, what the training forwards did (a global forward hook, so it sees models a script builds
+    itself): the dtype of every ``nn.Linear`` output computed with gradients, and how many module forwards ran inside a
+    backward pass, which is what activation checkpointing's recomputation is."""
+
+    def __enter__(self) -> TrainingForwards:
+        self.linear_dtypes: set[torch.dtype] = set()
+        self.recomputed = 0
+
+        def hook(module, args, output):
+            if torch._C._current_graph_task_id() != -1:  # running inside autograd's backward
+                self.recomputed += 1
+            if isinstance(module, torch.nn.Linear) and torch.is_grad_enabled() and torch.is_tensor(output):
+                self.linear_dtypes.add(output.dtype)
+
+        self._handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # POET pretraining on a SLURM cluster: one `accelerate launch` per node, FSDP2 across every GPU of every node.
 #
-#   sbatch examples/cluster/slurm_pretrain.sh --preset llama-1.3b --steps paper --dataset allenai/c4 \
+#   sbatch examples/cluster/slurm_pretrain.sh --preset llama-1.3b --paper_steps --dataset allenai/c4 \
 #       --dataset_config en --streaming --tokenizer t5-base --output_dir runs/llama-1.3b --save_steps 1000 \
 #       --resume_from_checkpoint auto
 #

@@ -54,7 +54,7 @@ def push_merged_to_hub(
     token = token or get_token()
     if not token:
         raise HubPushError(
-            f"no Hugging Face token to push {folder} to '{repo_id}': pass --hub-token / token=..., "
+            f"no Hugging Face token to push {folder} to '{repo_id}': pass --hub_token / token=..., "
             "set HF_TOKEN, or run `hf auth login`"
         )
     # HF_ENDPOINT read now, not when huggingface_hub was imported (it fixes its default then)

@@ -54,10 +54,36 @@ def parse_arguments(
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser(cast(Any, (script_class, PoetTrainingArguments)))
     script_args = _script_options(script_class, argv)
-    if script_args is not None:
-        parser.set_defaults(**defaults(script_args, given_training_flags(argv)))
-    parsed = parser.parse_args_into_dataclasses(args=argv)
-    return parsed[0], parsed[1]
+    given = given_training_flags(argv)
+    values = {} if script_args is None else defaults(script_args, given)
+    # For --help; argparse runs a string default through the flag's type, so one it cannot read (transformers parses
+    # include_num_input_tokens_seen as a bool, the recipe says "all") is only applied below.
+    parser.set_defaults(**{name: value for name, value in values.items() if _readable(parser, name, value)})
+    namespace = parser.parse_args(args=argv)
+    for name, value in values.items():
+        if name not in given:
+            setattr(namespace, name, value)
+    parsed = vars(namespace)
+    return script_class(**_init_fields(script_class, parsed)), PoetTrainingArguments(
+        **_init_fields(PoetTrainingArguments, parsed)
+    )
+
+
+def _init_fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return {name: value for name, value in values.items() if name in names}
+
+
+def _readable(parser: argparse.ArgumentParser, name: str, value: Any) -> bool:
+    """Whether argparse can take ``value`` as the default of flag ``name``."""
+    action = next((a for a in parser._actions if a.dest == name), None)
+    if action is None or not isinstance(value, str) or action.type is None or not callable(action.type):
+        return action is not None
+    try:
+        action.type(value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        return False
+    return True
 
 
 def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptArgs | None:

@@ -27,6 +27,7 @@ from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
+from .cli import deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -103,12 +104,29 @@ def tied_poet_learning_rate(method: str, size: float) -> float:
     return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
 
 
+# The recipe values that are TrainingArguments flags: the recipe's key -> the flag.
+RECIPE_FLAGS = {
+    "steps": "max_steps",
+    "batch_size": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "learning_rate": "learning_rate",
+    "poet_learning_rate": "poet_learning_rate",
+    "merge_every": "merge_every",
+    "max_grad_norm": "max_grad_norm",
+    "weight_decay": "weight_decay",
+    "warmup_steps": "warmup_steps",
+}
+
+
 @dataclass
 class PretrainArguments:
-    """Command-line options of ``scripts/pretrain.py`` (parsed by ``transformers.HfArgumentParser``).
+    """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments` (both parsed by
+    ``transformers.HfArgumentParser``; `parse_pretrain_arguments`).
 
-    Every recipe value left ``None`` comes from the preset (`resolve_recipe`): for the paper's presets, the
-    paper's run except its length (``--steps paper`` for that too).
+    The preset decides the defaults of the training flags it has a value for (``--max_steps``,
+    ``--per_device_train_batch_size``, ``--gradient_accumulation_steps``, ``--learning_rate``,
+    ``--poet_learning_rate``, ``--merge_every``, ``--max_grad_norm``, ``--weight_decay``; `pretrain_defaults`): for the
+    paper's presets, the paper's run except its length (``--paper_steps`` for that too).
     """
 
     preset: str = field(
@@ -118,7 +136,7 @@ class PretrainArguments:
             "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"
         },
     )
-    method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)}"})
+    method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)} ('poet' is 'poet-bs')"})
     block_size: int | None = field(
         default=None,
         metadata={"help": f"POET-BS block size (default: the preset's, else PoetConfig's {PoetConfig.block_size})"},
@@ -142,13 +160,6 @@ class PretrainArguments:
             f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
         },
     )
-    merge_every: int | None = field(
-        default=None,
-        metadata={
-            "help": "optimizer steps between merges (default per "
-            f"preset, else PoetConfig's {PoetConfig.merge_every}, the paper's)"
-        },
-    )
     base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
     base_quantization: str | None = field(
         default=None,
@@ -166,35 +177,17 @@ class PretrainArguments:
             "meanwhile); --no_cache_rotations rebuilds it per micro-batch"
         },
     )
-    learning_rate: float | None = field(
-        default=None, metadata={"help": "base learning rate (default per preset, Tables 8–9)"}
-    )
-    poet_learning_rate: float | None = field(
-        default=None,
-        metadata={
-            "help": "POET learning rate (default: tied to the rotation size as Tables 8–9: 1e-3·256/b or 1e-3·½/budget)"
-        },
-    )
     lora_rank: int = field(default=64, metadata={"help": "LoRA rank for --method lora"})
-    steps: str | None = field(
-        default=None,
-        metadata={
-            "help": "optimizer steps: an integer, or 'paper' for Tables "
-            "8–9's count (default per preset: 200 for tiny, 1000 for the paper's presets)"
-        },
-    )
-    batch_size: int | None = field(
-        default=None, metadata={"help": "sequences per process per micro-batch (default per preset)"}
+    paper_steps: bool = field(
+        default=False,
+        metadata={"help": "train for Tables 8–9's step count (the paper's presets); --max_steps wins over it"},
     )
     global_batch_size: int | None = field(
         default=None,
         metadata={
-            "help": "sequences per optimizer step (the paper's 512), reached by gradient accumulation over processes"
+            "help": "sequences per optimizer step (the paper's 512), reached by gradient accumulation over processes; "
+            "ignored when --gradient_accumulation_steps is given"
         },
-    )
-    gradient_accumulation_steps: int | None = field(
-        default=None,
-        metadata={"help": "micro-batches per optimizer step (default: global_batch_size / (batch_size·processes))"},
     )
     seq_len: int = field(default=256, metadata={"help": "sequence length"})
     packing: bool = field(
@@ -204,15 +197,7 @@ class PretrainArguments:
             "/ pad each document to seq_len as GaLore and the paper do (false)"
         },
     )
-    max_grad_norm: float | None = field(
-        default=None, metadata={"help": "gradient clipping (default per preset: the paper's 0.1)"}
-    )
-    weight_decay: float | None = field(
-        default=None,
-        metadata={"help": "weight decay of the non-rotation parameters (default per preset: the paper's 0.01)"},
-    )
     min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
-    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps"})
     dataset: str = field(
         default=EMBEDDED_CORPUS,
         metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
@@ -222,40 +207,26 @@ class PretrainArguments:
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     tokenizer: str | None = field(default=None, metadata={"help": "AutoTokenizer name/path; default embedded"})
     max_eval_sequences: int = field(default=128, metadata={"help": "validation sequences evaluated"})
-    output_dir: str = field(
-        default="outputs/pretrain", metadata={"help": "where checkpoints, results.json and spectra.png go"}
-    )
-    logging_steps: int = field(default=10, metadata={"help": "log every this many steps"})
-    save_steps: int = field(
-        default=0,
-        metadata={
-            "help": "checkpoint interval (0 = no intermediate checkpoints); "
-            "checkpoints are written atomically into --output_dir"
-        },
-    )
-    save_total_limit: int | None = field(default=None, metadata={"help": "keep at most this many checkpoints"})
-    report_to: str = field(default="none", metadata={"help": "Trainer report_to, e.g. 'tensorboard'"})
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "'auto' (or 'latest'): resume "
-            "from the newest complete checkpoint in --output_dir, or start fresh "
-            "if there is none, so after a crash you rerun the same command; or a "
-            "checkpoint folder"
-        },
-    )
     export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
     print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
-    seed: int = field(default=0, metadata={"help": "seed of data order, initialisation and permutations"})
+    steps: str | None = field(
+        default=None, metadata={"help": "deprecated: use --max_steps N, or --paper_steps for 'paper'"}
+    )
+    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"`preset` must be one of {tuple(PRESETS)}, got {self.preset!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"`method` must be one of {METHODS}, got {self.method!r}")
-        if self.steps is not None and str(self.steps) != "paper" and not str(self.steps).isdigit():
-            raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
-        for name in ("batch_size", "global_batch_size", "gradient_accumulation_steps", "merge_every", "seq_len"):
+        if self.method == "poet":
+            self.method = "poet-bs"
+        check_choice("preset", self.preset, tuple(PRESETS))
+        check_choice("method", self.method, (*METHODS, "poet"))
+        if self.steps is not None:
+            if str(self.steps) != "paper" and not str(self.steps).isdigit():
+                raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
+            deprecated_alias("steps", "max_steps` (or `--paper_steps")
+            self.paper_steps = self.paper_steps or str(self.steps) == "paper"
+        if self.batch_size is not None:
+            deprecated_alias("batch_size", "per_device_train_batch_size")
+        for name in ("batch_size", "global_batch_size", "seq_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}")
@@ -265,8 +236,58 @@ class PretrainArguments:
                 "weight, so it has none (use --method poet-bs or poet-fs)"
             )
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
-        if self.preset == "tiny" and str(self.steps) == "paper":
-            raise ValueError("`steps`='paper' needs one of the paper's presets; 'tiny' is not in the paper")
+        if self.preset == "tiny" and self.paper_steps:
+            raise ValueError("`paper_steps` needs one of the paper's presets; 'tiny' is not in the paper")
+
+
+def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
+    """The training flags of the preset's recipe (`resolve_recipe`), for those the user did not give: the length,
+    batch and accumulation, the two learning rates, merge interval, clipping and decay; a cosine schedule to
+    ``min_lr_ratio``.
+
+    Args:
+        args: the script's options.
+        given: the training flags the user set.
+
+    Returns:
+        ``PoetTrainingArguments`` field values.
+    """
+    recipe = resolve_recipe(args, given)
+    values: dict[str, Any] = {flag: recipe[key] for key, flag in RECIPE_FLAGS.items() if key in recipe}
+    values.update(
+        output_dir="outputs/pretrain",
+        per_device_eval_batch_size=recipe["batch_size"],
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio},
+        logging_steps=10,
+        eval_strategy="no",
+        include_num_input_tokens_seen="all" if args.packing else "non_padding",
+        dataloader_drop_last=True,
+    )
+    if args.method == "galore":
+        values.update(optim="galore_adamw", optim_target_modules=DEFAULT_TARGET_MODULES["llama"])
+    return run_defaults(0, given, **values)
+
+
+def parse_pretrain_arguments(
+    argv: list[str] | None = None, **fields: Any
+) -> tuple[PretrainArguments, PoetTrainingArguments]:
+    """``scripts/pretrain.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
+    ``fields`` of either dataclass (`cli.parse_arguments`).
+
+    Args:
+        argv: the command line.
+        **fields: field values instead of a command line.
+
+    Returns:
+        ``(PretrainArguments, PoetTrainingArguments)``.
+    """
+    return parse_arguments(PretrainArguments, pretrain_defaults, argv, fields or None)
+
+
+def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:
+    """The recipe's values that ``training`` holds (`RECIPE_FLAGS`), to resolve the recipe of a run."""
+    return {flag: getattr(training, flag) for flag in RECIPE_FLAGS.values()}
 
 
 def _budget(value: float) -> float | int:
@@ -279,31 +300,49 @@ def _budget(value: float) -> float | int:
 
 
 def resolve_recipe(
-    args: PretrainArguments, world_size: int | None = None, vocab_size: int | None = None
+    args: PretrainArguments,
+    given: dict[str, Any] | None = None,
+    world_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Every value of the run: the arguments given, else the preset's (the paper's Tables 7–9 and appendix E).
+    """Every value of the run: the options and training flags given, else the preset's (the paper's Tables 7–9 and
+    appendix E).
 
-    ``world_size`` defaults to the ``WORLD_SIZE`` the launcher set (1 without one). The result is what
-    ``--print_recipe`` prints and what ``results.json`` records under ``"recipe"``; with ``vocab_size`` it also
-    counts the method's trainable parameters (Table 2's convention: the Linear layers of the blocks).
+    Args:
+        args: the script's options.
+        given: training flags the user set (``PoetTrainingArguments`` names, e.g. ``max_steps``, ``learning_rate``);
+            for a run, all of them (`recipe_flags`).
+        world_size: the number of processes; default the ``WORLD_SIZE`` the launcher set (1 without one).
+        vocab_size: with it, the method's trainable parameters are counted too (Table 2's convention: the Linear
+            layers of the blocks).
+
+    Returns:
+        What ``--print_recipe`` prints and ``results.json`` records under ``"recipe"``.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a multiple of the micro-batch times the processes.
     """
     import os
 
-    from ..tuners.poet.config import PoetConfig
-
+    given = {k: v for k, v in (given or {}).items() if v is not None}
     preset = PRESETS[args.preset]
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    steps = preset.paper_steps if str(args.steps) == "paper" else int(args.steps) if args.steps else preset.steps
-    micro = args.batch_size or preset.batch_size
-    if args.gradient_accumulation_steps is not None:
-        accumulation = args.gradient_accumulation_steps
+    if "max_steps" in given and given["max_steps"] > 0:
+        steps = given["max_steps"]
+    elif args.steps is not None and str(args.steps).isdigit():
+        steps = int(args.steps)
+    else:
+        steps = preset.paper_steps if args.paper_steps else preset.steps
+    micro = given.get("per_device_train_batch_size") or args.batch_size or preset.batch_size
+    if given.get("gradient_accumulation_steps") is not None:
+        accumulation = given["gradient_accumulation_steps"]
         global_batch = micro * accumulation * world
     else:
         global_batch = args.global_batch_size or preset.global_batch_size
         micro = min(micro, max(1, global_batch // world))
         if global_batch % (micro * world):
             raise ValueError(
-                f"`global_batch_size`={global_batch} is not a multiple of `batch_size`={micro} × "
+                f"`global_batch_size`={global_batch} is not a multiple of `per_device_train_batch_size`={micro} × "
                 f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`"
             )
         accumulation = global_batch // (micro * world)
@@ -320,13 +359,13 @@ def resolve_recipe(
             "seq_len": args.seq_len,
             "vocab": vocab_size,
         },
-        "learning_rate": args.learning_rate or preset.learning_rate,
-        "max_grad_norm": preset.max_grad_norm if args.max_grad_norm is None else args.max_grad_norm,
-        "weight_decay": preset.weight_decay if args.weight_decay is None else args.weight_decay,
+        "learning_rate": given.get("learning_rate", preset.learning_rate),
+        "max_grad_norm": given.get("max_grad_norm", preset.max_grad_norm),
+        "weight_decay": given.get("weight_decay", preset.weight_decay),
         "optimizer": "AdamW",
         "schedule": "cosine",
         "min_lr_ratio": args.min_lr_ratio,
-        "warmup_steps": args.warmup_steps,
+        "warmup_steps": given.get("warmup_steps", 0),
         "steps": steps,
         "sequences_per_step": global_batch,
         "batch_size": micro,
@@ -359,11 +398,11 @@ def resolve_recipe(
                 ),
                 "neumann_terms": terms,
                 "paper_neumann_k": paper_neumann_k(terms),
-                "merge_every": args.merge_every or preset.merge_every,
+                "merge_every": given.get("merge_every") or preset.merge_every,
                 "base_init": args.base_init,
                 "base_quantization": args.base_quantization,
                 "cache_rotations": args.cache_rotations,
-                "poet_learning_rate": args.poet_learning_rate
+                "poet_learning_rate": given.get("poet_learning_rate")
                 or preset.poet_learning_rate
                 or tied_poet_learning_rate(args.method, mean_size),
                 "post_merge_clip_steps": 10,
@@ -389,7 +428,7 @@ def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_siz
     """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
     with torch.device("meta"):
         model = apply_recipe(
-            build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, args.seed, device="meta"),
+            build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, 0, device="meta"),
             {**recipe, "base_quantization": None},
             base_init=None,
         )
@@ -471,43 +510,10 @@ def apply_recipe(
     return model
 
 
-def training_arguments(args: PretrainArguments, recipe: dict[str, Any]) -> PoetTrainingArguments:
-    """``PoetTrainingArguments`` of the recipe: cosine to ``min_lr_ratio``, two learning rates, post-merge clip ramp."""
-    extra: dict[str, Any] = {}
-    if args.method == "galore":
-        extra = {"optim": "galore_adamw", "optim_target_modules": DEFAULT_TARGET_MODULES["llama"]}
-    return PoetTrainingArguments(
-        output_dir=args.output_dir,
-        max_steps=recipe["steps"],
-        per_device_train_batch_size=recipe["batch_size"],
-        per_device_eval_batch_size=recipe["batch_size"],
-        gradient_accumulation_steps=recipe["gradient_accumulation_steps"],
-        learning_rate=recipe["learning_rate"],
-        poet_learning_rate=recipe.get("poet_learning_rate"),
-        merge_every=recipe.get("merge_every"),
-        lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": recipe["min_lr_ratio"]},
-        warmup_steps=recipe["warmup_steps"],
-        weight_decay=recipe["weight_decay"],
-        max_grad_norm=recipe["max_grad_norm"],
-        logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit,
-        eval_strategy="no",
-        report_to=args.report_to,
-        seed=args.seed,
-        data_seed=args.seed,
-        include_num_input_tokens_seen="all" if recipe["packing"] else "non_padding",
-        dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(),
-        **extra,
-    )
-
-
-def load_data(args: PretrainArguments, tokenizer) -> tuple[Any, Any]:
-    """Train and (capped) validation sets: packed rows, or one truncated / padded row per document."""
-    corpus = load_corpus(args.dataset, args.dataset_config, streaming=args.streaming, seed=args.seed)
+def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
+    """Train and (capped) validation sets: packed rows, or one truncated / padded row per document (``seed`` orders a
+    streamed dataset and draws a held-out split where the dataset has none)."""
+    corpus = load_corpus(args.dataset, args.dataset_config, streaming=args.streaming, seed=seed)
     prepare = pack_sequences if args.packing else pad_documents
     train = prepare(corpus["train"], tokenizer, args.seq_len, args.text_column)
     validation = prepare(corpus["validation"], tokenizer, args.seq_len, args.text_column)
@@ -541,11 +547,13 @@ def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
-def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
-    """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``args.output_dir``.
+def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, Any]:
+    """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``training.output_dir``.
 
     Args:
-        args: the run's options (``scripts/pretrain.py``'s flags).
+        args: the run's options (``scripts/pretrain.py``'s own flags).
+        training: the training arguments (its ``TrainingArguments`` flags); ``None``: the preset's
+            (`pretrain_defaults`).
 
     Returns:
         The report written to ``results.json``: the resolved recipe, validation loss and perplexity (initial and final),
@@ -556,9 +564,12 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
             option).
     """
     started = time.time()
+    if training is None:
+        training = PoetTrainingArguments(**pretrain_defaults(args, {}))
     tokenizer = load_tokenizer(args.tokenizer)
-    recipe = resolve_recipe(args, vocab_size=len(tokenizer))
-    train, validation = load_data(args, tokenizer)
+    recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
+    seed = training.seed
+    train, validation = load_data(args, tokenizer, seed)
     if not args.streaming and len(validation) < recipe["batch_size"]:
         raise ValueError(
             f"the validation set has {len(validation)} sequences, fewer than one batch "
@@ -566,10 +577,10 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         )
     # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only). LoRA's
     # and quantised bases' adapters are added to materialized weights.
-    base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, args.seed, device="meta")
+    base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, seed, device="meta")
     if args.method == "lora" or args.base_quantization:
-        materialize_model(base, seed=args.seed)
-    model = apply_recipe(base, recipe, seed=args.seed)
+        materialize_model(base, seed=seed)
+    model = apply_recipe(base, recipe, seed=seed)
     run_info: dict[str, Any] = {
         "method": args.method,
         "preset": args.preset,
@@ -579,7 +590,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     }
     trainer = PoetTrainer(
         model=model,
-        args=training_arguments(args, recipe),
+        args=training,
         train_dataset=train,
         eval_dataset=validation,
         data_collator=default_data_collator,
@@ -589,7 +600,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
     targets = cast(list[str], DEFAULT_TARGET_MODULES["llama"])  # a list of suffixes for llama
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     final_loss = trainer.evaluate()["eval_loss"]
     spectra_after = singular_values(model, targets)
     results = {
@@ -608,7 +619,7 @@ def run_pretraining(args: PretrainArguments) -> dict[str, Any]:
         "spectrum_bound": neumann_drift_bound(trainer, model),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
     }
-    output = Path(args.output_dir)
+    output = Path(cast(str, training.output_dir))
     trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
     if args.export_dir and (is_sharded(model) or trainer.is_world_process_zero()):  # a sharded fold gathers on all
         from ..export import export_merged
