@@ -111,11 +111,11 @@ def create_poet_optimizer(
     """The optimizer `PoetTrainer` builds, for any ``transformers.Trainer`` (TRL's ``SFTTrainer`` too) or a loop.
 
     Pass it as ``Trainer(..., optimizers=(optimizer, None))`` (the Trainer then builds the scheduler from ``args``,
-    which scales every group) with [`MergeReinitCallback`][poet_hf.MergeReinitCallback], which merges and resets the
-    rotations' optimizer state (`reset_optimizer_state`) every ``merge_every`` steps. In a hand-written loop call
-    ``merge_and_reinit(model)`` and ``reset_optimizer_state(optimizer, poet_parameters(model))`` yourself. Like PEFT's
-    ``create_loraplus_optimizer``, it groups the parameters by rate: the groups of `poet_param_groups`, with the
-    class and keyword arguments of ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``).
+    which scales every group) with [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback], which merges and
+    resets the rotations' optimizer state (`reset_optimizer_state`) every ``merge_every`` steps. In a hand-written
+    loop, call ``merge_and_reinit(model)`` and ``reset_optimizer_state(optimizer, poet_parameters(model))`` yourself.
+    Like PEFT's ``create_loraplus_optimizer``, it groups the parameters by rate: the groups of `poet_param_groups`,
+    with the class and keyword arguments of ``args.optim`` (``Trainer.get_optimizer_cls_and_kwargs``).
 
     Args:
         model: the PEFT model (built before the Trainer, e.g. by ``get_peft_model``).

@@ -188,7 +188,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
 
         ``"default"`` is contiguous 32-blocks on both sides; train it at ``learning_rate=1e-3`` with
         ``poet_reference_block=32`` (`PoetTrainingArguments`, or
-        [`create_poet_optimizer`][poet_hf.create_poet_optimizer] for another Trainer), as
+        [`create_poet_optimizer`][poet_hf.training.create_poet_optimizer] for another Trainer), as
         ``POET_FINETUNE_RECIPES[recipe]`` records. ``"paper"`` is the POET paper's Table 6 setting (fully stochastic,
         budget ½).
 
