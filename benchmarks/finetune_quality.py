@@ -1,9 +1,10 @@
-"""Fine-tuning quality on real pretrained weights: LoRA, OFT and POET at their defaults on the testbed.
+"""Fine-tuning quality on pretrained weights: LoRA, OFT and POET at their defaults on the testbed.
 
-The testbed (``benchmarks/testbed.py``) is a causal LM pretrained here on Shakespeare and fine-tuned on Milton, and
-the real all-MiniLM-L6-v2 encoder fine-tuned to tell four plays apart. Every method runs
-``scripts/finetune.py`` with its defaults (only the run length, batch and sequence length are set here) in a fresh
-process, which reports:
+The defaults are judged on models trained until their validation loss is flat (``TRAINED_TASKS``): two LLaMAs
+pretrained here on Shakespeare (``testbed.TRAINED_CAUSAL_LMS``: 4 blocks of width 256, 12 of width 128) and fine-tuned
+on Milton, and the real all-MiniLM-L6-v2 encoder fine-tuned to tell four plays apart; ``causal-lm`` is the tests'
+short LM, far from trained. Every method runs ``scripts/finetune.py`` with its defaults (only the run length, batch
+and sequence length are set here) in a fresh process, which reports:
 
 - the evaluation loss and perplexity (causal LM) or accuracy (classification) before and after, and the evaluation
   loss after the first 5 steps (``loss @5``: fine-tuning must not start by damaging the model);
@@ -24,10 +25,17 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("lora", "oft", "poet")
+LM_SHAPE = {"seq_len": 128, "batch_size": 8, "max_eval_samples": 64, "steps": 60}
 TASKS = {
-    "causal-lm": {"seq_len": 128, "batch_size": 8, "max_eval_samples": 64, "steps": 60},
+    # the tests' short LM (0.92 epoch of pretraining: far from trained) and the LMs trained until their validation
+    # loss is flat (testbed.TRAINED_CAUSAL_LMS), each fine-tuned on Milton
+    "causal-lm": {**LM_SHAPE, "model": None},
+    "lm-256x4": {**LM_SHAPE, "model": "lm-256x4"},
+    "lm-128x12": {**LM_SHAPE, "model": "lm-128x12"},
     "classification": {"seq_len": 64, "batch_size": 16, "max_eval_samples": 256, "steps": 100},
 }
+# What the defaults are judged on: trained models only.
+TRAINED_TASKS = ("lm-256x4", "lm-128x12", "classification")
 
 
 def _rss_mb() -> float:
@@ -41,8 +49,9 @@ def task_argv(task: str, steps: int | None = None) -> list[str]:
     from benchmarks import testbed
 
     shape = TASKS[task]
-    if task == "causal-lm":
-        data = ["--model", str(testbed.ensure_causal_lm()), "--dataset", str(testbed.milton_corpus())]
+    if task != "classification":
+        model = testbed.ensure_causal_lm(name=shape["model"])
+        data = ["--model", str(model), "--dataset", str(testbed.milton_corpus())]
     else:
         data = [
             "--model",
@@ -134,7 +143,7 @@ def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
 
 
 def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:
-    metric = "perplexity" if task == "causal-lm" else "accuracy"
+    metric = "accuracy" if task == "classification" else "perplexity"
     gain = {m: result["after"][m] - result["before"][m] for m in ("loss", metric)}
     oft_gain = oft["after"]["loss"] - oft["before"]["loss"]
     return {
@@ -158,7 +167,7 @@ def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any
 def run(
     quick: bool = False,
     repeats: int = 3,
-    tasks: tuple[str, ...] = tuple(TASKS),
+    tasks: tuple[str, ...] = TRAINED_TASKS,
     variants: dict[str, list[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every method at its defaults, or the ``variants`` (a row label → extra ``scripts/finetune.py`` arguments,

@@ -54,7 +54,8 @@ CAUSAL_LM = {
 # Causal LMs trained until their validation loss is flat (benchmark assets that the fine-tuning defaults are chosen
 # on; the tests keep the short CAUSAL_LM): the same data and tokenizer, a cosine schedule over several epochs of the
 # plays, an evaluation every 100 steps, the best one kept, stopped early once it improves by less than 0.2 % for 3
-# evaluations. Two widths, so that a default cannot fit one model's size.
+# evaluations. Two shapes: 4 blocks of width 256 (5.5M parameters), and 12 of width 128 (heads of 64, as SmolLM's),
+# since a rotation of every layer compounds with depth.
 TRAINED_CAUSAL_LMS = {
     "lm-256x4": {
         **CAUSAL_LM,
@@ -64,14 +65,13 @@ TRAINED_CAUSAL_LMS = {
         "patience": 3,
         "threshold": 0.002,
     },
-    "lm-384x6": {
+    "lm-128x12": {
         **CAUSAL_LM,
-        "hidden": 384,
-        "layers": 6,
-        "intermediate": 1024,
-        "heads": 6,
-        "learning_rate": 2e-3,
-        "max_steps": 1200,
+        "hidden": 128,
+        "layers": 12,
+        "intermediate": 384,
+        "heads": 2,
+        "max_steps": 1600,
         "warmup_steps": 100,
         "eval_every": 100,
         "patience": 3,

@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--learning_rate",
         type=float,
         default=None,
-        help="default: 3e-3 on the default model, else 1e-3 (the fine-tuning default of scripts/finetune.py)",
+        help="every rate; default: 3e-3 on the default (untrained) model, else scripts/finetune.py's: 1e-3 for OFT, "
+        "and for POET's rotations the recipe's (POET_FINETUNE_RECIPES)",
     )
     parser.add_argument("--output_dir", default="outputs/sft-trl")
     return parser.parse_args(argv)
@@ -128,9 +129,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer.chat_template = CHAT_TEMPLATE
     data = chat_dataset() if args.dataset is None else load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=32, seed=0)
-    learning_rate = args.learning_rate or (
-        3e-3 if args.model is None else POET_FINETUNE_RECIPES["default"].learning_rate
-    )
+    recipe = POET_FINETUNE_RECIPES["default"]
+    learning_rate = args.learning_rate or (3e-3 if args.model is None else 1e-3)
+    rotation_rate = None if args.learning_rate or args.model is None else recipe.learning_rate  # None: learning_rate
     config = SFTConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -149,9 +150,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disable_tqdm=True,
     )
     model = get_peft_model(model, peft_config(args.method))
-    # A side of block size b at lr·32/b (the fine-tuning recipe); the scheduler comes from `config`.
-    reference_block = POET_FINETUNE_RECIPES["default"].reference_block
-    optimizer = create_poet_optimizer(model, config, poet_reference_block=reference_block)
+    # POET's rotations at their own rate, a side of block size b at rate·32/b (the recipe's); the scheduler comes
+    # from `config`.
+    optimizer = create_poet_optimizer(
+        model,
+        config,
+        poet_learning_rate=rotation_rate if args.method == "poet" else None,
+        poet_reference_block=recipe.reference_block,
+    )
     callbacks = [MergeReinitCallback()] if args.method == "poet" else []
     trainer = SFTTrainer(
         model=model,

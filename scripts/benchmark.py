@@ -26,6 +26,7 @@ SUITES = (
     "finetune_step",
     "finetune_quality",
     "finetune_sweep",
+    "finetune_rates",
     "oft_layer",
     "fsdp",
     "eco",

@@ -16,8 +16,15 @@ from __future__ import annotations
 
 import json
 
+from transformers import HfArgumentParser
+
 from poet_hf.distributed import end_distributed
-from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
+from poet_hf.training.cli import training_parser
+from poet_hf.training.finetune import FinetuneArguments, parse_finetune_arguments, run_finetuning
+
+
+def build_parser() -> HfArgumentParser:
+    return training_parser(FinetuneArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -17,9 +17,22 @@ from __future__ import annotations
 
 import json
 
+from transformers import HfArgumentParser
+
 from poet_hf.data import load_tokenizer
 from poet_hf.distributed import end_distributed
-from poet_hf.training.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe, run_pretraining
+from poet_hf.training.cli import training_parser
+from poet_hf.training.pretrain import (
+    PretrainArguments,
+    parse_pretrain_arguments,
+    recipe_flags,
+    resolve_recipe,
+    run_pretraining,
+)
+
+
+def build_parser() -> HfArgumentParser:
+    return training_parser(PretrainArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -255,13 +255,14 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
         config = method_config(args, model)
         assert {field: getattr(config, field) for field in recipe.config} == recipe.config
         assert config == PoetConfig.for_finetuning(name, target_modules=config.target_modules, task_type="CAUSAL_LM")
-        assert (training.learning_rate, training.poet_reference_block) == (recipe.learning_rate, recipe.reference_block)
+        assert (training.poet_learning_rate, training.poet_reference_block) == (recipe.learning_rate, 32)
+        assert training.learning_rate == 1e-3  # a new head's (none here), OFT's and LoRA's
     # What the command line sets wins over the recipe, in the script's options and in the training flags.
     args, training = parse_finetune_arguments(
         ["--model", "x", "--method", "poet", "--block_size", "16", "--learning_rate", "3e-4"]
     )
     assert method_config(args, model).block_size == 16 and training.learning_rate == 3e-4
-    assert training.poet_reference_block == 32
+    assert training.poet_reference_block == 32 and training.poet_learning_rate is None  # --learning_rate sets both
     assert parse_finetune_arguments(["--model", "x", "--method", "oft"])[1].poet_reference_block is None
 
 

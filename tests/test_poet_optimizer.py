@@ -47,7 +47,7 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
         output_dir=str(tmp_path / "sft"),
         max_steps=12,
         per_device_train_batch_size=8,
-        learning_rate=RECIPE.learning_rate,
+        learning_rate=1e-3,  # any trainable parameter but the rotations (none here)
         lr_scheduler_type="linear",
         max_length=128,
         report_to="none",
@@ -58,11 +58,14 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
         bf16=False,  # SFTConfig's default is bf16; this test is float32 on a CPU
         disable_tqdm=True,
     )
-    optimizer = create_poet_optimizer(model, sft_args, poet_reference_block=RECIPE.reference_block)
+    optimizer = create_poet_optimizer(
+        model, sft_args, poet_learning_rate=RECIPE.learning_rate, poet_reference_block=RECIPE.reference_block
+    )
 
     poet_args = PoetTrainingArguments(
         output_dir=str(tmp_path / "poet"),
-        learning_rate=RECIPE.learning_rate,
+        learning_rate=1e-3,
+        poet_learning_rate=RECIPE.learning_rate,
         poet_reference_block=RECIPE.reference_block,
         report_to="none",
         use_cpu=True,
@@ -76,7 +79,7 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
         for _, layer in rotation_layers(model)
         for side, spec in layer.sides("default").items()
     }
-    assert rate_of == expected and sorted(set(expected.values())) == [5e-4, 1e-3]
+    assert rate_of == expected and sorted(set(expected.values())) == [RECIPE.learning_rate / 2, RECIPE.learning_rate]
 
     validation = Dataset.from_dict({"text": milton_rows(corpus, "validation")[:32]})
     trainer = SFTTrainer(

@@ -10,18 +10,14 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_callback import ExportableState
 
 from ..diagnostics import poet_statistics
-from ..tuners.poet import merge_and_reinit, poet_layers
+from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit, poet_layers
 from .optimizer import poet_parameters, reset_optimizer_state
 
 logger = logging.getLogger(__name__)
 
-# Fine-tuning starts from pretrained W0, which a large early rotation scrambles. Adam moves every skew entry by about
-# the learning rate per step, so a b-block's ‖Q‖_F grows by up to lr·b per step: at one rate for every side a large
-# block or index set turns fastest (FS ½ at one rate of 1e-2 raised the testbed's loss within 5 steps), which is why
-# PoetTrainingArguments.poet_reference_block gives a side of block size b the rate lr·ref/b. On the testbed (README,
-# "Fine-tuning") every run that improved the pretrained model turned a layer by less than 45° within 5 steps (the
-# default ≈ 17°). A layer whose rotations turn it further (RotationLayer.rotation_angle) in the first steps gets a
-# warning.
+# Fine-tuning starts from pretrained W0, which a large early rotation scrambles: a layer whose rotations turn it by more
+# than FINETUNE_WARN_ANGLE degrees (RotationLayer.rotation_angle) within the first FINETUNE_WARN_STEPS steps gets a
+# warning. docs/finetuning.md has the angles of the runs that improved the testbed models.
 FINETUNE_WARN_ANGLE = 45.0
 FINETUNE_WARN_STEPS = 20
 
@@ -153,12 +149,13 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             logger.warning(
                 "after %d steps the rotations already turn a layer by %.0f° (> %.0f°, FINETUNE_WARN_ANGLE): "
                 "fine-tuning a pretrained model this fast usually damages it. Lower the rotation learning rate "
-                "(now %g); the defaults are 1e-3 for OFT and, for POET, 1e-3 at a 32-block side with "
+                "(now %g); the defaults are 1e-3 for OFT and, for POET, %g at a 32-block side with "
                 "poet_reference_block=32 scaling other sizes.",
                 step,
                 angle,
                 FINETUNE_WARN_ANGLE,
                 rate,
+                POET_FINETUNE_RECIPES["default"].learning_rate,
             )
 
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):

@@ -52,7 +52,7 @@ def parse_arguments(
     if fields is not None:
         return _from_fields(script_class, defaults, fields)
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(cast(Any, (script_class, PoetTrainingArguments)))
+    parser = training_parser(script_class)
     script_args = _script_options(script_class, argv)
     given = given_training_flags(argv)
     values = {} if script_args is None else defaults(script_args, given)
@@ -67,6 +67,12 @@ def parse_arguments(
     return script_class(**_init_fields(script_class, parsed)), PoetTrainingArguments(
         **_init_fields(PoetTrainingArguments, parsed)
     )
+
+
+def training_parser(script_class: type) -> HfArgumentParser:
+    """The parser of a training script: its own options, then every `PoetTrainingArguments` flag (without the
+    recipe's defaults, which `parse_arguments` sets)."""
+    return HfArgumentParser(cast(Any, (script_class, PoetTrainingArguments)))
 
 
 def _init_fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +132,11 @@ def _from_fields(
     return script_args, PoetTrainingArguments(**{**defaults(script_args, given), **given})
 
 
-def deprecated_alias(old: str, new: str) -> None:
-    """Warn that option ``old`` is deprecated in favour of ``new`` (kept for one release)."""
+def deprecated_alias(old: str, *new: str) -> None:
+    """Warn that option ``old`` is deprecated in favour of the options ``new`` (it is kept for one release)."""
+    instead = " or ".join(f"`--{name}`" for name in new)
     warnings.warn(
-        f"`--{old}` is deprecated and will be removed in the next release; use `--{new}`", FutureWarning, stacklevel=3
+        f"`--{old}` is deprecated and will be removed in the next release; use {instead}", FutureWarning, stacklevel=3
     )
 
 

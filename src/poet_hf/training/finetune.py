@@ -183,9 +183,10 @@ class FinetuneArguments:
 
 
 def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:
-    """The training flags the method's recipe decides, for those the user did not give: POET's rotation rate and
-    its per-block-size scaling (`POET_FINETUNE_RECIPES`), OFT's and LoRA's rate, a short run, evaluation batches as
-    large as the training ones.
+    """The training flags the method's recipe decides, for those the user did not give: POET's rotation rate
+    (``poet_learning_rate``, unless ``--learning_rate`` alone was given, which then sets every rate) and its
+    per-block-size scaling (`POET_FINETUNE_RECIPES`); 1e-3 for OFT, LoRA and any new head; a short run; evaluation
+    batches as large as the training ones.
 
     Args:
         args: the script's options.
@@ -206,8 +207,9 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
     }
     if args.method == "poet":
         recipe = POET_FINETUNE_RECIPES[args.recipe]
-        values["learning_rate"] = recipe.learning_rate
         values["poet_reference_block"] = recipe.reference_block
+        if "learning_rate" not in given:  # --learning_rate alone sets every rate, as in any transformers script
+            values["poet_learning_rate"] = recipe.learning_rate
     return run_defaults(0, given, **values)
 
 

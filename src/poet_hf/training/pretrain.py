@@ -222,7 +222,7 @@ class PretrainArguments:
         if self.steps is not None:
             if str(self.steps) != "paper" and not str(self.steps).isdigit():
                 raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
-            deprecated_alias("steps", "max_steps` (or `--paper_steps")
+            deprecated_alias("steps", "max_steps", "paper_steps")
             self.paper_steps = self.paper_steps or str(self.steps) == "paper"
         if self.batch_size is not None:
             deprecated_alias("batch_size", "per_device_train_batch_size")

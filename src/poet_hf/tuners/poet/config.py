@@ -36,19 +36,21 @@ class PoetFinetuneRecipe:
 
     Args:
         config: `PoetConfig` fields; the others keep their defaults.
-        learning_rate: the rotations' rate at a ``reference_block`` side.
+        learning_rate: the rotations' rate at a ``reference_block`` side (``poet_learning_rate``; other trainable
+            parameters, such as a new classification head, keep the Trainer's ``learning_rate``).
         reference_block: a side of block size ``b`` trains at ``learning_rate · reference_block / b``
             (``poet_reference_block`` of `PoetTrainingArguments` and `create_poet_optimizer`).
     """
 
     config: dict[str, Any]
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-4
     reference_block: int = 32
 
 
 # "default": 32-blocks on both sides in OFT's contiguous layout (a fine-tuning run rarely reaches a merge, where a
-# permutation would pay off), at OFT's default block and rate; "paper": the POET paper's Table 6 setting, its
-# pretraining configuration (fully stochastic, budget 1/2). docs/finetuning.md has the sweep they come from.
+# permutation would pay off), each side at half OFT's rate, so that its two rotations turn the model about as fast as
+# OFT's one; "paper": the POET paper's Table 6 setting, its pretraining configuration (fully stochastic, budget 1/2).
+# docs/finetuning.md has the sweep on trained models that the rate comes from.
 POET_FINETUNE_RECIPES: dict[str, PoetFinetuneRecipe] = {
     "default": PoetFinetuneRecipe({"spo": "contiguous", "block_size": 32}),
     "paper": PoetFinetuneRecipe({"spo": "full", "budget": 0.5}),
@@ -186,8 +188,8 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     def for_finetuning(cls, recipe: str = "default", **overrides: Any) -> PoetConfig:
         """The config of a POET fine-tuning recipe (`POET_FINETUNE_RECIPES`), for a pretrained model.
 
-        ``"default"`` is contiguous 32-blocks on both sides; train it at ``learning_rate=1e-3`` with
-        ``poet_reference_block=32`` (`PoetTrainingArguments`, or
+        ``"default"`` is contiguous 32-blocks on both sides; train its rotations at ``poet_learning_rate=5e-4`` (half
+        OFT's rate on each of its two sides) with ``poet_reference_block=32`` (`PoetTrainingArguments`, or
         [`create_poet_optimizer`][poet_hf.training.create_poet_optimizer] for another Trainer), as
         ``POET_FINETUNE_RECIPES[recipe]`` records. ``"paper"`` is the POET paper's Table 6 setting (fully stochastic,
         budget ½).
