@@ -7,15 +7,17 @@ from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 128) -> LlamaForCausalLM:
+def tiny_llama(
+    hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 128, heads: int = 4, kv_heads: int = 4
+) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
     )
     return LlamaForCausalLM(config).eval()

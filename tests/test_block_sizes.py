@@ -8,9 +8,10 @@ import warnings
 
 import pytest
 import torch
+from models import tiny_llama
 from peft import PeftModel, get_peft_model
 from peft.tuners.oft.layer import OFTLayer
-from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModel, LlamaForCausalLM
 
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import OftConfig, PoetConfig
@@ -135,17 +136,7 @@ def test_oft_config_on_the_real_minilm_encoder(minilm_dir, tmp_path, block_size)
 
 def smollm_shaped_llama() -> LlamaForCausalLM:
     """SmolLM-135M's widths (hidden 576, 9 heads of 64, 3 KV heads: k/v project to 192; FFN 1536), two layers."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama(hidden=576, intermediate=1536, heads=9, kv_heads=3)
 
 
 @pytest.mark.parametrize("config_cls", [PoetConfig, OftConfig])
@@ -181,20 +172,8 @@ def test_a_pattern_entry_sets_one_layer_and_r_is_fitted_as_a_number_of_blocks():
     }
     assert sizes[name] == 64 and sizes["model.layers.1.mlp.down_proj"] == 32
     # r = 5 blocks of a 64-wide input: the nearest divisor of 64 to 5 is 4 (a tie with 8 goes to the smaller).
-    model, message = build(
-        lambda: LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=32,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=4,
-            )
-        ),
-        OftConfig(r=5, block_size=0),
-        expect_warning=True,
-    )
+    model, message = build(tiny_llama, OftConfig(r=5, block_size=0), expect_warning=True)
+    assert "`r`=5 does not divide" in message
     sizes = {
         layer.sides("default")["input"].dim: layer.sides("default")["input"].block
         for _, layer in rotation_layers(model)
