@@ -394,12 +394,18 @@ def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(tes
 
 @pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
 def test_the_finetuning_script_takes_trainer_flags(workspace, tmp_path, flags):
-    """As for pretraining: the blocks are recomputed in the backward, or the run is under bf16 autocast on a CPU."""
+    """As for pretraining: the blocks are recomputed in the backward; the run is under bf16 autocast on a CPU, or
+    refused up front on one without AVX-512."""
     from training_utils import TrainingForwards
 
     argv = ["--model", str(workspace / "pretrained"), "--method", "poet", "--dataset", str(workspace / "heldout.txt")]
+    argv += ["--output_dir", str(tmp_path), *COMMON, "--max_steps", "2", *flags]
+    if flags == ["--bf16"] and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        with pytest.raises(ValueError, match="bfloat16 attention kernels for CPUs need AVX-512"):
+            finetune_main(argv)
+        return
     with TrainingForwards() as seen:
-        results = finetune_main([*argv, "--output_dir", str(tmp_path), *COMMON, "--max_steps", "2", *flags])
+        results = finetune_main(argv)
     assert results["steps"] == 2 and math.isfinite(results["after"]["loss"])
     if flags == ["--gradient_checkpointing"]:
         assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}

@@ -347,13 +347,35 @@ def pretrain_script():
 @pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
 def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flags):
     """--gradient_checkpointing recomputes the blocks in the backward; --bf16 on a CPU trains under bf16 autocast
-    (the non-POET Linear layers, e.g. lm_head, return bf16), never silently in float32."""
+    (the non-POET Linear layers, e.g. lm_head, return bf16), never silently in float32, or, on a CPU without AVX-512
+    (whose torch kernels cannot run it), is refused with a clear message before the run."""
     small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64"]
     argv = [*small, "--max_steps", "2", "--max_eval_sequences", "4", "--dataset", local_corpus, "--block_size", "32"]
+    argv += ["--output_dir", str(tmp_path), "--logging_steps", "1", *flags]
+    if flags == ["--bf16"] and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        with pytest.raises(ValueError, match="bfloat16 attention kernels for CPUs need AVX-512"):
+            pretrain_script().main(argv)
+        return
     with TrainingForwards() as seen:
-        results = pretrain_script().main([*argv, "--output_dir", str(tmp_path), "--logging_steps", "1", *flags])
+        results = pretrain_script().main(argv)
     assert results["steps"] == 2 and all(torch.isfinite(torch.tensor(results["train_losses"])))
     if flags == ["--gradient_checkpointing"]:
         assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}
     else:
         assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0
+
+
+def test_bf16_is_refused_with_a_clear_message_on_a_cpu_without_avx512(monkeypatch, tmp_path):
+    from poet_hf import PoetTrainingArguments
+    from poet_hf.training.cli import check_cpu_bfloat16
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    training = PoetTrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to="none")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    with pytest.raises(ValueError, match=r"`bf16` on this CPU \(torch capability AVX2\)"):
+        check_cpu_bfloat16(training)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    check_cpu_bfloat16(training)  # trains: the bf16 tests above
+    training.bf16 = False
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    check_cpu_bfloat16(training)  # float32 runs anywhere

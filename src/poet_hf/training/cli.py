@@ -140,6 +140,31 @@ def deprecated_alias(old: str, *new: str) -> None:
     )
 
 
+def check_cpu_bfloat16(training: PoetTrainingArguments) -> None:
+    """Refuse ``--bf16`` on a CPU whose torch kernels cannot run it, before the run starts.
+
+    On a CPU, ``--bf16`` trains under ``torch.autocast("cpu", torch.bfloat16)``. torch's bfloat16 attention kernels
+    for CPUs pack their operands with AVX-512 instructions (for heads of 32 dimensions or fewer they always do), so
+    on a CPU without AVX-512 the first forward fails inside torch. This says so up front.
+
+    Args:
+        training: the run's training arguments.
+
+    Raises:
+        ValueError: ``bf16`` is set, the run is on a CPU, and torch's CPU capability is not AVX-512.
+    """
+    import torch
+
+    if not training.bf16 or (torch.cuda.is_available() and not training.use_cpu):
+        return
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith("AVX512"):
+        raise ValueError(
+            f"`bf16` on this CPU (torch capability {capability}): torch's bfloat16 attention kernels for CPUs need "
+            "AVX-512, which it lacks; train in float32 (drop --bf16), or on a GPU or an AVX-512 CPU"
+        )
+
+
 def run_defaults(seed: int, given: dict[str, Any], **values: Any) -> dict[str, Any]:
     """The defaults every training script shares (no checkpoints unless ``--save_steps`` or ``--save_strategy``
     asks for them; ``data_seed`` follows ``seed``; the CPU where no GPU is), then ``values``."""
