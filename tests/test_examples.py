@@ -5,7 +5,6 @@ scripts/pretrain.py, and the CPU ones run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -17,6 +16,7 @@ import pytest
 import torch
 import yaml
 from hub_stand_in import StandInHub
+from script_modules import load_module
 from tolerances import tiny_model_tolerance
 from training_utils import free_port
 
@@ -28,10 +28,7 @@ TOLERANCE = tiny_model_tolerance(torch.float32)
 
 
 def example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(EXAMPLES / f"{name}.py")
 
 
 @pytest.mark.slow

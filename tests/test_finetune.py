@@ -1,7 +1,6 @@
 """Fine-tuning a small pretrained model with `scripts/finetune.py` (POET, OFT, LoRA) lowers
 the evaluation loss, and the exported merged model reproduces the fine-tuned logits."""
 
-import importlib.util
 import json
 import math
 import sys
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_module
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import poet_hf  # noqa: F401
@@ -20,10 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def finetune_main(argv: list[str]) -> dict:
-    spec = importlib.util.spec_from_file_location("finetune_script", ROOT / "scripts" / "finetune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_module(ROOT / "scripts" / "finetune.py").main(argv)
 
 
 @pytest.fixture(scope="module")

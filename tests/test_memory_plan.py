@@ -1,11 +1,11 @@
 """The memory planner: its counts are the real model's, its formulas the paper's (POET Table 1)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 from peft import get_peft_model
+from script_modules import load_module
 
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
@@ -111,9 +111,7 @@ def test_bad_arguments_name_the_field(argument, value):
 
 def test_command_line_prints_parts_and_ends_with_the_total(capsys):
     """scripts/plan_memory.py's main, in this process (a new interpreter would spend its time importing)."""
-    spec = importlib.util.spec_from_file_location("plan_memory_script", ROOT / "scripts" / "plan_memory.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module(ROOT / "scripts" / "plan_memory.py")
     assert script.main(["--model", "llama-60m", "--method", "poet-bs", "--compare", "adamw"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     plan = plan_memory("llama-60m", "poet-bs")

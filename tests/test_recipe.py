@@ -2,7 +2,6 @@
 appendix E, configurations the paper uses (per-side budgets, absolute FS sizes, unpacked documents), and its
 diagnostics against dense references."""
 
-import importlib.util
 import io
 import json
 from contextlib import redirect_stdout
@@ -13,6 +12,7 @@ import torch
 from models import tiny_llama
 from peft import get_peft_model
 from reference import block_rotation_dense, neumann_series, skew_dense, subset_rotation_dense
+from script_modules import load_module
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig
@@ -26,9 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def print_recipe(*flags: str) -> dict:
-    spec = importlib.util.spec_from_file_location("pretrain_script", ROOT / "scripts" / "pretrain.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module(ROOT / "scripts" / "pretrain.py")
     out = io.StringIO()
     with redirect_stdout(out):
         module.main([*flags, "--print_recipe"])

@@ -1,25 +1,18 @@
 """Every command-line script prints its help, and every flag it takes has a help text."""
 
 import contextlib
-import importlib.util
 import io
 from pathlib import Path
 
 import pytest
+from script_modules import load_module
 
 SCRIPTS = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
 
 
-def load(path: Path):
-    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
 def test_help_runs_and_every_flag_is_explained(path):
-    parser = load(path).build_parser()
+    parser = load_module(path).build_parser()
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--help"])

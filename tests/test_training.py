@@ -1,6 +1,5 @@
 """PoetTrainer: merges, optimizer reset, resume, DDP, spectrum, and every method."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,7 @@ from pathlib import Path
 import prewarmed
 import pytest
 import torch
+from script_modules import load_module
 from training_utils import TrainingForwards, free_port, tiny_dataset, tiny_poet_model, tiny_trainer
 from transformers import TrainerCallback
 
@@ -338,10 +338,7 @@ def test_tensorboard_logs_both_learning_rates_and_poet_statistics(tmp_path, data
 
 
 def pretrain_script():
-    spec = importlib.util.spec_from_file_location("pretrain_script", ROOT / "scripts" / "pretrain.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(ROOT / "scripts" / "pretrain.py")
 
 
 @pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])

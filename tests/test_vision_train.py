@@ -3,13 +3,13 @@ end to end on tiny settings: Trainer, certification, baked export with a model c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from script_modules import load_module
 from transformers import AutoModelForImageClassification
 
 import poet_hf.vision.lipconvnet  # noqa: F401  (registers the Auto classes)
@@ -90,9 +90,7 @@ def test_image_to_tensor_rejects_a_wrong_channel_count():
 
 
 def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_property):
-    spec = importlib.util.spec_from_file_location("train_vision", ROOT / "scripts" / "train_vision.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_module(ROOT / "scripts" / "train_vision.py")
     out = tmp_path / "model"
     assert script.main([*TINY_ARGS, "--output-dir", str(out), "--pgd-steps", "5"]) == 0
     metrics = json.loads((out / "results.json").read_text())
