@@ -25,6 +25,7 @@ from transformers import HfArgumentParser
 from .arguments import PoetTrainingArguments
 
 ScriptArgs = TypeVar("ScriptArgs")
+SCRIPT_SEED = 0  # the scripts' default --seed (transformers' is 42): data order, initialisation, permutations
 # (the script's options, the training flags the user gave) -> the defaults of the other training flags
 DefaultsFunction = Callable[[Any, dict[str, Any]], dict[str, Any]]
 
@@ -165,15 +166,16 @@ def check_cpu_bfloat16(training: PoetTrainingArguments) -> None:
         )
 
 
-def run_defaults(seed: int, given: dict[str, Any], **values: Any) -> dict[str, Any]:
+def run_defaults(given: dict[str, Any], **values: Any) -> dict[str, Any]:
     """The defaults every training script shares (no checkpoints unless ``--save_steps`` or ``--save_strategy``
-    asks for them; ``data_seed`` follows ``seed``; the CPU where no GPU is), then ``values``."""
+    asks for them; seed `SCRIPT_SEED`, and ``data_seed`` follows ``--seed``; the CPU where no GPU is), then
+    ``values``."""
     import torch
 
     return {
         "save_strategy": "steps" if "save_steps" in given else "no",
-        "seed": seed,
-        "data_seed": given.get("seed", seed),
+        "seed": SCRIPT_SEED,
+        "data_seed": given.get("seed", SCRIPT_SEED),
         "use_cpu": not torch.cuda.is_available(),
         "report_to": "none",
         **values,

@@ -210,7 +210,7 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
         values["poet_reference_block"] = recipe.reference_block
         if "learning_rate" not in given:  # --learning_rate alone sets every rate, as in any transformers script
             values["poet_learning_rate"] = recipe.learning_rate
-    return run_defaults(0, given, **values)
+    return run_defaults(given, **values)
 
 
 def parse_finetune_arguments(

@@ -266,7 +266,7 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
     )
     if args.method == "galore":
         values.update(optim="galore_adamw", optim_target_modules=DEFAULT_TARGET_MODULES["llama"])
-    return run_defaults(0, given, **values)
+    return run_defaults(given, **values)
 
 
 def parse_pretrain_arguments(
