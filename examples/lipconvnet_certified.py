@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--depth", type=int, default=5)
     parser.add_argument("--recipe", default=None, help="'eco-paper' for the papers' recipe (default: the quick one)")
-    parser.add_argument("--epochs", type=float, default=None)
+    parser.add_argument("--num_train_epochs", type=float, default=None, help="default: the recipe's")
     parser.add_argument("--output_dir", default="outputs/lipconvnet-example")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="push the exported model here")
     parser.add_argument("--hub_private", action="store_true")
@@ -44,19 +44,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from poet_hf import push_merged_to_hub
     from poet_hf.vision import certified_accuracy
     from poet_hf.vision.data import load_image_dataset
-    from poet_hf.vision.train import VisionTrainArgs, export_lipconvnet, summary_line, train_lipconvnet
+    from poet_hf.vision.train import export_lipconvnet, parse_vision_arguments, summary_line, train_lipconvnet
 
-    training = VisionTrainArgs(
-        dataset=args.dataset, depth=args.depth, recipe=args.recipe, epochs=args.epochs, output_dir=args.output_dir
+    epochs = {} if args.num_train_epochs is None else {"num_train_epochs": args.num_train_epochs}
+    options, training = parse_vision_arguments(
+        dataset=args.dataset, depth=args.depth, recipe=args.recipe, output_dir=args.output_dir, **epochs
     )
-    model, metrics = train_lipconvnet(training)
+    model, metrics = train_lipconvnet(options, training)
     print(summary_line(metrics))
-    folder = export_lipconvnet(model, metrics, training, args.output_dir)
+    folder = export_lipconvnet(model, metrics, options, args.output_dir, training)
 
     # Stock transformers reloads it (the model classes register with the Auto classes) and certifies the same.
     reloaded = AutoModelForImageClassification.from_pretrained(folder).eval()
     test = load_image_dataset(args.dataset, seed=training.seed)["test"]
-    again = certified_accuracy(reloaded, test, eps=training.eps)
+    again = certified_accuracy(reloaded, test, eps=options.eps)
     result = {
         "clean_accuracy": metrics["clean_accuracy"],
         "certified_accuracy": metrics["certified_accuracy"],

@@ -72,7 +72,14 @@ def test_lipconvnet_is_certified_reloaded_and_pushed_to_a_hub(tmp_path, monkeypa
         monkeypatch.setenv("HF_TOKEN", "hf_stand_in_token")
         result = lipconvnet.run(
             lipconvnet.parse_args(
-                ["--epochs", "2", "--output_dir", str(tmp_path / "model"), "--push_to_hub", "someone/lipconvnet-5"]
+                [
+                    "--num_train_epochs",
+                    "2",
+                    "--output_dir",
+                    str(tmp_path / "model"),
+                    "--push_to_hub",
+                    "someone/lipconvnet-5",
+                ]
             )
         )
     at = result["certified_accuracy_at"]

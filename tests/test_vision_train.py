@@ -33,13 +33,13 @@ TINY_ARGS = [
     "1",
     "--init-channels",
     "4",
-    "--epochs",
+    "--num_train_epochs",
     "1",
-    "--batch-size",
+    "--per_device_train_batch_size",
     "32",
-    "--max-train-examples",
+    "--max_train_samples",
     "192",
-    "--max-eval-examples",
+    "--max_eval_samples",
     "64",
     "--learning-rate",
     "0.01",
@@ -124,61 +124,94 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
 
 
 def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
-    from poet_hf.vision.train import VisionTrainArgs
+    from poet_hf.vision.train import parse_vision_arguments
 
-    recipe = VisionTrainArgs(recipe="eco-paper")
-    assert (recipe.optim, recipe.momentum, recipe.weight_decay, recipe.batch_size) == ("sgd", 0.9, 5e-4, 128)
-    assert (recipe.epochs, recipe.lr_milestones, recipe.lr_decay, recipe.augment) == (200, [50, 150], 0.1, True)
-    assert recipe.learning_rate == 0.05 and VisionTrainArgs(recipe="eco-paper", depth=30).learning_rate == 0.1
-    assert (recipe.image_size, recipe.init_channels) == (24, 32)
-    assert VisionTrainArgs(recipe="eco-paper", learning_rate=0.02, epochs=3).learning_rate == 0.02
-    # A shortened recipe decays at the same fractions (¼, ¾) of its epochs, unless milestones are given.
-    assert VisionTrainArgs(recipe="eco-paper", epochs=20).lr_milestones == [5, 15]
-    assert VisionTrainArgs(recipe="eco-paper", epochs=20, lr_milestones=[7]).lr_milestones == [7]
-    with pytest.raises(ValueError, match="`recipe`"):
-        VisionTrainArgs(recipe="soc-v2")
+    args, training = parse_vision_arguments(["--recipe", "eco-paper"])
+    assert (training.optim, training.optim_args, training.weight_decay) == ("sgd", "momentum=0.9", 5e-4)
+    assert (training.per_device_train_batch_size, training.num_train_epochs, training.seed) == (128, 200, 0)
+    assert (args.lr_decay, args.augment, args.image_size, args.init_channels) == (0.1, True, 24, 32)
+    assert training.learning_rate == 0.05
+    assert parse_vision_arguments(["--recipe", "eco-paper", "--depth", "30"])[1].learning_rate == 0.1
+    quick_args, quick = parse_vision_arguments([])
+    assert (quick.optim, quick.lr_scheduler_type, quick.learning_rate, quick.num_train_epochs) == (
+        "adamw_torch",
+        "cosine",
+        5e-3,
+        4,
+    )
+    assert (quick_args.init_channels, quick_args.augment, quick.output_dir) == (8, False, "outputs/lipconvnet")
+    # Typed flags win over the recipe; the same holds for keyword fields.
+    _, typed = parse_vision_arguments(["--recipe", "eco-paper", "--learning_rate", "0.02", "--num_train_epochs", "3"])
+    assert (typed.learning_rate, typed.num_train_epochs, typed.optim) == (0.02, 3, "sgd")
+    _, fields = parse_vision_arguments(recipe="eco-paper", learning_rate=0.02, optim="adamw_torch")
+    assert (fields.learning_rate, fields.optim, fields.weight_decay) == (0.02, "adamw_torch", 5e-4)
+    with pytest.raises(ValueError, match="`recipe` must be one of"):
+        parse_vision_arguments(["--recipe", "soc-v2"])
+
+
+def test_a_shortened_recipe_decays_at_the_same_fractions_unless_milestones_are_given():
+    from poet_hf.vision.train import lr_milestones, parse_vision_arguments
+
+    assert lr_milestones(*parse_vision_arguments(["--recipe", "eco-paper"])) == [50, 150]
+    assert lr_milestones(*parse_vision_arguments(["--recipe", "eco-paper", "--num_train_epochs", "20"])) == [5, 15]
+    given = parse_vision_arguments(["--recipe", "eco-paper", "--num_train_epochs", "20", "--lr_milestones", "7"])
+    assert lr_milestones(*given) == [7]
+    assert lr_milestones(*parse_vision_arguments([])) is None  # the quick recipe: --lr_scheduler_type cosine
+
+
+def test_old_vision_spellings_warn_and_land_in_the_training_arguments():
+    from poet_hf.vision.train import parse_vision_arguments
+
+    old = ["--epochs", "3", "--batch_size", "16", "--momentum", "0.5", "--max_train_examples", "100"]
+    with pytest.warns(FutureWarning) as caught:
+        args, training = parse_vision_arguments(old)
+    assert {str(w.message).split("`")[1] for w in caught} == {
+        "--epochs",
+        "--batch_size",
+        "--momentum",
+        "--max_train_examples",
+    }
+    assert (training.num_train_epochs, training.per_device_train_batch_size) == (3, 16)
+    assert (training.optim_args, args.max_train_samples) == ("momentum=0.5", 100)
 
 
 def test_recipe_trains_with_sgd_momentum_and_decays_the_rate_at_its_milestones(tmp_path):
-    from poet_hf.vision.train import VisionTrainArgs, train_lipconvnet
+    from poet_hf.vision.train import parse_vision_arguments, train_lipconvnet
 
-    args = VisionTrainArgs(
+    args, training = parse_vision_arguments(
         recipe="eco-paper",
         image_size=12,
         strides=[2, 2, 3, 1, 1],
         kernel_sizes=[3, 3, 3, 1, 1],
         init_channels=4,
-        epochs=3,
-        batch_size=64,
-        max_train_examples=128,
-        max_eval_examples=32,
+        num_train_epochs=3,
+        per_device_train_batch_size=64,
+        max_train_samples=128,
+        max_eval_samples=32,
         lr_milestones=[1, 2],
         logging_steps=1,
         output_dir=str(tmp_path),
         torch_threads=0,
+        disable_tqdm=True,
     )
-    captured = {}
-    original = torch.optim.SGD.__init__
+    rates: list[float] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    original = torch.optim.SGD.step
 
-    def spy(self, params, **kwargs):
-        captured.update(kwargs)
-        original(self, params, **kwargs)
+    def record_rate(self, *a, **k):
+        rates.append(self.param_groups[0]["lr"])
+        optimizers.append(self)
+        return original(self, *a, **k)
 
-    torch.optim.SGD.__init__ = spy
+    torch.optim.SGD.step = record_rate
     try:
-        model, metrics = train_lipconvnet(args)
+        model, metrics = train_lipconvnet(args, training)
     finally:
-        torch.optim.SGD.__init__ = original
-    assert captured == {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4}
+        torch.optim.SGD.step = original
     assert metrics["recipe"] == "eco-paper" and metrics["train_examples"] == 128
-    from poet_hf.vision.train import _optimizer_and_schedule
-
-    optimizer, schedule = _optimizer_and_schedule(model, args, steps_per_epoch=2)
-    rates = []
-    for _ in range(6):
-        rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        schedule.step()
+    groups = optimizers[0].param_groups
+    assert all(g["momentum"] == 0.9 for g in groups)
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 5e-4]  # Trainer's rule: no decay on biases and norms
     assert rates == pytest.approx([0.05, 0.05, 0.005, 0.005, 0.0005, 0.0005])  # ×0.1 at epochs 1 and 2
 
 

@@ -20,11 +20,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
-from transformers import HfArgumentParser
+from transformers import HfArgumentParser, TrainingArguments
 
 from .arguments import PoetTrainingArguments
 
 ScriptArgs = TypeVar("ScriptArgs")
+TrainingArgs = TypeVar("TrainingArgs", bound=TrainingArguments)
 SCRIPT_SEED = 0  # the scripts' default --seed (transformers' is 42): data order, initialisation, permutations
 # (the script's options, the training flags the user gave) -> the defaults of the other training flags
 DefaultsFunction = Callable[[Any, dict[str, Any]], dict[str, Any]]
@@ -35,14 +36,17 @@ def parse_arguments(
     defaults: DefaultsFunction,
     argv: Sequence[str] | None = None,
     fields: dict[str, Any] | None = None,
-) -> tuple[ScriptArgs, PoetTrainingArguments]:
-    """The script's options and its `PoetTrainingArguments`, from a command line or from keyword fields.
+    training_class: type[TrainingArgs] = PoetTrainingArguments,  # type: ignore[assignment]
+) -> tuple[ScriptArgs, TrainingArgs]:
+    """The script's options and its training arguments, from a command line or from keyword fields.
 
     Args:
         script_class: the dataclass of the script's own options.
         defaults: gives the defaults of the training flags the user did not set (the recipe's).
         argv: the command line (``None``: ``sys.argv[1:]``); ignored when ``fields`` is given.
         fields: instead of a command line, field values of either dataclass (for Python callers).
+        training_class: the training-arguments dataclass: `PoetTrainingArguments` (the default) for the POET/OFT
+            scripts, ``transformers.TrainingArguments`` where no adapter trains.
 
     Returns:
         ``(script options, training arguments)``.
@@ -51,11 +55,11 @@ def parse_arguments(
         ValueError: a field belongs to neither dataclass (``fields``), or an option is invalid.
     """
     if fields is not None:
-        return _from_fields(script_class, defaults, fields)
+        return _from_fields(script_class, defaults, fields, training_class)
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = training_parser(script_class)
+    parser = training_parser(script_class, training_class)
     script_args = _script_options(script_class, argv)
-    given = given_training_flags(argv)
+    given = given_training_flags(argv, training_class)
     values = {} if script_args is None else defaults(script_args, given)
     # For --help; argparse runs a string default through the flag's type, so one it cannot read (transformers parses
     # include_num_input_tokens_seen as a bool, the recipe says "all") is only applied below.
@@ -65,15 +69,13 @@ def parse_arguments(
         if name not in given:
             setattr(namespace, name, value)
     parsed = vars(namespace)
-    return script_class(**_init_fields(script_class, parsed)), PoetTrainingArguments(
-        **_init_fields(PoetTrainingArguments, parsed)
-    )
+    return script_class(**_init_fields(script_class, parsed)), training_class(**_init_fields(training_class, parsed))
 
 
-def training_parser(script_class: type) -> HfArgumentParser:
-    """The parser of a training script: its own options, then every `PoetTrainingArguments` flag (without the
+def training_parser(script_class: type, training_class: type = PoetTrainingArguments) -> HfArgumentParser:
+    """The parser of a training script: its own options, then every flag of ``training_class`` (without the
     recipe's defaults, which `parse_arguments` sets)."""
-    return HfArgumentParser(cast(Any, (script_class, PoetTrainingArguments)))
+    return HfArgumentParser(cast(Any, (script_class, training_class)))
 
 
 def _init_fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
@@ -110,27 +112,31 @@ def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptAr
         return None
 
 
-def given_training_flags(argv: Sequence[str] | None) -> dict[str, Any]:
-    """The `PoetTrainingArguments` fields the command line sets, with their values (the others are absent)."""
-    probe = HfArgumentParser(cast(Any, PoetTrainingArguments), add_help=False)
+def given_training_flags(argv: Sequence[str] | None, training_class: type = PoetTrainingArguments) -> dict[str, Any]:
+    """The fields of ``training_class`` the command line sets, with their values (the others are absent)."""
+    probe = HfArgumentParser(cast(Any, training_class), add_help=False)
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     return vars(probe.parse_known_args(args=argv)[0])
 
 
 def _from_fields(
-    script_class: type[ScriptArgs], defaults: DefaultsFunction, fields: dict[str, Any]
-) -> tuple[ScriptArgs, PoetTrainingArguments]:
+    script_class: type[ScriptArgs],
+    defaults: DefaultsFunction,
+    fields: dict[str, Any],
+    training_class: type[TrainingArgs],
+) -> tuple[ScriptArgs, TrainingArgs]:
     script_names = {f.name for f in dataclasses.fields(script_class)}  # type: ignore[arg-type]
-    training_names = {f.name for f in dataclasses.fields(PoetTrainingArguments) if f.init}
+    training_names = {f.name for f in dataclasses.fields(training_class) if f.init}
     unknown = set(fields) - script_names - training_names
     if unknown:
         raise ValueError(
-            f"unknown field(s) {sorted(unknown)}: not options of {script_class.__name__} nor of PoetTrainingArguments"
+            f"unknown field(s) {sorted(unknown)}: not options of {script_class.__name__} nor of "
+            f"{training_class.__name__}"
         )
     script_args = script_class(**{k: v for k, v in fields.items() if k in script_names})
     given = {k: v for k, v in fields.items() if k in training_names and k not in script_names}
-    return script_args, PoetTrainingArguments(**{**defaults(script_args, given), **given})
+    return script_args, training_class(**{**defaults(script_args, given), **given})
 
 
 def deprecated_alias(old: str, *new: str) -> None:
@@ -141,7 +147,7 @@ def deprecated_alias(old: str, *new: str) -> None:
     )
 
 
-def check_cpu_bfloat16(training: PoetTrainingArguments) -> None:
+def check_cpu_bfloat16(training: TrainingArguments) -> None:
     """Refuse ``--bf16`` on a CPU whose torch kernels cannot run it, before the run starts.
 
     On a CPU, ``--bf16`` trains under ``torch.autocast("cpu", torch.bfloat16)``. torch's bfloat16 attention kernels

@@ -10,20 +10,27 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
+from transformers import Trainer, TrainingArguments
 
 from ..model_cards import render_card
+from ..training.cli import deprecated_alias, parse_arguments, run_defaults
+from ..tuners.config_utils import check_choice
 from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
 
 __all__ = [
     "VisionTrainArgs",
+    "VisionRecipe",
+    "parse_vision_arguments",
+    "vision_defaults",
     "train_lipconvnet",
     "export_lipconvnet",
     "render_model_card",
+    "QUICK_RECIPE",
     "ECO_PAPER_RECIPE",
     "REPORTED_RADII",
 ]
@@ -32,39 +39,62 @@ __all__ = [
 # The ℓ2 radii the ECO and SOC papers report certified accuracy at (pixel scale [0, 1]).
 REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, "1.0": 1.0}
 
-_T = TypeVar("_T")
 
-# Values left None in VisionTrainArgs: the quick default, and the ECO/SOC papers' recipe (ECO digest §3.2: SGD with
-# momentum 0.9, wd 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05, ×0.1 at epochs 50 and 150 of 200,
-# RandomCrop(padding 4) + RandomHorizontalFlip, 32 channels in the first block).
-QUICK_DEFAULTS: dict[str, Any] = {
-    "init_channels": 8,
-    "epochs": 4.0,
-    "batch_size": 64,
-    "learning_rate": 5e-3,
-    "weight_decay": 0.0,
-    "optim": "adamw",
-    "momentum": 0.0,
-    "lr_milestones": None,
-    "augment": False,
-}
-ECO_PAPER_RECIPE: dict[str, Any] = {
-    "init_channels": 32,
-    "epochs": 200.0,
-    "batch_size": 128,
-    "learning_rate": None,
-    "weight_decay": 5e-4,
-    "optim": "sgd",
-    "momentum": 0.9,
-    "lr_milestones": [50.0, 150.0],
-    "augment": True,
-}
+@dataclass(frozen=True)
+class VisionRecipe:
+    """A training recipe: the model and data options it fills, and the defaults of the ``TrainingArguments`` flags
+    the user does not give.
+
+    Args:
+        init_channels: channels of the first block.
+        augment: random crop and flip of the training images.
+        lr_milestones: epochs at which the learning rate is multiplied by ``lr_decay`` (``None``: the
+            ``lr_scheduler_type`` schedule).
+        training: ``TrainingArguments`` field values; ``learning_rate`` absent means the papers' depth rule.
+    """
+
+    init_channels: int
+    augment: bool
+    lr_milestones: list[float] | None
+    training: dict[str, Any]
+
+
+# The quick default, and the ECO/SOC papers' recipe (ECO digest §3.2: SGD with momentum 0.9, wd 5e-4, batch 128, lr 0.1
+# above 25 conv layers else 0.05, ×0.1 at epochs 50 and 150 of 200, RandomCrop(padding 4) + RandomHorizontalFlip,
+# 32 channels in the first block). Trainer leaves biases and norms out of weight decay, where the papers' code did not.
+QUICK_RECIPE = VisionRecipe(
+    init_channels=8,
+    augment=False,
+    lr_milestones=None,
+    training={
+        "num_train_epochs": 4.0,
+        "per_device_train_batch_size": 64,
+        "learning_rate": 5e-3,
+        "weight_decay": 0.0,
+        "optim": "adamw_torch",
+        "lr_scheduler_type": "cosine",
+    },
+)
+ECO_PAPER_RECIPE = VisionRecipe(
+    init_channels=32,
+    augment=True,
+    lr_milestones=[50.0, 150.0],
+    training={
+        "num_train_epochs": 200.0,
+        "per_device_train_batch_size": 128,
+        "weight_decay": 5e-4,
+        "optim": "sgd",
+        "optim_args": "momentum=0.9",
+    },
+)
 RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 
 
 @dataclass
 class VisionTrainArgs:
-    """What `train_lipconvnet` trains; the defaults train LipConvNet-5 on the offline digits in minutes."""
+    """The model, data and certification options of `train_lipconvnet` (its optimizer, schedule, length, seed and
+    output folder are ``TrainingArguments`` flags); the defaults train LipConvNet-5 on the offline digits in
+    minutes."""
 
     dataset: str = field(
         default=DEFAULT_DATASET,
@@ -72,9 +102,6 @@ class VisionTrainArgs:
             "help": "image dataset: 'digits' (offline default, "
             "scikit-learn's 8×8 digits), an HF dataset id with 'img'/'label' columns, or an image folder"
         },
-    )
-    output_dir: str = field(
-        default="outputs/lipconvnet", metadata={"help": "where the baked model, its card and results.json are written"}
     )
     depth: int = field(default=5, metadata={"help": "LipConvNet depth (a multiple of 5: 5 blocks of depth/5 layers)"})
     init_channels: int | None = field(
@@ -101,28 +128,17 @@ class VisionTrainArgs:
     recipe: str | None = field(
         default=None,
         metadata={
-            "help": "'eco-paper': the ECO/SOC papers' recipe (SGD with "
-            "momentum 0.9, weight decay 5e-4, batch 128, lr 0.1 above 25 conv layers else 0.05 "
-            "decayed ×0.1 at epochs 50 and 150 of 200, random crop (padding 4) and flip, "
+            "help": "'eco-paper': the ECO/SOC papers' recipe (--optim sgd --optim_args momentum=0.9, "
+            "--weight_decay 5e-4, --per_device_train_batch_size 128, --learning_rate 0.1 above 25 conv layers else "
+            "0.05, decayed ×0.1 at epochs 50 and 150 of --num_train_epochs 200, random crop (padding 4) and flip, "
             "32 initial channels); explicit flags override it"
         },
     )
-    epochs: float | None = field(default=None, metadata={"help": "training epochs (default 4; recipe: 200)"})
-    batch_size: int | None = field(
-        default=None, metadata={"help": "images per optimizer step (default 64; recipe: 128)"}
-    )
-    learning_rate: float | None = field(
-        default=None, metadata={"help": "peak learning rate (default 5e-3; recipe: 0.1 / 0.05)"}
-    )
-    weight_decay: float | None = field(default=None, metadata={"help": "weight decay (default 0; recipe: 5e-4)"})
-    optim: str | None = field(default=None, metadata={"help": "'adamw' (default) or 'sgd' (recipe)"})
-    momentum: float | None = field(default=None, metadata={"help": "SGD momentum (recipe: 0.9)"})
     lr_milestones: list[float] | None = field(
         default=None,
         metadata={
-            "help": "epochs at which the learning rate "
-            "is multiplied by lr_decay (recipe: 50 150 of 200, scaled to "
-            "--epochs when that is set); default: a cosine schedule"
+            "help": "epochs at which the learning rate is multiplied by lr_decay, replacing --lr_scheduler_type "
+            "(recipe: 50 150 of 200, scaled to --num_train_epochs when that is set); default: a cosine schedule"
         },
     )
     lr_decay: float = field(default=0.1, metadata={"help": "factor applied at each of lr_milestones"})
@@ -150,49 +166,88 @@ class VisionTrainArgs:
             "each reported radius (an upper bound on robust accuracy)"
         },
     )
-    seed: int = field(default=0, metadata={"help": "seed of initialisation, data order and augmentation"})
-    max_train_examples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
-    max_eval_examples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
-    logging_steps: int = field(default=50, metadata={"help": "log the loss every this many steps"})
-    save_steps: int = field(
-        default=0,
-        metadata={
-            "help": "checkpoint interval in steps (0 = none); checkpoints are written atomically into --output_dir"
-        },
-    )
-    resume_from_checkpoint: str | None = field(
-        default=None,
-        metadata={
-            "help": "'auto' (or 'latest'): resume "
-            "from the newest complete checkpoint in --output_dir, or start fresh "
-            "if there is none; or a checkpoint folder"
-        },
-    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "use at most this many training images"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
     # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
     torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
+    epochs: float | None = field(default=None, metadata={"help": "deprecated: use --num_train_epochs"})
+    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
+    momentum: float | None = field(default=None, metadata={"help": "deprecated: use --optim_args momentum=M"})
+    max_train_examples: int | None = field(default=None, metadata={"help": "deprecated: use --max_train_samples"})
+    max_eval_examples: int | None = field(default=None, metadata={"help": "deprecated: use --max_eval_samples"})
 
     def __post_init__(self) -> None:
-        if self.recipe is not None and self.recipe not in RECIPES:
-            raise ValueError(f"`recipe` must be one of {tuple(RECIPES)} or None, got {self.recipe!r}")
-        if self.optim is not None and self.optim not in ("adamw", "sgd"):
-            raise ValueError(f"`optim` must be one of ('adamw', 'sgd'), got {self.optim!r}")
-        defaults = QUICK_DEFAULTS if self.recipe is None else RECIPES[self.recipe]
-        if self.lr_milestones is None and defaults["lr_milestones"] and self.epochs is not None:
-            # A shortened recipe keeps its schedule's shape: decays at the same fractions of training.
-            self.lr_milestones = [m * self.epochs / defaults["epochs"] for m in defaults["lr_milestones"]]
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        if self.learning_rate is None:  # the recipe's depth rule: 0.1 above 25 conv layers, else 0.05
-            self.learning_rate = 0.1 if self.depth > 25 else 0.05
+        check_choice("recipe", self.recipe, (None, *RECIPES))
         if self.gamma < 0:
             raise ValueError(f"`gamma` must be >= 0, got {self.gamma!r}")
+        for old, new in (("max_train_examples", "max_train_samples"), ("max_eval_examples", "max_eval_samples")):
+            if getattr(self, old) is not None:
+                deprecated_alias(old, new)
+                setattr(self, new, getattr(self, new) or getattr(self, old))
+        for old, new in (("epochs", "num_train_epochs"), ("batch_size", "per_device_train_batch_size")):
+            if getattr(self, old) is not None:
+                deprecated_alias(old, new)
+        if self.momentum is not None:
+            deprecated_alias("momentum", "optim_args momentum=M")
+        recipe = self.training_recipe
+        if self.init_channels is None:
+            self.init_channels = recipe.init_channels
+        if self.augment is None:
+            self.augment = recipe.augment
+
+    @property
+    def training_recipe(self) -> VisionRecipe:
+        """The recipe ``recipe`` names (`QUICK_RECIPE` when none)."""
+        return QUICK_RECIPE if self.recipe is None else RECIPES[self.recipe]
 
 
-def _resolved(value: _T | None) -> _T:
-    """A recipe field, which `VisionTrainArgs.__post_init__` has filled."""
-    assert value is not None
-    return value
+def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, Any]:
+    """The ``TrainingArguments`` values of ``args``' recipe for the flags the user did not give (with the deprecated
+    ``--epochs``, ``--batch_size`` and ``--momentum`` in their new places).
+
+    Args:
+        args: the script's options.
+        given: the training flags the user set.
+
+    Returns:
+        ``TrainingArguments`` field values.
+    """
+    values = dict(args.training_recipe.training)
+    values.setdefault("learning_rate", 0.1 if args.depth > 25 else 0.05)  # the papers' depth rule
+    if args.epochs is not None:
+        values["num_train_epochs"] = args.epochs
+    if args.batch_size is not None:
+        values["per_device_train_batch_size"] = args.batch_size
+    if args.momentum is not None:
+        values["optim_args"] = f"momentum={args.momentum}"
+    values.update(output_dir="outputs/lipconvnet", logging_steps=50, remove_unused_columns=False)
+    return run_defaults(given, **values)
+
+
+def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tuple[VisionTrainArgs, TrainingArguments]:
+    """``scripts/train_vision.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
+    ``fields`` of either dataclass (`poet_hf.training.cli.parse_arguments`).
+
+    Args:
+        argv: the command line.
+        **fields: field values instead of a command line.
+
+    Returns:
+        ``(VisionTrainArgs, TrainingArguments)``.
+    """
+    return parse_arguments(VisionTrainArgs, vision_defaults, argv, fields or None, TrainingArguments)
+
+
+def lr_milestones(args: VisionTrainArgs, training: TrainingArguments) -> list[float] | None:
+    """The epochs of the step decay: ``args.lr_milestones``, else the recipe's scaled to the run's epochs (a shortened
+    recipe decays at the same fractions of training), else ``None`` (``training.lr_scheduler_type``)."""
+    if args.lr_milestones is not None:
+        return args.lr_milestones
+    recipe = args.training_recipe
+    if recipe.lr_milestones is None:
+        return None
+    scale = training.num_train_epochs / recipe.training["num_train_epochs"]
+    return [milestone * scale for milestone in recipe.lr_milestones]
 
 
 def _infer_channels(dataset) -> int:
@@ -208,7 +263,7 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
         depth=args.depth,
         num_channels=num_channels,
         image_size=args.image_size,
-        init_channels=_resolved(args.init_channels),
+        init_channels=int(args.init_channels or args.training_recipe.init_channels),
         conv_types=args.conv_types,
         kernel_sizes=[int(k) for k in args.kernel_sizes],
         strides=[int(s) for s in args.strides],
@@ -236,80 +291,59 @@ def certificate_regularized_loss(gamma: float, lipschitz: float):
     return loss
 
 
-def _optimizer_and_schedule(model: torch.nn.Module, args: VisionTrainArgs, steps_per_epoch: int):
-    """SGD (with momentum) or AdamW, with the step decay at ``lr_milestones`` or a cosine schedule."""
-    from transformers import get_cosine_schedule_with_warmup
-
-    optimizer: torch.optim.Optimizer
-    if args.optim == "sgd":
-        optimizer = torch.optim.SGD(
-            model.parameters(),
-            lr=_resolved(args.learning_rate),
-            momentum=_resolved(args.momentum),
-            weight_decay=_resolved(args.weight_decay),
-        )
-    else:
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=_resolved(args.learning_rate), weight_decay=_resolved(args.weight_decay)
-        )
-    total = max(1, math.ceil(_resolved(args.epochs) * steps_per_epoch))
-    if args.lr_milestones:
-        milestones = [round(epoch * steps_per_epoch) for epoch in args.lr_milestones]
-        return optimizer, torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=args.lr_decay)
-    return optimizer, get_cosine_schedule_with_warmup(optimizer, 0, total)
+def _step_decay(trainer: Trainer, milestones: list[float], decay: float, steps_per_epoch: int) -> None:
+    """Give ``trainer`` its ``--optim`` optimizer and a step decay by ``decay`` at the ``milestones`` epochs (no
+    ``lr_scheduler_type`` has one)."""
+    optimizer = trainer.create_optimizer()
+    steps = [round(epoch * steps_per_epoch) for epoch in milestones]
+    schedule: Any = torch.optim.lr_scheduler.MultiStepLR(optimizer, steps, gamma=decay)
+    trainer.lr_scheduler = schedule
 
 
-def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
+def train_lipconvnet(
+    args: VisionTrainArgs, training: TrainingArguments
+) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
     """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics: clean accuracy and
-    certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``)."""
-    from transformers import TrainingArguments, set_seed
+    certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``).
+
+    Args:
+        args: the model, data and certification options.
+        training: the optimizer, schedule, length, seed and output folder (`parse_vision_arguments` fills them
+            from the recipe).
+    """
+    from transformers import set_seed
 
     from ..checkpoints import CrashSafeTrainer
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    set_seed(args.seed)
-    data = load_image_dataset(args.dataset, seed=args.seed)
+    set_seed(training.seed)
+    data = load_image_dataset(args.dataset, seed=training.seed)
     train_split, test_split = data["train"], data["test"]
-    if args.max_train_examples:
-        train_split = train_split.select(range(min(args.max_train_examples, len(train_split))))
-    if args.max_eval_examples:
-        test_split = test_split.select(range(min(args.max_eval_examples, len(test_split))))
+    if args.max_train_samples:
+        train_split = train_split.select(range(min(args.max_train_samples, len(train_split))))
+    if args.max_eval_samples:
+        test_split = test_split.select(range(min(args.max_eval_samples, len(test_split))))
     feature = train_split.features["label"]
     label_names = (
         list(feature.names) if hasattr(feature, "names") else [str(i) for i in sorted(set(train_split["label"]))]
     )
     model = build_model(args, train_split, label_names)
-    transform = pixel_value_transform(
-        model.config.num_channels, model.config.image_size, augment=_resolved(args.augment)
-    )
-    steps_per_epoch = math.ceil(len(train_split) / _resolved(args.batch_size))
-    training_args = TrainingArguments(
-        output_dir=args.output_dir,
-        per_device_train_batch_size=_resolved(args.batch_size),
-        num_train_epochs=_resolved(args.epochs),
-        logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        eval_strategy="no",
-        report_to=[],
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-        seed=args.seed,
-        disable_tqdm=True,
-    )
+    transform = pixel_value_transform(model.config.num_channels, model.config.image_size, augment=bool(args.augment))
     nominal_lipschitz = 1.0 / min(model.config.image_std)
     trainer = CrashSafeTrainer(
         model=model,
-        args=training_args,
+        args=training,
         train_dataset=train_split.with_transform(transform),
         data_collator=collate_images,
-        optimizers=_optimizer_and_schedule(model, args, steps_per_epoch),
         compute_loss_func=certificate_regularized_loss(args.gamma, nominal_lipschitz) if args.gamma else None,
     )
+    milestones = lr_milestones(args, training)
+    if milestones:
+        steps_per_epoch = math.ceil(len(train_split) / training.train_batch_size / training.gradient_accumulation_steps)
+        _step_decay(trainer, milestones, args.lr_decay, steps_per_epoch)
     start = time.perf_counter()
-    train_output = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    train_output = trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     train_seconds = time.perf_counter() - start
     model.eval()
     metrics = certified_accuracy(model, test_split, eps=args.eps, return_radii=True)
@@ -324,6 +358,7 @@ def train_lipconvnet(args: VisionTrainArgs) -> tuple[LipConvNetForImageClassific
         train_examples=len(train_split),
         dataset=args.dataset,
         recipe=args.recipe,
+        epochs=training.num_train_epochs,
     )
     return model, metrics
 
@@ -393,7 +428,7 @@ def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str
         pgd_note=", and accuracy under an ℓ2 PGD attack (an upper bound)" if "pgd_accuracy_at" in metrics else "",
         recipe=f"recipe {args.recipe}" if args.recipe else "quick default recipe",
         num_examples=metrics["num_examples"],
-        epochs=args.epochs,
+        epochs=metrics["epochs"],
         baked=config.baked,
     )
     return str(card)
@@ -416,12 +451,23 @@ def summary_line(metrics: dict[str, Any]) -> str:
 
 
 def export_lipconvnet(
-    model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs, output_dir: str | Path
+    model: LipConvNetForImageClassification,
+    metrics: dict[str, Any],
+    args: VisionTrainArgs,
+    output_dir: str | Path,
+    training: TrainingArguments | None = None,
 ) -> Path:
     """Bake the ECO layers, ``save_pretrained`` (safetensors), write ``README.md`` (model card) and metrics.
 
     Baking replaces the eval kernel by the stored one computed identically, so the exported logits are those
     that were certified.
+
+    Args:
+        model: the trained model.
+        metrics: `train_lipconvnet`'s metrics.
+        args: the options it was trained with.
+        output_dir: the folder to write.
+        training: the training arguments it was trained with, recorded in ``results.json`` when given.
     """
     output_dir = Path(output_dir)
     model.eval().bake()
@@ -430,5 +476,8 @@ def export_lipconvnet(
     plot_certified_curve(
         metrics, output_dir / "certified_accuracy.png", f"LipConvNet-{model.config.depth} on {args.dataset}"
     )
-    (output_dir / "results.json").write_text(json.dumps({**metrics, "args": asdict(args)}, indent=2, default=str))
+    record = {**metrics, "args": asdict(args)}
+    if training is not None:
+        record["training_arguments"] = training.to_dict()
+    (output_dir / "results.json").write_text(json.dumps(record, indent=2, default=str))
     return output_dir
