@@ -31,6 +31,7 @@ _LAZY_EXPORTS = {
     "export_merged": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
     "plan_memory": "poet_hf.memory_plan",
+    "keep_quantized_layout": "poet_hf.tuners.bnb",
 }
 
 __all__ = [

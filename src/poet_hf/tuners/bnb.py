@@ -17,6 +17,7 @@ met or asked for.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, cast
 
 import torch
@@ -81,19 +82,76 @@ def _backend(module: BnbLayer) -> Any:
     return resolve_quantization_backend(module)
 
 
-def _unpack_for_cpu(module: BnbLayer) -> None:
-    """Undo the AVX512-BF16 packing bitsandbytes applies to a 4-bit weight in a CPU inference forward, so that the
-    stored codes are again the layout its dequantisation and state dict expect."""
-    weight = module.weight
-    if getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+class QuantizedBaseRepackedWarning(UserWarning):
+    """A 4-bit base was repacked by bitsandbytes for its CPU kernels before poet_hf wrapped it: its scales were
+    rounded to bfloat16, so its ``W0`` is no longer the checkpoint's (`keep_quantized_layout` prevents it)."""
 
-        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+
+def keep_layout(module: BnbLayer) -> None:
+    """Stop bitsandbytes from repacking a 4-bit layer for its CPU kernels at an inference forward.
+
+    bitsandbytes (0.48+) repacks a ``Linear4bit`` on a CPU with AVX512-BF16 at its first forward in eval mode
+    without gradients, and rounds the layer's scales to bfloat16 while doing so: the dequantised weight moves by up
+    to 2⁻⁸ of each block's largest entry, and cannot be restored."""
+    if hasattr(module, "support_avx512bf16_for_cpu"):
+        module.support_avx512bf16_for_cpu = False
+
+
+def keep_quantized_layout(model: nn.Module) -> int:
+    """Keep every 4-bit bitsandbytes layer of ``model`` in the layout its checkpoint has (`keep_layout`), so that an
+    inference forward on a CPU does not round its scales before an adapter is attached. Call it right after loading
+    a quantised model you evaluate before wrapping; poet_hf's own loaders and the adapters call it.
+
+    Args:
+        model: a model with bitsandbytes layers (any others are left alone).
+
+    Returns:
+        How many layers it set.
+    """
+    layers = [m for m in model.modules() if is_bnb_module(m) and hasattr(m, "support_avx512bf16_for_cpu")]
+    for module in layers:
+        keep_layout(module)
+    return len(layers)
+
+
+def _restore_packed(module: BnbLayer) -> bool:
+    """Give a 4-bit weight that bitsandbytes repacked for its CPU kernels its standard layout back (codes in order,
+    one float32 scale per block), keeping the bfloat16-rounded scales as they are (bitsandbytes' own inverse would
+    requantise them with double quantisation, a second rounding, and leaves them transposed without it); warn.
+    Returns whether the layer was repacked."""
+    weight = module.weight
+    state: Any = getattr(weight, "quant_state", None)
+    if not getattr(state, "packing_format_for_cpu", False):
+        return False
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    scales = state.absmax.T.reshape(-1).float()  # packed as (in / blocksize, out) bfloat16: back to block order
+    state.original_nested = False
+    weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+    weight.quant_state.absmax = scales
+    module.poet_base_changed = True  # the adapter saves this W0, so a reload gives the one it trained on
+    keep_layout(module)
+    warnings.warn(
+        f"a {module.out_features}×{module.in_features} 4-bit bitsandbytes layer was repacked for bitsandbytes' CPU "
+        "kernels by an inference forward (eval mode, no gradients) before poet_hf wrapped it; the repacking "
+        "rounded its scales to bfloat16, so its W0 differs from the checkpoint's by up to 2^-8 of each block's "
+        "largest entry. The adapter trains on this W0 and saves it with the adapter. To keep the checkpoint's W0, "
+        "call poet_hf.keep_quantized_layout(model) right after loading the model",
+        QuantizedBaseRepackedWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def adopt_base(module: BnbLayer) -> None:
+    """Prepare a bitsandbytes layer for an adapter: undo (and warn about) a CPU repacking, and prevent the next."""
+    _restore_packed(module)
+    keep_layout(module)
 
 
 def dequantize(module: BnbLayer) -> torch.Tensor:
     """The dense ``out × in`` weight of a bitsandbytes linear layer, in the dtype it was quantised from."""
-    _unpack_for_cpu(module)
+    _restore_packed(module)
     return _backend(module).get_base_weight(module)
 
 
@@ -177,7 +235,7 @@ def requantize(
             raise ValueError("requantize='stochastic' needs a seeded generator")
         matrix = _grid_rounded(module, matrix, generator)
     dtype = compute_dtype(module) if quantization_of(module) != "int8" else matrix.dtype
-    _unpack_for_cpu(module)
+    _restore_packed(module)
     residual_state = {
         name: getattr(module, name) for name in (RESIDUAL_CODES, RESIDUAL_SCALES) if hasattr(module, name)
     }
@@ -258,6 +316,7 @@ def quantize_linear(
         )
     if has_bias:
         module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+    keep_layout(module)
     return module.to(weight.device)
 
 
@@ -289,6 +348,7 @@ def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], 
     weight_key = f"{prefix}weight"
     if weight_key not in state_dict:
         return
+    module.poet_base_changed = True  # a saved W0 was saved because it differs from the checkpoint's
     bnb = import_bitsandbytes()
     data, device = state_dict[weight_key], module.weight.device
     if isinstance(module, bnb.nn.Linear4bit):

@@ -11,7 +11,7 @@ from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
 from ..block_sizes import warn_adjusted_block_sizes
-from ..bnb import drop_residual, quantization_of
+from ..bnb import adopt_base, drop_residual, quantization_of
 from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
 from ..rotation_layer import RotationLayer, rotation_layers
@@ -32,6 +32,7 @@ def create_tuner_module(
 
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if quantization_of(base_layer) is not None:
+        adopt_base(base_layer)
         return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
     for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes, strict=True):
         if isinstance(base_layer, base_type):
@@ -121,10 +122,11 @@ class PoetModel(BaseTuner):
         """Adapter entries, plus the base weights POET changed (``W0`` moves at every merge), plus the
         non-targeted parameters trained beside the adapter, so a saved model reloads exactly."""
         to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
-        include_base = getattr(config, "base_init", None) is not None or any(
-            int(m.merge_counts[adapter_name]) > 0
-            for m in model.modules()
-            if isinstance(m, RotationLayer) and adapter_name in m.merge_counts
+        layers = [m for m in model.modules() if isinstance(m, RotationLayer) and adapter_name in m.merge_counts]
+        include_base = (
+            getattr(config, "base_init", None) is not None
+            or any(int(m.merge_counts[adapter_name]) > 0 for m in layers)
+            or any(getattr(m.get_base_layer(), "poet_base_changed", False) for m in layers)  # bnb.adopt_base
         )
         if include_base:
             to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
