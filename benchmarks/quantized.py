@@ -20,6 +20,7 @@ import sys
 import torch
 
 from benchmarks.common import FIXED_MMAP
+from poet_hf.tuners.low_precision import LOW_PRECISION_DTYPES
 
 # Rotation sizes: the median largest ||Q||_2 per layer and side at a merge of the README's tiny pretraining run
 # (block 32, 50 steps between merges; measured 0.17), and a tenth of it (shorter intervals or lower rates).
@@ -39,8 +40,11 @@ def drift(
     dim: int = 512,
     block: int = 32,
     seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> dict[int, dict[str, float]]:
-    """``{K: {"weight": …, "spectrum": …}}`` after ``K`` merges (see the module docstring)."""
+    """``{K: {"weight": …, "spectrum": …}}`` after ``K`` merges (see the module docstring); for a 16-bit ``W0``
+    (``dtype``) also ``"roundings"``: ``‖W0 − W_exact‖_F / ‖fl(W_exact) − W_exact‖_F``, the error in units of one
+    rounding of the exact weight to ``dtype``."""
     from peft import get_peft_model
 
     import poet_hf  # noqa: F401
@@ -57,7 +61,7 @@ def drift(
         requantize=requantize,
         train_other_params=False,
     )
-    model = get_peft_model(_holder(dim), config)
+    model = get_peft_model(_holder(dim).to(dtype), config)
     layer = next(m for m in model.modules() if hasattr(m, "poet_specs"))
     exact = layer.weight_matrix().double()
     sigma = torch.linalg.svdvals
@@ -73,6 +77,8 @@ def drift(
         if k in merges:
             current = layer.weight_matrix().double()
             report[k] = {"weight": _relative(current, exact), "spectrum": _relative(sigma(current), sigma(exact))}
+            if dtype in LOW_PRECISION_DTYPES:  # in units of one nearest rounding of the exact weight
+                report[k]["roundings"] = float((current - exact).norm() / (exact.to(dtype).double() - exact).norm())
     return report
 
 
@@ -89,13 +95,16 @@ def drift_rows(q_norms: tuple = (TRAINING_Q_NORM, TRAINING_Q_NORM / 10)) -> list
     from poet_hf.tuners.bnb import REQUANTIZE_MODES
 
     rows = []
+    bases = [(None, torch.float32), *((None, dtype) for dtype in LOW_PRECISION_DTYPES)]
+    bases += [(quantization, torch.float32) for quantization in ("int8", "nf4")]
     for q_norm in q_norms:
-        for quantization in (None, "int8", "nf4"):
-            for requantize in ("nearest",) if quantization is None else REQUANTIZE_MODES:
-                result = drift(quantization, requantize, q_norm)
-                row = {"||Q||_2": q_norm, "W0": quantization or "float32", "requantize": requantize}
-                row.update({f"K={k} weight": r["weight"] for k, r in result.items()})
-                row.update({f"K={k} spectrum": r["spectrum"] for k, r in result.items()})
+        for quantization, dtype in bases:
+            for requantize in ("nearest",) if dtype == torch.float32 and quantization is None else REQUANTIZE_MODES:
+                result = drift(quantization, requantize, q_norm, dtype=dtype)
+                name = quantization or str(dtype).removeprefix("torch.")
+                row = {"||Q||_2": q_norm, "W0": name, "requantize": requantize}
+                for key in ("weight", "spectrum", "roundings"):
+                    row.update({f"K={k} {key}": r[key] for k, r in result.items() if key in r})
                 rows.append(row)
     return rows
 

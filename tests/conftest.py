@@ -63,3 +63,11 @@ def stock_python():
     python = StockPython()
     yield python
     python.close()
+
+
+@pytest.fixture(scope="session")
+def testbed():
+    """The pretrained causal LM of the testbed and its fine-tuning domain (tests/testbed_runs.py)."""
+    from testbed_runs import testbed_model_and_corpus
+
+    return testbed_model_and_corpus()

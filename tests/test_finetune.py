@@ -3,12 +3,12 @@ the evaluation loss, and the exported merged model reproduces the fine-tuned log
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from script_modules import load_module
+from testbed_runs import run_on_testbed
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import poet_hf  # noqa: F401
@@ -280,42 +280,6 @@ def test_the_scripts_own_options_and_every_training_flag_parse_together():
     assert (training.per_device_train_batch_size, training.max_steps, training.output_dir) == (4, 7, "outputs/finetune")
     with pytest.raises(ValueError, match="unknown field.*'steps'"):
         parse_finetune_arguments(model="x", steps=7)
-
-
-@pytest.fixture(scope="module")
-def testbed():
-    """The pretrained causal LM of the testbed and its fine-tuning domain (built on first use, cached; one thread, as
-    the xdist worker it runs on)."""
-    sys.path.insert(0, str(ROOT))
-    from benchmarks import testbed
-
-    return testbed.ensure_causal_lm(threads=1), testbed.milton_corpus()
-
-
-def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fields) -> tuple[dict, dict[int, float]]:
-    """``run_finetuning`` on the testbed at FinetuneArguments' defaults but for ``fields``, evaluated before, after,
-    and at the steps in ``evaluate_at`` (each evaluation costs about as much as 3 training steps)."""
-    from transformers import TrainerCallback
-
-    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
-
-    class EvaluateAt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_evaluate = control.should_evaluate or state.global_step in evaluate_at
-
-    model, data = testbed
-    args, training = parse_finetune_arguments(
-        model=str(model),
-        dataset=str(data),
-        output_dir=str(tmp_path),
-        max_eval_samples=64,
-        logging_steps=1000,
-        disable_tqdm=True,
-        **fields,
-    )
-    results = run_finetuning(args, training, callbacks=[EvaluateAt()])
-    history = results["trainer"].state.log_history
-    return results, {log["step"]: log["eval_loss"] for log in history if "eval_loss" in log}
 
 
 @pytest.mark.testbed

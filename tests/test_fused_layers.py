@@ -272,23 +272,6 @@ def test_activation_strategy_keeps_exactly_the_pre_rotation_outputs():
     assert _saved_bytes(model, ids) == plain_bytes + outputs
 
 
-def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
-    results = []
-    for checkpointing in (False, True):
-        model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, init_weights=False))
-        model.train()
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        results.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert loss_a == loss_b
-    for name in grads_a:
-        torch.testing.assert_close(grads_a[name], grads_b[name], rtol=0, atol=1e-6)
-
-
 @pytest.mark.parametrize(
     "config",
     [PoetConfig(block_size=16, init_weights=False), OftConfig(block_size=16, init_weights=False)],

@@ -362,17 +362,21 @@ def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flag
         assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0
 
 
-def test_bf16_is_refused_with_a_clear_message_on_a_cpu_without_avx512(monkeypatch, tmp_path):
+def test_fp16_and_bf16_without_avx512_are_refused_on_a_cpu_with_a_clear_message(monkeypatch, tmp_path):
     from poet_hf import PoetTrainingArguments
-    from poet_hf.training.cli import check_cpu_bfloat16
+    from poet_hf.training.cli import check_cpu_mixed_precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     training = PoetTrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to="none")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     with pytest.raises(ValueError, match=r"`bf16` on this CPU \(torch capability AVX2\)"):
-        check_cpu_bfloat16(training)
+        check_cpu_mixed_precision(training)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    check_cpu_bfloat16(training)  # trains: the bf16 tests above
+    check_cpu_mixed_precision(training)  # trains: the bf16 tests above
     training.bf16 = False
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    check_cpu_bfloat16(training)  # float32 runs anywhere
+    check_cpu_mixed_precision(training)  # float32 runs anywhere
+    # Accelerate ignores fp16 on a CPU (a run with it gives float32's losses bit for bit): refused, on any CPU.
+    fp16 = PoetTrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="`fp16` on a CPU: Accelerate does not autocast to float16"):
+        check_cpu_mixed_precision(fp16)

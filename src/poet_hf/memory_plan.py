@@ -297,7 +297,7 @@ def plan_memory(
         budget: POET-FS's sampling budget, a fraction of each dimension.
         rank: LoRA's rank, and GaLore's projection rank.
         dtype: the weights' and activations' type, one of ``float32``, ``bfloat16``, ``float16`` (adapter parameters
-            stay float32).
+            stay float32; POET's 16-bit ``W0`` also keeps its merges' 1-byte rounding residual, unless sharded).
         batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
         processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"``
             ([`shard_model`][poet_hf.distributed.shard_model]: per transformer block, the embeddings, the head, the
@@ -364,6 +364,8 @@ def plan_memory(
             kind = "W0" if _in_targeted_linear(name) else "other frozen"
             counts[kind] += parameter.numel()
             parts["W0" if kind == "W0" else "other frozen weights"] += local
+            if kind == "W0" and method.startswith("poet") and value_size == 2 and sharding == "ddp":
+                parts["W0"] += parameter.numel()  # the merges' int8 rounding residual (tuners/low_precision.py)
             continue
         counts["trainable"] += parameter.numel()
         counts["adapter"] += parameter.numel() if adapter else 0

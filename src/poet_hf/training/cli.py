@@ -147,25 +147,32 @@ def deprecated_alias(old: str, *new: str) -> None:
     )
 
 
-def check_cpu_bfloat16(training: TrainingArguments) -> None:
-    """Refuse ``--bf16`` on a CPU whose torch kernels cannot run it, before the run starts.
+def check_cpu_mixed_precision(training: TrainingArguments) -> None:
+    """Refuse ``--fp16``, and ``--bf16`` where torch's kernels cannot run it, on a CPU, before the run starts.
 
     On a CPU, ``--bf16`` trains under ``torch.autocast("cpu", torch.bfloat16)``. torch's bfloat16 attention kernels
     for CPUs pack their operands with AVX-512 instructions (for heads of 32 dimensions or fewer they always do), so
-    on a CPU without AVX-512 the first forward fails inside torch. This says so up front.
+    on a CPU without AVX-512 the first forward fails inside torch. ``--fp16`` on a CPU is ignored by Accelerate: the
+    run would silently train in float32.
 
     Args:
         training: the run's training arguments.
 
     Raises:
-        ValueError: ``bf16`` is set, the run is on a CPU, and torch's CPU capability is not AVX-512.
+        ValueError: the run is on a CPU and ``fp16`` is set, or ``bf16`` is set and torch's CPU capability is not
+            AVX-512.
     """
     import torch
 
-    if not training.bf16 or (torch.cuda.is_available() and not training.use_cpu):
+    if torch.cuda.is_available() and not training.use_cpu:
         return
+    if training.fp16:
+        raise ValueError(
+            "`fp16` on a CPU: Accelerate does not autocast to float16 on CPUs, so the run would silently train in "
+            "float32; use --bf16 on a CPU (or torch.autocast('cpu', torch.float16) in your own loop), --fp16 on a GPU"
+        )
     capability = torch.backends.cpu.get_cpu_capability()
-    if not capability.startswith("AVX512"):
+    if training.bf16 and not capability.startswith("AVX512"):
         raise ValueError(
             f"`bf16` on this CPU (torch capability {capability}): torch's bfloat16 attention kernels for CPUs need "
             "AVX-512, which it lacks; train in float32 (drop --bf16), or on a GPU or an AVX-512 CPU"

@@ -41,7 +41,7 @@ from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
 from .arguments import PoetTrainingArguments
-from .cli import check_cpu_bfloat16, deprecated_alias, parse_arguments, run_defaults
+from .cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -432,7 +432,7 @@ def run_finetuning(
     started = time.time()
     if training is None:
         training = PoetTrainingArguments(**finetune_defaults(args, {}))
-    check_cpu_bfloat16(training)
+    check_cpu_mixed_precision(training)
     torch.manual_seed(training.seed)
     tokenizer = load_model_tokenizer(args)
     train, evaluation, num_labels = load_finetune_data(args, tokenizer, training.seed)

@@ -27,7 +27,7 @@ from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
-from .cli import check_cpu_bfloat16, deprecated_alias, parse_arguments, run_defaults
+from .cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -566,7 +566,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     started = time.time()
     if training is None:
         training = PoetTrainingArguments(**pretrain_defaults(args, {}))
-    check_cpu_bfloat16(training)
+    check_cpu_mixed_precision(training)
     tokenizer = load_tokenizer(args.tokenizer)
     recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
     seed = training.seed

@@ -42,15 +42,17 @@ def check_bool(field_name: str, value: object) -> None:
 
 
 def requantize_field() -> Any:
-    """The ``requantize`` field of the rotation configs: how a fold into a quantised ``W0`` rounds
-    (`requantize`)."""
+    """The ``requantize`` field of the rotation configs: how a fold into a quantised or 16-bit ``W0`` rounds
+    (`poet_hf.tuners.bnb.requantize`, `poet_hf.tuners.low_precision.store`)."""
     return field(
         default="feedback",
         metadata={
-            "help": "How a fold (merge_and_reinit, merge, unmerge) requantises a quantised W0: 'feedback' "
-            "(nearest code, and the rounding residual is kept, int8, about 1 byte per entry, and added back at "
-            "the next fold, so the error does not grow with the merges), 'nearest' (no residual) or 'stochastic' "
-            "(unbiased random rounding, seeded per layer and merge). Ignored for a float W0."
+            "help": "How a fold (merge_and_reinit, merge, unmerge) rounds a quantised (nf4, fp4, int8) or 16-bit "
+            "(bfloat16, float16) W0: 'feedback' (to nearest, and the rounding residual is kept, int8, 1 byte per "
+            "entry, and added back at the next fold, so the error stays one rounding however many merges), "
+            "'nearest' (no residual: the error grows like the square root of the merges) or 'stochastic' "
+            "(unbiased random rounding, seeded per layer and merge). Ignored for a float32 W0, and a 16-bit W0 "
+            "sharded by FSDP2 rounds to nearest."
         },
     )
 

@@ -53,7 +53,7 @@ from ..orthogonal.rotated_linear import (
     strategy_costs,
 )
 from ..orthogonal.spo import SideSpec
-from . import bnb, rotation_cache
+from . import bnb, low_precision, rotation_cache
 from .module_mixin import ModuleMixin
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
@@ -98,7 +98,7 @@ class RotationSettings:
     neumann_terms: int
     forward: str  # "auto", "weight" or "activation"
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
-    requantize: str = "feedback"  # how a fold requantises a quantised W0 (tuners/bnb.py)
+    requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (tuners/bnb.py, low_precision.py)
     cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
@@ -174,7 +174,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         out_dim, in_dim = self.weight_shape
         self.in_features, self.out_features = in_dim, out_dim
         self.register_load_state_dict_pre_hook(RotationLayer._check_loaded_state)
-        self.register_load_state_dict_pre_hook(RotationLayer._load_quantized_base)
+        self.register_load_state_dict_pre_hook(RotationLayer._load_base_state)
         self.register_load_state_dict_pre_hook(RotationLayer._drop_caches_on_load)
 
     # --- where the tensors live (the tuner's PEFT prefix) --------------------------------------------------------
@@ -288,12 +288,16 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
 
         A quantised base is requantised by `requantize` (``requantize``: "feedback",
         "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
-        `requantization_error`."""
+        `requantization_error`. A bfloat16 or float16 base is rounded the same three ways
+        (`poet_hf.tuners.low_precision`; nearest when FSDP2 shards it)."""
         if self.base_quantization is not None:
             self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
             return
         weight = self._base_weight()
-        write_full(weight, matrix.T if self._weight_transposed else matrix.reshape(weight.shape))
+        full = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
+        if weight.dtype in low_precision.LOW_PRECISION_DTYPES and not is_dtensor(weight):
+            full = low_precision.store(self.get_base_layer(), full, requantize, generator)
+        write_full(weight, full)
 
     def check_quantizable(self, quantization: str, layer_name: str) -> None:
         """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization`` (an
@@ -319,14 +323,20 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
         if self.base_quantization is None:
             weight = self._base_weight()
-            return weight.numel() * weight.element_size()
+            return weight.numel() * weight.element_size() + low_precision.residual_bytes(self.get_base_layer())
         return bnb.quantized_bytes(self.get_base_layer())
 
-    def _load_quantized_base(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+    def _load_base_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
         """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
-        int8 row scales), which ``nn.Module``'s loader would drop; they are installed here together."""
+        int8 row scales), which ``nn.Module``'s loader would drop, so they are installed here together; a 16-bit
+        base gets room for its saved rounding residual."""
         if self.base_quantization is not None:
             bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+            return
+        saved = state_dict.get(f"{prefix}base_layer.{low_precision.ROUNDING_RESIDUAL}")
+        base = self.get_base_layer()
+        if saved is not None and not hasattr(base, low_precision.ROUNDING_RESIDUAL):  # make room to load it
+            low_precision.keep_residual(base, torch.empty_like(saved, device=self._base_weight().device))
 
     @property
     def is_conv2d(self) -> bool:
@@ -477,11 +487,21 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         feedback."""
         matrix = self.full_weight_matrix()
         matrix = matrix.to(dtype or _at_least_float32(matrix.dtype))
-        if self.base_quantization is not None and self.poet_settings[adapter_name].requantize == "feedback":
-            residual = bnb.residual(self.get_base_layer())
+        if self.poet_settings[adapter_name].requantize == "feedback":
+            residual = self._rounding_residual()
             if residual is not None:
                 matrix = matrix + residual.to(matrix.dtype)
         return matrix
+
+    def _rounding_residual(self) -> torch.Tensor | None:
+        """What the last fold's rounding of ``W0`` dropped (error feedback), as an out × in matrix, or ``None``."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return bnb.residual(base)
+        kept = low_precision.residual(base)
+        if kept is None:
+            return None
+        return kept.T if self._weight_transposed else kept.reshape(kept.shape[0], -1)
 
     def _fold_into_base(self, matrix: torch.Tensor, adapter_name: str, merge_count: int) -> None:
         """Write a folded weight back; a quantised base is requantised by the adapter's ``requantize`` mode (a
@@ -878,6 +898,13 @@ def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
     else:
         param.data.copy_(full)
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether FSDP2 has sharded ``tensor`` into a ``DTensor``."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:

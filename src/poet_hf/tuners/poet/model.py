@@ -14,6 +14,7 @@ from ..block_sizes import warn_adjusted_block_sizes
 from ..bnb import adopt_base, drop_residual, quantization_of
 from ..config_utils import holds_full_model
 from ..constants import DEFAULT_TARGET_MODULES
+from ..low_precision import drop_rounding_residual
 from ..rotation_layer import RotationLayer, rotation_layers
 from ..state_checks import AdapterStateError
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
@@ -136,12 +137,13 @@ class PoetModel(BaseTuner):
         return to_return
 
     def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:  # type: ignore[override]  # PEFT annotates None, returns the model
-        """PEFT's unload; a quantised base leaves without the requantisation residual, which only the next fold
-        of an adapter would use."""
+        """PEFT's unload; a quantised or 16-bit base leaves without its rounding residual, which only the next
+        fold of an adapter would use."""
         bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
         model = cast(nn.Module, super()._unload_and_optionally_merge(*args, **kwargs))
         for base in bases:
             drop_residual(base)
+            drop_rounding_residual(base)
         return model
 
     def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
