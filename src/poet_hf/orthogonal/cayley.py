@@ -21,6 +21,8 @@ import functools
 import logging
 import math
 import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -106,13 +108,28 @@ def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
         )
 
 
-@functools.cache
+_T = TypeVar("_T")
+
+
+def _eager_cache(function: Callable[..., _T]) -> Callable[..., _T]:
+    """``functools.cache`` in eager mode; under ``torch.compile`` the function itself, traced into the graph (Dynamo
+    would trace it anyway, and warn that it ignores the cache)."""
+    cached = functools.cache(function)
+
+    @functools.wraps(function)
+    def call(*args: Any) -> _T:
+        return function(*args) if torch.compiler.is_compiling() else cached(*args)
+
+    return call
+
+
+@_eager_cache
 def _triu_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = torch.triu_indices(block_size, block_size, offset=1, device=device)
     return rows, cols
 
 
-@functools.cache
+@_eager_cache
 def _skew_gather_index(block_size: int, device: torch.device) -> torch.Tensor:
     """Where each entry of a flattened ``b × b`` skew matrix is read from ``[0, vec, −vec]``."""
     rows, cols = _triu_indices(block_size, torch.device("cpu"))
@@ -123,7 +140,7 @@ def _skew_gather_index(block_size: int, device: torch.device) -> torch.Tensor:
     return index.flatten().to(device)
 
 
-@functools.cache
+@_eager_cache
 def _triangle_flat_indices(block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat positions of the strict upper triangle and of its mirror image."""
     rows, cols = _triu_indices(block_size, torch.device("cpu"))
@@ -162,7 +179,7 @@ def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
     return flat.index_select(-1, upper) - flat.index_select(-1, lower)
 
 
-@functools.cache
+@_eager_cache
 def _identity(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A shared identity matrix (read-only by convention: never written in place)."""
     return torch.eye(size, dtype=dtype, device=device)
@@ -331,6 +348,8 @@ _scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); 
 def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor | None:
     if vec.device.type == "meta":  # a trace by shapes (the memory planner): no values to cap
         return None
+    if torch.compiler.is_compiling():  # no data-dependent branch: the factor is computed, 1 where below the cap
+        return _traced_norm_scale(q, terms)
     # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
     key = (
         vec._version,
@@ -352,6 +371,17 @@ def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.
 
     _scale_cache[ident] = (weakref.ref(vec, forget), key, scale)
     return scale
+
+
+def _traced_norm_scale(q: torch.Tensor, terms: int) -> torch.Tensor | None:
+    """`skew_norm_scale` without its data-dependent shortcuts, for ``torch.compile``: the same factors (where the
+    certified bounds are below the cap, so is the estimate, and the factor is 1), always computed."""
+    if terms == 0 or math.isinf(MAX_SKEW_NORM):
+        return None
+    with torch.no_grad():
+        spectral = skew_spectral_norm(q.detach())
+        scale = torch.where(spectral > MAX_SKEW_NORM, MAX_SKEW_NORM / spectral, torch.ones_like(spectral))
+    return scale[..., None, None]
 
 
 def neumann_product_count(terms: int) -> tuple[int, int]:

@@ -610,8 +610,8 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
             dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
             polynomial=polynomial_products(terms, polynomial_phase) if training else 0,
         )
-        affordable = {name: cost["macs"] for name, cost in costs.items() if cost["kept"] == 0}
-        return min(affordable, key=affordable.__getitem__)
+        affordable = [(cost["macs"], name) for name, cost in costs.items() if cost["kept"] == 0]
+        return min(affordable)[1]
 
     def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``base(x, P^T W0 R^T)`` through the fused functions of `rotated_linear`."""
@@ -654,7 +654,12 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
     ) -> tuple[RotationCache | None, bool]:
         """The cache this call reads its blocks from (``None``: none is open and this micro-batch does not defer) and
         whether the call defers its VJP. Raises ``RuntimeError`` if the skew vector changed under deferred
-        gradients other than by an optimizer step or a merge (their Jacobian would be lost)."""
+        gradients other than by an optimizer step or a merge (their Jacobian would be lost).
+
+        Under ``torch.compile`` there is no cache: every micro-batch evaluates its rotation and its own VJP (the same
+        gradient; the cache only saves the repeated polynomial, and it lives outside the graph)."""
+        if torch.compiler.is_compiling():
+            return None, False
         defer = training and self.poet_settings[adapter_name].cache_rotations and rotation_cache.deferring()
         cache = self._rotation_caches.get((adapter_name, side))
         if cache is None:
