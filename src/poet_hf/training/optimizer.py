@@ -169,7 +169,9 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
     directions (the POET code's ``POETAdamW`` does the same). The tensors are zeroed in place rather than dropped:
     for Adam-family optimizers step 0 with zero moments *is* the fresh state, and keeping the entries keeps one state
     layout, so a sharded checkpoint taken right after a merge resumes exactly (``torch.distributed.checkpoint``
-    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2).
+    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2)
+    and on bitsandbytes' 8-bit states (``--optim adamw_bnb_8bit``): their codes and block scales are zeroed (a zero
+    scale reads every code as 0), their quantisation maps (``qmap*``) kept, and their integer step set to 0.
 
     Args:
         optimizer: the optimizer holding the state.
@@ -182,8 +184,10 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
     reset = 0
     for p in params:
         if p in state:
-            for value in state[p].values():
-                if torch.is_tensor(value):
+            for key, value in state[p].items():
+                if torch.is_tensor(value) and not key.startswith("qmap"):
                     value.zero_()
+                elif key == "step" and isinstance(value, int):
+                    state[p][key] = 0
             reset += 1
     return reset
