@@ -610,8 +610,9 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
             dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
             polynomial=polynomial_products(terms, polynomial_phase) if training else 0,
         )
-        affordable = [(cost["macs"], name) for name, cost in costs.items() if cost["kept"] == 0]
-        return min(affordable)[1]
+        # (macs, order, name): the cheapest, the first listed on a tie; a plain min, which Dynamo traces.
+        affordable = [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] == 0]
+        return min(affordable)[2]
 
     def fused_forward(self, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
         """``base(x, P^T W0 R^T)`` through the fused functions of `rotated_linear`."""
