@@ -169,9 +169,10 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
     directions (the POET code's ``POETAdamW`` does the same). The tensors are zeroed in place rather than dropped:
     for Adam-family optimizers step 0 with zero moments *is* the fresh state, and keeping the entries keeps one state
     layout, so a sharded checkpoint taken right after a merge resumes exactly (``torch.distributed.checkpoint``
-    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2)
-    and on bitsandbytes' 8-bit states (``--optim adamw_bnb_8bit``): their codes and block scales are zeroed (a zero
-    scale reads every code as 0), their quantisation maps (``qmap*``) kept, and their integer step set to 0.
+    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2),
+    on bitsandbytes' 8-bit states (``--optim adamw_bnb_8bit``: their codes and block scales are zeroed, a zero scale
+    reading every code as 0; their quantisation maps ``qmap*`` are kept and their integer step set to 0) and on
+    torchao's (``--optim adamw_torch_8bit``: a tensor subclass, which is given zeros to quantise).
 
     Args:
         optimizer: the optimizer holding the state.
@@ -186,8 +187,16 @@ def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.
         if p in state:
             for key, value in state[p].items():
                 if torch.is_tensor(value) and not key.startswith("qmap"):
-                    value.zero_()
+                    _zero(value)
                 elif key == "step" and isinstance(value, int):
                     state[p][key] = 0
             reset += 1
     return reset
+
+
+def _zero(state: torch.Tensor) -> None:
+    """Zero one optimizer-state tensor in place, whatever its storage."""
+    try:
+        state.zero_()
+    except NotImplementedError:  # a quantised state subclass (torchao's OptimState8bit) quantises what it copies
+        state.copy_(torch.zeros(state.shape, dtype=state.dtype, device=state.device))
