@@ -43,3 +43,72 @@ def optimizer_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"cache_mb": cache_mb}
+
+
+def timed_seconds(step: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of ``step`` takes: CUDA events around it on a GPU (the kernels' time, synchronised once),
+    the wall clock on a CPU."""
+    import time
+
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000
+    began = time.perf_counter()
+    step()
+    return time.perf_counter() - began
+
+
+def to_markdown(rows: list[dict]) -> str:
+    """A Markdown table of benchmark rows (the union of their keys as columns; floats to 3 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row.get(c):.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def readme_job_results(extra_args: list[str], quick: bool = False) -> dict:
+    """``results.json`` of the README's main job (``scripts/pretrain.py``: tiny preset, embedded corpus, 200 steps,
+    4 merges; 20 steps and a merge every 5 when ``quick``) run with ``extra_args``, in its own process."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as out:
+        extra = [*extra_args, *(["--max_steps", "20", "--merge_every", "5"] if quick else [])]
+        subprocess.run(
+            [sys.executable, str(root / "scripts" / "pretrain.py"), "--output_dir", out, *extra],
+            check=True,
+            capture_output=True,
+        )
+        return json.loads((Path(out) / "results.json").read_text())
+
+
+def readme_job_rows(column: str, variants: dict[str, list[str]], quick: bool = False) -> list[dict]:
+    """The README's main job once per variant (``{name: extra flags}``, the first the reference): a row each with
+    ``column`` = the name, the steps, the merges, the validation perplexity and its ratio to the first's, less 1."""
+    rows, reference = [], None
+    for name, extra_args in variants.items():
+        results = readme_job_results(extra_args, quick)
+        perplexity = results["val_perplexity"]
+        reference = reference or perplexity
+        rows.append(
+            {
+                column: name,
+                "steps": results["steps"],
+                "merges": results["merges"],
+                "val perplexity": perplexity,
+                f"vs {next(iter(variants))}": perplexity / reference - 1,
+            }
+        )
+    return rows

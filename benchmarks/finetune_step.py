@@ -16,13 +16,12 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.common import optimizer_step
+from benchmarks.common import device, optimizer_step, timed_seconds
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -106,22 +105,26 @@ def measure(
         "oft": OftConfig(block_size=32, target_modules=TARGETS),
         "lora": LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=TARGETS),
     }[method]
-    model = get_peft_model(model, adapter)
+    dev = device()
+    model = get_peft_model(model, adapter).to(dev)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, 49152, (batch, seq))
+    ids = torch.randint(0, 49152, (batch, seq), device=dev)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
 
     def loss() -> torch.Tensor:
-        return model(input_ids=ids, labels=ids).loss
+        with autocast:
+            return model(input_ids=ids, labels=ids).loss
 
     optimizer_step(model, optimizer, loss)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        optimizer_step(model, optimizer, loss, accumulation)
-        times.append(time.perf_counter() - start)
+    times = [timed_seconds(lambda: optimizer_step(model, optimizer, loss, accumulation), dev) for _ in range(steps)]
+    peak = (
+        torch.cuda.max_memory_allocated() / 2**20
+        if dev.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports
+    )
     return {
         "step_s": statistics.median(times),
-        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports,
+        "peak_mb": peak,
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
     }
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import FIXED_MMAP, optimizer_step
+from benchmarks.common import FIXED_MMAP, optimizer_step, timed_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ = 32000, 256
@@ -67,10 +67,15 @@ def measure(
     requantize: str = "feedback",
     accumulation: int = 1,
     cache_rotations: bool = True,
+    compiled: bool = False,
+    checkpointing: bool = False,
+    optim: str = "adamw",
 ) -> dict:
     """In the child process: build, warm up one step, then time ``steps`` optimizer steps of ``accumulation``
     micro-batches of ``batch`` sequences each; report memory and its parts (``cache_mb``: the rotation caches held
-    across the micro-batches of a step).
+    across the micro-batches of a step). ``compiled``: ``torch.compile`` (Inductor) the model, compiled in the
+    warm-up step (``compile_s``); ``checkpointing``: non-reentrant activation checkpointing per block; ``optim``:
+    ``"adamw"`` (torch) or ``"adamw_8bit"`` (bitsandbytes' AdamW8bit, POET's same two rates).
 
     ``quantization`` (POET only) quantises every ``W0`` (``PoetConfig.base_quantization``); one merge-then-reinitialise
     then runs before the warm-up, so that the requantisation residual of ``requantize="feedback"`` exists, as in
@@ -102,23 +107,32 @@ def measure(
         if quantization:
             merge_and_reinit(model)
     model.to(dev)
-    optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
+    if optim == "adamw_8bit":
+        import bitsandbytes
+
+        optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(groups)
+    else:
+        optimizer = torch.optim.AdamW(groups)
+    runner = torch.compile(model) if compiled else model
     ids = torch.randint(0, VOCAB, (batch, SEQ), device=dev)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def loss() -> torch.Tensor:
         with autocast:
-            return model(input_ids=ids, labels=ids).loss
+            return runner(input_ids=ids, labels=ids).loss
 
-    optimizer_step(model, optimizer, loss)  # warm-up: allocates the optimizer states
+    start = time.perf_counter()
+    optimizer_step(model, optimizer, loss)  # warm-up: allocates the optimizer states (and compiles)
     sync()
-    times = []
+    compile_s = time.perf_counter() - start if compiled else 0.0
+    times, caches = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        cache_mb = optimizer_step(model, optimizer, loss, accumulation)["cache_mb"]
-        sync()
-        times.append(time.perf_counter() - start)
+        times.append(timed_seconds(lambda: caches.append(optimizer_step(model, optimizer, loss, accumulation)), dev))
+    cache_mb = caches[-1]["cache_mb"]
     trainable = [p for p in model.parameters() if p.requires_grad]
     layers = [layer for _, layer in rotation_layers(model)]
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -134,6 +148,7 @@ def measure(
     params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {
         "step_s": statistics.median(times),
+        "compile_s": compile_s,
         "peak_mb": peak,
         "params_mb": params_mb,
         "grads_mb": sum(p.numel() * p.element_size() for p in trainable) / 2**20,

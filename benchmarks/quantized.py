@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from benchmarks.common import FIXED_MMAP
+from benchmarks.common import FIXED_MMAP, readme_job_rows
 from poet_hf.tuners.low_precision import LOW_PRECISION_DTYPES
 
 # Rotation sizes: the median largest ||Q||_2 per layer and side at a merge of the README's tiny pretraining run
@@ -215,35 +215,8 @@ def finetune_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
 def quality_rows(quick: bool = False) -> list[dict]:
     """The README's main job (``scripts/pretrain.py``: tiny preset, embedded corpus, 200 steps, 4 merges) with a
     float32, an int8 and an nf4 ``W0``: validation perplexity at the same steps, each in its own process."""
-    import json
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    rows, reference = [], None
-    for quantization in (None, "int8", "nf4"):
-        with tempfile.TemporaryDirectory() as out:
-            extra = ["--base_quantization", quantization] if quantization else []
-            extra += ["--max_steps", "20", "--merge_every", "5"] if quick else []
-            subprocess.run(
-                [sys.executable, str(root / "scripts" / "pretrain.py"), "--output_dir", out, *extra],
-                check=True,
-                capture_output=True,
-            )
-            results = json.loads((Path(out) / "results.json").read_text())
-        perplexity = results["val_perplexity"]
-        reference = reference or perplexity
-        rows.append(
-            {
-                "W0": quantization or "float32",
-                "steps": results["steps"],
-                "merges": results["merges"],
-                "val perplexity": perplexity,
-                "vs float32": perplexity / reference - 1,
-            }
-        )
-    return rows
+    variants = {"float32": [], "int8": ["--base_quantization", "int8"], "nf4": ["--base_quantization", "nf4"]}
+    return readme_job_rows("W0", variants, quick)
 
 
 def run(quick: bool = False, repeats: int = 3) -> list[dict]:

@@ -34,6 +34,7 @@ SUITES = (
     "import_time",
     "load_checks",
     "quantized",
+    "training_modes",
 )
 
 
@@ -44,17 +45,6 @@ def machine_description() -> str:
         else f"CPU ({platform.processor() or platform.machine()})"
     )
     return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
-
-
-def to_markdown(rows: list[dict]) -> str:
-    if not rows:
-        return "(no rows)"
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [f"{row.get(c):.3g}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
+    from benchmarks.common import to_markdown
+
     if args.plot:
         from benchmarks.plots import plot_pretrain_step
 

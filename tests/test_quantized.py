@@ -14,6 +14,7 @@ import sys
 import bitsandbytes  # noqa: F401  (the `quant` extra, part of `dev`: these tests run, they never skip)
 import pytest
 import torch
+from layer_reference import dense_side
 from peft import PeftModel, get_peft_model
 from peft.utils.integrations import dequantize_bnb_weight
 from reference import block_rotation_dense, neumann_series, skew_dense
@@ -52,15 +53,6 @@ def bnb_dense(module: nn.Module) -> torch.Tensor:
     """bitsandbytes' own dequantisation of a layer's weight, float64."""
     state = getattr(module.weight, "quant_state", None) or module.state
     return dequantize_bnb_weight(module.weight, state=state).double()
-
-
-def dense_side(layer, side: str) -> torch.Tensor:
-    spec = layer.sides("default")[side]
-    vec = layer.skew_parameter("default", side).detach().double()
-    terms = layer.poet_settings["default"].neumann_terms
-    blocks = torch.stack([neumann_series(skew_dense(row, spec.block), terms) for row in vec])
-    index = layer.index_buffer("default", side)
-    return block_rotation_dense(index if spec.kind == "block" else None, blocks.expand(spec.num_blocks, -1, -1))
 
 
 def code_values(module: nn.Module) -> torch.Tensor:
