@@ -18,13 +18,14 @@ import json
 
 from transformers import HfArgumentParser
 
+from poet_hf.cli import training_parser
 from poet_hf.distributed import end_distributed
-from poet_hf.training.cli import training_parser
+from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.finetune import FinetuneArguments, parse_finetune_arguments, run_finetuning
 
 
 def build_parser() -> HfArgumentParser:
-    return training_parser(FinetuneArguments)
+    return training_parser(FinetuneArguments, PoetTrainingArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -19,9 +19,10 @@ import json
 
 from transformers import HfArgumentParser
 
+from poet_hf.cli import training_parser
 from poet_hf.data import load_tokenizer
 from poet_hf.distributed import end_distributed
-from poet_hf.training.cli import training_parser
+from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.pretrain import (
     PretrainArguments,
     parse_pretrain_arguments,
@@ -32,7 +33,7 @@ from poet_hf.training.pretrain import (
 
 
 def build_parser() -> HfArgumentParser:
-    return training_parser(PretrainArguments)
+    return training_parser(PretrainArguments, PoetTrainingArguments)
 
 
 def main(argv: list[str] | None = None) -> dict:

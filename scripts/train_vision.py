@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import HfArgumentParser
 
-from poet_hf.training.cli import training_parser
+from poet_hf.cli import training_parser
 from poet_hf.vision.train import (
     VisionTrainArgs,
     export_lipconvnet,
@@ -28,7 +28,7 @@ from poet_hf.vision.train import (
 
 
 def build_parser() -> HfArgumentParser:
-    return training_parser(VisionTrainArgs, TrainingArguments)
+    return training_parser(VisionTrainArgs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,10 @@ ALLOWED = {
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners"},
     "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
-    "vision": {"orthogonal", "optim", "model_cards", "checkpoints"},
+    "cli": set(),  # command lines over TrainingArguments, for the training and vision scripts
+    "vision": {"orthogonal", "optim", "model_cards", "checkpoints", "cli"},
     "training": {
+        "cli",
         "orthogonal",
         "optim",
         "tuners",

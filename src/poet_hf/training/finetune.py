@@ -33,6 +33,7 @@ from transformers import (
     default_data_collator,
 )
 
+from ..cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
 from ..initialization import has_meta_tensors
 from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
@@ -41,7 +42,6 @@ from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
 from .arguments import PoetTrainingArguments
-from .cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def parse_finetune_arguments(
     Returns:
         ``(FinetuneArguments, PoetTrainingArguments)``.
     """
-    return parse_arguments(FinetuneArguments, finetune_defaults, argv, fields or None)
+    return parse_arguments(FinetuneArguments, finetune_defaults, argv, fields or None, PoetTrainingArguments)
 
 
 # --- 1. model and tokenizer -------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
 
+from ..cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import plot_spectra, singular_values, spectrum_report
 from ..distributed import is_sharded
@@ -27,7 +28,6 @@ from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig, poet_layers
 from .arguments import PoetTrainingArguments
-from .cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ def parse_pretrain_arguments(
     Returns:
         ``(PretrainArguments, PoetTrainingArguments)``.
     """
-    return parse_arguments(PretrainArguments, pretrain_defaults, argv, fields or None)
+    return parse_arguments(PretrainArguments, pretrain_defaults, argv, fields or None, PoetTrainingArguments)
 
 
 def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:

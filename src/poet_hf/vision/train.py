@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
+from ..cli import deprecated_alias, parse_arguments, run_defaults
 from ..model_cards import render_card
-from ..training.cli import deprecated_alias, parse_arguments, run_defaults
-from ..tuners.config_utils import check_choice
 from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
@@ -177,7 +176,8 @@ class VisionTrainArgs:
     max_eval_examples: int | None = field(default=None, metadata={"help": "deprecated: use --max_eval_samples"})
 
     def __post_init__(self) -> None:
-        check_choice("recipe", self.recipe, (None, *RECIPES))
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(f"`recipe` must be one of {(None, *RECIPES)}, got {self.recipe!r}")
         if self.gamma < 0:
             raise ValueError(f"`gamma` must be >= 0, got {self.gamma!r}")
         for old, new in (("max_train_examples", "max_train_samples"), ("max_eval_examples", "max_eval_samples")):
@@ -226,7 +226,7 @@ def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, A
 
 def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tuple[VisionTrainArgs, TrainingArguments]:
     """``scripts/train_vision.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
-    ``fields`` of either dataclass (`poet_hf.training.cli.parse_arguments`).
+    ``fields`` of either dataclass (`poet_hf.cli.parse_arguments`).
 
     Args:
         argv: the command line.
@@ -235,7 +235,7 @@ def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tupl
     Returns:
         ``(VisionTrainArgs, TrainingArguments)``.
     """
-    return parse_arguments(VisionTrainArgs, vision_defaults, argv, fields or None, TrainingArguments)
+    return parse_arguments(VisionTrainArgs, vision_defaults, argv, fields or None)
 
 
 def lr_milestones(args: VisionTrainArgs, training: TrainingArguments) -> list[float] | None:

@@ -1,7 +1,8 @@
-"""Command lines over `PoetTrainingArguments`: every ``TrainingArguments`` flag, with a recipe's values as defaults.
+"""Command lines over ``TrainingArguments``: every Trainer flag, with a recipe's values as defaults.
 
 The training scripts parse two dataclasses with ``transformers.HfArgumentParser``: their own options (model, method,
-data, …) and `PoetTrainingArguments`, so every ``TrainingArguments`` flag works (``--bf16``,
+data, …) and a training-arguments class (`poet_hf.training.PoetTrainingArguments` for POET and OFT,
+``TrainingArguments`` for the vision models), so every ``TrainingArguments`` flag works (``--bf16``,
 ``--gradient_checkpointing``, ``--torch_compile``, ``--optim``, ``--per_device_train_batch_size``, ``--report_to``,
 ``--push_to_hub``, …) and ``--help`` lists it. A recipe (a pretraining preset, a fine-tuning method) decides the
 defaults of some of those flags; `parse_arguments` reads what the user gave first, asks the script's ``defaults``
@@ -22,8 +23,6 @@ from typing import Any, TypeVar, cast
 
 from transformers import HfArgumentParser, TrainingArguments
 
-from .arguments import PoetTrainingArguments
-
 ScriptArgs = TypeVar("ScriptArgs")
 TrainingArgs = TypeVar("TrainingArgs", bound=TrainingArguments)
 SCRIPT_SEED = 0  # the scripts' default --seed (transformers' is 42): data order, initialisation, permutations
@@ -36,7 +35,7 @@ def parse_arguments(
     defaults: DefaultsFunction,
     argv: Sequence[str] | None = None,
     fields: dict[str, Any] | None = None,
-    training_class: type[TrainingArgs] = PoetTrainingArguments,  # type: ignore[assignment]
+    training_class: type[TrainingArgs] = TrainingArguments,  # type: ignore[assignment]
 ) -> tuple[ScriptArgs, TrainingArgs]:
     """The script's options and its training arguments, from a command line or from keyword fields.
 
@@ -45,8 +44,8 @@ def parse_arguments(
         defaults: gives the defaults of the training flags the user did not set (the recipe's).
         argv: the command line (``None``: ``sys.argv[1:]``); ignored when ``fields`` is given.
         fields: instead of a command line, field values of either dataclass (for Python callers).
-        training_class: the training-arguments dataclass: `PoetTrainingArguments` (the default) for the POET/OFT
-            scripts, ``transformers.TrainingArguments`` where no adapter trains.
+        training_class: the training-arguments dataclass: ``transformers.TrainingArguments`` (the default), or
+            `poet_hf.training.PoetTrainingArguments` for the POET/OFT scripts.
 
     Returns:
         ``(script options, training arguments)``.
@@ -72,7 +71,7 @@ def parse_arguments(
     return script_class(**_init_fields(script_class, parsed)), training_class(**_init_fields(training_class, parsed))
 
 
-def training_parser(script_class: type, training_class: type = PoetTrainingArguments) -> HfArgumentParser:
+def training_parser(script_class: type, training_class: type = TrainingArguments) -> HfArgumentParser:
     """The parser of a training script: its own options, then every flag of ``training_class`` (without the
     recipe's defaults, which `parse_arguments` sets)."""
     return HfArgumentParser(cast(Any, (script_class, training_class)))
@@ -112,7 +111,7 @@ def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptAr
         return None
 
 
-def given_training_flags(argv: Sequence[str] | None, training_class: type = PoetTrainingArguments) -> dict[str, Any]:
+def given_training_flags(argv: Sequence[str] | None, training_class: type = TrainingArguments) -> dict[str, Any]:
     """The fields of ``training_class`` the command line sets, with their values (the others are absent)."""
     probe = HfArgumentParser(cast(Any, training_class), add_help=False)
     for action in probe._actions:
