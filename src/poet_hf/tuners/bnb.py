@@ -90,7 +90,7 @@ class QuantizedBaseRepackedWarning(UserWarning):
 def keep_layout(module: BnbLayer) -> None:
     """Stop bitsandbytes from repacking a 4-bit layer for its CPU kernels at an inference forward.
 
-    bitsandbytes (0.48+) repacks a ``Linear4bit`` on a CPU with AVX512-BF16 at its first forward in eval mode
+    bitsandbytes (0.50 here) repacks a ``Linear4bit`` on a CPU with AVX512-BF16 at its first forward in eval mode
     without gradients, and rounds the layer's scales to bfloat16 while doing so: the dequantised weight moves by up
     to 2⁻⁸ of each block's largest entry, and cannot be restored."""
     if hasattr(module, "support_avx512bf16_for_cpu"):
@@ -100,7 +100,8 @@ def keep_layout(module: BnbLayer) -> None:
 def keep_quantized_layout(model: nn.Module) -> int:
     """Keep every 4-bit bitsandbytes layer of ``model`` in the layout its checkpoint has (`keep_layout`), so that an
     inference forward on a CPU does not round its scales before an adapter is attached. Call it right after loading
-    a quantised model you evaluate before wrapping; poet_hf's own loaders and the adapters call it.
+    a quantised model you evaluate before wrapping (the adapters do it for the layers they wrap, and
+    `quantize_linear` for the layers it builds).
 
     Args:
         model: a model with bitsandbytes layers (any others are left alone).
