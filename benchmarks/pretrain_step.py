@@ -70,12 +70,14 @@ def measure(
     compiled: bool = False,
     checkpointing: bool = False,
     optim: str = "adamw",
+    fused_step: bool = False,
 ) -> dict:
     """In the child process: build, warm up one step, then time ``steps`` optimizer steps of ``accumulation``
     micro-batches of ``batch`` sequences each; report memory and its parts (``cache_mb``: the rotation caches held
     across the micro-batches of a step). ``compiled``: ``torch.compile`` (Inductor) the model, compiled in the
     warm-up step (``compile_s``); ``checkpointing``: non-reentrant activation checkpointing per block; ``optim``:
-    ``"adamw"`` (torch) or ``"adamw_8bit"`` (bitsandbytes' AdamW8bit, POET's same two rates).
+    ``"adamw"`` (torch) or ``"adamw_8bit"`` (bitsandbytes' AdamW8bit, POET's same two rates); ``fused_step``: each
+    parameter steps in the backward (`poet_hf.training.FusedStepOptimizer`).
 
     ``quantization`` (POET only) quantises every ``W0`` (``PoetConfig.base_quantization``); one merge-then-reinitialise
     then runs before the warm-up, so that the requantisation residual of ``requantize="feedback"`` exists, as in
@@ -110,12 +112,17 @@ def measure(
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
+    optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW
     if optim == "adamw_8bit":
         import bitsandbytes
 
-        optimizer: torch.optim.Optimizer = bitsandbytes.optim.AdamW8bit(groups)
+        optimizer_cls = bitsandbytes.optim.AdamW8bit
+    if fused_step:
+        from poet_hf.training import FusedStepOptimizer
+
+        optimizer: torch.optim.Optimizer = FusedStepOptimizer(groups, optimizer_cls)
     else:
-        optimizer = torch.optim.AdamW(groups)
+        optimizer = optimizer_cls(groups)
     runner = torch.compile(model) if compiled else model
     ids = torch.randint(0, VOCAB, (batch, SEQ), device=dev)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")

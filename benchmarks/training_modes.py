@@ -13,6 +13,7 @@ paper's shapes in several minutes per process on a 2-core CPU.
   tests/test_low_precision.py).
 - 8-bit states: bitsandbytes' ``AdamW8bit`` (``--optim adamw_bnb_8bit``) with POET's two rates; tensors of fewer
   than 4096 entries (most skew vectors) keep 32-bit states, bitsandbytes' default.
+- fused step: every parameter steps in the backward and frees its gradient (``--fused_optimizer_step``).
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ MODES = {
     "compiled": {"compiled": True},
     "checkpointing": {"checkpointing": True},
     "8-bit states": {"optim": "adamw_8bit"},
+    "fused step": {"fused_step": True},
+    "checkpointing + fused step": {"checkpointing": True, "fused_step": True},
 }
 METHODS = ("adamw", "poet-bs")
-CONFIGS = [("tiny", 4, 5)]  # (preset, micro-batch of 256-token sequences, optimizer steps timed)
-QUICK_CONFIGS = [("tiny", 4, 2)]
+UNCOMPILED = ("eager", "checkpointing", "fused step", "checkpointing + fused step")
+# (preset, micro-batch of 256-token sequences, optimizer steps timed, modes): every mode on the tiny preset, and the
+# ones that need no compilation at the paper's llama-60m.
+CONFIGS = [("tiny", 4, 5, tuple(MODES)), ("llama-60m", 4, 3, UNCOMPILED)]
+QUICK_CONFIGS = [("tiny", 4, 2, tuple(MODES))]
 
 
 def _median_run(method: str, preset: str, batch: int, steps: int, repeats: int, options: dict) -> dict:
@@ -56,15 +62,15 @@ def run(quick: bool = False, repeats: int = 3) -> list[dict]:
 def step_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
     """One row per (preset, method, mode): time and peak against the eager step and against AdamW."""
     rows = []
-    for preset, batch, steps in QUICK_CONFIGS if quick else CONFIGS:
+    for preset, batch, steps, modes in QUICK_CONFIGS if quick else CONFIGS:
         results = {
-            (method, mode): _median_run(method, preset, batch, steps, 1 if quick else repeats, options)
+            (method, mode): _median_run(method, preset, batch, steps, 1 if quick else repeats, MODES[mode])
             for method in METHODS
-            for mode, options in MODES.items()
+            for mode in modes
         }
         for method in METHODS:
             eager = results[(method, "eager")]
-            for mode in MODES:
+            for mode in modes:
                 result, adamw = results[(method, mode)], results[("adamw", mode)]
                 rows.append(
                     {

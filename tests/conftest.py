@@ -71,3 +71,16 @@ def testbed():
     from testbed_runs import testbed_model_and_corpus
 
     return testbed_model_and_corpus()
+
+
+@pytest.fixture(scope="session")
+def local_corpus(tmp_path_factory):
+    """A small local .jsonl corpus (20 passages of the embedded plays): the local-file path users take."""
+    import json
+
+    from poet_hf.data import load_embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "passages.jsonl"
+    texts = [play["text"][i * 3000 : (i + 1) * 3000] for play in load_embedded_corpus()["train"] for i in range(2)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]))
+    return str(path)

@@ -220,17 +220,6 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quan
 
 
 # --- the pretraining entry point -----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def local_corpus(tmp_path_factory):
-    """A small local .jsonl corpus (20 passages of the embedded plays): the local-file path users take."""
-    from poet_hf.data import load_embedded_corpus
-
-    path = tmp_path_factory.mktemp("corpus") / "passages.jsonl"
-    texts = [play["text"][i * 3000 : (i + 1) * 3000] for play in load_embedded_corpus()["train"] for i in range(2)]
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:20]))
-    return str(path)
-
-
 def small_args(tmp_path, method, corpus, **overrides):
     fields = {
         "method": method,

@@ -2,6 +2,7 @@
 
 from .arguments import PoetTrainingArguments
 from .callback import MergeReinitCallback, clip_threshold
+from .fused_step import FusedStepOptimizer
 from .optimizer import create_poet_optimizer, poet_param_groups, poet_parameters, reset_optimizer_state
 from .trainer import PoetTrainer
 
@@ -11,6 +12,7 @@ __all__ = [
     "MergeReinitCallback",
     "clip_threshold",
     "create_poet_optimizer",
+    "FusedStepOptimizer",
     "poet_param_groups",
     "poet_parameters",
     "reset_optimizer_state",

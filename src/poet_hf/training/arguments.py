@@ -35,6 +35,14 @@ class PoetTrainingArguments(TrainingArguments):
     post_merge_clip_factor: float = field(
         default=0.1, metadata={"help": "Clip threshold right after a merge, as a fraction of max_grad_norm."}
     )
+    fused_optimizer_step: bool = field(
+        default=False,
+        metadata={
+            "help": "Step each trainable parameter in the backward, as soon as its gradient is complete, and free "
+            "the gradient at once (no gradient outlives its step). Needs gradient_accumulation_steps=1, "
+            "max_grad_norm=0 and one process."
+        },
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

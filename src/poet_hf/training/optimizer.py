@@ -107,6 +107,7 @@ def create_poet_optimizer(
     poet_reference_block: int | None = None,
     optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
     decay_parameter_names: Iterable[str] | None = None,
+    fused_step: bool | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer `PoetTrainer` builds, for any ``transformers.Trainer`` (TRL's ``SFTTrainer`` too) or a loop.
 
@@ -128,13 +129,15 @@ def create_poet_optimizer(
             (`POET_FINETUNE_RECIPES`).
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
+        fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once;
+            default ``args.fused_optimizer_step`` where it exists, else off.
 
     Returns:
         The optimizer.
 
     Raises:
         ValueError: ``args.optim`` builds its own parameter groups (GaLore, APOLLO, …), which the two rates cannot
-            join.
+            join; or ``fused_step`` with settings it cannot honour (`check_fused_step`).
     """
     from transformers import Trainer
 
@@ -158,6 +161,11 @@ def create_poet_optimizer(
         decay_parameter_names,
         poet_reference_block,
     )
+    if fused_step if fused_step is not None else getattr(args, "fused_optimizer_step", False):
+        from .fused_step import FusedStepOptimizer, check_fused_step
+
+        check_fused_step(args)
+        return FusedStepOptimizer(groups, optimizer_cls, **kwargs)
     return optimizer_cls(groups, **kwargs)
 
 
