@@ -88,6 +88,7 @@ def test_a_fused_optimizer_resumes_from_its_state_dict_exactly():
     [
         ({"gradient_accumulation_steps": 2}, "cannot accumulate gradients"),
         ({"max_grad_norm": 1.0}, "cannot clip by the global gradient norm"),
+        ({"max_grad_norm": 0, "fp16": True}, r"cannot run with fp16 \(fp16=True\)"),
     ],
 )
 def test_settings_a_fused_step_cannot_honour_are_refused(tmp_path, settings, message):

@@ -39,7 +39,7 @@ class PoetTrainingArguments(TrainingArguments):
         default=False,
         metadata={
             "help": "Step each trainable parameter in the backward, as soon as its gradient is complete, and free "
-            "the gradient at once (no gradient outlives its step). Needs gradient_accumulation_steps=1, "
+            "the gradient at once (no gradient outlives its step). Needs gradient_accumulation_steps=1, no fp16, "
             "max_grad_norm=0 and one process."
         },
     )

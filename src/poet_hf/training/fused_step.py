@@ -9,8 +9,9 @@ scheduler moves their rates, read at every step), its ``state`` holds every para
 ``zero_grad`` do nothing, the work being done in the backward.
 
 What it cannot do, by construction, and refuses (`check_fused_step`): accumulate gradients over micro-batches (a
-step would run at every backward), clip by the global gradient norm (no parameter may wait for the others), and run
-under DDP or FSDP2 (a hook sees the local gradient before it is reduced).
+step would run at every backward), clip by the global gradient norm (no parameter may wait for the others), unscale
+fp16 gradients (the loss scaler acts after the backward), and run under DDP or FSDP2 (a hook sees the local gradient
+before it is reduced).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def check_fused_step(args: TrainingArguments) -> None:
         args: the run's training arguments.
 
     Raises:
-        ValueError: ``gradient_accumulation_steps`` > 1, ``max_grad_norm`` > 0, or more than one process.
+        ValueError: ``gradient_accumulation_steps`` > 1, ``max_grad_norm`` > 0, ``fp16`` (its loss scaler), or more
+            than one process.
     """
     if args.gradient_accumulation_steps > 1:
         raise ValueError(
@@ -101,6 +103,11 @@ def check_fused_step(args: TrainingArguments) -> None:
         raise ValueError(
             f"`fused_optimizer_step` cannot clip by the global gradient norm (max_grad_norm={args.max_grad_norm}): "
             "each parameter steps before the others' gradients exist; set max_grad_norm=0"
+        )
+    if args.fp16:
+        raise ValueError(
+            "`fused_optimizer_step` cannot run with fp16 (fp16=True): the loss scaler unscales and checks the "
+            "gradients after the backward, when they have already stepped; use bf16"
         )
     if args.world_size > 1:
         raise ValueError(
