@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -263,7 +263,7 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
         depth=args.depth,
         num_channels=num_channels,
         image_size=args.image_size,
-        init_channels=int(args.init_channels or args.training_recipe.init_channels),
+        init_channels=cast(int, args.init_channels),  # filled from the recipe by __post_init__
         conv_types=args.conv_types,
         kernel_sizes=[int(k) for k in args.kernel_sizes],
         strides=[int(s) for s in args.strides],
