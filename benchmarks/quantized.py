@@ -41,10 +41,12 @@ def drift(
     block: int = 32,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    residual_storage: str = "layer",
 ) -> dict[int, dict[str, float]]:
-    """``{K: {"weight": …, "spectrum": …}}`` after ``K`` merges (see the module docstring); for a 16-bit ``W0``
-    (``dtype``) also ``"roundings"``: ``‖W0 − W_exact‖_F / ‖fl(W_exact) − W_exact‖_F``, the error in units of one
-    rounding of the exact weight to ``dtype``."""
+    """``{K: {"weight": …, "spectrum": …, "held": …}}`` after ``K`` merges (see the module docstring), ``"held"``
+    the bytes per ``W0`` entry the layer holds between folds (``residual_storage``: where feedback keeps its
+    residual); for a 16-bit ``W0`` (``dtype``) also ``"roundings"``: ``‖W0 − W_exact‖_F / ‖fl(W_exact) − W_exact‖_F``,
+    the error in units of one rounding of the exact weight to ``dtype``."""
     from peft import get_peft_model
 
     import poet_hf  # noqa: F401
@@ -59,6 +61,7 @@ def drift(
         seed=seed,
         base_quantization=quantization,
         requantize=requantize,
+        residual_storage=residual_storage,
         train_other_params=False,
     )
     model = get_peft_model(_holder(dim).to(dtype), config)
@@ -77,6 +80,7 @@ def drift(
         if k in merges:
             current = layer.weight_matrix().double()
             report[k] = {"weight": _relative(current, exact), "spectrum": _relative(sigma(current), sigma(exact))}
+            report[k]["held"] = layer.base_weight_bytes() / current.numel()
             if dtype in LOW_PRECISION_DTYPES:  # in units of one nearest rounding of the exact weight
                 report[k]["roundings"] = float((current - exact).norm() / (exact.to(dtype).double() - exact).norm())
     return report
@@ -99,11 +103,12 @@ def drift_rows(q_norms: tuple = (TRAINING_Q_NORM, TRAINING_Q_NORM / 10)) -> list
     bases += [(quantization, torch.float32) for quantization in ("int8", "nf4")]
     for q_norm in q_norms:
         for quantization, dtype in bases:
-            for requantize in ("nearest",) if dtype == torch.float32 and quantization is None else REQUANTIZE_MODES:
-                result = drift(quantization, requantize, q_norm, dtype=dtype)
+            modes = ("nearest",) if dtype == torch.float32 and quantization is None else REQUANTIZE_MODES
+            for requantize, storage in [(m, "layer") for m in modes] + [("feedback", "disk")] * ("feedback" in modes):
+                result = drift(quantization, requantize, q_norm, dtype=dtype, residual_storage=storage)
                 name = quantization or str(dtype).removeprefix("torch.")
-                row = {"||Q||_2": q_norm, "W0": name, "requantize": requantize}
-                for key in ("weight", "spectrum", "roundings"):
+                row = {"||Q||_2": q_norm, "W0": name, "requantize": requantize, "residual_storage": storage}
+                for key in ("weight", "spectrum", "roundings", "held"):
                     row.update({f"K={k} {key}": r[key] for k, r in result.items() if key in r})
                 rows.append(row)
     return rows

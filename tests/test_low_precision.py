@@ -21,11 +21,17 @@ from transformers import AutoModelForCausalLM
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import random_skew_params
+from poet_hf.tuners import residual_store
 from poet_hf.tuners.low_precision import ROUNDING_RESIDUAL
 from poet_hf.tuners.rotation_layer import rotation_layers
 
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+
+
+def residual_codes(layer) -> torch.Tensor:
+    """The int8 rounding-residual codes kept for ``layer``'s base, wherever they are stored."""
+    return residual_store.read(layer.get_base_layer(), (ROUNDING_RESIDUAL,))[ROUNDING_RESIDUAL]
 
 
 # --- merges into a 16-bit W0 ------------------------------------------------------------------------------------------
@@ -91,7 +97,7 @@ def test_a_16bit_base_trains_in_float32_skews_merges_reloads_exactly_and_exports
     assert {s.dtype for state in optimizer.state.values() for s in state.values() if s.ndim} == {torch.float32}
     layers = rotation_layers(model)
     assert all(layer.get_base_layer().weight.dtype == dtype for _, layer in layers)
-    assert all(getattr(layer.get_base_layer(), ROUNDING_RESIDUAL).dtype == torch.int8 for _, layer in layers)
+    assert all(residual_codes(layer).dtype == torch.int8 for _, layer in layers)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=IDS).logits
@@ -100,8 +106,7 @@ def test_a_16bit_base_trains_in_float32_skews_merges_reloads_exactly_and_exports
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=IDS).logits, logits)  # W0, its residual and the skews all travel
     for (name, layer), (_, again) in zip(layers, rotation_layers(reloaded), strict=True):
-        residual = getattr(layer.get_base_layer(), ROUNDING_RESIDUAL)
-        assert torch.equal(getattr(again.get_base_layer(), ROUNDING_RESIDUAL), residual), name
+        assert torch.equal(residual_codes(again), residual_codes(layer)), name
 
     export_merged(model, tmp_path / "export", spectrum=False)
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "export")

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.initialization import has_meta_tensors, materialize_model
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 # One xdist worker runs every test here (pyproject: --dist loadgroup), so the module's 2-rank run happens once.
 pytestmark = pytest.mark.xdist_group("materialize")
@@ -164,10 +165,30 @@ def test_materialize_refuses_what_it_cannot_initialise(tmp_path, checkpoint):
         model = LlamaForCausalLM(LlamaConfig(**bigger))
     with pytest.raises(ValueError, match=r"lacks \d+ tensors of the model, e.g. \['model.layers.2"):
         materialize_model(model, checkpoint=checkpoint)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_a_quantised_base_is_built_on_meta_and_quantised_one_layer_at_a_time(monkeypatch, quantization):
+    """``base_quantization`` on a meta model: materialize_model initialises each layer and quantises it before the
+    next one gets storage (never more than one float32 W0 alive), and ends with the codes, scales and adapters of
+    the plain build (a materialized base, quantised when the adapter is added)."""
+    plain = plain_poet_model("block", base_quantization=quantization)
     with torch.device("meta"):
         base = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
-    with pytest.raises(ValueError, match="on the meta device; materialize the base model first"):
-        get_peft_model(base, PoetConfig(block_size=8, base_quantization="int8"))
+    fields = {"spo": "block", "block_size": 8, "base_init": "normalized", "init_weights": False}
+    meta = get_peft_model(base, PoetConfig(**fields, base_quantization=quantization))
+    layers = [layer for _, layer in rotation_layers(meta)]
+    dense_alive = []
+    quantize_base = type(layers[0]).quantize_base
+
+    def counting(layer, quantization):
+        dense_alive.append(sum(type(x.get_base_layer()) is torch.nn.Linear and not has_meta_tensors(x) for x in layers))
+        quantize_base(layer, quantization)
+
+    monkeypatch.setattr(type(layers[0]), "quantize_base", counting)
+    materialize_model(meta, seed=3)
+    assert dense_alive == [1] * len(layers)
+    assert_identical(state_of(plain), state_of(meta))
 
 
 def test_poet_trainer_materializes_a_meta_model_from_pretrained_weights(tmp_path, checkpoint):

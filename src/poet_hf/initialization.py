@@ -287,12 +287,11 @@ def materialize_model(
     for name, module in model.named_modules():
         _refuse_foreign(name, module)
     pending = [(name, m) for name, m in model.named_modules() if has_meta_tensors(m, recurse=False)]
-    for _, module in pending:
-        module.to_empty(device=device, recurse=False)
     modules = [(base_name(name), m) for name, m in pending if id(m) not in adapter_state]
     stored = _checkpoint_names(model, modules, checkpoint, sharded)
     owners = _owners(model)
-    for key, module in modules:
+
+    def fill(key: str, module: nn.Module) -> None:
         values = None
         for tensor_name, target in _named_tensors(module):
             full_key = f"{key}.{tensor_name}" if key else tensor_name
@@ -307,13 +306,56 @@ def materialize_model(
                 continue
             values = values or initial_values(module, owners.get(id(module)), key, seed)
             write_full(target, values[tensor_name])
-    for layer in layers:
-        for adapter_name in layer.poet_specs:
-            layer.reset_rotation_state(adapter_name)
+
+    groups = list(_groups_by_layer(pending, layers))
+    del pending, modules  # a quantised layer's float32 base is freed as soon as its group is done
+    for group, layer in groups:  # a rotation layer whole, then quantised: one at a time
+        for _, module in group:
+            module.to_empty(device=device, recurse=False)
+        for name, module in group:
+            if id(module) not in adapter_state:
+                fill(base_name(name), module)
+        if layer is not None:
+            _finish_layer(layer, sharded)
+        group.clear()
     base = base_model_of(model)
     if hasattr(base, "tie_weights"):
         base.tie_weights()
     return model
+
+
+def _groups_by_layer(
+    pending: list[tuple[str, nn.Module]], layers: list[RotationLayer]
+) -> Iterator[tuple[list[tuple[str, nn.Module]], RotationLayer | None]]:
+    """``pending`` in order, as groups to materialize together: every module of one rotation layer (with the layer),
+    or one other module alone."""
+    owner = {id(m): layer for layer in layers for m in cast(nn.Module, layer).modules()}
+    groups: dict[int, list[tuple[str, nn.Module]]] = {}
+    order: list[tuple[list[tuple[str, nn.Module]], RotationLayer | None]] = []
+    for name, module in pending:
+        layer = owner.get(id(module))
+        if layer is None:
+            order.append(([(name, module)], None))
+        elif id(layer) in groups:
+            groups[id(layer)].append((name, module))
+        else:
+            groups[id(layer)] = [(name, module)]
+            order.append((groups[id(layer)], layer))
+    yield from order
+
+
+def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
+    """A materialized rotation layer's adapter state (`reset_rotation_state`), then the quantisation its config
+    asked for while it was on the meta device."""
+    for adapter_name in layer.poet_specs:
+        layer.reset_rotation_state(adapter_name)
+    if layer.pending_quantization is not None:
+        if sharded:
+            raise ValueError(
+                f"`base_quantization`={layer.pending_quantization!r} cannot be combined with FSDP2 sharding: "
+                "bitsandbytes parameters cannot be sharded"
+            )
+        layer.quantize_base(layer.pending_quantization)
 
 
 class _StoredNames(dict):

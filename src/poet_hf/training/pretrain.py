@@ -94,6 +94,9 @@ PRESETS = {
     # 1.3B: Table 2's FS counts (25.39/101.66/406.88M) need an FFN of 5464; GaLore's 5461 (the AdamW row, 1.21B)
     # misses them. Its BS-256 count, 118.26M, fits no FFN divisible by 256 (5376 gives 118.29M), so BS keeps Table 7.
     "llama-1.3b": Preset(2048, 5376, 5464, 5461, 32, 24, learning_rate=1e-3, paper_steps=500_000),
+    # Not in the paper: Llama-2-7B's shape (configs/models/llama-2-7b.json), the 1.3B recipe; one process trains it
+    # with the memory savings of docs/pretraining-7b.md.
+    "llama-2-7b": Preset(4096, 11008, 11008, 11008, 32, 32, learning_rate=1e-3, paper_steps=0, batch_size=1),
 }
 
 
@@ -133,7 +136,8 @@ class PretrainArguments:
         default="tiny",
         metadata={
             "help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
-            "trains on 2 CPU cores in minutes; the others are the paper's Table 7 shapes)"
+            "trains on 2 CPU cores in minutes; llama-2-7b is Llama-2-7B's shape; the others are the paper's Table 7 "
+            "shapes)"
         },
     )
     method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)} ('poet' is 'poet-bs')"})
@@ -576,10 +580,10 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
             f"the validation set has {len(validation)} sequences, fewer than one batch "
             f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch"
         )
-    # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only). LoRA's
-    # and quantised bases' adapters are added to materialized weights.
+    # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only; a quantised
+    # W0 one layer at a time). LoRA's adapters are added to materialized weights.
     base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, seed, device="meta")
-    if args.method == "lora" or args.base_quantization:
+    if args.method == "lora":
         materialize_model(base, seed=seed)
     model = apply_recipe(base, recipe, seed=seed)
     run_info: dict[str, Any] = {

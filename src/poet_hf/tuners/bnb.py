@@ -23,12 +23,15 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from . import residual_store
+
 logger = logging.getLogger(__name__)
 
 BASE_QUANTIZATIONS = ("nf4", "fp4", "int8")
 REQUANTIZE_MODES = ("feedback", "nearest", "stochastic")
 RESIDUAL_BLOCK = 64  # entries per scale of the int8 requantisation residual (error feedback)
 RESIDUAL_CODES, RESIDUAL_SCALES = "poet_residual_codes", "poet_residual_scales"  # buffers on the quantised base
+RESIDUAL_NAMES = (RESIDUAL_CODES, RESIDUAL_SCALES)
 _INSTALL_HINT = "pip install 'poet_hf[quant]' (the `quant` extra: bitsandbytes)"
 
 # Multiply-add equivalents per entry of one dequantisation (cost model): a table look-up and a scale for 4-bit,
@@ -237,17 +240,16 @@ def requantize(
         matrix = _grid_rounded(module, matrix, generator)
     dtype = compute_dtype(module) if quantization_of(module) != "int8" else matrix.dtype
     _restore_packed(module)
-    residual_state = {
-        name: getattr(module, name) for name in (RESIDUAL_CODES, RESIDUAL_SCALES) if hasattr(module, name)
-    }
+    buffers = {name: b for name in RESIDUAL_NAMES if (b := module._buffers.get(name)) is not None}
     _backend(module).set_base_weight(peft_layer, matrix.to(dtype).contiguous())
+    residual_store.carry(module, peft_layer.get_base_layer())  # the residual stays with the codes it corrects
     module = peft_layer.get_base_layer()
     restored = dequantize(module).to(matrix.dtype)
     if mode == "feedback":
         codes, scales = encode_residual(matrix.float() - restored.float())
-        residual_state = {RESIDUAL_CODES: codes, RESIDUAL_SCALES: scales}
-    for name, tensor in residual_state.items():  # the residual stays with the codes it corrects
-        module.register_buffer(name, tensor)
+        buffers = {RESIDUAL_CODES: codes, RESIDUAL_SCALES: scales}
+    if buffers:
+        residual_store.keep(module, buffers)
     return float((restored - matrix).norm() / matrix.norm().clamp_min(torch.finfo(matrix.dtype).tiny))
 
 
@@ -270,16 +272,13 @@ def decode_residual(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def drop_residual(module: BnbLayer) -> None:
     """Remove the requantisation residual from a quantised base (when it leaves its adapter)."""
-    for name in (RESIDUAL_CODES, RESIDUAL_SCALES):
-        if hasattr(module, name):
-            delattr(module, name)
+    residual_store.drop(module, RESIDUAL_NAMES)
 
 
 def residual(module: BnbLayer) -> torch.Tensor | None:
-    """The requantisation residual stored on a quantised base (error feedback), or ``None``."""
-    if not hasattr(module, RESIDUAL_CODES):
-        return None
-    return decode_residual(getattr(module, RESIDUAL_CODES), getattr(module, RESIDUAL_SCALES))
+    """The requantisation residual kept for a quantised base (error feedback; `residual_store`), or ``None``."""
+    kept = residual_store.read(module, RESIDUAL_NAMES)
+    return None if kept is None else decode_residual(kept[RESIDUAL_CODES], kept[RESIDUAL_SCALES])
 
 
 def quantize_linear(
@@ -322,8 +321,8 @@ def quantize_linear(
 
 
 def quantized_bytes(module: BnbLayer) -> int:
-    """Bytes a quantised layer keeps for its weight: the codes, the quantisation statistics and the requantisation
-    residual (error feedback) when there is one."""
+    """Bytes a quantised layer holds for its weight: the codes, the quantisation statistics and the requantisation
+    residual (error feedback) when it is kept on the layer (`residual_store`)."""
     weight = module.weight
     total = weight.numel() * weight.element_size()
     state = getattr(weight, "quant_state", None)
@@ -332,8 +331,8 @@ def quantized_bytes(module: BnbLayer) -> int:
     scb = getattr(weight, "SCB", None)
     if scb is None:
         scb = getattr(getattr(module, "state", None), "SCB", None)
-    extra = [scb] + [getattr(module, name, None) for name in (RESIDUAL_CODES, RESIDUAL_SCALES)]
-    return total + sum(t.numel() * t.element_size() for t in extra if t is not None)
+    scales = 0 if scb is None else scb.numel() * scb.element_size()
+    return total + scales + residual_store.resident_bytes(module, RESIDUAL_NAMES)
 
 
 def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
@@ -343,9 +342,11 @@ def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], 
     A 4-bit layer gets a new ``Params4bit`` from the saved quant state (whose keys are consumed here, as
     ``transformers`` does when it loads a 4-bit checkpoint); an int8 layer gets its row scales ready for
     ``Linear8bitLt``'s own loader."""
-    for name in (RESIDUAL_CODES, RESIDUAL_SCALES):  # created by the first feedback fold: make room to load them
-        if f"{prefix}{name}" in state_dict and not hasattr(module, name):
-            module.register_buffer(name, torch.empty_like(state_dict[f"{prefix}{name}"], device=module.weight.device))
+    if not residual_store.take_from_state_dict(module, state_dict, prefix, RESIDUAL_NAMES):
+        for name in RESIDUAL_NAMES:  # created by the first feedback fold: make room to load them
+            if f"{prefix}{name}" in state_dict and not hasattr(module, name):
+                saved = state_dict[f"{prefix}{name}"]
+                module.register_buffer(name, torch.empty_like(saved, device=module.weight.device))
     weight_key = f"{prefix}weight"
     if weight_key not in state_dict:
         return

@@ -57,6 +57,21 @@ def requantize_field() -> Any:
     )
 
 
+def residual_storage_field() -> Any:
+    """The ``residual_storage`` field of the rotation configs: where error feedback keeps its residual between
+    folds (`poet_hf.tuners.residual_store`)."""
+    return field(
+        default="auto",
+        metadata={
+            "help": "Where requantize='feedback' keeps the rounding residual between folds: 'layer' (buffers beside "
+            "W0, in the training steps' memory: 1.06 bytes per entry of a 4-bit W0, 1 of a 16-bit one), 'cpu' (host "
+            "memory, for a W0 on an accelerator), 'disk' (a temporary file per layer, read one layer at a time at a "
+            "fold) or 'auto' ('cpu' for a W0 on an accelerator, 'disk' on the CPU). It is saved with the model's "
+            "state wherever it is kept."
+        },
+    )
+
+
 _PEFT_FIELD_HELP = {
     "layers_to_transform": "Only these layer indices (an int or a list) are wrapped; None: all. Needs layers_pattern "
     "for models whose layer list has another name.",

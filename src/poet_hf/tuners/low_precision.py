@@ -17,6 +17,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from . import residual_store
+
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 ROUNDING_RESIDUAL = "poet_rounding_residual"  # int8 buffer on a 16-bit base layer (error feedback)
 RESIDUAL_DTYPE = "poet_rounding_dtype"  # attribute: the dtype the weight was rounded to
@@ -61,12 +63,12 @@ def residual(module: nn.Module) -> torch.Tensor | None:
 
     It is read against the weight in the dtype it was rounded to (`RESIDUAL_DTYPE`), also after the layer was cast
     to float32 (an export folds in float32)."""
-    codes = getattr(module, ROUNDING_RESIDUAL, None)
-    if codes is None:
+    kept = residual_store.read(module, (ROUNDING_RESIDUAL,))
+    if kept is None:
         return None
     weight = cast(torch.Tensor, module.weight)
     dtype = getattr(module, RESIDUAL_DTYPE, weight.dtype)
-    return decode_residual(codes, weight.detach().to(dtype))
+    return decode_residual(kept[ROUNDING_RESIDUAL], weight.detach().to(dtype))
 
 
 def store(module: nn.Module, matrix: torch.Tensor, mode: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -85,19 +87,33 @@ def store(module: nn.Module, matrix: torch.Tensor, mode: str, generator: torch.G
 
 
 def keep_residual(module: nn.Module, codes: torch.Tensor) -> None:
-    """Keep ``codes`` as ``module``'s rounding residual, read against its weight's present dtype."""
-    module.register_buffer(ROUNDING_RESIDUAL, codes)
+    """Keep ``codes`` as ``module``'s rounding residual (`residual_store`), read against its weight's present
+    dtype."""
+    residual_store.keep(module, {ROUNDING_RESIDUAL: codes})
     setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
 
 
+def load_residual(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+    """``load_state_dict`` pre-hook part: the rounding residual ``state_dict`` holds for ``module`` (under
+    ``prefix``) goes to its store, or gets a buffer to be loaded into."""
+    saved = state_dict.get(f"{prefix}{ROUNDING_RESIDUAL}")
+    if saved is None:
+        return
+    setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
+    if not residual_store.take_from_state_dict(module, state_dict, prefix, (ROUNDING_RESIDUAL,)):
+        if not hasattr(module, ROUNDING_RESIDUAL):  # make room to load it
+            module.register_buffer(
+                ROUNDING_RESIDUAL, torch.empty_like(saved, device=cast(torch.Tensor, module.weight).device)
+            )
+
+
 def residual_bytes(module: nn.Module) -> int:
-    """Bytes of the rounding residual kept on ``module`` (0 without one)."""
-    codes = getattr(module, ROUNDING_RESIDUAL, None)
-    return 0 if codes is None else codes.numel()
+    """Bytes of the rounding residual held on ``module`` itself (0 without one, or when kept off it)."""
+    return residual_store.resident_bytes(module, (ROUNDING_RESIDUAL,))
 
 
 def drop_rounding_residual(module: nn.Module) -> None:
     """Remove the rounding residual from a 16-bit base (when it leaves its adapter)."""
-    for name in (ROUNDING_RESIDUAL, RESIDUAL_DTYPE):
-        if hasattr(module, name):
-            delattr(module, name)
+    residual_store.drop(module, (ROUNDING_RESIDUAL,))
+    if hasattr(module, RESIDUAL_DTYPE):
+        delattr(module, RESIDUAL_DTYPE)

@@ -53,7 +53,7 @@ from ..orthogonal.rotated_linear import (
     strategy_costs,
 )
 from ..orthogonal.spo import SideSpec
-from . import bnb, low_precision, rotation_cache
+from . import bnb, low_precision, residual_store, rotation_cache
 from .module_mixin import ModuleMixin
 from .state_checks import AdapterStateError, index_problem, merge_count_problem, skew_problem
 
@@ -99,6 +99,7 @@ class RotationSettings:
     forward: str  # "auto", "weight" or "activation"
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (tuners/bnb.py, low_precision.py)
+    residual_storage: str = "auto"  # where feedback keeps its residual between folds (tuners/residual_store.py)
     cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
@@ -113,6 +114,7 @@ class RotationSettings:
             forward=config.forward,
             source=getattr(config, "loaded_from", None),
             requantize=config.requantize,
+            residual_storage=config.residual_storage,
             cache_rotations=config.cache_rotations,
             init_weights=config.init_weights,
             base_init=getattr(config, "base_init", None),
@@ -169,6 +171,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
             base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
         )
         self.requantization_error: float | None = None  # relative error of the last fold into a quantised W0
+        self.pending_quantization: str | None = None  # base_quantization of a meta base, for materialize_model
         self._rotation_caches: dict[tuple[str, str], RotationCache] = {}  # (adapter, side): one step's rotations
         self._init_containers()
         out_dim, in_dim = self.weight_shape
@@ -318,6 +321,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
         if self.base_quantization is None:
             self.base_layer = bnb.quantize_linear(cast(nn.Linear, self.get_base_layer()), quantization)
+        self.pending_quantization = None
 
     def base_weight_bytes(self) -> int:
         """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
@@ -330,13 +334,18 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
         int8 row scales), which ``nn.Module``'s loader would drop, so they are installed here together; a 16-bit
         base gets room for its saved rounding residual."""
+        if self.poet_settings:
+            self._attach_residual_store(next(iter(self.poet_settings)))
         if self.base_quantization is not None:
             bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
             return
-        saved = state_dict.get(f"{prefix}base_layer.{low_precision.ROUNDING_RESIDUAL}")
-        base = self.get_base_layer()
-        if saved is not None and not hasattr(base, low_precision.ROUNDING_RESIDUAL):  # make room to load it
-            low_precision.keep_residual(base, torch.empty_like(saved, device=self._base_weight().device))
+        low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+
+    def _attach_residual_store(self, adapter_name: str) -> None:
+        """Keep the base's error-feedback residual where the adapter's ``residual_storage`` says
+        (`poet_hf.tuners.residual_store`)."""
+        names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
+        residual_store.attach(self.get_base_layer(), self.poet_settings[adapter_name].residual_storage, names)
 
     @property
     def is_conv2d(self) -> bool:
@@ -508,6 +517,7 @@ class RotationLayer(BaseTunerLayer, ModuleMixin):
         stochastic one draws from a generator seeded by (seed, merge count, layer): the same on every rank)."""
         settings = self.poet_settings[adapter_name]
         generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
+        self._attach_residual_store(adapter_name)
         self.set_weight_matrix(matrix, settings.requantize, generator)
 
     def effective_weight_matrix(

@@ -21,10 +21,12 @@ from ..config_utils import (
     normalize_peft_target_fields,
     peft_field,
     requantize_field,
+    residual_storage_field,
     strict_block_size_field,
 )
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..registry import peft_type_member
+from ..residual_store import RESIDUAL_STORAGES
 
 if TYPE_CHECKING:
     from peft import OFTConfig
@@ -114,6 +116,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         },
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
+    residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
     cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
     forward: Literal["auto", "weight", "activation"] = field(
@@ -163,6 +166,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             check_positive_int("merge_every", self.merge_every)
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
+        check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")

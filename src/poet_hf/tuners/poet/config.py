@@ -22,10 +22,12 @@ from ..config_utils import (
     peft_field,
     per_side,
     requantize_field,
+    residual_storage_field,
     strict_block_size_field,
 )
 from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
+from ..residual_store import RESIDUAL_STORAGES
 
 POET_PEFT_TYPE = "POET"
 
@@ -135,6 +137,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         },
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
+    residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
     cache_rotations: bool = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
     forward: Literal["auto", "weight", "activation"] = field(
@@ -179,6 +182,7 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
+        check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_bool("cache_rotations", self.cache_rotations)
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

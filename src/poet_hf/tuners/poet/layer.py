@@ -77,17 +77,14 @@ class PoetLayer(RotationLayer):
         settings = RotationSettings.from_config(config, layer_name)
         if config.base_quantization is not None:
             self.check_quantizable(config.base_quantization, layer_name)
-            if self._base_weight().device.type == "meta":
-                raise ValueError(
-                    f"`base_quantization`={config.base_quantization!r} quantises W0 when the adapter is "
-                    f"added, but '{layer_name}' is on the meta device; materialize the base model first "
-                    "(poet_hf.initialization.materialize_model)"
-                )
         self.add_rotation_adapter(
             adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()}
         )
         if config.base_quantization is not None:
-            self.quantize_base(config.base_quantization)
+            if self._base_weight().device.type == "meta":  # materialize_model quantises it, layer by layer
+                self.pending_quantization = config.base_quantization
+            else:
+                self.quantize_base(config.base_quantization)
 
     def reset_rotation_state(self, adapter_name: str) -> None:
         """The adapter's initial state (`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh

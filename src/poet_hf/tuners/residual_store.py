@@ -1,0 +1,206 @@
+"""Where error feedback keeps a fold's rounding residual between merges: on the layer, in host memory, or in a file.
+
+Error feedback (``requantize="feedback"``) keeps what a fold's rounding of ``W0`` dropped and adds it back at the next
+fold (`poet_hf.tuners.bnb.requantize`, `poet_hf.tuners.low_precision.store`). The residual is read and written only at
+a fold, once every ``merge_every`` steps, so it need not share the training steps' memory:
+
+- ``"layer"``: buffers on the base layer, beside the weight (1.06 bytes per entry of a 4-bit ``W0``, 1 of a 16-bit
+  one);
+- ``"cpu"``: host memory, for a ``W0`` on an accelerator (the accelerator holds only the codes);
+- ``"disk"``: one ``safetensors`` file per layer in a temporary folder, deleted with the layer; a fold reads one
+  layer's residual into memory and frees it, so the process holds at most one layer's residual at a time;
+- ``"auto"`` (the default): ``"cpu"`` for a ``W0`` on an accelerator, ``"disk"`` for one on the CPU.
+
+Wherever it lives, the residual is part of the layer's ``state_dict`` (read from its store when saved, put back
+into it when loaded), so checkpoints and resumed runs are the same as with ``"layer"``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
+from torch import nn
+
+__all__ = [
+    "RESIDUAL_STORAGES",
+    "ResidualStore",
+    "attach",
+    "carry",
+    "drop",
+    "keep",
+    "read",
+    "resident_bytes",
+    "take_from_state_dict",
+]
+
+RESIDUAL_STORAGES = ("auto", "layer", "cpu", "disk")
+STORE_ATTRIBUTE = "poet_residual_store"
+
+
+class ResidualStore:
+    """A base layer's rounding residual, kept off the layer: in host memory (``"cpu"``) or in a file (``"disk"``);
+    ``"auto"`` picks by the device of the residual it is given (`RESIDUAL_STORAGES`)."""
+
+    def __init__(self, storage: str) -> None:
+        self.storage = storage
+        self._tensors: dict[str, torch.Tensor] | None = None
+        self._path: Path | None = None
+        self._kept = False
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep ``tensors`` (replacing what was kept)."""
+        device = next(iter(tensors.values())).device
+        self.clear()
+        self._kept = True
+        if self.storage == "cpu" or (self.storage == "auto" and device.type != "cpu"):
+            pin = torch.cuda.is_available()
+            self._tensors = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+            if pin:
+                self._tensors = {name: t.pin_memory() for name, t in self._tensors.items()}
+            return
+        if self._path is None:
+            handle, path = tempfile.mkstemp(prefix="residual-", suffix=".safetensors", dir=_folder())
+            os.close(handle)
+            self._path = Path(path)
+            weakref.finalize(self, self._path.unlink, missing_ok=True)
+        save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(self._path))
+
+    def get(self, device: torch.device | None = None) -> dict[str, torch.Tensor] | None:
+        """The kept tensors (on ``device``, default the CPU), read whole from the file for ``"disk"``; ``None`` if
+        nothing is kept."""
+        if self._tensors is not None:
+            tensors = self._tensors
+        elif self._kept and self._path is not None:
+            tensors = load_safetensors(self._path.read_bytes())  # an anonymous copy: no file pages stay mapped
+        else:
+            return None
+        return {name: t.to(device or "cpu", non_blocking=True) for name, t in tensors.items()}
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied with the tensors it keeps: a copy gets a file of its own."""
+        return {"storage": self.storage, "tensors": self.get()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["storage"])  # type: ignore[misc]
+        if state["tensors"] is not None:
+            self.put(state["tensors"])
+
+    def clear(self) -> None:
+        """Forget what is kept (its file stays, to be overwritten, until the store is deleted)."""
+        self._tensors, self._kept = None, False
+        if self._path is not None:
+            self._path.write_bytes(b"")
+
+
+_FOLDER: list[tempfile.TemporaryDirectory] = []
+
+
+def _folder() -> str:
+    """This process's folder for residual files (removed at exit)."""
+    if not _FOLDER:
+        _FOLDER.append(tempfile.TemporaryDirectory(prefix="poet-residuals-"))
+    return _FOLDER[0].name
+
+
+def _store(module: nn.Module) -> ResidualStore | None:
+    return getattr(module, STORE_ATTRIBUTE, None)
+
+
+def _add_to_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    store = _store(module)
+    if store is not None:
+        for name, tensor in (store.get() or {}).items():
+            state_dict[f"{prefix}{name}"] = tensor
+
+
+def _install(module: nn.Module, store: ResidualStore) -> None:
+    setattr(module, STORE_ATTRIBUTE, store)
+    if not getattr(module, "_poet_residual_hooked", False):
+        module.register_state_dict_post_hook(_add_to_state_dict)
+        setattr(module, "_poet_residual_hooked", True)  # noqa: B010  (an attribute, not a submodule)
+
+
+def attach(module: nn.Module, storage: str, names: tuple[str, ...]) -> None:
+    """Keep ``module``'s residual (its tensors ``names``) in ``storage`` (one of `RESIDUAL_STORAGES`) from now on,
+    moving a residual it already holds there."""
+    if storage not in RESIDUAL_STORAGES:
+        raise ValueError(f"`residual_storage` must be one of {RESIDUAL_STORAGES}, got {storage!r}")
+    current = _store(module)
+    if (current.storage if current is not None else "layer") == storage:
+        return
+    held = read(module, names)
+    if current is not None:
+        current.clear()
+        delattr(module, STORE_ATTRIBUTE)
+    if storage != "layer":
+        _install(module, ResidualStore(storage))
+    if held is not None:
+        keep(module, held)
+
+
+def carry(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` (a base layer that replaced ``old``) ``old``'s residual store."""
+    store = _store(old)
+    if store is not None and new is not old:
+        _install(new, store)
+
+
+def keep(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Keep ``tensors`` as ``module``'s residual: in its store, or as its buffers without one."""
+    store = _store(module)
+    if store is None:
+        for name, tensor in tensors.items():
+            module.register_buffer(name, tensor)
+        return
+    for name in tensors:
+        if name in module._buffers:
+            del module._buffers[name]
+    store.put(tensors)
+
+
+def read(module: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor] | None:
+    """``module``'s residual tensors ``names`` (on its device), wherever they are kept; ``None`` without them."""
+    buffers = {name: b for name in names if (b := module._buffers.get(name)) is not None}
+    if buffers:
+        return buffers
+    store = _store(module)
+    if store is None:
+        return None
+    weight = getattr(module, "weight", None)
+    return store.get(weight.device if isinstance(weight, torch.Tensor) else None)
+
+
+def take_from_state_dict(
+    module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...]
+) -> bool:
+    """``load_state_dict`` pre-hook part: move the residual tensors ``names`` that ``state_dict`` holds under
+    ``prefix`` into ``module``'s store (consuming their keys). ``False`` (nothing taken) when ``module`` has no
+    store."""
+    if _store(module) is None:
+        return False
+    saved = {name: state_dict.pop(f"{prefix}{name}") for name in names if f"{prefix}{name}" in state_dict}
+    if saved:
+        keep(module, saved)
+    return True
+
+
+def drop(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Remove ``module``'s residual (its buffers ``names`` and its store)."""
+    for name in names:
+        if hasattr(module, name):
+            delattr(module, name)
+    store = _store(module)
+    if store is not None:
+        store.clear()
+        delattr(module, STORE_ATTRIBUTE)
+
+
+def resident_bytes(module: nn.Module, names: tuple[str, ...]) -> int:
+    """Bytes of the residual held on ``module`` itself (in the training steps' memory)."""
+    return sum(b.numel() * b.element_size() for n in names if (b := module._buffers.get(n)) is not None)
