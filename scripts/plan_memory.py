@@ -4,6 +4,8 @@
     python scripts/plan_memory.py --model llama-130m --method poet-bs --block_size 256 --batch_size 4 --seq_len 256
     python scripts/plan_memory.py --model meta-llama/Llama-3.1-8B --method poet-bs --dtype bfloat16 \\
         --processes 8 --sharding fsdp2 --checkpointing --compare adamw,lora,galore
+    python scripts/plan_memory.py --model configs/models/llama-2-7b.json --method poet-bs --batch_size 1 \
+        --checkpointing --base_quantization nf4 --fused_step --optimizer_bits 8
 
 The model is built on the meta device: no weights are read or allocated. The text output lists each part (MB per
 process), one column per method, and ends with the line ``total: N MB per process`` for --method.
@@ -31,14 +33,28 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "processes": ("data-parallel processes", {"type": int}),
     "sharding": ("ddp: every process holds the whole model; fsdp2: fully_shard per block", {}),
+    "base_quantization": ("POET's W0 stored by bitsandbytes: nf4, fp4 or int8 (default: the dtype)", {}),
+    "residual_storage": (
+        "where a quantised or 16-bit W0 keeps its error-feedback residual: layer (in the steps' memory), or "
+        "auto, cpu, disk (off it)",
+        {},
+    ),
+    "optimizer_bits": ("32: float32 Adam states; 8: blockwise 8-bit states (bitsandbytes)", {"type": int}),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS, plan_memory
+    from poet_hf.memory_plan import BASE_QUANTIZATIONS, DTYPES, METHODS, SHARDINGS, plan_memory
 
     defaults = {name: p.default for name, p in inspect.signature(plan_memory).parameters.items()}
-    choices = {"method": METHODS, "dtype": tuple(DTYPES), "sharding": SHARDINGS}
+    choices = {
+        "method": METHODS,
+        "dtype": tuple(DTYPES),
+        "sharding": SHARDINGS,
+        "base_quantization": BASE_QUANTIZATIONS,
+        "residual_storage": ("auto", "layer", "cpu", "disk"),
+        "optimizer_bits": (32, 8),
+    }
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
@@ -60,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
             **kwargs,
         )
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
+    parser.add_argument(
+        "--fused_step", action="store_true", help="optimizer steps fused into the backward (--fused_optimizer_step)"
+    )
     parser.add_argument("--json", action="store_true", help="print the plans as JSON instead of the table")
     return parser
 
@@ -69,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     from poet_hf.memory_plan import format_plans, plan_memory
 
     methods = [args.method] + [m for m in args.compare.split(",") if m and m != args.method]
-    options = {key: getattr(args, key) for key in (*OPTIONS, "checkpointing")}
+    options = {key: getattr(args, key) for key in (*OPTIONS, "checkpointing", "fused_step")}
     try:
         plans = [plan_memory(args.model, method, **options) for method in methods]
     except ValueError as error:

@@ -81,3 +81,69 @@ def test_the_trainer_with_adamw_bnb_8bit_keeps_two_rates_and_resets_the_states_a
     assert all(s["step"] == 1 for s in states)  # reset at the merge after step 2, then one step
     qmap = bnb.functional.create_dynamic_map(signed=True)
     assert all(torch.equal(s["qmap1"], qmap) for s in states if "qmap1" in s)  # the quantisation maps survive
+
+
+@pytest.mark.parametrize("make", [bnb_adamw_8bit, torchao_adamw_8bit], ids=["bitsandbytes", "torchao"])
+def test_8bit_states_fused_into_the_backward_step_like_the_unfused_8bit_optimizer(make):
+    """8-bit states with the steps fused into the backward (issue 42, items 2 and 3): the per-parameter 8-bit
+    optimizers of `FusedStepOptimizer` give, bit for bit, the parameters of one grouped 8-bit optimizer stepping after
+    the backward, through a merge and the reset of the rotations' states; the skews and the trainable embeddings and
+    head all keep 8-bit states (bitsandbytes), and no gradient is left after a backward."""
+    import copy
+
+    from poet_hf import merge_and_reinit
+    from poet_hf.training import FusedStepOptimizer, poet_param_groups
+
+    def model_and_optimizer(fused: bool):
+        model = get_peft_model(tiny_llama(hidden=128, intermediate=256), PoetConfig(block_size=32, init_weights=False))
+        full = ["base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"]
+        for name, param in model.named_parameters():
+            param.requires_grad_(param.requires_grad or name in full)
+        groups = poet_param_groups(model, 1e-3, 5e-4, 0.01, full)
+        inner = type(make([torch.nn.Parameter(torch.zeros(1))]))
+        kwargs = {"min_8bit_size": 0} if make is bnb_adamw_8bit else {}
+        return model, FusedStepOptimizer(groups, inner, **kwargs) if fused else inner(groups, **kwargs)
+
+    plain, plain_optimizer = model_and_optimizer(False)
+    fused, fused_optimizer = model_and_optimizer(True)
+    fused.load_state_dict(copy.deepcopy(plain.state_dict()))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(4))
+    for step in range(4):
+        for model, optimizer in ((plain, plain_optimizer), (fused, fused_optimizer)):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 1:
+                merge_and_reinit(model)
+                reset_optimizer_state(optimizer, poet_parameters(model))
+        assert all(p.grad is None for p in fused.parameters())
+    for (name, expected), actual in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.equal(expected, actual), name
+    if make is bnb_adamw_8bit:  # torchao quantises only tensors of 4096+ entries in whole blocks of 256
+        trainable = [p for p in fused.parameters() if p.requires_grad]
+        eight_bit = [p for p in trainable if fused_optimizer.state[p]["state1"].dtype == torch.uint8]
+        assert len(eight_bit) == len([p for p in trainable if p.dim() > 1])  # every matrix, the skews included
+
+
+def test_a_chunked_cpu_8bit_step_gives_the_bits_of_the_whole_tensor_step():
+    """bitsandbytes' CPU kernel updated a chunk of whole 256-entry blocks at a time (`chunked_cpu_updates`, what the
+    fused steps use) equals its update of the whole tensor, bit for bit: parameter, codes and block scales; the
+    tensor's 12000 entries end in a partial block and a partial chunk."""
+    from poet_hf.training.eight_bit import chunked_cpu_updates
+
+    generator = torch.Generator().manual_seed(7)
+    whole = torch.nn.Parameter(torch.randn(40, 300, generator=generator))
+    chunked = torch.nn.Parameter(whole.detach().clone())
+    optimizers = bnb_adamw_8bit([whole]), bnb_adamw_8bit([chunked])
+    for _ in range(3):
+        gradient = torch.randn(whole.shape, generator=generator)
+        whole.grad, chunked.grad = gradient.clone(), gradient.clone()
+        optimizers[0].step()
+        with chunked_cpu_updates(chunk=1024):
+            optimizers[1].step()
+    assert torch.equal(whole, chunked)
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        assert torch.equal(optimizers[0].state[whole][key], optimizers[1].state[chunked][key]), key
+    with pytest.raises(ValueError, match="`chunk` must be a multiple of 256"):
+        with chunked_cpu_updates(chunk=1000):
+            pass

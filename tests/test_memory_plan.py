@@ -53,6 +53,47 @@ def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
     assert plan.parts["rotation caches"] == caches
 
 
+def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_holds():
+    """Issue 42's terms against a real tiny POET model: nf4 W0 (codes, double-quantised scales; its error-feedback
+    residual off the layer by default, or on it), bitsandbytes' 8-bit AdamW states after one step, and the gradients
+    a fused step leaves alive at the backward's end (the largest one: the head's or the embedding's)."""
+    import bitsandbytes as bnb
+
+    plan = {"method": "poet-bs", "block_size": 32, "batch_size": 2, "seq_len": 64, "base_quantization": "nf4"}
+    off, on = plan_memory("tiny", **plan), plan_memory("tiny", **plan, residual_storage="layer")
+    model = get_peft_model(
+        build_llama(TINY, "poet-bs", 32000, 64, seed=0),
+        PoetConfig(block_size=32, train_other_params=True, base_quantization="nf4", residual_storage="layer"),
+    )
+    poet_hf.merge_and_reinit(model)  # the first fold creates the residual, on the layer here
+    layers = [layer for _, layer in poet_layers(model)]
+    held = sum(layer.base_weight_bytes() for layer in layers)
+    residual = sum(layer.get_base_layer().poet_residual_codes.numel() for layer in layers)
+    scales = sum(layer.get_base_layer().poet_residual_scales.numel() * 4 for layer in layers)
+    assert on.parts["W0"] == pytest.approx(held, abs=2 * len(layers))  # the quant-state header: 169-171 B
+    assert off.parts["W0"] == pytest.approx(held - residual - scales, abs=2 * len(layers))
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = bnb.optim.AdamW8bit(trainable, lr=1e-3)
+    ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    states = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for k, t in s.items()
+        if k in ("state1", "state2", "absmax1", "absmax2")
+    )
+    eight_bit = plan_memory("tiny", **plan, optimizer_bits=8)
+    assert eight_bit.parts["optimizer states"] == states
+
+    fused = plan_memory("tiny", **plan, fused_step=True, checkpointing=True)
+    if fused.settings["peak"] == "backward end":
+        assert fused.parts["gradients"] == max(p.numel() * p.element_size() for p in trainable)
+    unfused_end = plan_memory("tiny", **plan, checkpointing=True)
+    assert fused.total_bytes <= unfused_end.total_bytes
+
+
 def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
     b, r = 32, 16
     model = build_llama(TINY, "poet-bs", 32000, 64, seed=0)

@@ -286,6 +286,10 @@ def plan_memory(
     checkpointing: bool = False,
     accumulation: int = 1,
     cache_rotations: bool = True,
+    base_quantization: str | None = None,
+    residual_storage: str = "auto",
+    fused_step: bool = False,
+    optimizer_bits: int = 32,
 ) -> MemoryPlan:
     """Plan one process's memory for training ``model`` with ``method`` (see the module docstring for the model).
 
@@ -297,16 +301,24 @@ def plan_memory(
         budget: POET-FS's sampling budget, a fraction of each dimension.
         rank: LoRA's rank, and GaLore's projection rank.
         dtype: the weights' and activations' type, one of ``float32``, ``bfloat16``, ``float16`` (adapter parameters
-            stay float32; POET's 16-bit ``W0`` also keeps its merges' 1-byte rounding residual, unless sharded).
-        batch_size: sequences per micro-batch and process. seq_len: tokens per sequence.
-        processes: data-parallel processes. sharding: ``"ddp"`` (replicated) or ``"fsdp2"``
-            ([`shard_model`][poet_hf.distributed.shard_model]: per transformer block, the embeddings, the head, the
-            root).
+            stay float32).
+        batch_size: sequences per micro-batch and process.
+        seq_len: tokens per sequence.
+        processes: data-parallel processes.
+        sharding: ``"ddp"`` (replicated) or ``"fsdp2"`` ([`shard_model`][poet_hf.distributed.shard_model]: per
+            transformer block, the embeddings, the head, the root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
         cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation.
-        seq_len: the sequence length.
-        sharding: ``"ddp"`` or ``"fsdp2"`` (with ``processes`` > 1).
+        base_quantization: POET's ``W0`` stored by bitsandbytes (``"nf4"``, ``"fp4"``: 4-bit codes and
+            double-quantised block scales, 0.516 B per entry; ``"int8"``: 1 B and a float32 scale per row).
+        residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
+            ([`PoetConfig`][poet_hf.PoetConfig]): ``"layer"`` counts it in ``W0`` (1.06 B per entry quantised, 1 B
+            16-bit); ``"auto"``, ``"cpu"`` and ``"disk"`` keep it off the steps' memory.
+        fused_step: optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`): after the
+            backward's start at most one parameter's gradient exists at a time.
+        optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
+            2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more).
 
     Returns:
         A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state
@@ -332,6 +344,9 @@ def plan_memory(
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     if not 0 < budget <= 1:
         raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
+    check_choice("base_quantization", base_quantization, (None, *BASE_QUANTIZATIONS))
+    check_choice("residual_storage", residual_storage, ("auto", "layer", "cpu", "disk"))
+    check_choice("optimizer_bits", optimizer_bits, (32, 8))
     settings = {
         "method": method,
         "block_size": block_size,
@@ -345,6 +360,10 @@ def plan_memory(
         "checkpointing": checkpointing,
         "accumulation": accumulation,
         "cache_rotations": cache_rotations,
+        "base_quantization": base_quantization,
+        "residual_storage": residual_storage,
+        "fused_step": fused_step,
+        "optimizer_bits": optimizer_bits,
     }
     built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
     value_size = torch.finfo(DTYPES[dtype]).bits // 8
@@ -354,7 +373,7 @@ def plan_memory(
     galore = _galore_targets(built) if method == "galore" else set()
     counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
     parts = dict.fromkeys(PARTS, 0)
-    head_gradients = 0
+    head_gradients = largest_gradient = largest_w0 = 0
     entry_bytes = {}
     for name, parameter in built.named_parameters():
         adapter = any(marker in name for marker in ADAPTER_MARKERS)
@@ -363,9 +382,10 @@ def plan_memory(
         if not parameter.requires_grad:
             kind = "W0" if _in_targeted_linear(name) else "other frozen"
             counts[kind] += parameter.numel()
+            if kind == "W0" and method.startswith("poet"):
+                largest_w0 = max(largest_w0, parameter.numel())
+                local = _w0_bytes(parameter.shape, base_quantization, residual_storage, value_size, shards)
             parts["W0" if kind == "W0" else "other frozen weights"] += local
-            if kind == "W0" and method.startswith("poet") and value_size == 2 and sharding == "ddp":
-                parts["W0"] += parameter.numel()  # the merges' int8 rounding residual (tuners/low_precision.py)
             continue
         counts["trainable"] += parameter.numel()
         counts["adapter"] += parameter.numel() if adapter else 0
@@ -379,7 +399,9 @@ def plan_memory(
             states = short * rank + 2 * long * rank
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
-        parts["optimizer states"] += local_states * size
+        parts["optimizer states"] += _state_bytes(local_states, size, optimizer_bits)
+        largest_gradient = max(largest_gradient, local)
+    all_gradients = parts["gradients"]
     if accumulation == 1:
         parts["gradients"] = head_gradients  # the backward's start: only the head's gradients exist yet
     if sharding == "ddp" and processes > 1:
@@ -402,7 +424,38 @@ def plan_memory(
     parts["loss working set"] = batch_size * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
     if sharding == "fsdp2" and processes > 1:
         parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
-    return MemoryPlan(method, parts, settings, counts)
+    if base_quantization is not None and method.startswith("poet"):  # a layer's W0 dequantised in its forward
+        parts["activations"] += largest_w0 * value_size
+    at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
+    at_end["gradients"] = largest_gradient if fused_step else all_gradients
+    settings["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
+    return MemoryPlan(method, at_end if settings["peak"] == "backward end" else parts, settings, counts)
+
+
+BASE_QUANTIZATIONS = ("nf4", "fp4", "int8")
+FOUR_BIT_LAYER_BYTES = 16 * 4 + 256 * 4 + 170  # code book, nested code book, packed quant-state header
+
+
+def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_size: int, shards: int) -> int:
+    """Bytes of one POET ``W0`` on a process: its codes and scales (quantised) or values, and the merges'
+    error-feedback residual when it is kept on the layer (a 16-bit ``W0`` sharded by FSDP2 keeps none)."""
+    entries = _shard(shape, shards)
+    if quantization is None:
+        rounding = value_size == 2 and storage == "layer" and shards == 1  # an int8 byte per entry
+        return entries * (value_size + int(rounding))
+    if quantization == "int8":
+        stored = entries + 4 * shape[0]  # codes and a float32 scale per row
+    else:  # codes, an int8 absmax per 64 entries and a float32 scale per 256 of those (double quantisation)
+        stored = entries // 2 + math.ceil(entries / 64) + 4 * math.ceil(entries / 64 / 256) + FOUR_BIT_LAYER_BYTES
+    residual = entries + 4 * math.ceil(entries / 64)  # int8 codes and a float32 scale per 64 (tuners/bnb.py)
+    return stored + (residual if storage == "layer" else 0)
+
+
+def _state_bytes(entries: int, value_size: int, bits: int) -> int:
+    """Adam's two states of a tensor of ``entries`` (already doubled): float32-sized, or blockwise 8-bit."""
+    if bits == 32 or entries < 2 * 4096:
+        return entries * value_size
+    return entries + math.ceil(entries / 256) * 4
 
 
 def _gathered_bytes(

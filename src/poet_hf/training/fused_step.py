@@ -16,6 +16,7 @@ before it is reduced).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,15 +52,26 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._share_state()
 
     def _share_state(self) -> None:
-        """Every per-parameter optimizer keeps its state in this one's ``state`` (saved, loaded and reset as one)."""
+        """Every per-parameter optimizer keeps its state in this one's ``state`` (saved, loaded and reset as one),
+        beginning with what its constructor put there (APOLLO's per-parameter seed)."""
         for inner in self._inner:
+            if inner.state is not self.state:
+                for param, state in inner.state.items():
+                    self.state[param] = {**state, **self.state.get(param, {})}
             inner.state = self.state
 
     def _hook(self, index: int, inner: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+        bounded: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        if any(c.__module__.startswith("bitsandbytes") for c in type(inner).__mro__):  # CPU kernel, bounded memory
+            from .eight_bit import chunked_cpu_updates
+
+            bounded = chunked_cpu_updates
+
         def step_and_free(param: torch.Tensor) -> None:
             group = self.param_groups[index]  # looked up now: a scheduler or a loaded state may have replaced it
-            inner.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-            inner.step()
+            _copy_hyperparameters(group, inner.param_groups[0])
+            with bounded():
+                inner.step()
             param.grad = None
 
         return step_and_free
@@ -81,6 +93,19 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:
+    """``source``'s hyperparameters into ``target``; a tensor-valued one (torchao keeps ``lr`` as a tensor, which its
+    compiled step reads) is filled in place."""
+    for key, value in source.items():
+        if key == "params":
+            continue
+        current = target.get(key)
+        if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):
+            current.fill_(value)
+        else:
+            target[key] = value
 
 
 def check_fused_step(args: TrainingArguments) -> None:
