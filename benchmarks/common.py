@@ -13,6 +13,20 @@ from torch.utils import benchmark
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
+def status_mb(field: str) -> float:
+    """A memory figure of this process from ``/proc/self/status`` (``VmRSS``: now, ``VmHWM``: its peak), in MB."""
+    with open("/proc/self/status") as handle:
+        line = next(line for line in handle if line.startswith(field))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak_rss() -> None:
+    """Restart this process's peak RSS (``VmHWM``) at its present RSS (Linux's ``clear_refs``), so that the next
+    peak is a phase's own."""
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
 def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> float:
     """Median seconds per call of ``fn`` (``torch.utils.benchmark``, which synchronises CUDA)."""
     fn()  # warm-up

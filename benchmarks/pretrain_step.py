@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import FIXED_MMAP, optimizer_step, timed_seconds
+from benchmarks.common import FIXED_MMAP, optimizer_step, reset_peak_rss, status_mb, timed_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, SEQ = 32000, 256
@@ -71,13 +71,17 @@ def measure(
     checkpointing: bool = False,
     optim: str = "adamw",
     fused_step: bool = False,
+    peak_after_build: bool = False,
 ) -> dict:
     """In the child process: build, warm up one step, then time ``steps`` optimizer steps of ``accumulation``
     micro-batches of ``batch`` sequences each; report memory and its parts (``cache_mb``: the rotation caches held
     across the micro-batches of a step). ``compiled``: ``torch.compile`` (Inductor) the model, compiled in the
     warm-up step (``compile_s``); ``checkpointing``: non-reentrant activation checkpointing per block; ``optim``:
-    ``"adamw"`` (torch) or ``"adamw_8bit"`` (bitsandbytes' AdamW8bit, POET's same two rates); ``fused_step``: each
-    parameter steps in the backward (`poet_hf.training.FusedStepOptimizer`).
+    ``"adamw"`` (torch) or ``"adamw_8bit"`` (bitsandbytes' AdamW8bit, POET's same two rates), or a peer's
+    layer-wise optimizer (`benchmarks.peer_optimizers.PEER_OPTIMIZERS`); ``fused_step``: each parameter steps in the
+    backward (`poet_hf.training.FusedStepOptimizer`); ``peak_after_build``: the peak of the steps alone (the
+    high-water mark reset once the model is built; a quantised ``W0`` is then built on ``meta`` and quantised layer
+    by layer).
 
     ``quantization`` (POET only) quantises every ``W0`` (``PoetConfig.base_quantization``); one merge-then-reinitialise
     then runs before the warm-up, so that the requantisation residual of ``requantize="feedback"`` exists, as in
@@ -93,7 +97,10 @@ def measure(
     after_imports = _rss_mb()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
-    model = build_llama(preset, "poet-bs" if method == "poet-bs" else "adamw", VOCAB, SEQ, seed=0)
+    on_meta = peak_after_build and quantization is not None
+    model = build_llama(
+        preset, "poet-bs" if method == "poet-bs" else "adamw", VOCAB, SEQ, seed=0, device="meta" if on_meta else "cpu"
+    )
     if method != "adamw":
         spo = {"spo": "block", "block_size": preset.block_size} if method == "poet-bs" else {"spo": "full"}
         model = get_peft_model(
@@ -106,6 +113,10 @@ def measure(
                 cache_rotations=cache_rotations,
             ),
         )
+        if on_meta:
+            from poet_hf.initialization import materialize_model
+
+            materialize_model(model, seed=0, device="cpu")
         if quantization:
             merge_and_reinit(model)
     model.to(dev)
@@ -117,12 +128,18 @@ def measure(
         import bitsandbytes
 
         optimizer_cls = bitsandbytes.optim.AdamW8bit
-    if fused_step:
+    if optim not in ("adamw", "adamw_8bit"):
+        from benchmarks.peer_optimizers import peer_optimizer
+
+        optimizer: torch.optim.Optimizer = peer_optimizer(model, optim)
+    elif fused_step:
         from poet_hf.training import FusedStepOptimizer
 
-        optimizer: torch.optim.Optimizer = FusedStepOptimizer(groups, optimizer_cls)
+        optimizer = FusedStepOptimizer(groups, optimizer_cls)
     else:
         optimizer = optimizer_cls(groups)
+    if peak_after_build and dev.type == "cpu":
+        reset_peak_rss()  # the peak restarts at the built model's RSS
     runner = torch.compile(model) if compiled else model
     ids = torch.randint(0, VOCAB, (batch, SEQ), device=dev)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda")
@@ -150,7 +167,8 @@ def measure(
     peak = (
         torch.cuda.max_memory_allocated() / 2**20
         if dev.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - after_imports
+        else (status_mb("VmHWM") if peak_after_build else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        - after_imports
     )
     params_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {

@@ -35,6 +35,8 @@ SUITES = (
     "load_checks",
     "quantized",
     "training_modes",
+    "memory_peers",
+    "pretrain_7b",
 )
 
 

@@ -42,19 +42,19 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "optimizer_bits": ("32: float32 Adam states; 8: blockwise 8-bit states (bitsandbytes)", {"type": int}),
 }
 
+SWITCHES = {
+    "checkpointing": "activation checkpointing per block",
+    "fused_step": "optimizer steps fused into the backward (--fused_optimizer_step)",
+    "json": "print the plans as JSON instead of the table",
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from poet_hf.memory_plan import BASE_QUANTIZATIONS, DTYPES, METHODS, SHARDINGS, plan_memory
+    from poet_hf.memory_plan import BASE_QUANTIZATIONS, DTYPES, METHODS, RESIDUAL_STORAGES, SHARDINGS, plan_memory
 
     defaults = {name: p.default for name, p in inspect.signature(plan_memory).parameters.items()}
-    choices = {
-        "method": METHODS,
-        "dtype": tuple(DTYPES),
-        "sharding": SHARDINGS,
-        "base_quantization": BASE_QUANTIZATIONS,
-        "residual_storage": ("auto", "layer", "cpu", "disk"),
-        "optimizer_bits": (32, 8),
-    }
+    choices = {"method": METHODS, "dtype": tuple(DTYPES), "sharding": SHARDINGS, "optimizer_bits": (32, 8)}
+    choices.update(base_quantization=BASE_QUANTIZATIONS, residual_storage=RESIDUAL_STORAGES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
@@ -75,11 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"{text} (default: {defaults[name]})",
             **kwargs,
         )
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
-    parser.add_argument(
-        "--fused_step", action="store_true", help="optimizer steps fused into the backward (--fused_optimizer_step)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the plans as JSON instead of the table")
+    for name, text in SWITCHES.items():
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     return parser
 
 

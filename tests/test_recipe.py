@@ -150,6 +150,23 @@ def test_every_determined_table_2_count_is_reproduced(preset, method, size, mill
     assert abs(recipe["trainable_block_params"] / 1e6 - millions) <= 0.005 + 1e-9
 
 
+def test_the_llama_2_7b_preset_has_the_checkpoints_shape_and_table_1s_block_count():
+    """Llama-2-7B's shape (configs/models/llama-2-7b.json) and POET-BS-256's skew count by Table 1: each side of an
+    ``m × n`` weight has ``dim/b`` blocks of ``b(b−1)/2`` entries (11008 = 43·256)."""
+    config = json.loads((ROOT / "configs" / "models" / "llama-2-7b.json").read_text())
+    recipe = resolve_recipe(PretrainArguments(preset="llama-2-7b"), vocab_size=config["vocab_size"])
+    model = recipe["model"]
+    assert (model["hidden"], model["intermediate"], model["heads"], model["layers"]) == (
+        config["hidden_size"],
+        config["intermediate_size"],
+        config["num_attention_heads"],
+        config["num_hidden_layers"],
+    )
+    hidden, ffn, b = 4096, 11008, 256
+    blocks = 4 * (hidden // b + hidden // b) + 3 * (hidden // b + ffn // b)
+    assert recipe["trainable_block_params"] == 32 * blocks * b * (b - 1) // 2
+
+
 # --- 3. configurations the paper uses --------------------------------------------------------------------------------
 def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
     recipe = resolve_recipe(

@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .tuners.bnb import BASE_QUANTIZATIONS
 from .tuners.peft_utils import base_model_of
+from .tuners.residual_store import RESIDUAL_STORAGES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -345,7 +347,7 @@ def plan_memory(
     if not 0 < budget <= 1:
         raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
     check_choice("base_quantization", base_quantization, (None, *BASE_QUANTIZATIONS))
-    check_choice("residual_storage", residual_storage, ("auto", "layer", "cpu", "disk"))
+    check_choice("residual_storage", residual_storage, RESIDUAL_STORAGES)
     check_choice("optimizer_bits", optimizer_bits, (32, 8))
     settings = {
         "method": method,
@@ -432,7 +434,6 @@ def plan_memory(
     return MemoryPlan(method, at_end if settings["peak"] == "backward end" else parts, settings, counts)
 
 
-BASE_QUANTIZATIONS = ("nf4", "fp4", "int8")
 FOUR_BIT_LAYER_BYTES = 16 * 4 + 256 * 4 + 170  # code book, nested code book, packed quant-state header
 
 

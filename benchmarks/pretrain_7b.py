@@ -1,0 +1,149 @@
+"""A Llama-2-7B POET training step on this machine: built on ``meta``, quantised layer by layer, trained in float32.
+
+The shape is ``configs/models/llama-2-7b.json``. The model is built under ``torch.device("meta")``, wrapped with
+``PoetConfig(base_quantization="nf4")`` and materialized by ``materialize_model``, which initialises each layer (keyed)
+and quantises it before the next one gets storage. The run then trains with everything on:
+
+- nf4 ``W0``, with error feedback keeping its residual off the steps' memory (``residual_storage="auto"``: a file per
+  layer on the CPU);
+- optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`);
+- bitsandbytes' 8-bit AdamW states for the skews, the embeddings and ``lm_head``;
+- activation checkpointing per block (non-reentrant).
+
+Measured in its own process, peak RSS minus the RSS after imports (glibc's mmap threshold fixed, as in
+``benchmarks.pretrain_step``), each phase's peak on its own (Linux's ``clear_refs`` resets the high-water mark): the
+build, the training steps, a merge (``merge_and_reinit`` of every layer, residual read and written a layer at a time)
+and a step after it. Beside the measured step peak, `poet_hf.plan_memory`'s figure for the same run, and its figure
+for ``1 × 2048`` in bfloat16 on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import FIXED_MMAP, reset_peak_rss, status_mb
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "models" / "llama-2-7b.json"
+BLOCK_SIZE = 256
+
+
+def measure(steps: int = 2, batch: int = 1, seq: int = 256, layers: int | None = None) -> dict[str, Any]:
+    """In the child process: build, train ``steps`` steps, merge, train one more; each phase's peak and time.
+    ``layers``: fewer blocks than the shape's 32 (a smoke run)."""
+    import bitsandbytes
+    from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import poet_hf  # noqa: F401
+    from poet_hf import PoetConfig, merge_and_reinit
+    from poet_hf.initialization import materialize_model
+    from poet_hf.training import FusedStepOptimizer, poet_param_groups, poet_parameters, reset_optimizer_state
+    from poet_hf.tuners.rotation_layer import rotation_layers
+
+    after_imports = status_mb("VmRSS")
+    config = LlamaConfig.from_json_file(str(CONFIG))
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    config.max_position_embeddings = seq
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    poet = PoetConfig(block_size=BLOCK_SIZE, base_init="normalized", base_quantization="nf4", train_other_params=True)
+    model = get_peft_model(model, poet)
+    report: dict[str, Any] = {"layers": config.num_hidden_layers, "batch": batch, "seq": seq}
+
+    def phase(name: str, work) -> None:
+        reset_peak_rss()
+        start = time.perf_counter()
+        work()
+        report[f"{name}_s"] = time.perf_counter() - start
+        report[f"{name}_peak_mb"] = status_mb("VmHWM") - after_imports
+
+    phase("build", lambda: materialize_model(model, seed=0, device="cpu"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
+    optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    losses: list[float] = []
+
+    def train(count: int) -> None:
+        for _ in range(count):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
+
+    def merge() -> None:
+        merge_and_reinit(model)
+        reset_optimizer_state(optimizer, poet_parameters(model))
+
+    phase("steps", lambda: train(steps))
+    report["step_s"] = report.pop("steps_s") / steps
+    phase("merge", merge)
+    phase("after_merge", lambda: train(1))
+    layers_ = [layer for _, layer in rotation_layers(model)]
+    entries = sum(layer.in_features * layer.out_features for layer in layers_)
+    report.update(
+        losses=losses,
+        w0_bytes_per_entry=sum(layer.base_weight_bytes() for layer in layers_) / entries,
+        skew_params=sum(p.numel() for p in poet_parameters(model)),
+        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        states_mb=sum(
+            t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+        )
+        / 2**20,
+    )
+    return report
+
+
+def planned_mb(batch: int, seq: int, dtype: str = "float32", layers: int | None = None) -> float:
+    """`poet_hf.plan_memory`'s per-process total for the run `measure` makes (or for ``dtype``)."""
+    from transformers import LlamaConfig
+
+    from poet_hf import plan_memory
+
+    config = LlamaConfig.from_json_file(str(CONFIG))
+    config.num_hidden_layers = layers or config.num_hidden_layers
+    plan = plan_memory(
+        config,
+        "poet-bs",
+        block_size=BLOCK_SIZE,
+        dtype=dtype,
+        batch_size=batch,
+        seq_len=seq,
+        checkpointing=True,
+        base_quantization="nf4",
+        fused_step=True,
+        optimizer_bits=8,
+    )
+    return plan.total_bytes / 2**20
+
+
+def _child(**options: Any) -> dict[str, Any]:
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_7b import measure; "
+        f"print(json.dumps(measure(**{options!r})))"
+    )
+    env = {**os.environ, **FIXED_MMAP}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(quick: bool = False) -> list[dict]:
+    """One row: the measured phases of a 7B step (``quick``: two blocks of the shape) and the planner's figures."""
+    layers = 2 if quick else None
+    row = _child(steps=2, batch=1, seq=256, layers=layers)
+    row["planned_mb"] = planned_mb(1, 256, layers=layers)
+    row["planned_vs_measured"] = row["planned_mb"] / row["steps_peak_mb"]
+    row["planned_gpu_bf16_1x2048_mb"] = planned_mb(1, 2048, "bfloat16", layers=layers)
+    return [row]
