@@ -89,7 +89,7 @@ def _poet(model, base_init: str | None = "normalized", block_size: int = 256):
 def _build(preset, sharding: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The POET model and what trains it: FSDP2 built on ``meta`` and materialized shard by shard, the others whole."""
     from poet_hf.distributed import shard_model
-    from poet_hf.training.pretrain import build_llama
+    from poet_hf.training.presets import build_llama
 
     if sharding == "fsdp2":
         model = _poet(build_llama(preset, "poet-bs", VOCAB, SEQ, seed=0, device="meta"), block_size=preset.block_size)
@@ -114,7 +114,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
     rank, world = dist.get_rank(), dist.get_world_size()
     import poet_hf.tuners.rotation_layer as rotation_layer
     from poet_hf import merge_and_reinit
-    from poet_hf.training.pretrain import PRESETS
+    from poet_hf.training.presets import PRESETS
 
     after_imports = _rss_mb()
     preset = PRESETS[preset_name]
@@ -181,7 +181,7 @@ def load_worker(out: str, preset_name: str, checkpoint: str, loading: str) -> No
     from transformers import AutoModelForCausalLM
 
     from poet_hf.distributed import shard_model
-    from poet_hf.training.pretrain import PRESETS, build_llama
+    from poet_hf.training.presets import PRESETS, build_llama
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     after_imports = _rss_mb()
@@ -222,7 +222,7 @@ def limit_worker(out: str, preset_name: str, batch: int, seq: int, cgroups: str)
     train 3 steps; write the loss. Over the limit the kernel kills the process, and no report is written."""
     import torch.distributed as dist
 
-    from poet_hf.training.pretrain import PRESETS
+    from poet_hf.training.presets import PRESETS
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -283,7 +283,7 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
     """1 process, 2 under DDP, 2 under FSDP2: memory (steady state, from start, at construction) against the plan
     and against one full copy of the model, step and merge costs."""
     from poet_hf import plan_memory
-    from poet_hf.training.pretrain import PRESETS
+    from poet_hf.training.presets import PRESETS
 
     rows = []
     for processes, sharding in RUNS:
@@ -328,7 +328,7 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
 
 def loading_rows(preset: str) -> list[dict]:
     """A pretrained checkpoint of ``preset`` (written here once) loaded by 2 FSDP2 processes, three ways."""
-    from poet_hf.training.pretrain import PRESETS, build_llama
+    from poet_hf.training.presets import PRESETS, build_llama
 
     rows = []
     with tempfile.TemporaryDirectory() as checkpoint:
@@ -352,7 +352,7 @@ def loading_rows(preset: str) -> list[dict]:
 def limit_rows(preset: str, batch: int, seq: int, budget_fraction: float = 0.8) -> list[dict]:
     """Each process in a memory cgroup limited to ``budget_fraction`` of one full copy of the training state (charged
     from after its imports): 1 process with the whole model, then 2 FSDP2 processes, train 3 steps."""
-    from poet_hf.training.pretrain import PRESETS, build_llama
+    from poet_hf.training.presets import PRESETS, build_llama
 
     meta = build_llama(PRESETS[preset], "poet-bs", VOCAB, SEQ, seed=0, device="meta")
     state_mb = _full_copies_mb(_poet(meta, block_size=PRESETS[preset].block_size))["state_mb"]

@@ -70,7 +70,7 @@ PUBLIC_OBJECTS = [
     "poet_hf.memory_plan.MemoryPlan",
     "poet_hf.training.pretrain.PretrainArguments",
     "poet_hf.training.pretrain.run_pretraining",
-    "poet_hf.training.pretrain.build_llama",
+    "poet_hf.training.presets.build_llama",
     "poet_hf.training.finetune.FinetuneArguments",
     "poet_hf.training.finetune.run_finetuning",
     "poet_hf.vision.lipconvnet.LipConvNetConfig",

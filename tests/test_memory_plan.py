@@ -10,7 +10,7 @@ from script_modules import load_module
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
 from poet_hf.memory_plan import plan_memory
-from poet_hf.training.pretrain import PRESETS, build_llama
+from poet_hf.training.presets import PRESETS, build_llama
 from poet_hf.tuners.poet import poet_layers
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -104,7 +104,7 @@ def _resolve_model_config(model: Any) -> Any:
 
     if isinstance(model, PretrainedConfig):
         return model
-    from .training.pretrain import PRESETS
+    from .training.presets import PRESETS
 
     if isinstance(model, str) and model in PRESETS:
         return model
@@ -121,7 +121,7 @@ def _resolve_model_config(model: Any) -> Any:
 def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from .training.pretrain import PRESETS, build_llama
+    from .training.presets import PRESETS, build_llama
 
     with torch.device("meta"):
         if isinstance(model_config, str):

@@ -1,0 +1,131 @@
+"""The LLaMA shapes and training recipes of the POET paper's pretraining runs (Tables 7–9, appendix E), and the
+model they build.
+
+[`PRESETS`][poet_hf.training.presets.PRESETS] names each shape with its recipe; `build_llama` builds one on the
+``meta`` device and materializes it with keyed initialisation. ``scripts/pretrain.py`` (`poet_hf.training.pretrain`)
+and [`plan_memory`][poet_hf.memory_plan.plan_memory] both read them here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..initialization import materialize_model
+from ..tuners.poet import PoetConfig
+
+__all__ = ["PRESETS", "Preset", "build_llama", "intermediate_size", "tied_poet_learning_rate"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A LLaMA shape (Table 7) and the training recipe that goes with it (Tables 8–9, appendix E).
+
+    ``intermediate_bs`` is the FFN size of the POET-BS column of Table 7 (divisible by the block sizes);
+    ``intermediate_fs`` the one the POET-FS rows of Table 2 imply; ``intermediate`` GaLore's, for the baselines.
+    """
+
+    hidden: int
+    intermediate_bs: int
+    intermediate_fs: int
+    intermediate: int
+    heads: int
+    layers: int
+    learning_rate: float  # lr (base), Tables 8–9
+    paper_steps: int  # Tables 8–9
+    steps: int = 1000  # the default length: a short run of the paper's recipe
+    batch_size: int = 32  # sequences per micro-batch per process (the official 60M script's)
+    global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
+    block_size: int | None = None  # None: PoetConfig's (256, the paper's)
+    budget: float | None = None  # None: PoetConfig's (½, the paper's)
+    merge_every: int | None = None  # None: PoetConfig's (400, §5.2)
+    max_grad_norm: float = 0.1  # appendix E
+    weight_decay: float = 0.01  # appendix E
+    poet_learning_rate: float | None = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "budget", "merge_every"):  # one default, PoetConfig's
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(PoetConfig, name))
+
+
+PRESETS = {
+    # Not the paper's: a shape and recipe that train meaningfully in minutes on 2 CPU cores (the README's main job).
+    "tiny": Preset(
+        128,
+        256,
+        256,
+        256,
+        4,
+        4,
+        learning_rate=5e-3,
+        paper_steps=0,
+        steps=200,
+        batch_size=8,
+        global_batch_size=8,
+        block_size=32,
+        merge_every=50,
+        max_grad_norm=1.0,
+        weight_decay=0.0,
+        poet_learning_rate=4e-3,
+    ),
+    "llama-60m": Preset(512, 1280, 1376, 1376, 8, 8, learning_rate=1e-2, paper_steps=300_000),
+    "llama-130m": Preset(768, 2048, 2048, 2048, 12, 12, learning_rate=5e-3, paper_steps=400_000),
+    "llama-350m": Preset(1024, 2816, 2736, 2736, 16, 24, learning_rate=5e-3, paper_steps=400_000),
+    # 1.3B: Table 2's FS counts (25.39/101.66/406.88M) need an FFN of 5464; GaLore's 5461 (the AdamW row, 1.21B)
+    # misses them. Its BS-256 count, 118.26M, fits no FFN divisible by 256 (5376 gives 118.29M), so BS keeps Table 7.
+    "llama-1.3b": Preset(2048, 5376, 5464, 5461, 32, 24, learning_rate=1e-3, paper_steps=500_000),
+    # Not in the paper: Llama-2-7B's shape (configs/models/llama-2-7b.json), the 1.3B recipe; one process trains it
+    # with the memory savings of docs/pretraining-7b.md.
+    "llama-2-7b": Preset(4096, 11008, 11008, 11008, 32, 32, learning_rate=1e-3, paper_steps=0, batch_size=1),
+}
+
+
+def tied_poet_learning_rate(method: str, size: float) -> float:
+    """Tables 8–9 tie the POET learning rate to the rotation size: 1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64
+    and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and ``1e-3 · ½/budget`` (the same rule between those sizes);
+    ``size`` is the block size (BS) or the budget fraction (FS)."""
+    return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
+
+
+def intermediate_size(preset: Preset, method: str) -> int:
+    """The FFN size of ``method``'s column: Table 7's for POET-BS, Table 2's for POET-FS, GaLore's otherwise."""
+    return {"poet-bs": preset.intermediate_bs, "poet-fs": preset.intermediate_fs}.get(method, preset.intermediate)
+
+
+def build_llama(
+    preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int, device: str = "cpu"
+) -> LlamaForCausalLM:
+    """A randomly initialised LLaMA of the preset's shape, with the FFN size of the method's Table 7 / 2 column.
+
+    Built on the ``meta`` device and materialized on ``device`` by
+    [`materialize_model`][poet_hf.initialization.materialize_model] (transformers' initialisation, keyed by ``seed`` and
+    each module's name); ``device="meta"`` returns it unmaterialized, for a trainer or ``shard_model`` to materialize
+    shard by shard with the same values.
+
+    Args:
+        preset: the shape (one of ``PRESETS``).
+        method: the method whose FFN size to use (``poet-bs``, ``poet-fs`` or a baseline).
+        vocab_size: the vocabulary size.
+        seq_len: the longest sequence (``max_position_embeddings``).
+        seed: the seed of the keyed initialisation.
+        device: where to materialize it, or ``"meta"`` to leave it unmaterialized.
+
+    Returns:
+        The ``LlamaForCausalLM``.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        num_hidden_layers=preset.layers,
+        intermediate_size=intermediate_size(preset, method),
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    return model if device == "meta" else materialize_model(model, seed=seed, device=device)
