@@ -12,6 +12,9 @@ from torch.utils import benchmark
 # tensors. Memory is therefore measured with the threshold fixed (every method alike); time under the default.
 FIXED_MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
+# plan_memory's settings for POET with every memory saving on (nf4 W0, fused steps, 8-bit states, checkpointing).
+PLAN_EVERYTHING_ON = {"checkpointing": True, "base_quantization": "nf4", "fused_step": True, "optimizer_bits": 8}
+
 
 def status_mb(field: str) -> float:
     """A memory figure of this process from ``/proc/self/status`` (``VmRSS``: now, ``VmHWM``: its peak), in MB."""

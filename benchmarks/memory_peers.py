@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import FIXED_MMAP
+from benchmarks.common import FIXED_MMAP, PLAN_EVERYTHING_ON
 from benchmarks.pretrain_step import _child
 
 CONFIGS = [("llama-130m", 4), ("llama-350m", 4)]
@@ -52,10 +52,7 @@ def _planned_mb(preset: str, batch: int) -> float:
         block_size=PRESETS[preset].block_size,
         batch_size=batch,
         seq_len=256,
-        checkpointing=True,
-        base_quantization="nf4",
-        fused_step=True,
-        optimizer_bits=8,
+        **PLAN_EVERYTHING_ON,
     )
     return plan.total_bytes / 2**20
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import FIXED_MMAP, reset_peak_rss, status_mb
+from benchmarks.common import FIXED_MMAP, PLAN_EVERYTHING_ON, reset_peak_rss, status_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "models" / "llama-2-7b.json"
@@ -121,10 +121,7 @@ def planned_mb(batch: int, seq: int, dtype: str = "float32", layers: int | None 
         dtype=dtype,
         batch_size=batch,
         seq_len=seq,
-        checkpointing=True,
-        base_quantization="nf4",
-        fused_step=True,
-        optimizer_bits=8,
+        **PLAN_EVERYTHING_ON,
     )
     return plan.total_bytes / 2**20
 

@@ -342,11 +342,7 @@ def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], 
     A 4-bit layer gets a new ``Params4bit`` from the saved quant state (whose keys are consumed here, as
     ``transformers`` does when it loads a 4-bit checkpoint); an int8 layer gets its row scales ready for
     ``Linear8bitLt``'s own loader."""
-    if not residual_store.take_from_state_dict(module, state_dict, prefix, RESIDUAL_NAMES):
-        for name in RESIDUAL_NAMES:  # created by the first feedback fold: make room to load them
-            if f"{prefix}{name}" in state_dict and not hasattr(module, name):
-                saved = state_dict[f"{prefix}{name}"]
-                module.register_buffer(name, torch.empty_like(saved, device=module.weight.device))
+    residual_store.load_from_state_dict(module, state_dict, prefix, RESIDUAL_NAMES)  # a feedback fold's residual
     weight_key = f"{prefix}weight"
     if weight_key not in state_dict:
         return

@@ -95,16 +95,10 @@ def keep_residual(module: nn.Module, codes: torch.Tensor) -> None:
 
 def load_residual(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
     """``load_state_dict`` pre-hook part: the rounding residual ``state_dict`` holds for ``module`` (under
-    ``prefix``) goes to its store, or gets a buffer to be loaded into."""
-    saved = state_dict.get(f"{prefix}{ROUNDING_RESIDUAL}")
-    if saved is None:
-        return
-    setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
-    if not residual_store.take_from_state_dict(module, state_dict, prefix, (ROUNDING_RESIDUAL,)):
-        if not hasattr(module, ROUNDING_RESIDUAL):  # make room to load it
-            module.register_buffer(
-                ROUNDING_RESIDUAL, torch.empty_like(saved, device=cast(torch.Tensor, module.weight).device)
-            )
+    ``prefix``) goes to its store, or gets a buffer to be loaded into (`residual_store.load_from_state_dict`)."""
+    if f"{prefix}{ROUNDING_RESIDUAL}" in state_dict:
+        setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
+        residual_store.load_from_state_dict(module, state_dict, prefix, (ROUNDING_RESIDUAL,))
 
 
 def residual_bytes(module: nn.Module) -> int:

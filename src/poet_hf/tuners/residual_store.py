@@ -21,6 +21,7 @@ import os
 import tempfile
 import weakref
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -34,9 +35,9 @@ __all__ = [
     "carry",
     "drop",
     "keep",
+    "load_from_state_dict",
     "read",
     "resident_bytes",
-    "take_from_state_dict",
 ]
 
 RESIDUAL_STORAGES = ("auto", "layer", "cpu", "disk")
@@ -176,18 +177,23 @@ def read(module: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
     return store.get(weight.device if isinstance(weight, torch.Tensor) else None)
 
 
-def take_from_state_dict(
+def load_from_state_dict(
     module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...]
-) -> bool:
-    """``load_state_dict`` pre-hook part: move the residual tensors ``names`` that ``state_dict`` holds under
-    ``prefix`` into ``module``'s store (consuming their keys). ``False`` (nothing taken) when ``module`` has no
-    store."""
-    if _store(module) is None:
-        return False
-    saved = {name: state_dict.pop(f"{prefix}{name}") for name in names if f"{prefix}{name}" in state_dict}
-    if saved:
-        keep(module, saved)
-    return True
+) -> None:
+    """``load_state_dict`` pre-hook part: the residual tensors ``names`` that ``state_dict`` holds under ``prefix``
+    go into ``module``'s store (their keys consumed), or, without a store, get empty buffers on the weight's device
+    for the loader to copy into."""
+    saved = {name: state_dict[f"{prefix}{name}"] for name in names if f"{prefix}{name}" in state_dict}
+    if _store(module) is not None:
+        for name in saved:
+            del state_dict[f"{prefix}{name}"]
+        if saved:
+            keep(module, saved)
+        return
+    device = cast(torch.Tensor, module.weight).device
+    for name, tensor in saved.items():
+        if not hasattr(module, name):
+            module.register_buffer(name, torch.empty_like(tensor, device=device))
 
 
 def drop(module: nn.Module, names: tuple[str, ...]) -> None:
