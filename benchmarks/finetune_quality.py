@@ -108,14 +108,15 @@ def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
 
 class _Probe:
     """Times every optimizer step (evaluations between steps excluded) and records, at step 5, the largest angle any
-    layer's rotations turn it by (``RotationLayer.rotation_angle``)."""
+    layer's rotations turn it by (``poet_hf.diagnostics.rotation_angle``)."""
 
     def __new__(cls, record: dict[str, Any]):
         import time
 
         from transformers import TrainerCallback
 
-        from poet_hf.tuners.poet import poet_layers
+        from poet_hf.diagnostics import rotation_angle
+        from poet_hf.tuners.rotation_layer import rotation_layers
 
         class Probe(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
@@ -125,7 +126,7 @@ class _Probe:
                 record.setdefault("steps", []).append(time.perf_counter() - record["started"])
                 if state.global_step == 5:
                     record["angle_at_5"] = max(
-                        (layer.rotation_angle("default") for _, layer in poet_layers(model)), default=0.0
+                        (rotation_angle(layer) for _, layer in rotation_layers(model)), default=0.0
                     )
 
         return Probe()

@@ -27,19 +27,23 @@ ADAPTERS = {"POET-BS 256": {"spo": "block", "block_size": 256}, "POET-FS ½": {"
 @contextmanager
 def _checks_off() -> Iterator[None]:
     import poet_hf.tuners.config_utils as config_utils
-    import poet_hf.tuners.poet.model as poet_model
-    from poet_hf.tuners.rotation_layer import RotationLayer
+    import poet_hf.tuners.rotation_layer as rotation_layer
+    import poet_hf.tuners.rotation_model as rotation_model
 
-    saved = RotationLayer._check_loaded_state, poet_model.check_merge_counts_agree, config_utils.check_safetensors_file
-    RotationLayer._check_loaded_state = lambda *args, **kwargs: None  # looked up when the layers are built
-    poet_model.check_merge_counts_agree = lambda *args, **kwargs: None
+    saved = (
+        rotation_layer.check_loaded_state,
+        rotation_model.check_merge_counts_agree,
+        config_utils.check_safetensors_file,
+    )
+    rotation_layer.check_loaded_state = lambda *args, **kwargs: None  # looked up when the layers are built
+    rotation_model.check_merge_counts_agree = lambda *args, **kwargs: None
     config_utils.check_safetensors_file = lambda *args, **kwargs: None
     try:
         yield
     finally:
         (
-            RotationLayer._check_loaded_state,
-            poet_model.check_merge_counts_agree,
+            rotation_layer.check_loaded_state,
+            rotation_model.check_merge_counts_agree,
             config_utils.check_safetensors_file,
         ) = saved
 
@@ -47,14 +51,15 @@ def _checks_off() -> Iterator[None]:
 def _checks_alone(model, folder: str) -> float:
     """Seconds of every check on ``model``'s own state dict (already in memory)."""
     from poet_hf.tuners.config_utils import check_safetensors_file
-    from poet_hf.tuners.poet.model import check_merge_counts_agree
     from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation_model import check_merge_counts_agree
+    from poet_hf.tuners.state_checks import check_loaded_state
 
     state = model.state_dict()
     start = time.perf_counter()
     check_safetensors_file(Path(folder) / "adapter_model.safetensors")
     for name, layer in rotation_layers(model):
-        layer._check_loaded_state(state, f"{name}.")
+        check_loaded_state(layer, state, f"{name}.")
     check_merge_counts_agree(model.base_model)
     return time.perf_counter() - start
 

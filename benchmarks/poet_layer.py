@@ -3,7 +3,7 @@
 Square layers, both sides rotated (block-stochastic), the input requiring a gradient as inside a network. The three
 fused strategies are timed (``weight``, ``activation`` which keeps ``h = x R W0ᵀ``, ``activation-recompute``);
 ``forward="auto"`` chooses among the two that keep nothing but the input by the multiply-add count of
-``poet_hf.orthogonal.rotated_linear.strategy_costs``. The suite checks that the pick is the faster of those two.
+``poet_hf.orthogonal.strategy_costs.strategy_costs``. The suite checks that the pick is the faster of those two.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401  (registers the tuner)
 from poet_hf import PoetConfig
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 from .common import device, time_call
 
@@ -52,13 +52,13 @@ def run(quick: bool = False) -> list[dict]:
             model = get_peft_model(
                 OneLinear(dim).to(dev), PoetConfig(target_modules=["proj"], block_size=block, init_weights=False)
             )
-            layer = poet_layers(model)[0][1]
-            auto = layer.poet_settings["default"]
+            layer = rotation_layers(model)[0][1]
+            auto = layer.rotation_settings["default"]
             times = {}
             for strategy in rotated_linear.STRATEGIES:
-                layer.poet_settings["default"] = replace(auto, forward=strategy)
+                layer.rotation_settings["default"] = replace(auto, forward=strategy)
                 times[strategy] = time_call(step_fn(model, x))
-            layer.poet_settings["default"] = auto
+            layer.rotation_settings["default"] = auto
             pick = layer.choose_strategy("default", tokens, training=True)
             fastest = min(MEMORY_NEUTRAL, key=times.get)
             rows.append(

@@ -192,7 +192,7 @@ def measure(
         * sum(
             2 * layer.skew_parameter(a, side).shape[0] * spec.block**2
             for layer in layers
-            for a, specs in layer.poet_specs.items()
+            for a, specs in layer.rotation_specs.items()
             for side, spec in specs.items()
         )
         / 2**20
@@ -206,11 +206,11 @@ def flops_per_step(
 ) -> float:
     """Multiply-adds ×2 of one optimizer step of ``accumulation`` micro-batches, counted from the shapes (see the
     module docstring). Each POET layer is counted at its cheapest strategy that keeps nothing but the layer input
-    (:func:`~poet_hf.orthogonal.rotated_linear.strategy_costs`, what ``forward="auto"`` picks). ``amortized``: the
+    (:func:`~poet_hf.orthogonal.strategy_costs.strategy_costs`, what ``forward="auto"`` picks). ``amortized``: the
     Cayley–Neumann polynomial runs once per optimizer step whatever ``accumulation`` is (built in the first forward,
     rebuilt and differentiated in the last backward); otherwise once per micro-batch (``cache_rotations=False``)."""
-    from poet_hf.orthogonal.rotated_linear import polynomial_products, strategy_costs
     from poet_hf.orthogonal.spo import SideSpec, subset_size
+    from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_costs
     from poet_hf.training.presets import PRESETS
 
     preset = PRESETS[preset_name]

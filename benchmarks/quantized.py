@@ -65,7 +65,7 @@ def drift(
         train_other_params=False,
     )
     model = get_peft_model(_holder(dim).to(dtype), config)
-    layer = next(m for m in model.modules() if hasattr(m, "poet_specs"))
+    layer = next(m for m in model.modules() if hasattr(m, "rotation_specs"))
     exact = layer.weight_matrix().double()
     sigma = torch.linalg.svdvals
     generator = torch.Generator().manual_seed(seed + 1)

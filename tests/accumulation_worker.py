@@ -42,7 +42,7 @@ def micro_batches(k: int, world: int) -> torch.Tensor:
 
 
 def trainable_grads(model) -> dict[str, torch.Tensor]:
-    from poet_hf.tuners.rotation_layer import full_tensor
+    from poet_hf.sharded import full_tensor
 
     return {
         name: full_tensor(p.grad).detach().clone()
@@ -54,7 +54,7 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
 def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
     """One process, plain autograd: every process's micro-batch ``i`` then (for ``merge``) the merge."""
     from poet_hf import merge_and_reinit
-    from poet_hf.tuners.rotation_layer import plain_autograd
+    from poet_hf.tuners.fused_forward import plain_autograd
 
     model, batches = build(), micro_batches(k, world)
     with plain_autograd():

@@ -7,20 +7,47 @@ from torch import nn
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(
-    hidden: int = 64, intermediate: int = 128, layers: int = 2, vocab: int = 128, heads: int = 4, kv_heads: int = 4
-) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def llama_config(
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    vocab: int = 128,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    **overrides,
+) -> LlamaConfig:
+    """The one LLaMA config factory of the tests; ``overrides`` are other ``LlamaConfig`` fields."""
+    fields = {"max_position_embeddings": 128, **overrides}
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=128,
+        num_key_value_heads=kv_heads or heads,
+        **fields,
     )
-    return LlamaForCausalLM(config).eval()
+
+
+# The LlamaConfig fields of the small LLaMA the training, materialization and checkpoint tests share (an odd
+# vocabulary, an untied head).
+TINY_LLAMA = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_llama(seed: int = 0, meta: bool = False, **config_fields) -> LlamaForCausalLM:
+    """A randomly initialised LLaMA of `llama_config` (seeded), in eval mode; on the meta device with ``meta``."""
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        return LlamaForCausalLM(llama_config(**config_fields)).eval()
 
 
 def tiny_gpt2(hidden: int = 64, layers: int = 2, vocab: int = 128) -> GPT2LMHeadModel:
@@ -29,15 +56,24 @@ def tiny_gpt2(hidden: int = 64, layers: int = 2, vocab: int = 128) -> GPT2LMHead
     return GPT2LMHeadModel(config).eval()
 
 
-def tiny_bert(hidden: int = 64, layers: int = 2, vocab: int = 128) -> BertModel:
-    torch.manual_seed(0)
+def tiny_bert(
+    hidden: int = 64,
+    layers: int = 2,
+    vocab: int = 128,
+    heads: int = 4,
+    intermediate: int = 128,
+    seed: int = 0,
+    **fields,
+) -> BertModel:
+    """A randomly initialised BERT encoder (seeded), in eval mode; ``fields`` are other ``BertConfig`` fields."""
+    torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=64,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        **{"max_position_embeddings": 64, **fields},
     )
     return BertModel(config).eval()
 

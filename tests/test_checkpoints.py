@@ -21,6 +21,7 @@ from pathlib import Path
 import prewarmed
 import pytest
 import torch
+from models import tiny_llama
 from safetensors.torch import load_file, save_file
 
 from poet_hf.checkpoints import (
@@ -204,22 +205,11 @@ def test_auto_skips_a_partial_folder_with_a_warning_and_starts_fresh_without_any
 def saved_adapter(tmp_path):
     """A tiny POET model (block side on q_proj etc.) saved with save_pretrained, and a loader."""
     from peft import PeftModel
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from poet_hf import PoetConfig
 
     def base():
-        torch.manual_seed(0)
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-            )
-        )
+        return tiny_llama(hidden=32, intermediate=64, vocab=64, heads=2).train()
 
     from peft import get_peft_model
 

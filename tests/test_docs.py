@@ -51,6 +51,7 @@ PUBLIC_MODULES = [
     "poet_hf.training",
     "poet_hf.export",
     "poet_hf.distributed",
+    "poet_hf.sharded",
     "poet_hf.initialization",
     "poet_hf.orthogonal",
     "poet_hf.optim",
@@ -59,7 +60,7 @@ PUBLIC_MODULES = [
 PUBLIC_OBJECTS = [
     "poet_hf.tuners.poet.PoetConfig",
     "poet_hf.tuners.oft.OftConfig",
-    "poet_hf.tuners.orthogonal.OrthogonalConfig",
+    "poet_hf.tuners.orthogonal_layers.OrthogonalConfig",
     "poet_hf.tuners.poet.merge_and_reinit",
     "poet_hf.tuners.rotation_cache.defer_rotation_grads",
     "poet_hf.tuners.rotation_layer.flush_rotation_caches",

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, ViTConfig, ViTForImageClassificat
 from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
 from poet_hf.model_cards import template_path
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -75,7 +75,7 @@ def train(model, kind: str, steps: int = 4, merge_at: tuple[int, ...] = (2,)):
             merge_and_reinit(model)
             optimizer.state.clear()
     model.eval()
-    layers = poet_layers(model)
+    layers = rotation_layers(model)
     assert layers and all(int(layer.poet_merge_count["default"]) == len(merge_at) for _, layer in layers)
     assert max(float(layer.poet_R["default"].abs().max()) for _, layer in layers) > 1e-3  # live, non-identity factors
     return model
@@ -161,7 +161,7 @@ def test_export_in_memory_model_loads_in_stock_transformers(tmp_path, kind, spo,
     result = check_in_fresh_process(stock_python, path, kind, expected, tmp_path)
     assert result["class"] == type(model.get_base_model()).__name__
     # the export did not touch the POET model it came from
-    assert poet_layers(model) and torch.equal(logits(model, kind), expected)
+    assert rotation_layers(model) and torch.equal(logits(model, kind), expected)
 
 
 # --- OFT and orthogonal-layer adapters fold through the same path -------------------------------------------------
@@ -169,7 +169,7 @@ def test_export_oft_and_orthogonal_models(tmp_path, stock_python):
     from transformers import AutoModelForCausalLM as StockAuto
 
     from poet_hf.tuners.oft import OftConfig
-    from poet_hf.tuners.orthogonal import OrthogonalConfig
+    from poet_hf.tuners.orthogonal_layers import OrthogonalConfig
 
     oft = get_peft_model(tiny_llama(), OftConfig(block_size=16, init_weights=False))  # random, non-identity
     expected = logits(oft, "llama")
@@ -263,7 +263,7 @@ def test_export_from_poet_trainer_checkpoint(tmp_path, stock_python):
     expected = logits(model, "llama")
     checkpoint = tmp_path / "run" / "checkpoint-5"
     assert {"adapter_config.json", "config.json", "trainer_state.json"} <= {p.name for p in checkpoint.iterdir()}
-    layer = poet_layers(model)[0][1]
+    layer = rotation_layers(model)[0][1]
     assert int(layer.poet_merge_count["default"]) == 2 and layer.poet_R["default"].abs().max() > 0  # live factors
     path = export_merged(checkpoint, tmp_path / "export")
     assert_plain_export(path)
@@ -294,7 +294,7 @@ def test_bf16_export_equals_float32_export_cast(tmp_path):
     # a bf16 model exports as bf16 by default, folded from float32 copies of its bf16 weights
     half = trained("llama")
     half.get_base_model().to(torch.bfloat16)
-    for _, layer in poet_layers(half):  # adapters stay float32 under a half-precision base
+    for _, layer in rotation_layers(half):  # adapters stay float32 under a half-precision base
         layer.poet_R.float(), layer.poet_P.float()
     ref = load_file(export_merged(half, tmp_path / "h32", dtype=torch.float32, spectrum=False) / "model.safetensors")
     got = load_file(export_merged(half, tmp_path / "h16", spectrum=False) / "model.safetensors")

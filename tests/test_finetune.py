@@ -7,14 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import tiny_llama
 from script_modules import load_module
 from testbed_runs import run_on_testbed
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
 from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
+from poet_hf.diagnostics import rotation_angle
 from poet_hf.training.finetune import FinetuneArguments
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,18 +33,7 @@ def workspace(tmp_path_factory):
     tokenizer = load_tokenizer(None)
     corpus = load_corpus()
     train = pack_sequences(corpus["train"].select(range(3)), tokenizer, seq_len=64)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(vocab=len(tokenizer), max_position_embeddings=64, tie_word_embeddings=False).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     ids = torch.tensor(train["input_ids"])
@@ -122,7 +113,7 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
         if quantization:  # each merge requantised W0, and said by how much
             assert all(0 < h["max_requantization_error"] < 0.05 for h in callback.history)
     if quantization:
-        layers = poet_layers(results["trainer"].model)
+        layers = rotation_layers(results["trainer"].model)
         assert layers and all(layer.base_quantization == quantization for _, layer in layers)
 
     finetuned = results["trainer"].model.eval()
@@ -349,8 +340,8 @@ def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(tes
         results, _ = run_on_testbed(testbed, tmp_path, method="poet", learning_rate=3e-2, max_steps=10)
     warnings = [r.getMessage() for r in caplog.records if "FINETUNE_WARN_ANGLE" in r.getMessage()]
     assert len(warnings) == 1 and "0.03" in warnings[0]
-    layers = [layer for _, layer in poet_layers(results["trainer"].model)]
-    assert max(layer.rotation_angle("default") for layer in layers) > 90  # about 230° at step 5
+    layers = [layer for _, layer in rotation_layers(results["trainer"].model)]
+    assert max(rotation_angle(layer) for layer in layers) > 90  # about 230° at step 5
 
 
 @pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])

@@ -14,12 +14,15 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
+from poet_hf.diagnostics import rotation_stats
 from poet_hf.orthogonal import num_skew_params, orthogonal_from_vector
-from poet_hf.orthogonal.cayley import MAX_SKEW_NORM
-from poet_hf.orthogonal.rotated_linear import STRATEGIES, Conv2dOp, SideRotation, rotated_forward, strategy_costs
+from poet_hf.orthogonal.base_ops import Conv2dOp
+from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
+from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.tuners.poet import poet_layers
-from poet_hf.tuners.rotation_layer import plain_autograd
+from poet_hf.orthogonal.strategy_costs import strategy_costs
+from poet_hf.tuners.fused_forward import plain_autograd
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -177,7 +180,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
         gaps += [float((loss_fused - loss_plain).abs() / loss_plain), _relative_gap(grads_fused, grads_plain)]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        largest_q = max(largest_q, max(layer.rotation_stats("default")["q_norm"] for _, layer in poet_layers(plain)))
+        largest_q = max(largest_q, max(rotation_stats(layer)["q_norm"] for _, layer in rotation_layers(plain)))
         if (step + 1) % 8 == 0:
             fused.load_state_dict(plain.state_dict())
             merge_and_reinit(fused)
@@ -187,7 +190,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
             floats = {k for k, v in merged["plain"].items() if v.is_floating_point()}
             assert all(torch.equal(merged["fused"][k], v) for k, v in merged["plain"].items() if k not in floats)
             gaps.append(_relative_gap(*({k: merged[name][k] for k in floats} for name in ("fused", "plain"))))
-            for p in [p for _, layer in poet_layers(plain) for p in layer.skew_parameters()]:
+            for p in [p for _, layer in rotation_layers(plain) for p in layer.skew_parameters()]:
                 optimizer.state.pop(p, None)
     return max(gaps), largest_q
 
@@ -221,7 +224,7 @@ def test_in_float64_every_step_of_a_large_learning_rate_run_agrees_to_rounding(c
 def _targets_trainable(adapter_model):
     """The base model with exactly the adapter's target Linears trainable (what full training of them keeps)."""
     plain = tiny_llama().train().requires_grad_(False)
-    targets = {name.removeprefix("base_model.model.") for name, _ in poet_layers(adapter_model)}
+    targets = {name.removeprefix("base_model.model.") for name, _ in rotation_layers(adapter_model)}
     for name, module in plain.named_modules():
         if name in targets:
             module.weight.requires_grad_(True)
@@ -268,7 +271,7 @@ def test_activation_strategy_keeps_exactly_the_pre_rotation_outputs():
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, forward="activation")).train()
     plain_bytes = _saved_bytes(_targets_trainable(model), ids)
-    outputs = sum(48 * layer.out_features * 4 for _, layer in poet_layers(model))  # 48 tokens, float32
+    outputs = sum(48 * layer.out_features * 4 for _, layer in rotation_layers(model))  # 48 tokens, float32
     assert _saved_bytes(model, ids) == plain_bytes + outputs
 
 
@@ -300,10 +303,10 @@ def test_auto_never_keeps_more_than_the_input_and_counts_match_by_hand():
     assert costs["weight"] == {"macs": 3 * 1024 * n + 7 * rotation_w, "kept": 0.0}
     assert costs["activation"] == {"macs": 2 * 1024 * n + 6 * rotation_t, "kept": 1024 * 768}
     assert costs["activation-recompute"]["macs"] == 3 * 1024 * n + 7 * rotation_t
-    layer = poet_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]
+    layer = rotation_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]
     assert layer.choose_strategy("default", tokens=4096, training=True) == "weight"
     assert layer.choose_strategy("default", tokens=4, training=True) == "activation-recompute"
-    oft = poet_layers(get_peft_model(tiny_llama(), OftConfig(block_size=16)))[0][1]
+    oft = rotation_layers(get_peft_model(tiny_llama(), OftConfig(block_size=16)))[0][1]
     assert oft.choose_strategy("default", tokens=4096, training=True) == "activation"  # one side: keeps nothing
 
 

@@ -15,14 +15,15 @@ PACKAGE = ROOT / "src" / "poet_hf"
 ALLOWED = {
     "orthogonal": set(),
     "optim": {"orthogonal"},
-    "tuners": {"orthogonal"},
+    "sharded": set(),  # whole views of FSDP2-sharded tensors and models: torch and PEFT only
+    "tuners": {"orthogonal", "sharded"},
     "data": set(),
-    "initialization": {"orthogonal", "tuners"},  # materializes meta models, sharded or not
-    "distributed": {"tuners", "initialization"},  # refuses to shard quantised bases (tuners/bnb.py)
+    "initialization": {"orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
+    "distributed": {"tuners", "initialization", "sharded"},  # refuses to shard quantised bases (tuners/bnb.py)
     "checkpoints": {"tuners"},
     "model_cards": set(),
-    "diagnostics": {"orthogonal", "tuners"},
-    "export": {"orthogonal", "tuners", "distributed", "diagnostics", "model_cards"},
+    "diagnostics": {"orthogonal", "tuners", "sharded"},
+    "export": {"orthogonal", "tuners", "sharded", "diagnostics", "model_cards"},
     "cli": set(),  # command lines over TrainingArguments, for the training and vision scripts
     "vision": {"orthogonal", "optim", "model_cards", "checkpoints", "cli"},
     "training": {
@@ -33,6 +34,7 @@ ALLOWED = {
         "data",
         "initialization",
         "distributed",
+        "sharded",
         "diagnostics",
         "export",
         "checkpoints",

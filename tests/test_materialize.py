@@ -8,8 +8,9 @@ from pathlib import Path
 import prewarmed
 import pytest
 import torch
+from models import TINY_LLAMA
 from peft import LoraConfig, get_peft_model
-from training_utils import TINY_LLAMA, meta_poet_model, randomize_rotations
+from training_utils import meta_poet_model, randomize_rotations
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import poet_hf  # noqa: F401

@@ -11,7 +11,7 @@ import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
 from poet_hf.memory_plan import plan_memory
 from poet_hf.training.presets import PRESETS, build_llama
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = PRESETS["tiny"]  # hidden 128, FFN 256, 4 layers: every targeted weight is 128 × 128, 128 × 256 or 256 × 128
@@ -35,7 +35,7 @@ def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
     plan = plan_memory("tiny", "poet-bs", block_size=32, batch_size=2, seq_len=64, accumulation=2)
     model = _real_poet_model(32)
     optimizer = _one_optimizer_step(model)
-    frozen_w0 = sum(layer.get_base_layer().weight.numel() for _, layer in poet_layers(model))
+    frozen_w0 = sum(layer.get_base_layer().weight.numel() for _, layer in rotation_layers(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
     assert plan.counts["W0"] == frozen_w0
@@ -47,8 +47,8 @@ def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
     assert plan.parts["optimizer states"] == sum(t.numel() * t.element_size() for t in states)
     caches = sum(
         2 * spec.num_blocks * spec.block**2 * 4
-        for _, layer in poet_layers(model)
-        for spec in layer.poet_specs["default"].values()
+        for _, layer in rotation_layers(model)
+        for spec in layer.rotation_specs["default"].values()
     )
     assert plan.parts["rotation caches"] == caches
 
@@ -66,7 +66,7 @@ def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_hol
         PoetConfig(block_size=32, train_other_params=True, base_quantization="nf4", residual_storage="layer"),
     )
     poet_hf.merge_and_reinit(model)  # the first fold creates the residual, on the layer here
-    layers = [layer for _, layer in poet_layers(model)]
+    layers = [layer for _, layer in rotation_layers(model)]
     held = sum(layer.base_weight_bytes() for layer in layers)
     residual = sum(layer.get_base_layer().poet_residual_codes.numel() for layer in layers)
     scales = sum(layer.get_base_layer().poet_residual_scales.numel() * 4 for layer in layers)

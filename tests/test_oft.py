@@ -16,7 +16,7 @@ from tolerances import gamma, unit_roundoff
 from torch import nn
 
 import poet_hf  # noqa: F401  (registers the tuners)
-from poet_hf.orthogonal.cayley import MAX_SKEW_NORM
+from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.tuners.oft import OftConfig, OftLayer, our_oft_state_dict_to_peft, peft_oft_state_dict_to_ours
 from poet_hf.tuners.poet import merge_and_reinit
 
@@ -60,8 +60,8 @@ def set_random_skew(model, std: float, seed: int = 3) -> None:
 def dense_rotation(layer, adapter="default") -> torch.Tensor:
     """R (in × in, float64) from the layer's raw parameters, by loops and explicit powers / inverses."""
     param = layer.poet_oft_R[adapter].detach().double()
-    spec = layer.poet_specs[adapter]["input"]
-    terms = layer.poet_settings[adapter].neumann_terms
+    spec = layer.rotation_specs[adapter]["input"]
+    terms = layer.rotation_settings[adapter].neumann_terms
     qs = [skew_dense(row, spec.block) for row in param]
     blocks = torch.stack([cayley_inverse(q) if terms == 0 else neumann_series(q, terms) for q in qs])
     if blocks.shape[0] == 1:
@@ -201,7 +201,7 @@ def test_default_targets_are_poets_and_r_sets_blocks_per_layer():
     names = {n.rsplit(".", 1)[-1] for n, _ in oft_layers(model)}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     for name, layer in oft_layers(model):
-        spec = layer.poet_specs["default"]["input"]
+        spec = layer.rotation_specs["default"]["input"]
         assert spec.num_blocks == 4 and spec.block == layer.in_features // 4, name
         assert layer.poet_oft_R["default"].shape == (4, spec.block * (spec.block - 1) // 2)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import tiny_bert
 from peft import PeftModel, get_peft_model
 from torch import nn
-from transformers import BertConfig, BertModel
+from transformers import BertModel
 
 import poet_hf  # noqa: F401  (registers the tuners with PEFT)
 from poet_hf.optim import FeedbackGD, stiefel_deviation
-from poet_hf.tuners.orthogonal import OrthogonalConfig, OrthogonalLayer
-from poet_hf.tuners.orthogonal.layer import Conv2d as OrthConv2d
-from poet_hf.tuners.orthogonal.layer import Linear as OrthLinear
+from poet_hf.tuners.orthogonal_layers import OrthogonalConfig, OrthogonalLayer
+from poet_hf.tuners.orthogonal_layers.layer import Conv2d as OrthConv2d
+from poet_hf.tuners.orthogonal_layers.layer import Linear as OrthLinear
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -21,19 +22,19 @@ F64 = torch.float64
 LINEAR_KINDS = ["cayley", "householder", "reflection", "fgd"]
 
 
-def tiny_bert(seed: int = 0) -> BertModel:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=24,
+def small_bert(seed: int = 0) -> BertModel:
+    """A one-layer BERT without dropout, small enough for every parameterization's exact checks."""
+    return tiny_bert(
+        hidden=16,
+        layers=1,
+        vocab=64,
+        heads=2,
+        intermediate=24,
+        seed=seed,
         max_position_embeddings=16,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    return BertModel(config).eval()
 
 
 def layers(model) -> list[tuple[str, OrthogonalLayer]]:
@@ -68,7 +69,7 @@ def assert_orthogonal(model, tol: float) -> None:
 
 @pytest.mark.parametrize("kind", LINEAR_KINDS)
 def test_bert_starts_at_polar_factor_and_reports_change(kind):
-    base = tiny_bert()
+    base = small_bert()
     weights = {n: m.weight.detach().clone() for n, m in base.named_modules() if isinstance(m, nn.Linear)}
     model = get_peft_model(base, OrthogonalConfig(parameterization=kind))
     found = layers(model)
@@ -97,7 +98,7 @@ def _bert_loss(model, gen):
 
 @pytest.mark.parametrize("kind", LINEAR_KINDS)
 def test_bert_training_keeps_layers_orthogonal(kind):
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization=kind))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization=kind))
     model.train()
     start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     assert start and all("orthogonal_weight" in n for n in start)
@@ -130,7 +131,7 @@ def test_bert_training_keeps_layers_orthogonal(kind):
 
 @pytest.mark.parametrize("kind", ["cayley", "householder", "fgd"])
 def test_bert_merge_and_unload_round_trip(kind):
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization=kind, init_weights=False))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization=kind, init_weights=False))
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(input_ids=ids).last_hidden_state
@@ -147,7 +148,7 @@ def test_bert_merge_and_unload_round_trip(kind):
 
 
 def test_merge_unmerge_restores_base_exactly():
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization="cayley", init_weights=False))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization="cayley", init_weights=False))
     layer = dict(layers(model))["base_model.model.encoder.layer.0.attention.self.query"]
     before = layer.get_base_layer().weight.detach().clone()
     layer.merge()
@@ -157,23 +158,23 @@ def test_merge_unmerge_restores_base_exactly():
 
 
 def test_reflection_cannot_merge():
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization="reflection"))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization="reflection"))
     with pytest.raises(ValueError, match="input-dependent"):
         model.merge_and_unload()
 
 
 @pytest.mark.parametrize("kind", ["householder", "reflection"])
 def test_save_load_round_trip(tmp_path, kind):
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization=kind, init_weights=False))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization=kind, init_weights=False))
     model.save_pretrained(tmp_path)
-    loaded = PeftModel.from_pretrained(tiny_bert(), tmp_path)
+    loaded = PeftModel.from_pretrained(small_bert(), tmp_path)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).last_hidden_state, loaded(input_ids=ids).last_hidden_state)
 
 
 def test_several_adapters_switch_disable_delete():
-    model = get_peft_model(tiny_bert(), OrthogonalConfig(parameterization="cayley", init_weights=False))
+    model = get_peft_model(small_bert(), OrthogonalConfig(parameterization="cayley", init_weights=False))
     model.add_adapter("second", OrthogonalConfig(parameterization="householder", init_weights=False, seed=1))
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -182,7 +183,7 @@ def test_several_adapters_switch_disable_delete():
         second = model(input_ids=ids).last_hidden_state
         with model.disable_adapter():
             base = model(input_ids=ids).last_hidden_state
-        reference = tiny_bert()(input_ids=ids).last_hidden_state
+        reference = small_bert()(input_ids=ids).last_hidden_state
         model.set_adapter("default")
         assert torch.equal(model(input_ids=ids).last_hidden_state, first)
         assert (first - second).abs().max() > 1e-2
@@ -193,7 +194,7 @@ def test_several_adapters_switch_disable_delete():
 
 
 def test_half_precision_base_keeps_float32_adapter():
-    model = get_peft_model(tiny_bert().to(torch.bfloat16), OrthogonalConfig(parameterization="cayley"))
+    model = get_peft_model(small_bert().to(torch.bfloat16), OrthogonalConfig(parameterization="cayley"))
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "orthogonal_weight" in n)
     out = model(input_ids=torch.randint(0, 64, (2, 8))).last_hidden_state
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

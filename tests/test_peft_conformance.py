@@ -191,19 +191,19 @@ def _three_large_steps(config) -> torch.Tensor:
 def test_large_steps_leave_finite_outputs_and_the_cap_is_what_keeps_them(monkeypatch, caplog, config):
     with caplog.at_level("WARNING"):
         assert torch.isfinite(_three_large_steps(config)).all()
-    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
-    monkeypatch.setattr(cayley, "MAX_SKEW_NORM", math.inf)  # today's unbounded series
+    norm_cap = importlib.import_module("poet_hf.orthogonal.norm_cap")
+    monkeypatch.setattr(norm_cap, "MAX_SKEW_NORM", math.inf)  # today's unbounded series
     assert not torch.isfinite(_three_large_steps(config)).all()
 
 
 def test_below_the_cap_rotations_are_bit_identical_to_the_uncapped_series(monkeypatch):
     from poet_hf.orthogonal import num_skew_params, orthogonal_from_vector, skew_from_vector
 
-    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
+    norm_cap = importlib.import_module("poet_hf.orthogonal.norm_cap")
     vec = torch.randn(4, num_skew_params(16), generator=torch.Generator().manual_seed(3)) * 0.1
-    assert float(torch.linalg.matrix_norm(skew_from_vector(vec, 16), ord=2).max()) < cayley.MAX_SKEW_NORM
+    assert float(torch.linalg.matrix_norm(skew_from_vector(vec, 16), ord=2).max()) < norm_cap.MAX_SKEW_NORM
     capped = orthogonal_from_vector(vec, 16, 5)
-    monkeypatch.setattr(cayley, "MAX_SKEW_NORM", math.inf)
+    monkeypatch.setattr(norm_cap, "MAX_SKEW_NORM", math.inf)
     assert torch.equal(capped, orthogonal_from_vector(vec, 16, 5))
 
 
@@ -211,22 +211,22 @@ def test_below_the_cap_rotations_are_bit_identical_to_the_uncapped_series(monkey
 def test_beyond_the_cap_blocks_are_rescaled_onto_it_within_two_percent(block):
     from poet_hf.orthogonal import num_skew_params, skew_from_vector
 
-    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
+    norm_cap = importlib.import_module("poet_hf.orthogonal.norm_cap")
     vec = torch.randn(6, num_skew_params(block), dtype=torch.float64, generator=torch.Generator().manual_seed(block))
     q = skew_from_vector(vec, block)
     q[::2] *= 0.1 / torch.linalg.matrix_norm(q[::2], ord=2)[:, None, None]  # every other block well inside
     exact = torch.linalg.matrix_norm(q, ord=2)  # float64 SVD, the independent reference
-    scale = cayley.skew_norm_scale(q, 5).flatten()
-    inside = exact < cayley.MAX_SKEW_NORM
+    scale = norm_cap.skew_norm_scale(q, 5).flatten()
+    inside = exact < norm_cap.MAX_SKEW_NORM
     assert torch.equal(scale[inside], torch.ones_like(scale[inside]))
     capped = scale[~inside] * exact[~inside]
-    assert (capped >= cayley.MAX_SKEW_NORM * (1 - 1e-9)).all() and (capped <= cayley.MAX_SKEW_NORM * 1.02).all()
-    assert cayley.skew_norm_scale(q, 0) is None  # the exact transform is never capped
+    assert (capped >= norm_cap.MAX_SKEW_NORM * (1 - 1e-9)).all() and (capped <= norm_cap.MAX_SKEW_NORM * 1.02).all()
+    assert norm_cap.skew_norm_scale(q, 0) is None  # the exact transform is never capped
 
 
 @pytest.mark.parametrize("block", [16, 64, 256])
 def test_the_spectral_norm_bounds_bracket_the_svd(block):
-    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
+    norm_cap = importlib.import_module("poet_hf.orthogonal.norm_cap")
     from poet_hf.orthogonal import num_skew_params, skew_from_vector
 
     generator = torch.Generator().manual_seed(block)
@@ -234,16 +234,16 @@ def test_the_spectral_norm_bounds_bracket_the_svd(block):
     q[:4] = q[:4] @ torch.diag(torch.linspace(1, 0, block, dtype=torch.float64)) ** 3  # decaying spectra
     q[:4] = q[:4] - q[:4].mT
     exact = torch.linalg.matrix_norm(q, ord=2)  # float64 SVD, the independent reference
-    lower, upper = cayley.skew_spectral_norm_bounds(q)
+    lower, upper = norm_cap.skew_spectral_norm_bounds(q)
     assert (lower <= exact * (1 + 1e-12)).all() and (upper >= exact * (1 - 1e-12)).all()
     assert (lower >= 0.98 * exact).all()
-    _, coarse_upper = cayley.skew_spectral_norm_bounds(q, 2)
+    _, coarse_upper = norm_cap.skew_spectral_norm_bounds(q, 2)
     assert (coarse_upper >= exact * (1 - 1e-12)).all() and (coarse_upper <= exact * block**0.125).all()
 
 
 def test_the_cap_warns_once_per_run(monkeypatch, caplog):
-    cayley = importlib.import_module("poet_hf.orthogonal.cayley")
-    monkeypatch.setattr(cayley, "_cap_warned", False)
+    norm_cap = importlib.import_module("poet_hf.orthogonal.norm_cap")
+    monkeypatch.setattr(norm_cap, "_cap_warned", False)
     with caplog.at_level("WARNING"):
         _three_large_steps(PoetConfig(block_size=8, target_modules=["a", "b"]))
         _three_large_steps(PoetConfig(block_size=8, target_modules=["a", "b"]))

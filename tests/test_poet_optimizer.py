@@ -41,7 +41,7 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
     model_dir, corpus = testbed.ensure_causal_lm(threads=1), testbed.milton_corpus()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # Two block sizes, so that the per-side scaling has two groups to get right: R in 32-blocks, P in 64-blocks.
-    config = PoetConfig.for_finetuning(block_size={"input": 32, "output": 64}, task_type="CAUSAL_LM")
+    config = PoetConfig.for_finetuning(block_size={"input": 32, "output": 64}, task_type="CAUSAL_LM", merge_every=6)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config)
     sft_args = SFTConfig(
         output_dir=str(tmp_path / "sft"),
@@ -89,7 +89,7 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
         eval_dataset=validation,
         processing_class=tokenizer,
         optimizers=(optimizer, None),
-        callbacks=[merges := MergeReinitCallback(merge_every=6)],
+        callbacks=[merges := MergeReinitCallback()],
     )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()

@@ -14,7 +14,8 @@ from tolerances import gamma, tiny_model_tolerance
 
 from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import neumann_error_bound, skew_from_vector
-from poet_hf.tuners.poet import PoetLayer, poet_layers
+from poet_hf.tuners.poet import PoetLayer
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 IMAGES = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
@@ -42,8 +43,8 @@ def poet(kind, **overrides):
 @torch.no_grad()
 def randomize(model, op_norm=0.1, seed=3):
     generator = torch.Generator().manual_seed(seed)
-    for _, layer in poet_layers(model):
-        for a in layer.poet_specs:
+    for _, layer in rotation_layers(model):
+        for a in layer.rotation_specs:
             layer.randomize_skew(a, generator, op_norm)
 
 
@@ -56,7 +57,7 @@ def test_identity_at_init(kind, spo):
     with torch.no_grad():
         reference = outputs(build(kind).double(), kind)
         model = poet(kind, spo=spo).double()
-        assert len(poet_layers(model)) > 0
+        assert len(rotation_layers(model)) > 0
         assert (outputs(model, kind) - reference).abs().max() <= tiny_model_tolerance(
             torch.float64
         ) * reference.abs().max()
@@ -83,17 +84,17 @@ def test_default_targets_of_other_architectures(kind):
                 hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=64
             )
         )
-    names = [n for n, _ in poet_layers(get_peft_model(base, PoetConfig(block_size=16)))]
+    names = [n for n, _ in rotation_layers(get_peft_model(base, PoetConfig(block_size=16)))]
     assert len(names) == 2 * (6 if kind == "vit" else 4)
     assert not any("pooler" in n or "lm_head" in n or "embed" in n for n in names)
 
 
 def test_default_targets_cover_block_linears_only():
-    names = {n.rsplit(".", 1)[-1] for n, _ in poet_layers(poet("llama"))}
+    names = {n.rsplit(".", 1)[-1] for n, _ in rotation_layers(poet("llama"))}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    bert_names = [n for n, _ in poet_layers(poet("bert"))]
+    bert_names = [n for n, _ in rotation_layers(poet("bert"))]
     assert len(bert_names) == 2 * 6 and not any("pooler" in n or "embeddings" in n for n in bert_names)
-    gpt2_names = [n for n, _ in poet_layers(poet("gpt2"))]
+    gpt2_names = [n for n, _ in rotation_layers(poet("gpt2"))]
     assert len(gpt2_names) == 2 * 4 and not any("lm_head" in n or "wte" in n for n in gpt2_names)
 
 
@@ -101,9 +102,9 @@ def test_default_targets_cover_block_linears_only():
 def dense_effective_weight(layer: PoetLayer, adapter="default"):
     """P^T W0 R^T in float64 from explicit permutation / selection / block-diagonal matrices."""
     w = layer.weight_matrix().detach().double()
-    terms = layer.poet_settings[adapter].neumann_terms
+    terms = layer.rotation_settings[adapter].neumann_terms
     rotations = {}
-    for side, spec in layer.poet_specs[adapter].items():
+    for side, spec in layer.rotation_specs[adapter].items():
         param = (layer.poet_R if side == "input" else layer.poet_P)[adapter].detach().double()
         index = (layer.poet_R_index if side == "input" else layer.poet_P_index)[adapter]
         qs = skew_from_vector(param, spec.block)
@@ -124,7 +125,7 @@ def dense_effective_weight(layer: PoetLayer, adapter="default"):
 def test_effective_weight_spectrum_and_dense_reference(kind, spo, terms):
     model = poet(kind, spo=spo, neumann_terms=terms)
     randomize(model, op_norm=0.1)
-    for name, layer in poet_layers(model):
+    for name, layer in rotation_layers(model):
         effective = layer.effective_weight_matrix(dtype=torch.float64).detach()
         dense, _ = dense_effective_weight(layer)
         assert (effective - dense).abs().max() <= 1e-10 * dense.abs().max(), name
@@ -137,7 +138,7 @@ def test_effective_weight_spectrum_and_dense_reference(kind, spo, terms):
             # σ_i(P^T W R^T) / σ_i(W) lies in [(1-ε_R)(1-ε_P), (1+ε_R)(1+ε_P)] (multiplicative Weyl).
             eps = [
                 float(neumann_error_bound(skew_from_vector(p.detach().double(), spec.block), terms).max())
-                for side, spec in layer.poet_specs["default"].items()
+                for side, spec in layer.rotation_specs["default"].items()
                 for p in [(layer.poet_R if side == "input" else layer.poet_P)["default"]]
             ]
             bound = torch.prod(torch.tensor(eps) + 1) - 1
@@ -152,13 +153,13 @@ def test_merge_and_reinit_keeps_logits_zeroes_q_and_resamples():
     randomize(model, op_norm=0.2)
     with torch.no_grad():
         before = outputs(model, "llama")
-    perms_before = {n: layer.poet_R_index["default"].clone() for n, layer in poet_layers(model)}
+    perms_before = {n: layer.poet_R_index["default"].clone() for n, layer in rotation_layers(model)}
     info = merge_and_reinit(model)
     assert info["layers"] == 14 and info["merge_count"] == 1 and info["max_q_norm"] > 0.1
     with torch.no_grad():
         after = outputs(model, "llama")
     assert (after - before).abs().max() <= 1e-5
-    for name, layer in poet_layers(model):
+    for name, layer in rotation_layers(model):
         assert layer.poet_R["default"].abs().max() == 0 and layer.poet_P["default"].abs().max() == 0
         assert not torch.equal(layer.poet_R_index["default"], perms_before[name])
 
@@ -167,18 +168,18 @@ def test_merge_permutations_reproduce_in_a_fresh_process(tmp_path):
     model = poet("llama", seed=11)
     merge_and_reinit(model)
     merge_and_reinit(model)
-    here = {n: layer.poet_P_index["default"].tolist() for n, layer in poet_layers(model)}
+    here = {n: layer.poet_P_index["default"].tolist() for n, layer in rotation_layers(model)}
     # A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py).
     (tmp_path / "merges.py").write_text(
         textwrap.dedent(f"""
         import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
         from peft import get_peft_model
         from poet_hf import PoetConfig, merge_and_reinit
-        from poet_hf.tuners.poet import poet_layers
+        from poet_hf.tuners.rotation_layer import rotation_layers
         from models import tiny_llama
         model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, seed=11))
         merge_and_reinit(model); merge_and_reinit(model)
-        indices = {{n: layer.poet_P_index['default'].tolist() for n, layer in poet_layers(model)}}
+        indices = {{n: layer.poet_P_index['default'].tolist() for n, layer in rotation_layers(model)}}
         open(sys.argv[1], 'w').write(json.dumps(indices))
     """)
     )
@@ -199,23 +200,13 @@ def test_merge_permutations_reproduce_in_a_fresh_process(tmp_path):
     ],
 )
 def test_trainable_parameter_counts_match_table_2(size, spo, value, expected):
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     hidden, heads, layers = {"60m": (512, 8, 8), "130m": (768, 12, 12)}[size]
     # Table 7: BS uses 1280 / 2048; FS uses GaLore's 1376 / 2048.
     intermediate = {("60m", "block"): 1280, ("130m", "block"): 2048, ("60m", "full"): 1376, ("130m", "full"): 2048}[
         (size, spo)
     ]
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-    )
-    with torch.device("meta"):
-        base = LlamaForCausalLM(config)
+    base = tiny_llama(meta=True, hidden=hidden, intermediate=intermediate, layers=layers, vocab=32000, heads=heads)
     kwargs = {"block_size": value} if spo == "block" else {"budget": value}
     model = get_peft_model(base, PoetConfig(spo=spo, **kwargs))
     trainable = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
@@ -245,7 +236,7 @@ def test_weight_and_activation_strategies_agree_in_forward_and_gradients(kind, s
 
 def test_cost_model_picks_activation_for_few_tokens_and_weight_for_many():
     model = poet("llama", block_size=16)
-    layer = poet_layers(model)[0][1]
+    layer = rotation_layers(model)[0][1]
     assert layer.choose_strategy("default", tokens=4, training=False) == "activation"
     assert layer.choose_strategy("default", tokens=4096, training=False) == "weight"
 
@@ -265,7 +256,7 @@ def test_save_reload_is_exact_after_merges(tmp_path, spo):
     with torch.no_grad():
         got = outputs(reloaded, "llama")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    for (name, a), (_, b) in zip(poet_layers(model), poet_layers(reloaded), strict=True):
+    for (name, a), (_, b) in zip(rotation_layers(model), rotation_layers(reloaded), strict=True):
         assert torch.equal(a.poet_R_index["default"], b.poet_R_index["default"]), name
         assert int(b.poet_merge_count["default"]) == 2
 
@@ -320,7 +311,7 @@ def test_peft_merge_unmerge_restores_base_and_keeps_adapter():
     # unmerge must solve. Merge and unmerge are four 16-long block products per weight, far inside the model's bound.
     model = poet("llama", neumann_terms=3).double()
     randomize(model, op_norm=0.3)
-    layer = poet_layers(model)[0][1]
+    layer = rotation_layers(model)[0][1]
     w0 = layer.weight_matrix().detach().clone()
     skew = layer.poet_R["default"].detach().clone()
     with torch.no_grad():
@@ -374,7 +365,7 @@ def test_activation_forward_on_conv2d_is_rejected():
 # --- base_init --------------------------------------------------------------------------------------------------------
 def test_normalized_base_init_gives_unit_norm_neurons_and_trainable_non_targets():
     model = poet("llama", base_init="normalized")
-    for _, layer in poet_layers(model):
+    for _, layer in rotation_layers(model):
         norms = layer.weight_matrix().detach().norm(dim=1)
         # Normalising a float32 row and measuring it again each sum n squares: within γ_(n+2) of 1 on both counts.
         torch.testing.assert_close(
@@ -388,7 +379,7 @@ def test_normalized_base_init_gives_unit_norm_neurons_and_trainable_non_targets(
 @pytest.mark.numerics
 def test_uniform_spectrum_base_init_has_unit_singular_values():
     model = poet("llama", base_init="uniform_spectrum")
-    s = torch.linalg.svdvals(poet_layers(model)[0][1].weight_matrix().detach().double())
+    s = torch.linalg.svdvals(rotation_layers(model)[0][1].weight_matrix().detach().double())
     torch.testing.assert_close(s, torch.ones_like(s), rtol=0, atol=1e-5)
 
 
@@ -398,7 +389,7 @@ def test_two_adapters_compose_like_the_dense_product_and_disable_restores_base()
     model = poet("llama", init_weights=False)
     model.add_adapter("second", PoetConfig(block_size=16, init_weights=False, seed=4))
     model.base_model.set_adapter(["default", "second"])
-    layer = poet_layers(model)[0][1]
+    layer = rotation_layers(model)[0][1]
     x = torch.randn(3, layer.in_features, dtype=torch.float64)
     w = layer.weight_matrix().detach().double()
     dense = w

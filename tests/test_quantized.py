@@ -133,7 +133,7 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
 def test_the_cost_model_counts_each_dequantisation_of_w0():
     """A quantised W0 is dequantised in the forward and again in the backward (once without gradients): the cost
     model adds that many ``dequantize_cost · N`` to every strategy, and keeps what each strategy keeps."""
-    from poet_hf.orthogonal.rotated_linear import strategy_costs
+    from poet_hf.orthogonal.strategy_costs import strategy_costs
 
     sides = (SideSpec("block", 512, 64), SideSpec("block", 256, 64))
     for training, passes in ((True, 2), (False, 1)):

@@ -16,11 +16,12 @@ from script_modules import load_module
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig
-from poet_hf.diagnostics import _probe_vector, poet_statistics
+from poet_hf.diagnostics import _probe_vector, paper_metrics, poet_statistics, rotation_stats
 from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
-from poet_hf.orthogonal.cayley import MAX_SKEW_NORM, paper_neumann_k
+from poet_hf.orthogonal.cayley import paper_neumann_k
+from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.training.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,12 +185,14 @@ def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
 
 def test_fully_stochastic_sides_take_an_absolute_size_and_per_side_block_sizes_work():
     model = get_peft_model(tiny_llama(), PoetConfig(spo="full", budget={"input": 24, "output": 0.25}))
-    for name, layer in poet_layers(model):
-        specs = layer.poet_specs["default"]
+    for name, layer in rotation_layers(model):
+        specs = layer.rotation_specs["default"]
         assert specs["input"].block == 24 and specs["output"].block == -(-layer.out_features // 4), name
     model = get_peft_model(tiny_llama(), PoetConfig(block_size={"input": 32, "output": 16}))
-    layer = poet_layers(model)[0][1]
-    assert layer.poet_specs["default"]["input"].block == 32 and layer.poet_specs["default"]["output"].block == 16
+    layer = rotation_layers(model)[0][1]
+    assert (
+        layer.rotation_specs["default"]["input"].block == 32 and layer.rotation_specs["default"]["output"].block == 16
+    )
     with pytest.raises(ValueError, match=r"`budget\['input'\]`"):
         PoetConfig(spo="full", budget={"input": 1.5})
 
@@ -231,19 +234,19 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
 # --- 4. the paper's diagnostics --------------------------------------------------------------------------------------
 def dense_rotation(layer, side: str, blocks: torch.Tensor, spo: str) -> torch.Tensor:
     """One side's whole ``m × m`` rotation from its float64 blocks and its permutation / index set (eqs. 4–5)."""
-    index, dim = layer.index_buffer("default", side), layer.poet_specs["default"][side].dim
+    index, dim = layer.index_buffer("default", side), layer.rotation_specs["default"][side].dim
     return subset_rotation_dense(index, blocks[0], dim) if spo == "full" else block_rotation_dense(index, blocks)
 
 
 @pytest.mark.parametrize("spo", ["block", "full"])
 def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
     model = get_peft_model(tiny_llama(), PoetConfig(spo=spo, block_size=16, neumann_terms=3, init_weights=False))
-    for _, layer in poet_layers(model)[:4]:
+    for _, layer in rotation_layers(model)[:4]:
         with torch.no_grad():
-            for side in layer.poet_specs["default"]:
+            for side in layer.rotation_specs["default"]:
                 layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
-        metrics = layer.paper_metrics("default")
-        for side, spec in layer.poet_specs["default"].items():
+        metrics = paper_metrics(layer)
+        for side, spec in layer.rotation_specs["default"].items():
             blocks = torch.stack(
                 [
                     cayley_neumann(skew_from_vector(row.double(), spec.block), 3)
@@ -265,15 +268,15 @@ def test_logged_statistics_are_those_of_the_dense_rotations(spo):
     means of e_orth and of the probe cosine ``vᵀ R v``. float64 rounding of 16 × 16 products is about 1e-14."""
     terms = 3
     model = get_peft_model(tiny_llama(), PoetConfig(spo=spo, block_size=16, neumann_terms=terms, init_weights=False))
-    layers = poet_layers(model)
+    layers = rotation_layers(model)
     with torch.no_grad():
         for _, layer in layers:
-            for side in layer.poet_specs["default"]:
+            for side in layer.rotation_specs["default"]:
                 layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
     q_norm, block_error, probe, e_orth = 0.0, 0.0, {"R": [], "P": []}, {"R": [], "P": []}
     for _, layer in layers:
         bound = 1.0
-        for side, spec in layer.poet_specs["default"].items():
+        for side, spec in layer.rotation_specs["default"].items():
             qs = [skew_dense(row.double(), spec.block) for row in layer.skew_parameter("default", side).detach()]
             blocks = torch.stack([neumann_series(q, terms) for q in qs])
             q_norm = max(q_norm, max(float(torch.linalg.svdvals(q).max()) for q in qs))
@@ -287,7 +290,7 @@ def test_logged_statistics_are_those_of_the_dense_rotations(spo):
             e_orth[letter].append(float(torch.linalg.matrix_norm(dense @ dense.T - eye) / spec.dim**0.5))
             v = _probe_vector(layer, "default", side, spec.dim)
             probe[letter].append(float(v @ dense @ v))
-        assert layer.rotation_stats("default")["neumann_bound"] == pytest.approx(bound - 1, rel=1e-10)
+        assert rotation_stats(layer)["neumann_bound"] == pytest.approx(bound - 1, rel=1e-10)
         assert bound - 1 > 1e-3
     stats = poet_statistics(model)
     assert stats["poet/q_norm"] == pytest.approx(q_norm, rel=1e-12) and q_norm < MAX_SKEW_NORM  # no rescaling
@@ -300,8 +303,8 @@ def test_logged_statistics_are_those_of_the_dense_rotations(spo):
 
 def test_exact_cayley_rotations_have_zero_e_orth():
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, neumann_terms=0, init_weights=False))
-    for _, layer in poet_layers(model):
-        assert max(m["e_orth"] for m in layer.paper_metrics("default").values()) < 1e-13
+    for _, layer in rotation_layers(model):
+        assert max(m["e_orth"] for m in paper_metrics(layer).values()) < 1e-13
 
 
 def test_the_old_spellings_still_work_for_a_release_with_a_warning():

@@ -21,7 +21,8 @@ from tolerances import gamma, tiny_model_tolerance
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation
-from poet_hf.tuners.rotation_layer import plain_autograd, rotation_layers
+from poet_hf.tuners.fused_forward import plain_autograd
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 HERE = Path(__file__).resolve().parent
 
@@ -131,7 +132,7 @@ def test_the_polynomial_runs_twice_per_optimizer_step_whatever_the_accumulation(
     """Without deferral each micro-batch evaluates the polynomial twice per side (forward, and the backward's
     rebuild for its VJP); with it, the step's first forward builds it and the last backward rebuilds it once."""
     model = build()
-    sides = sum(len(layer.poet_specs["default"]) for _, layer in rotation_layers(model))
+    sides = sum(len(layer.rotation_specs["default"]) for _, layer in rotation_layers(model))
     for ids in batches(4):
         backward(model, ids)
     assert count_polynomials["n"] == 2 * 4 * sides
@@ -147,7 +148,7 @@ def test_the_cache_holds_the_blocks_and_their_gradient_and_nothing_more():
     expected = sum(
         2 * 8 * layer.skew_parameter("default", side).shape[0] * spec.block**2
         for _, layer in rotation_layers(model)
-        for side, spec in layer.poet_specs["default"].items()
+        for side, spec in layer.rotation_specs["default"].items()
     )
     assert cache_bytes(model) == expected
 
@@ -312,8 +313,8 @@ def test_the_cost_model_counts_the_polynomial_as_each_micro_batch_pays_it():
     """k = 5 terms: 2 products forward, 3 for the VJP (neumann_product_count). An uncached call pays 2·2 + 3, the
     window's first micro-batch 2, the others none, the last 2 + 3: per optimizer step as much as one uncached call.
     The amount is the same in every strategy, so the choice does not move."""
-    from poet_hf.orthogonal.rotated_linear import polynomial_products, strategy_costs
     from poet_hf.orthogonal.spo import SideSpec
+    from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_costs
 
     block = SideSpec("block", 768, 256)
     per_product = 2 * 3 * 256**3  # two sides of three 256-blocks
@@ -335,7 +336,7 @@ def test_cache_rotations_false_rebuilds_per_micro_batch_and_holds_nothing(count_
     micro_batches = batches(4)
     expected = reference_grads(build, [lambda m, ids=ids: backward(m, ids) for ids in micro_batches])
     model = build(cache_rotations=False)
-    sides = sum(len(layer.poet_specs["default"]) for _, layer in rotation_layers(model))
+    sides = sum(len(layer.rotation_specs["default"]) for _, layer in rotation_layers(model))
     for i, ids in enumerate(micro_batches):
         backward(model, ids, defer=i < 3)
         assert cache_bytes(model) == 0

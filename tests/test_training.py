@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from poet_hf import MergeReinitCallback
 from poet_hf.training import clip_threshold, poet_parameters
 from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
-from poet_hf.tuners.poet import poet_layers
+from poet_hf.tuners.rotation_layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ class Recorder(TrainerCallback):
         self.rows = []
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        layers = poet_layers(model)
+        layers = rotation_layers(model)
         poet_ids = {id(p) for p in poet_parameters(model)}
         base = [p for p in model.parameters() if p.requires_grad and id(p) not in poet_ids]
         self.rows.append(
@@ -113,7 +113,7 @@ def test_a_reference_block_gives_each_side_its_rate_by_block_size():
     poet = {g["block_size"]: g for g in groups if g.get("poet")}
     assert {b: g["lr"] for b, g in poet.items()} == pytest.approx({8: 2e-3 * 4, 16: 2e-3 * 2})
     sides = {b: sum(p.numel() for p in g["params"]) for b, g in poet.items()}
-    layers = poet_layers(model)
+    layers = rotation_layers(model)
     assert sides == {
         8: sum(layer.poet_R["default"].numel() for _, layer in layers),
         16: sum(layer.poet_P["default"].numel() for _, layer in layers),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 from datasets import Dataset
+from models import TINY_LLAMA, tiny_llama
 from peft import get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, default_data_collator
+from transformers import LlamaConfig, default_data_collator
 
 from poet_hf import PoetConfig, PoetTrainer, PoetTrainingArguments
 from poet_hf.data import load_embedded_corpus, load_tokenizer, pack_sequences
@@ -39,19 +40,9 @@ def tiny_dataset(seq_len: int = 32, chars: int = 40_000):
 
 def tiny_poet_model(vocab: int, seed: int = 0, meta: bool = False, **poet_kwargs):
     """A tiny POET LLaMA; with ``meta`` built on the meta device, for PoetTrainer to materialize."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
     fields = {"block_size": 8, "merge_every": 2, "base_init": "normalized", **poet_kwargs}
-    with torch.device("meta" if meta else "cpu"):
-        return get_peft_model(LlamaForCausalLM(config), PoetConfig(**fields))
+    base = tiny_llama(seed, meta, hidden=32, intermediate=64, vocab=vocab, heads=2, max_position_embeddings=64)
+    return get_peft_model(base.train(), PoetConfig(**fields))
 
 
 def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
@@ -78,16 +69,6 @@ def tiny_trainer(output_dir, model, dataset, **arg_overrides) -> PoetTrainer:
 
 
 # An odd vocabulary: the embeddings and head split into uneven shards.
-TINY_LLAMA = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
 
 
 def meta_poet_model(spo: str, base_init: str | None = "normalized", config_from: str | None = None, **poet_kwargs):

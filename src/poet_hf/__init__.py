@@ -16,7 +16,7 @@ from .tuners.registry import register_tuners
 register_tuners()
 
 from .tuners.oft import OftConfig  # noqa: E402
-from .tuners.orthogonal import OrthogonalConfig  # noqa: E402
+from .tuners.orthogonal_layers import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
 from .tuners.rotation_cache import defer_rotation_grads  # noqa: E402
 from .tuners.rotation_layer import flush_rotation_caches  # noqa: E402

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import cast
 
@@ -10,8 +11,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
-from .tuners.poet import poet_layers
-from .tuners.rotation_layer import RotationLayer, full_tensor
+from .orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
+from .sharded import full_tensor
+from .tuners.rotation_layer import RotationLayer, SideRotations, rotation_layers
 
 PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
 
@@ -27,7 +29,7 @@ def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> 
     Returns:
         ``{module name: out × in float32 weight}``.
     """
-    layers = poet_layers(model)
+    layers = rotation_layers(model)
     if layers:
         return {name: layer.effective_weight_matrix(dtype=torch.float32).detach() for name, layer in layers}
     weights = {}
@@ -183,10 +185,83 @@ def plot_spectra(
 
 
 def _probe_vector(layer: RotationLayer, adapter: str, side: str, dim: int) -> torch.Tensor:
-    settings = layer.poet_settings[adapter]
+    settings = layer.rotation_settings[adapter]
     generator = spo_generator(settings.seed, PROBE_MERGE_COUNT, settings.layer_name, side)
     v = torch.randn(dim, generator=generator, dtype=torch.float64)
     return v / v.norm()
+
+
+@torch.no_grad()
+def rotation_stats(
+    layer: RotationLayer, adapter: str = "default", rotations: SideRotations | None = None
+) -> dict[str, float]:
+    """One layer's [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics] in float64.
+
+    Args:
+        layer: a POET or OFT layer.
+        adapter: the adapter to measure.
+        rotations: the layer's ``float64_rotations(adapter)``, when the caller has them.
+
+    Returns:
+        ``{"q_norm", "orth_error", "neumann_bound"}``.
+    """
+    rotations = rotations if rotations is not None else layer.float64_rotations(adapter)
+    return block_statistics(rotations, layer.rotation_settings[adapter].neumann_terms)
+
+
+@torch.no_grad()
+def paper_metrics(
+    layer: RotationLayer, adapter: str = "default", rotations: SideRotations | None = None
+) -> dict[str, dict[str, float]]:
+    """Per side, the POET paper's ``e_orth`` and ``Tr(R)/m`` of one layer
+    ([`rotation_metrics`][poet_hf.orthogonal.statistics.rotation_metrics]).
+
+    Args:
+        layer: a POET or OFT layer.
+        adapter: the adapter to measure.
+        rotations: the layer's ``float64_rotations(adapter)``, when the caller has them.
+
+    Returns:
+        ``{side: {"e_orth", "trace"}}``.
+    """
+    rotations = rotations if rotations is not None else layer.float64_rotations(adapter)
+    return {side: rotation_metrics(rotations[side][1], spec) for side, spec in layer.sides(adapter).items()}
+
+
+@torch.no_grad()
+def rotation_angle(layer: RotationLayer, adapter: str = "default") -> float:
+    """How far, in degrees, one layer's live rotations can turn a vector (POET's two sides add up; OFT has one):
+    [`largest_rotation_angle`][poet_hf.orthogonal.statistics.largest_rotation_angle].
+
+    Args:
+        layer: a POET or OFT layer.
+        adapter: the adapter to measure.
+
+    Returns:
+        The angle in degrees.
+    """
+    sides = layer.sides(adapter).items()
+    return largest_rotation_angle(
+        {side: (full_tensor(layer.skew_parameter(adapter, side)), spec) for side, spec in sides}
+    )
+
+
+def neumann_drift_bound(model: nn.Module, merge_history: list[dict]) -> float | None:
+    """Bound on any singular value's relative drift over a run: each merge and the live rotations scale it by at most
+    ``1 + ε`` (``ε`` from the Cayley–Neumann truncation, POET §5); ``None`` without rotation layers.
+
+    Args:
+        model: the trained model.
+        merge_history: what each merge reported (``MergeReinitCallback.history``), with ``max_neumann_bound``.
+
+    Returns:
+        The relative bound, or ``None`` without rotation layers.
+    """
+    layers = rotation_layers(model)
+    if not layers:
+        return None
+    live = max(rotation_stats(layer)["neumann_bound"] for _, layer in layers)
+    return math.prod(1 + m["max_neumann_bound"] for m in merge_history) * (1 + live) - 1
 
 
 @torch.no_grad()
@@ -210,17 +285,17 @@ def poet_statistics(model: nn.Module, adapter: str = "default") -> dict[str, flo
     """
     q_norm, block_error, merge_count = 0.0, 0.0, 0
     per_type: dict[str, list[float]] = {}
-    for name, layer in poet_layers(model, adapter):
+    for name, layer in rotation_layers(model, adapter):
         rotations = layer.float64_rotations(adapter)  # one evaluation per layer and side serves every statistic
-        stats = layer.rotation_stats(adapter, rotations)
+        stats = rotation_stats(layer, adapter, rotations)
         q_norm, block_error = max(q_norm, stats["q_norm"]), max(block_error, stats["orth_error"])
         merge_count = int(layer.merge_counts[adapter])
         layer_type = name.rsplit(".", 1)[-1]
-        for side, metrics in layer.paper_metrics(adapter, rotations).items():
+        for side, metrics in paper_metrics(layer, adapter, rotations).items():
             letter = "R" if side == "input" else "P"
             for metric, value in metrics.items():
                 per_type.setdefault(f"{metric}_{letter}/{layer_type}", []).append(value)
-            spec = layer.poet_specs[adapter][side]
+            spec = layer.rotation_specs[adapter][side]
             v = _probe_vector(layer, adapter, side, spec.dim)
             blocks = rotations[side][1].cpu()
             cosine = float(spec.matmul_right(v[None], layer.index_buffer(adapter, side).cpu(), blocks)[0] @ v)

@@ -6,24 +6,28 @@ tensors there. Merge-then-reinitialize runs outside the forward on the sharded w
 ``W0`` and skew vectors, folds, writes back only its shard and draws the same permutations on every rank
 (`merge_and_reinit`), so a merge never holds more than one
 layer's full weight. This module adds what a sharded run needs around that: sharding per decoder layer (what
-Accelerate's ``fsdp_version: 2`` does inside ``Trainer``), and the gathers that end a run: an unsharded copy on
-rank 0 to export or save, written once.
-
-Every function here that gathers is a collective: call it on every rank.
+Accelerate's ``fsdp_version: 2`` does inside ``Trainer``); the gathers that end a run (an unsharded copy on
+rank 0 to export or save, written once) live in [`poet_hf.sharded`][poet_hf.sharded] and are re-exported here.
 """
 
 from __future__ import annotations
 
-import copy
-import os
-import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharded import (
+    barrier,
+    end_distributed,
+    full_tensor,
+    gather_full_state_dict,
+    is_sharded,
+    save_pretrained_unsharded,
+    unsharded_replica,
+)
 from .tuners.peft_utils import base_model_of
 
 __all__ = [
@@ -34,52 +38,9 @@ __all__ = [
     "unsharded_replica",
     "save_pretrained_unsharded",
     "end_distributed",
+    "barrier",
+    "full_tensor",
 ]
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def end_distributed(exit_process: bool = False) -> None:
-    """Tear down the default process group when one is up: every rank meets at a barrier, then destroys it.
-
-    With ``exit_process=True`` the process then ends at once (``os._exit(0)``, after flushing stdout and stderr).
-    gloo's threads outlive ``destroy_process_group`` (PyTorch keeps references to the group), and the interpreter's
-    finalization can then abort ("terminate called without an active exception", exit -6) although the run
-    succeeded. ``os._exit`` skips ``atexit`` handlers: call it as the last line of a launched script. Without a
-    process group this does nothing and returns.
-
-    Args:
-        exit_process: end the process with status 0 after the teardown.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    dist.destroy_process_group()
-    if exit_process:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a ``DTensor`` (FSDP2 has sharded it).
-
-    Args:
-        model: the model to inspect.
-
-    Returns:
-        ``True`` when FSDP2 has sharded at least one parameter.
-    """
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -196,84 +157,3 @@ def shard_model(
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
         materialize_model(model, seed=seed, device=device, checkpoint=checkpoint, loading=loading)
     return model
-
-
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state dict on rank 0's CPU (an empty dict on the other ranks), gathered one tensor at a time.
-
-    Args:
-        model: the model, sharded or not.
-
-    Returns:
-        The state dict on rank 0, ``{}`` on the others.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    if not is_sharded(model):
-        return {k: v.detach().cpu() for k, v in model.state_dict().items()} if _rank() == 0 else {}
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return cast(dict[str, torch.Tensor], state)  # full_state_dict: plain tensors
-
-
-def _unwrapped_class(module: nn.Module) -> type:
-    """The model class under FSDP2's generated ``FSDP<Name>`` subclass."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
-
-
-def unsharded_replica(model: nn.Module) -> nn.Module | None:
-    """On rank 0, an unsharded CPU copy of ``model`` (a ``PeftModel`` keeps its adapters); ``None`` elsewhere.
-
-    The base model is rebuilt from its class and config, the adapters from their configs, and the gathered state
-    dict (buffers included: permutations, merge counts) is loaded into it, so the copy computes what the sharded
-    model computes.
-
-    Args:
-        model: the sharded model (a ``PeftModel`` or a plain one).
-
-    Returns:
-        The copy on rank 0, ``None`` on the others.
-
-    Raises:
-        RuntimeError: the gathered state dict does not fit the rebuilt model.
-    """
-    state = gather_full_state_dict(model)
-    if _rank() != 0:
-        return None
-    from peft import PeftModel, get_peft_model
-
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
-    replica: Any = _unwrapped_class(base)(copy.deepcopy(base.config))  # then a PeftModel around it
-    if isinstance(model, PeftModel):
-        names = list(model.peft_config)
-        replica = get_peft_model(replica, copy.deepcopy(model.peft_config[names[0]]), adapter_name=names[0])
-        for name in names[1:]:
-            replica.add_adapter(name, copy.deepcopy(model.peft_config[name]))
-        replica.base_model.set_adapter(
-            model.active_adapters if len(model.active_adapters) > 1 else model.active_adapters[0]
-        )
-    missing, unexpected = replica.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if not k.endswith("inv_freq")]:
-        raise RuntimeError(
-            f"the gathered state dict does not fit the rebuilt {type(replica).__name__}: missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    return replica.eval() if not model.training else replica
-
-
-def save_pretrained_unsharded(model: nn.Module, output_dir: str | Path, **kwargs: Any) -> None:
-    """``model.save_pretrained(output_dir)`` for a sharded model: gathered on rank 0 and written once.
-
-    A ``PeftModel`` writes its adapter folder as usual (plus the base weights POET changed, as unsharded
-    ``save_pretrained`` does); every rank returns when the folder is complete.
-
-    Args:
-        model: the sharded model.
-        output_dir: the folder to write.
-        **kwargs: passed to ``save_pretrained``.
-    """
-    state = gather_full_state_dict(model)
-    if _rank() == 0:
-        cast(Any, model).save_pretrained(output_dir, state_dict=state, is_main_process=True, **kwargs)
-    barrier()

@@ -34,8 +34,9 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
+from .sharded import write_full
 from .tuners.peft_utils import base_model_of
-from .tuners.rotation_layer import RotationLayer, rotation_layers, write_full
+from .tuners.rotation_layer import RotationLayer, rotation_layers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -291,22 +292,6 @@ def materialize_model(
     stored = _checkpoint_names(model, modules, checkpoint, sharded)
     owners = _owners(model)
 
-    def fill(key: str, module: nn.Module) -> None:
-        values = None
-        for tensor_name, target in _named_tensors(module):
-            full_key = f"{key}.{tensor_name}" if key else tensor_name
-            if full_key in stored:
-                source = stored.source
-                value = source.read(stored[full_key]) if source is not None else None
-                if sharded:
-                    _receive_from_rank0(target, value, loading)
-                else:
-                    assert value is not None  # one process: the checkpoint is read here
-                    write_full(target, value)
-                continue
-            values = values or initial_values(module, owners.get(id(module)), key, seed)
-            write_full(target, values[tensor_name])
-
     groups = list(_groups_by_layer(pending, layers))
     del pending, modules  # a quantised layer's float32 base is freed as soon as its group is done
     for group, layer in groups:  # a rotation layer whole, then quantised: one at a time
@@ -314,7 +299,7 @@ def materialize_model(
             module.to_empty(device=device, recurse=False)
         for name, module in group:
             if id(module) not in adapter_state:
-                fill(base_name(name), module)
+                _fill(module, base_name(name), stored, owners.get(id(module)), seed, sharded, loading)
         if layer is not None:
             _finish_layer(layer, sharded)
         group.clear()
@@ -322,6 +307,24 @@ def materialize_model(
     if hasattr(base, "tie_weights"):
         base.tie_weights()
     return model
+
+
+def _fill(module: nn.Module, key: str, stored: Any, owner: Any, seed: int, sharded: bool, loading: str) -> None:
+    """Write one module's tensors: from the checkpoint where it holds them, else their keyed initial values."""
+    values = None
+    for tensor_name, target in _named_tensors(module):
+        full_key = f"{key}.{tensor_name}" if key else tensor_name
+        if full_key in stored:
+            source = stored.source
+            value = source.read(stored[full_key]) if source is not None else None
+            if sharded:
+                _receive_from_rank0(target, value, loading)
+            else:
+                assert value is not None  # one process: the checkpoint is read here
+                write_full(target, value)
+            continue
+        values = values or initial_values(module, owner, key, seed)
+        write_full(target, values[tensor_name])
 
 
 def _groups_by_layer(
@@ -347,7 +350,7 @@ def _groups_by_layer(
 def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
     """A materialized rotation layer's adapter state (`reset_rotation_state`), then the quantisation its config
     asked for while it was on the meta device."""
-    for adapter_name in layer.poet_specs:
+    for adapter_name in layer.rotation_specs:
         layer.reset_rotation_state(adapter_name)
     if layer.pending_quantization is not None:
         if sharded:

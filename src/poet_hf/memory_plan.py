@@ -329,53 +329,54 @@ def plan_memory(
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
     """
+    settings: dict[str, Any] = {name: value for name, value in locals().items() if name != "model"}  # as given
+    _check_settings(settings)
+    built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
+    blocks = _block_classes(built)
+    parts, counts, largest, entry_bytes = _parameter_bytes(built, settings, blocks)
+    all_gradients = parts["gradients"]
+    if accumulation == 1:
+        parts["gradients"] = largest["head gradients"]  # the backward's start: only the head's gradients exist yet
+    if sharding == "ddp" and processes > 1:
+        parts["DDP gradient buckets"] = parts["trainable parameters"]  # the reducer's flat copy of every gradient
+    parts.update(_working_bytes(built, settings, blocks, largest["W0"]))
+    if sharding == "fsdp2" and processes > 1:
+        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
+    at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
+    at_end["gradients"] = largest["gradient"] if fused_step else all_gradients
+    settings["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
+    return MemoryPlan(method, at_end if settings["peak"] == "backward end" else parts, settings, counts)
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
+    """Raise a ``ValueError`` naming the first argument of `plan_memory` outside its allowed values."""
     from .tuners.config_utils import check_choice
 
-    check_choice("method", method, METHODS)
-    check_choice("sharding", sharding, SHARDINGS)
-    check_choice("dtype", dtype, tuple(DTYPES))
-    for name, value in (
-        ("batch_size", batch_size),
-        ("seq_len", seq_len),
-        ("processes", processes),
-        ("accumulation", accumulation),
-        ("block_size", block_size),
-        ("rank", rank),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
-    if not 0 < budget <= 1:
-        raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
-    check_choice("base_quantization", base_quantization, (None, *BASE_QUANTIZATIONS))
-    check_choice("residual_storage", residual_storage, RESIDUAL_STORAGES)
-    check_choice("optimizer_bits", optimizer_bits, (32, 8))
-    settings = {
-        "method": method,
-        "block_size": block_size,
-        "budget": budget,
-        "rank": rank,
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "seq_len": seq_len,
-        "processes": processes,
-        "sharding": sharding,
-        "checkpointing": checkpointing,
-        "accumulation": accumulation,
-        "cache_rotations": cache_rotations,
-        "base_quantization": base_quantization,
-        "residual_storage": residual_storage,
-        "fused_step": fused_step,
-        "optimizer_bits": optimizer_bits,
-    }
-    built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
-    value_size = torch.finfo(DTYPES[dtype]).bits // 8
-    shards = processes if sharding == "fsdp2" else 1
-    blocks = _block_classes(built)
+    check_choice("method", settings["method"], METHODS)
+    check_choice("sharding", settings["sharding"], SHARDINGS)
+    check_choice("dtype", settings["dtype"], tuple(DTYPES))
+    for name in ("batch_size", "seq_len", "processes", "accumulation", "block_size", "rank"):
+        if not isinstance(settings[name], int) or settings[name] < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {settings[name]!r}")
+    if not 0 < settings["budget"] <= 1:
+        raise ValueError(f"`budget` must be in (0, 1], got {settings['budget']!r}")
+    check_choice("base_quantization", settings["base_quantization"], (None, *BASE_QUANTIZATIONS))
+    check_choice("residual_storage", settings["residual_storage"], RESIDUAL_STORAGES)
+    check_choice("optimizer_bits", settings["optimizer_bits"], (32, 8))
+
+
+def _parameter_bytes(
+    built: Any, settings: dict[str, Any], blocks: tuple[type[nn.Module], ...]
+) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[int, int]]:
+    """Per parameter: its bytes by part, the entry counts, the largest W0 / gradient and the head's gradients, and
+    each parameter's bytes per entry (for the FSDP2 gathers)."""
+    method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
+    shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
     galore = _galore_targets(built) if method == "galore" else set()
     counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
     parts = dict.fromkeys(PARTS, 0)
-    head_gradients = largest_gradient = largest_w0 = 0
+    largest = {"head gradients": 0, "gradient": 0, "W0": 0}
     entry_bytes = {}
     for name, parameter in built.named_parameters():
         adapter = any(marker in name for marker in ADAPTER_MARKERS)
@@ -385,8 +386,9 @@ def plan_memory(
             kind = "W0" if _in_targeted_linear(name) else "other frozen"
             counts[kind] += parameter.numel()
             if kind == "W0" and method.startswith("poet"):
-                largest_w0 = max(largest_w0, parameter.numel())
-                local = _w0_bytes(parameter.shape, base_quantization, residual_storage, value_size, shards)
+                largest["W0"] = max(largest["W0"], parameter.numel())
+                quantization, storage = settings["base_quantization"], settings["residual_storage"]
+                local = _w0_bytes(parameter.shape, quantization, storage, value_size, shards)
             parts["W0" if kind == "W0" else "other frozen weights"] += local
             continue
         counts["trainable"] += parameter.numel()
@@ -394,44 +396,41 @@ def plan_memory(
         parts["trainable parameters"] += local
         parts["gradients"] += local
         if id(parameter) not in block_parameters and parameter.dim() == 2 and "embed" not in name:
-            head_gradients += local
+            largest["head gradients"] += local
         states, local_states = 2 * parameter.numel(), 2 * _shard(parameter.shape, shards)  # shaped as the shard
         if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
             short, long = sorted(parameter.shape)
-            states = short * rank + 2 * long * rank
+            states = short * settings["rank"] + 2 * long * settings["rank"]
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
-        parts["optimizer states"] += _state_bytes(local_states, size, optimizer_bits)
-        largest_gradient = max(largest_gradient, local)
-    all_gradients = parts["gradients"]
-    if accumulation == 1:
-        parts["gradients"] = head_gradients  # the backward's start: only the head's gradients exist yet
-    if sharding == "ddp" and processes > 1:
-        parts["DDP gradient buckets"] = parts["trainable parameters"]  # the reducer's flat copy of every gradient
-    if method.startswith("poet") and accumulation > 1 and cache_rotations:
+        parts["optimizer states"] += _state_bytes(local_states, size, settings["optimizer_bits"])
+        largest["gradient"] = max(largest["gradient"], local)
+    return parts, counts, largest, entry_bytes
+
+
+def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.Module], ...], largest_w0: int) -> dict:
+    """The step's working memory: rotation caches, activations (a dequantised W0 among them) and the loss's."""
+    method, batch, seq_len = settings["method"], settings["batch_size"], settings["seq_len"]
+    working = {}
+    if method.startswith("poet") and settings["accumulation"] > 1 and settings["cache_rotations"]:
         from .tuners.rotation_layer import rotation_layers
 
-        parts["rotation caches"] = sum(
+        working["rotation caches"] = sum(
             2 * spec.num_blocks * spec.block**2 * 4
             for _, layer in rotation_layers(built)
-            for specs in layer.poet_specs.values()
+            for specs in layer.rotation_specs.values()
             for spec in specs.values()
         )
-    outside, largest_block, everything, block_input = _trace_activations(
-        built, batch_size, seq_len, DTYPES[dtype], blocks
-    )
+    dtype = DTYPES[settings["dtype"]]
+    outside, largest_block, everything, block_input = _trace_activations(built, batch, seq_len, dtype, blocks)
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
-    parts["activations"] = (outside + block_count * block_input + largest_block) if checkpointing else everything
+    checkpointed = outside + block_count * block_input + largest_block
+    working["activations"] = checkpointed if settings["checkpointing"] else everything
+    if settings["base_quantization"] is not None and method.startswith("poet"):  # one layer's W0, dequantised
+        working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary = built.get_output_embeddings().weight.shape[0]
-    parts["loss working set"] = batch_size * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
-    if sharding == "fsdp2" and processes > 1:
-        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
-    if base_quantization is not None and method.startswith("poet"):  # a layer's W0 dequantised in its forward
-        parts["activations"] += largest_w0 * value_size
-    at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
-    at_end["gradients"] = largest_gradient if fused_step else all_gradients
-    settings["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
-    return MemoryPlan(method, at_end if settings["peak"] == "backward end" else parts, settings, counts)
+    working["loss working set"] = batch * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
+    return working
 
 
 FOUR_BIT_LAYER_BYTES = 16 * 4 + 256 * 4 + 170  # code book, nested code book, packed quant-state header

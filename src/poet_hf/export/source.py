@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..distributed import is_sharded, unsharded_replica
+from ..sharded import is_sharded, unsharded_replica
 from ..tuners.config_utils import holds_full_model
 
 if TYPE_CHECKING:
@@ -323,8 +323,8 @@ def _trainer_run_info(trainer: Any) -> dict:
     run.setdefault("learning_rate", args.learning_rate)
     if getattr(args, "poet_learning_rate", None) is not None:
         run.setdefault("poet_learning_rate", args.poet_learning_rate)
-    if getattr(args, "merge_every", None):
-        run.setdefault("merge_every", args.merge_every)
+    if getattr(trainer, "merge_every", None):  # PoetTrainer: the interval the run merged at
+        run.setdefault("merge_every", trainer.merge_every)
     run.setdefault("global_step", state.global_step)
     if state.num_input_tokens_seen:
         run.setdefault("num_input_tokens_seen", state.num_input_tokens_seen)

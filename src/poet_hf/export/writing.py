@@ -13,10 +13,46 @@ from typing import Any
 import torch
 
 from ..diagnostics import module_singular_values, spectrum_summary
-from ..distributed import barrier
+from ..sharded import barrier
 from .card import render_model_card
 from .folding import fold, max_merge_count, show_progress, tuner_layer_names
 from .source import ExportError, active_config, is_sharded_source, load_source, parse_dtype
+
+
+def _fold_with_card(
+    loaded: Any,
+    export_dtype: torch.dtype | None,
+    spectrum: bool,
+    progress: bool | None,
+    record_quantization: bool,
+    run: dict,
+    card_fields: dict,
+) -> tuple[Any, Any]:
+    """The plain model, folded and cast, and its model card (see `export_merged` for the arguments)."""
+    peft_config = active_config(loaded.model)
+    target_names = tuner_layer_names(loaded.model)
+    merge_count = max_merge_count(loaded.model)
+    plain, quantization_config = fold(loaded.model, progress)
+    spectrum_rows = (
+        spectrum_summary(module_singular_values(plain, target_names, show_progress(progress))) if spectrum else []
+    )
+    export_dtype = export_dtype or loaded.dtype
+    plain.to(export_dtype)  # type: ignore[arg-type]  # transformers' decorated .to drops torch's dtype overload
+    if record_quantization and quantization_config is not None:
+        plain.config.source_quantization_config = quantization_config
+    card = render_model_card(
+        plain,
+        peft_config,
+        export_dtype=export_dtype,
+        run_info=run,
+        eval_results=loaded.eval_results,
+        spectrum_rows=spectrum_rows,
+        folded_layers=len(target_names),
+        merge_count=merge_count,
+        from_scratch=loaded.from_scratch,
+        **card_fields,
+    )
+    return plain, card
 
 
 def export_merged(
@@ -77,32 +113,9 @@ def export_merged(
         barrier()
         return output
     tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+    card_fields = {"model_id": repo_id or output.name, "license": license, "datasets": datasets}
     run = {**loaded.run_info, **(run_info or {})}
-    peft_config = active_config(loaded.model)
-    target_names = tuner_layer_names(loaded.model)
-    merge_count = max_merge_count(loaded.model)
-    plain, quantization_config = fold(loaded.model, progress)
-    spectrum_rows = (
-        spectrum_summary(module_singular_values(plain, target_names, show_progress(progress))) if spectrum else []
-    )
-    export_dtype = export_dtype or loaded.dtype
-    plain.to(export_dtype)  # type: ignore[arg-type]  # transformers' decorated .to drops torch's dtype overload
-    if record_quantization and quantization_config is not None:
-        plain.config.source_quantization_config = quantization_config
-    card = render_model_card(
-        plain,
-        peft_config,
-        export_dtype=export_dtype,
-        run_info=run,
-        eval_results=loaded.eval_results,
-        spectrum_rows=spectrum_rows,
-        folded_layers=len(target_names),
-        merge_count=merge_count,
-        model_id=repo_id or output.name,
-        license=license,
-        datasets=datasets,
-        from_scratch=loaded.from_scratch,
-    )
+    plain, card = _fold_with_card(loaded, export_dtype, spectrum, progress, record_quantization, run, card_fields)
 
     def write(folder: Path) -> None:
         plain.save_pretrained(folder, max_shard_size=max_shard_size)

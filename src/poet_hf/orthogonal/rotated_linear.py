@@ -6,10 +6,11 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
 
 - **weight**: ``W_eff = Pᵀ W0 Rᵀ`` is built, then the base op runs with it. Between forward and backward only the
   layer input and the skew vectors are kept; the backward rebuilds ``W_eff`` and takes the gradients of both
-  rotations from ``∂L/∂W_eff = gᵀx``. Multiply-adds (training): ``3·T·N + 7·b·N`` for ``N = d_in·d_out``.
+  rotations from ``∂L/∂W_eff = gᵀx``.
 - **activation**: ``y = ((x R) W0ᵀ) P``. Kept: the input and, with an output side, the pre-rotation output ``h``
-  (``T × d_out``), which the gradient of ``P`` needs; ``x R`` is recomputed. Multiply-adds:
-  ``2·T·N + T·b·(3·d_in + 3·d_out)``; it skips ``∂L/∂W_eff`` entirely.
+  (``T × d_out``), which the gradient of ``P`` needs; ``x R`` is recomputed. It skips ``∂L/∂W_eff`` entirely.
+
+What each costs is in `strategy_costs`.
 
 Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
@@ -32,9 +33,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from .cayley import SkewRotation, neumann_product_count
+from .base_ops import Conv2dOp, LinearOp
+from .cayley import SkewRotation
 from .spo import (
     BLOCK,
     FULL,
@@ -54,8 +55,6 @@ __all__ = [
     "Conv2dOp",
     "DenseWeight",
     "rotated_forward",
-    "strategy_costs",
-    "polynomial_products",
     "compute_dtypes",
 ]
 
@@ -238,61 +237,6 @@ def _grad_left(grad_y: torch.Tensor, m: torch.Tensor, side: SideRotation) -> tor
 
 def _transpose(blocks: torch.Tensor) -> torch.Tensor:
     return blocks.transpose(-1, -2)
-
-
-# --- base operations -------------------------------------------------------------------------------------------------
-class LinearOp:
-    """``y = x Wᵀ + b`` on the last dimension (``nn.Linear``, and ``Conv1D`` through its transposed weight)."""
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
-    def backward(
-        self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool, weight_grad: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_x = grad_y @ weight if input_grad else None
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).T @ x.reshape(-1, x.shape[-1]) if weight_grad else None
-        return grad_x, grad_w
-
-    def bias_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
-        return grad_y.reshape(-1, grad_y.shape[-1]).sum(0)
-
-
-@dataclass(frozen=True)
-class Conv2dOp:
-    """``nn.Conv2d``'s operation with the weight given as the matrix ``out × (in/groups·kh·kw)``."""
-
-    weight_shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.conv2d(
-            x, weight.reshape(self.weight_shape), bias, self.stride, self.padding, self.dilation, self.groups
-        )
-
-    def backward(
-        self, grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, input_grad: bool, weight_grad: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
-            grad_y,
-            x,
-            weight.reshape(self.weight_shape),
-            None,
-            self.stride,
-            self.padding,
-            self.dilation,
-            False,
-            [0, 0],
-            self.groups,
-            [input_grad, weight_grad, False],
-        )
-        return grad_x, None if grad_w is None else grad_w.reshape(weight.shape)
-
-    def bias_grad(self, grad_y: torch.Tensor) -> torch.Tensor:
-        return grad_y.sum((0, 2, 3))
 
 
 def _given(blocks: torch.Tensor | None) -> torch.Tensor:
@@ -525,95 +469,3 @@ def rotated_forward(
     return function.apply(
         x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, strategy == ACTIVATION
     )
-
-
-def polynomial_products(terms: int, phase: str) -> int:
-    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays, by its place in the
-    optimizer step (`RotationCache`):
-
-    - ``"uncached"``: built in the forward, rebuilt in the backward, and its VJP (no accumulation window);
-    - ``"building"``: the window's first micro-batch builds the blocks, its VJP is deferred;
-    - ``"deferred"``: the blocks come from the cache, the VJP is deferred: nothing;
-    - ``"closing"``: the window's last micro-batch rebuilds once for the VJP of the accumulated sum.
-
-    Over a window of ``k`` micro-batches that is ``2·forward + VJP`` per optimizer step, as for one uncached call.
-    """
-    forward, vjp = neumann_product_count(terms)
-    return {"uncached": 2 * forward + vjp, "building": forward, "deferred": 0, "closing": forward + vjp}[phase]
-
-
-def strategy_costs(
-    tokens: int,
-    d_in: int,
-    d_out: int,
-    input_side: SideSpec | None,
-    output_side: SideSpec | None,
-    training: bool,
-    dequantize_cost: float = 0.0,
-    polynomial: int = 0,
-) -> dict[str, dict[str, float]]:
-    """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
-    strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
-    pays for the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
-    block and side.
-
-    With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
-    a fully stochastic one) and ``ρ_T`` its rotation of ``T`` rows (``b·T·d`` or ``b²·T``), in training:
-
-    - ``weight``: ``3·T·N`` (``y``, ``∂L/∂x``, ``∂L/∂W_eff = gᵀx``) + ``3·ρ_W(R) + (3 or 4)·ρ_W(P)`` (forward, rebuild,
-      block gradient; P's side also carries the gradient through to R's). Keeps nothing.
-    - ``activation``: ``2·T·N`` + ``3·ρ_T`` per side. Keeps ``h`` (``T × d_out``) when there is an output side.
-    - ``activation-recompute``: as ``activation`` plus ``T·N + ρ_T(R)`` to recompute ``h``. Keeps nothing.
-
-    Inference is ``T·N`` plus one rotation per side (of the weight, or of the rows).
-
-    A quantised ``W0`` (`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
-    and the backward in training (every strategy), the forward in inference. It is the same for every strategy, so
-    it moves the totals, never the choice. So does the polynomial: amortizing it over an accumulation window (a
-    deferred micro-batch pays none of it) makes every strategy cheaper by the same amount.
-    """
-    passes = 2 if training else 1
-    fixed = passes * dequantize_cost * d_in * d_out + polynomial * sum(
-        spec.num_blocks * spec.block**3 for spec in (input_side, output_side) if spec is not None
-    )
-    return {
-        name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
-        for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()
-    }
-
-
-def _rotation_costs(
-    tokens: int, d_in: int, d_out: int, input_side: SideSpec | None, output_side: SideSpec | None, training: bool
-) -> dict[str, dict[str, float]]:
-    """`strategy_costs` for a dense ``W0``."""
-    n = d_in * d_out
-    rotate_weight = {
-        side: spec.apply_cost(other)
-        for side, spec, other in (("R", input_side, d_out), ("P", output_side, d_in))
-        if spec is not None
-    }
-    rotate_rows = {
-        side: spec.apply_cost(tokens) for side, spec in (("R", input_side), ("P", output_side)) if spec is not None
-    }
-    if not training:
-        row_cost = tokens * n + sum(rotate_rows.values())
-        return {
-            WEIGHT: {"macs": tokens * n + sum(rotate_weight.values()), "kept": 0.0},
-            ACTIVATION: {"macs": row_cost, "kept": 0.0},
-            ACTIVATION_RECOMPUTE: {"macs": row_cost, "kept": 0.0},
-        }
-    weight = (
-        3 * tokens * n + 3 * rotate_weight.get("R", 0) + (4 if "R" in rotate_weight else 3) * rotate_weight.get("P", 0)
-    )
-    activation = 2 * tokens * n + 3 * sum(rotate_rows.values())
-    if "P" not in rotate_rows:  # nothing to keep: the two activation strategies are the same
-        return {
-            WEIGHT: {"macs": weight, "kept": 0.0},
-            ACTIVATION: {"macs": activation, "kept": 0.0},
-            ACTIVATION_RECOMPUTE: {"macs": activation, "kept": 0.0},
-        }
-    return {
-        WEIGHT: {"macs": weight, "kept": 0.0},
-        ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
-        ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0},
-    }

@@ -1,10 +1,13 @@
-"""`PoetTrainingArguments`: `transformers.TrainingArguments` plus the POET recipe's knobs."""
+"""Training arguments: `PoetTrainingArguments` (POET's knobs) and `ScriptArguments` (what every script adds)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
+
+from ..cli import deprecated_alias
+from ..tuners.config_utils import check_positive_int
 
 
 @dataclass
@@ -23,7 +26,11 @@ class PoetTrainingArguments(TrainingArguments):
         },
     )
     merge_every: int | None = field(
-        default=None, metadata={"help": "Optimizer steps between merge-then-reinitialize; overrides the config."}
+        default=None,
+        metadata={
+            "help": "Optimizer steps between merge-then-reinitialize for this run; None: the adapter config's "
+            "merge_every (POET's default 400, §5.2)."
+        },
     )
     post_merge_clip_steps: int = field(
         default=10,
@@ -46,8 +53,8 @@ class PoetTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.merge_every is not None and (not isinstance(self.merge_every, int) or self.merge_every < 1):
-            raise ValueError(f"`merge_every` must be an integer >= 1 or None, got {self.merge_every!r}")
+        if self.merge_every is not None:
+            check_positive_int("merge_every", self.merge_every)
         if self.poet_learning_rate is not None and self.poet_learning_rate < 0:
             raise ValueError(f"`poet_learning_rate` must be >= 0, got {self.poet_learning_rate!r}")
         if self.poet_reference_block == 0:  # the command line's way to say None
@@ -63,3 +70,22 @@ class PoetTrainingArguments(TrainingArguments):
             raise ValueError(f"`post_merge_clip_steps` must be >= 0, got {self.post_merge_clip_steps!r}")
         if not 0 < self.post_merge_clip_factor <= 1:
             raise ValueError(f"`post_merge_clip_factor` must be in (0, 1], got {self.post_merge_clip_factor!r}")
+
+
+@dataclass(kw_only=True)
+class ScriptArguments:
+    """The options every training script has beside its ``TrainingArguments``: where the text comes from, the
+    tokenizer, and where to export the merged model (the scripts' own classes add theirs)."""
+
+    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name, e.g. 'en' for C4"})
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "AutoTokenizer name or path; default: the model's (pretraining: embedded)"}
+    )
+    export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
+    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
+
+    def __post_init__(self) -> None:
+        if self.batch_size is not None:
+            deprecated_alias("batch_size", "per_device_train_batch_size")
+            check_positive_int("batch_size", self.batch_size)

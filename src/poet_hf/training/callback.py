@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, cast
 
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from ..diagnostics import poet_statistics
-from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit, poet_layers
+from ..diagnostics import poet_statistics, rotation_angle
+from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit
+from ..tuners.rotation_layer import rotation_layers
 from .optimizer import poet_parameters, reset_optimizer_state
 
 logger = logging.getLogger(__name__)
 
-# Fine-tuning starts from pretrained W0, which a large early rotation scrambles: a layer whose rotations turn it by more
-# than FINETUNE_WARN_ANGLE degrees (RotationLayer.rotation_angle) within the first FINETUNE_WARN_STEPS steps gets a
-# warning. docs/finetuning.md has the angles of the runs that improved the testbed models.
+# Fine-tuning starts from pretrained W0, which a large early rotation scrambles: a layer whose rotations turn it by
+# more than FINETUNE_WARN_ANGLE degrees (`poet_hf.diagnostics.rotation_angle`) within the first FINETUNE_WARN_STEPS
+# steps gets a warning. docs/finetuning.md has the angles of the runs that improved the testbed models.
 FINETUNE_WARN_ANGLE = 45.0
 FINETUNE_WARN_STEPS = 20
 
@@ -36,12 +38,22 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> int | None:
-    """``args.merge_every`` if set, else the POET config's ``merge_every``; ``None`` for a model without POET."""
-    interval = getattr(args, "merge_every", None)  # PoetTrainingArguments has it
-    if interval:
-        return interval
+    """The merge interval of a run, the one place that reads it: the adapter config's ``merge_every``, unless
+    ``PoetTrainingArguments.merge_every`` overrides it for this run; ``None`` for a model without rotation layers.
+
+    Args:
+        model: the model being trained (unwrapped).
+        args: the run's training arguments.
+        adapter: the adapter that merges.
+
+    Returns:
+        Optimizer steps between merges; ``None``: no merges.
+    """
+    override = getattr(args, "merge_every", None)  # PoetTrainingArguments has it
+    if override:
+        return int(override)
     config = getattr(model, "peft_config", {}).get(adapter)
-    return getattr(config, "merge_every", None) if poet_layers(model) else None
+    return getattr(config, "merge_every", None) if rotation_layers(model) else None
 
 
 def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, factor: float) -> float:
@@ -75,14 +87,25 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
 
     Works with a plain ``Trainer``; `PoetTrainer` adds it automatically.
 
+    The interval is [`merge_interval`][poet_hf.training.callback.merge_interval]'s, read once when training begins.
+
     Args:
-        merge_every: optimizer steps between merges; ``None``: ``args.merge_every``, else the adapter config's.
+        merge_every: deprecated; set ``merge_every`` in the adapter config, or ``PoetTrainingArguments.merge_every``
+            for one run.
         adapter_name: the adapter to merge.
     """
 
     def __init__(self, merge_every: int | None = None, adapter_name: str = "default") -> None:
+        if merge_every is not None:
+            warnings.warn(
+                "`MergeReinitCallback(merge_every=...)` is deprecated and will be removed in the next release; set "
+                "`merge_every` in the adapter config, or `PoetTrainingArguments.merge_every` to override it for a run",
+                FutureWarning,
+                stacklevel=2,
+            )
         self.merge_every = merge_every
         self.adapter_name = adapter_name
+        self._interval: int | None = None
         self.base_max_grad_norm: float | None = None
         self.history: list[dict] = []
         self.statistics_before_merge: tuple[int, dict[str, float]] | None = None  # (step, statistics)
@@ -94,19 +117,24 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         }
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> int | None:
-        """The merge interval in effect: this callback's, else ``args.merge_every``, else the config's.
+        """The merge interval, read at the start of training (or now, before it).
 
         Args:
             args: the training arguments.
             model: the model being trained.
 
         Returns:
-            The interval in optimizer steps, or ``None`` when nothing sets one (no merges).
+            Optimizer steps between merges; ``None``: no merges.
         """
-        return self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
+        if self._interval is None:
+            self._interval = self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
+        return self._interval
 
-    def on_train_begin(self, args, state: TrainerState, control: TrainerControl, **kwargs):
+    def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         self.base_max_grad_norm = args.max_grad_norm
+        self._interval = None
+        if model is not None:
+            self.interval(args, model)
         stateful = cast(dict[str, Any], state.stateful_callbacks or {})  # name -> state, as read from the checkpoint
         saved = stateful.get(type(self).__name__)
         if state.global_step and not self.history and saved:  # resumed: the merges before the checkpoint
@@ -141,7 +169,8 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         if getattr(self, "_angle_warned", False) or not starts_from_pretrained(model, self.adapter_name):
             return
         angle = max(
-            (layer.rotation_angle(self.adapter_name) for _, layer in poet_layers(model, self.adapter_name)), default=0.0
+            (rotation_angle(layer, self.adapter_name) for _, layer in rotation_layers(model, self.adapter_name)),
+            default=0.0,
         )
         if angle > FINETUNE_WARN_ANGLE:
             self._angle_warned = True

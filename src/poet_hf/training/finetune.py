@@ -33,7 +33,7 @@ from transformers import (
     default_data_collator,
 )
 
-from ..cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
+from ..cli import check_cpu_mixed_precision, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
 from ..initialization import has_meta_tensors
 from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
@@ -41,7 +41,7 @@ from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
-from .arguments import PoetTrainingArguments
+from .arguments import PoetTrainingArguments, ScriptArguments
 from .trainer import PoetTrainer
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ ADAPTER_LEARNING_RATE = 1e-3
 
 
 @dataclass
-class FinetuneArguments:
+class FinetuneArguments(ScriptArguments):
     """The options of ``scripts/finetune.py`` beside `PoetTrainingArguments` (both parsed by
     ``transformers.HfArgumentParser``; `parse_finetune_arguments`).
 
@@ -78,14 +78,11 @@ class FinetuneArguments:
             "folder of .txt/.jsonl/.json/.csv"
         },
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name"})
-    text_column: str = field(default="text", metadata={"help": "column holding the text"})
     label_column: str = field(default="label", metadata={"help": "integer label column (classification)"})
     eval_split: str = field(
         default="validation",
         metadata={"help": "split to evaluate on if the dataset has it; otherwise a twentieth of train is held out"},
     )
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer name/path; default: the model's"})
     base_quantization: str | None = field(
         default=None,
         metadata={
@@ -144,12 +141,9 @@ class FinetuneArguments:
         default=None, metadata={"help": "use at most this many training sequences / examples"}
     )
     max_eval_samples: int = field(default=256, metadata={"help": "evaluate on at most this many"})
-    export_dir: str | None = field(default=None, metadata={"help": "export the merged plain model here"})
-    batch_size: int | None = field(
-        default=None, metadata={"help": "deprecated: use --per_device_train_batch_size (and its eval twin)"}
-    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.method in METHOD_ALIASES:
             for name, value in METHOD_ALIASES[self.method].items():
                 if name == "recipe" or getattr(self, name) is None:
@@ -178,8 +172,6 @@ class FinetuneArguments:
         for name in ("seq_len", "lora_rank", "max_eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
-        if self.batch_size is not None:
-            deprecated_alias("batch_size", "per_device_train_batch_size")
 
 
 def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
     groups: dict[int, list[nn.Parameter]] = {}
     for module in model.modules():
         if isinstance(module, RotationLayer):
-            for adapter, sides in module.poet_specs.items():
+            for adapter, sides in module.rotation_specs.items():
                 for side, spec in sides.items():
                     param = module.skew_parameter(adapter, side)
                     if param.requires_grad:

@@ -1,5 +1,5 @@
 """The LLaMA shapes and training recipes of the POET paper's pretraining runs (Tables 7–9, appendix E), and the
-model they build.
+model they build; `apply_recipe` wraps it for a method.
 
 [`PRESETS`][poet_hf.training.presets.PRESETS] names each shape with its recipe; `build_llama` builds one on the
 ``meta`` device and materializes it with keyed initialisation. ``scripts/pretrain.py`` (`poet_hf.training.pretrain`)
@@ -9,14 +9,25 @@ and [`plan_memory`][poet_hf.memory_plan.plan_memory] both read them here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from peft import PeftConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..initialization import materialize_model
+from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
 
-__all__ = ["PRESETS", "Preset", "build_llama", "intermediate_size", "tied_poet_learning_rate"]
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "apply_recipe",
+    "build_llama",
+    "count_trainable",
+    "intermediate_size",
+    "tied_poet_learning_rate",
+]
 
 
 @dataclass(frozen=True)
@@ -129,3 +140,51 @@ def build_llama(
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return model if device == "meta" else materialize_model(model, seed=seed, device=device)
+
+
+def apply_recipe(
+    model: LlamaForCausalLM, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
+) -> torch.nn.Module:
+    """Wrap the model for the recipe's method: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = DEFAULT_TARGET_MODULES["llama"]
+    method = recipe["method"]
+    if method in ("poet-bs", "poet-fs"):
+        rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
+        config: PeftConfig = PoetConfig(
+            spo=recipe["spo"],
+            **rotation,
+            neumann_terms=recipe["neumann_terms"],
+            merge_every=recipe["merge_every"],
+            seed=seed,
+            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
+            base_quantization=recipe.get("base_quantization"),
+            cache_rotations=recipe.get("cache_rotations", True),
+            train_other_params=True,
+        )
+        return get_peft_model(model, config)
+    if method == "lora":
+        # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.
+        config = LoraConfig(
+            r=recipe["lora_rank"],
+            lora_alpha=recipe["lora_rank"],
+            target_modules=targets,
+            modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head"],
+        )
+        return get_peft_model(model, config)
+    if method == "galore":
+        try:
+            import galore_torch  # noqa: F401
+        except ImportError as error:
+            raise SystemExit("--method galore needs the `galore-torch` package: pip install galore-torch") from error
+    return model
+
+
+def count_trainable(model: torch.nn.Module) -> dict[str, int]:
+    """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention)."""
+    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    return {
+        "trainable_params": sum(n for _, n in trainable),
+        "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name),
+    }

@@ -12,27 +12,33 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
-from transformers import LlamaForCausalLM, default_data_collator
+from transformers import default_data_collator
 
 from ..cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
-from ..diagnostics import plot_spectra, singular_values, spectrum_report
-from ..distributed import is_sharded
+from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
 from ..orthogonal.cayley import paper_neumann_k
+from ..sharded import is_sharded
 from ..tuners.bnb import BASE_QUANTIZATIONS
 from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
-from ..tuners.poet import PoetConfig, poet_layers
-from .arguments import PoetTrainingArguments
-from .presets import PRESETS, Preset, build_llama, intermediate_size, tied_poet_learning_rate  # noqa: F401 (public here)
+from ..tuners.poet import PoetConfig
+from ..tuners.rotation_layer import rotation_layers
+from .arguments import PoetTrainingArguments, ScriptArguments
+from .presets import (  # noqa: F401 (public here too)
+    PRESETS,
+    Preset,
+    apply_recipe,
+    build_llama,
+    count_trainable,
+    intermediate_size,
+    tied_poet_learning_rate,
+)
 from .trainer import PoetTrainer
-
-if TYPE_CHECKING:
-    from peft import PeftConfig
 
 METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
 
@@ -44,15 +50,17 @@ RECIPE_FLAGS = {
     "gradient_accumulation_steps": "gradient_accumulation_steps",
     "learning_rate": "learning_rate",
     "poet_learning_rate": "poet_learning_rate",
-    "merge_every": "merge_every",
     "max_grad_norm": "max_grad_norm",
     "weight_decay": "weight_decay",
     "warmup_steps": "warmup_steps",
 }
+# Read from the command line into the recipe, which puts them in the adapter config (their home); the training
+# argument keeps only what the user set, as an override for the run.
+CONFIG_FLAGS = ("merge_every",)
 
 
 @dataclass
-class PretrainArguments:
+class PretrainArguments(ScriptArguments):
     """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments` (both parsed by
     ``transformers.HfArgumentParser``; `parse_pretrain_arguments`).
 
@@ -136,19 +144,15 @@ class PretrainArguments:
         default=EMBEDDED_CORPUS,
         metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config, e.g. 'en' for C4"})
     streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
-    text_column: str = field(default="text", metadata={"help": "column holding the text"})
-    tokenizer: str | None = field(default=None, metadata={"help": "AutoTokenizer name/path; default embedded"})
     max_eval_sequences: int = field(default=128, metadata={"help": "validation sequences evaluated"})
-    export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
     print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
     steps: str | None = field(
         default=None, metadata={"help": "deprecated: use --max_steps N, or --paper_steps for 'paper'"}
     )
-    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.method == "poet":
             self.method = "poet-bs"
         check_choice("preset", self.preset, tuple(PRESETS))
@@ -158,9 +162,7 @@ class PretrainArguments:
                 raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
             deprecated_alias("steps", "max_steps", "paper_steps")
             self.paper_steps = self.paper_steps or str(self.steps) == "paper"
-        if self.batch_size is not None:
-            deprecated_alias("batch_size", "per_device_train_batch_size")
-        for name in ("batch_size", "global_batch_size", "seq_len"):
+        for name in ("global_batch_size", "seq_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {value!r}")
@@ -221,7 +223,7 @@ def parse_pretrain_arguments(
 
 def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:
     """The recipe's values that ``training`` holds (`RECIPE_FLAGS`), to resolve the recipe of a run."""
-    return {flag: getattr(training, flag) for flag in RECIPE_FLAGS.values()}
+    return {flag: getattr(training, flag) for flag in (*RECIPE_FLAGS.values(), *CONFIG_FLAGS)}
 
 
 def _budget(value: float) -> float | int:
@@ -261,27 +263,7 @@ def resolve_recipe(
     given = {k: v for k, v in (given or {}).items() if v is not None}
     preset = PRESETS[args.preset]
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    if "max_steps" in given and given["max_steps"] > 0:
-        steps = given["max_steps"]
-    elif args.steps is not None and str(args.steps).isdigit():
-        steps = int(args.steps)
-    else:
-        steps = preset.paper_steps if args.paper_steps else preset.steps
-    micro = given.get("per_device_train_batch_size") or args.batch_size or preset.batch_size
-    if given.get("gradient_accumulation_steps") is not None:
-        accumulation = given["gradient_accumulation_steps"]
-        global_batch = micro * accumulation * world
-    else:
-        global_batch = args.global_batch_size or preset.global_batch_size
-        micro = min(micro, max(1, global_batch // world))
-        if global_batch % (micro * world):
-            raise ValueError(
-                f"`global_batch_size`={global_batch} is not a multiple of `per_device_train_batch_size`={micro} × "
-                f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`"
-            )
-        accumulation = global_batch // (micro * world)
-    block = args.block_size or preset.block_size
-    budget = _budget(args.budget) if args.budget is not None else preset.budget
+    steps, micro, accumulation, global_batch = _batch_plan(args, given, preset, world)
     recipe: dict[str, Any] = {
         "preset": args.preset,
         "method": args.method,
@@ -310,44 +292,73 @@ def resolve_recipe(
         "total_tokens": global_batch * args.seq_len * steps,
     }
     if args.method.startswith("poet"):
-        terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
-        sides: dict[str, dict[str, Any]] = {
-            "block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
-            "budget": {
-                "input": _budget(args.budget_input) if args.budget_input else budget,
-                "output": _budget(args.budget_output) if args.budget_output else budget,
-            },
-        }
-        rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
-        mean_size = sum(rotation.values()) / 2
-        if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
-            mean_size = mean_size / preset.hidden
-        recipe.update(
-            {
-                "spo": "block" if args.method == "poet-bs" else "full",
-                **(
-                    {"block_size": _collapse(sides["block_size"])}
-                    if args.method == "poet-bs"
-                    else {"budget": _collapse(sides["budget"])}
-                ),
-                "neumann_terms": terms,
-                "paper_neumann_k": paper_neumann_k(terms),
-                "merge_every": given.get("merge_every") or preset.merge_every,
-                "base_init": args.base_init,
-                "base_quantization": args.base_quantization,
-                "cache_rotations": args.cache_rotations,
-                "poet_learning_rate": given.get("poet_learning_rate")
-                or preset.poet_learning_rate
-                or tied_poet_learning_rate(args.method, mean_size),
-                "post_merge_clip_steps": 10,
-                "post_merge_clip_factor": 0.1,
-            }
-        )
+        recipe.update(_rotation_recipe(args, given, preset))
     elif args.method == "lora":
         recipe["lora_rank"] = args.lora_rank
     if vocab_size is not None:
         recipe.update(_parameter_counts(args, recipe, vocab_size))
     return recipe
+
+
+def _batch_plan(
+    args: PretrainArguments, given: dict[str, Any], preset: Preset, world: int
+) -> tuple[int, int, int, int]:
+    """``(steps, micro-batch, accumulation, global batch)`` from the flags given, else the preset's."""
+    if "max_steps" in given and given["max_steps"] > 0:
+        steps = given["max_steps"]
+    elif args.steps is not None and str(args.steps).isdigit():
+        steps = int(args.steps)
+    else:
+        steps = preset.paper_steps if args.paper_steps else preset.steps
+    micro = given.get("per_device_train_batch_size") or args.batch_size or preset.batch_size
+    if given.get("gradient_accumulation_steps") is not None:
+        accumulation = given["gradient_accumulation_steps"]
+        return steps, micro, accumulation, micro * accumulation * world
+    global_batch = args.global_batch_size or preset.global_batch_size
+    micro = min(micro, max(1, global_batch // world))
+    if global_batch % (micro * world):
+        raise ValueError(
+            f"`global_batch_size`={global_batch} is not a multiple of `per_device_train_batch_size`={micro} × "
+            f"{world} processes; choose sizes that divide it, or set `gradient_accumulation_steps`"
+        )
+    return steps, micro, global_batch // (micro * world), global_batch
+
+
+def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset) -> dict[str, Any]:
+    """POET's part of the recipe: the SPO sides, Cayley–Neumann terms, merge interval and rotation learning rate."""
+    block = args.block_size or preset.block_size
+    budget = _budget(args.budget) if args.budget is not None else preset.budget
+    terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
+    sides: dict[str, dict[str, Any]] = {
+        "block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
+        "budget": {
+            "input": _budget(args.budget_input) if args.budget_input else budget,
+            "output": _budget(args.budget_output) if args.budget_output else budget,
+        },
+    }
+    rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
+    mean_size = sum(rotation.values()) / 2
+    if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
+        mean_size = mean_size / preset.hidden
+    return {
+        "spo": "block" if args.method == "poet-bs" else "full",
+        **(
+            {"block_size": _collapse(sides["block_size"])}
+            if args.method == "poet-bs"
+            else {"budget": _collapse(sides["budget"])}
+        ),
+        "neumann_terms": terms,
+        "paper_neumann_k": paper_neumann_k(terms),
+        "merge_every": given.get("merge_every") or preset.merge_every,
+        "base_init": args.base_init,
+        "base_quantization": args.base_quantization,
+        "cache_rotations": args.cache_rotations,
+        "poet_learning_rate": given.get("poet_learning_rate")
+        or preset.poet_learning_rate
+        or tied_poet_learning_rate(args.method, mean_size),
+        "post_merge_clip_steps": 10,
+        "post_merge_clip_factor": 0.1,
+    }
 
 
 def _collapse(per_side: dict[str, Any]) -> Any:
@@ -365,45 +376,6 @@ def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_siz
     return count_trainable(model)
 
 
-def apply_recipe(
-    model: LlamaForCausalLM, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
-) -> torch.nn.Module:
-    """Wrap the model for the recipe's method: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = DEFAULT_TARGET_MODULES["llama"]
-    method = recipe["method"]
-    if method in ("poet-bs", "poet-fs"):
-        rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
-        config: PeftConfig = PoetConfig(
-            spo=recipe["spo"],
-            **rotation,
-            neumann_terms=recipe["neumann_terms"],
-            merge_every=recipe["merge_every"],
-            seed=seed,
-            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
-            base_quantization=recipe.get("base_quantization"),
-            cache_rotations=recipe.get("cache_rotations", True),
-            train_other_params=True,
-        )
-        return get_peft_model(model, config)
-    if method == "lora":
-        # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.
-        config = LoraConfig(
-            r=recipe["lora_rank"],
-            lora_alpha=recipe["lora_rank"],
-            target_modules=targets,
-            modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head"],
-        )
-        return get_peft_model(model, config)
-    if method == "galore":
-        try:
-            import galore_torch  # noqa: F401
-        except ImportError as error:
-            raise SystemExit("--method galore needs the `galore-torch` package: pip install galore-torch") from error
-    return model
-
-
 def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
     """Train and (capped) validation sets: packed rows, or one truncated / padded row per document (``seed`` orders a
     streamed dataset and draws a held-out split where the dataset has none)."""
@@ -416,29 +388,55 @@ def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, A
     return train, validation.select(range(min(args.max_eval_sequences, len(validation))))
 
 
-def count_trainable(model: torch.nn.Module) -> dict[str, int]:
-    """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention)."""
-    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
-    return {
-        "trainable_params": sum(n for _, n in trainable),
-        "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name),
-    }
-
-
-def neumann_drift_bound(trainer: PoetTrainer, model: torch.nn.Module) -> float | None:
-    """Bound on any singular value's relative drift over the run: each merge and the live primitive scale it
-    by at most ``1 + ε`` (``ε`` from the Cayley–Neumann truncation); ``None`` without POET layers."""
-    layers = poet_layers(model)
-    if not layers:
-        return None
-    callback = trainer.merge_callback
-    live = max(layer.rotation_stats("default")["neumann_bound"] for _, layer in layers)
-    history = callback.history if callback is not None else []
-    return math.prod(1 + m["max_neumann_bound"] for m in history) * (1 + live) - 1
-
-
 def _perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+def _trainer(
+    args: PretrainArguments,
+    training: PoetTrainingArguments,
+    recipe: dict[str, Any],
+    model: torch.nn.Module,
+    tokenizer: Any,
+    train: Any,
+    validation: Any,
+) -> PoetTrainer:
+    """The run's `PoetTrainer`, with what the model card and ``results.json`` record of the run."""
+    run_info: dict[str, Any] = {
+        "method": args.method,
+        "preset": args.preset,
+        "dataset": args.dataset,
+        "seq_len": args.seq_len,
+        **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe},
+    }
+    return PoetTrainer(
+        model=model,
+        args=training,
+        train_dataset=train,
+        eval_dataset=validation,
+        data_collator=default_data_collator,
+        processing_class=tokenizer,
+        run_info=run_info,
+    )
+
+
+def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dict[str, Any], plots: tuple) -> None:
+    """Save the model, export it when ``--export_dir`` asks (into ``results``), write the spectra and the report."""
+    output = Path(cast(str, trainer.args.output_dir))
+    trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
+    if args.export_dir and (
+        is_sharded(cast(torch.nn.Module, trainer.model)) or trainer.is_world_process_zero()
+    ):  # a sharded fold: all
+        from ..export import export_merged
+
+        evaluation = {"eval_loss": results["val_loss"], "eval_perplexity": results["val_perplexity"]}
+        results["export_dir"] = str(
+            export_merged(trainer, args.export_dir, overwrite=True, run_info={"eval": evaluation})
+        )
+    if trainer.is_world_process_zero():
+        output.mkdir(parents=True, exist_ok=True)
+        plot_spectra(plots[0], plots[1], output / "spectra.png", f"{args.method} on {args.preset}")
+        (output / "results.json").write_text(json.dumps(results, indent=2))
 
 
 def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, Any]:
@@ -476,22 +474,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     if args.method == "lora":
         materialize_model(base, seed=seed)
     model = apply_recipe(base, recipe, seed=seed)
-    run_info: dict[str, Any] = {
-        "method": args.method,
-        "preset": args.preset,
-        "dataset": args.dataset,
-        "seq_len": args.seq_len,
-        **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe},
-    }
-    trainer = PoetTrainer(
-        model=model,
-        args=training,
-        train_dataset=train,
-        eval_dataset=validation,
-        data_collator=default_data_collator,
-        processing_class=tokenizer,
-        run_info=run_info,
-    )
+    trainer = _trainer(args, training, recipe, model, tokenizer, train, validation)
     targets = cast(list[str], DEFAULT_TARGET_MODULES["llama"])  # a list of suffixes for llama
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
@@ -499,7 +482,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     final_loss = trainer.evaluate()["eval_loss"]
     spectra_after = singular_values(model, targets)
     results = {
-        **run_info,
+        **trainer.run_info,
         "recipe": recipe,
         "val_loss": final_loss,
         "val_perplexity": _perplexity(final_loss),
@@ -509,22 +492,10 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         "steps": trainer.state.global_step,
         **count_trainable(model),
         "wall_time_s": time.time() - started,
-        "merges": max((int(layer.merge_counts["default"]) for _, layer in poet_layers(model)), default=0),
+        "merges": max((int(layer.merge_counts["default"]) for _, layer in rotation_layers(model)), default=0),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
-        "spectrum_bound": neumann_drift_bound(trainer, model),
+        "spectrum_bound": neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else []),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
     }
-    output = Path(cast(str, training.output_dir))
-    trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
-    if args.export_dir and (is_sharded(model) or trainer.is_world_process_zero()):  # a sharded fold gathers on all
-        from ..export import export_merged
-
-        evaluation = {"eval_loss": final_loss, "eval_perplexity": results["val_perplexity"]}
-        results["export_dir"] = str(
-            export_merged(trainer, args.export_dir, overwrite=True, run_info={"eval": evaluation})
-        )
-    if trainer.is_world_process_zero():
-        output.mkdir(parents=True, exist_ok=True)
-        plot_spectra(spectra_before, spectra_after, output / "spectra.png", f"{args.method} on {args.preset}")
-        (output / "results.json").write_text(json.dumps(results, indent=2))
+    _save_and_export(args, trainer, results, plots=(spectra_before, spectra_after))
     return results

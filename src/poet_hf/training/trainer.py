@@ -15,7 +15,7 @@ from ..distributed import shard_model
 from ..export.source import RUN_INFO_NAME
 from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
-from ..tuners.poet import poet_layers
+from ..tuners.rotation_layer import rotation_layers
 from .callback import MergeReinitCallback, unwrap
 from .optimizer import create_poet_optimizer
 
@@ -96,7 +96,7 @@ class PoetTrainer(CrashSafeTrainer):
         self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
         self.run_info = dict(run_info or {})
-        self.has_poet = bool(poet_layers(self._unwrapped_model()))
+        self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
             check_sharding(
@@ -171,7 +171,7 @@ class PoetTrainer(CrashSafeTrainer):
                 merge_count = max(
                     (
                         int(m.merge_counts[callback.adapter_name])
-                        for _, m in poet_layers(self._unwrapped_model(), callback.adapter_name)
+                        for _, m in rotation_layers(self._unwrapped_model(), callback.adapter_name)
                     ),
                     default=0,
                 )
@@ -182,6 +182,12 @@ class PoetTrainer(CrashSafeTrainer):
     def merge_callback(self) -> MergeReinitCallback | None:
         return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, MergeReinitCallback)), None)
 
+    @property
+    def merge_every(self) -> int | None:
+        """The run's merge interval ([`merge_interval`][poet_hf.training.callback.merge_interval]); ``None``: none."""
+        callback = self.merge_callback
+        return callback.interval(self.args, cast(nn.Module, self.model)) if callback else None
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
         output_dir = cast(str, output_dir or self.args.output_dir)
@@ -191,11 +197,9 @@ class PoetTrainer(CrashSafeTrainer):
         base = base_model_of(base)
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
-        callback = self.merge_callback
-        merge_every = callback.interval(self.args, cast(nn.Module, self.model)) if callback else None
         info = {
             **self.run_info,
-            "merge_every": merge_every,
+            "merge_every": self.merge_every,
             "global_step": self.state.global_step,
             "num_input_tokens_seen": self.state.num_input_tokens_seen,
             "learning_rate": self.args.learning_rate,

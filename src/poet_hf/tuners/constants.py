@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+SIDE_INPUT = "input"  # R, acts on the in dimension
+SIDE_OUTPUT = "output"  # P, acts on the out dimension
+SIDES = (SIDE_INPUT, SIDE_OUTPUT)
+
 SPO_CHOICES = ("block", "full", "contiguous")
 SIDES_CHOICES = ("both", "input", "output")
 FORWARD_CHOICES = ("auto", "weight", "activation")

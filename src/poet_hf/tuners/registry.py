@@ -19,7 +19,7 @@ _TUNERS = [
     ("poet", "poet_hf.tuners.poet", "Poet"),
     # PEFT owns "oft" (its OFTConfig keeps working beside ours): ours is "poet_oft", prefix "poet_oft_".
     ("poet_oft", "poet_hf.tuners.oft", "Oft"),
-    ("orthogonal", "poet_hf.tuners.orthogonal", "Orthogonal"),
+    ("orthogonal", "poet_hf.tuners.orthogonal_layers", "Orthogonal"),
 ]
 
 

@@ -84,7 +84,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     """A step that comes while gradients are still deferred applies them first (nothing deferred was reduced across
     processes, and a gradient clip before the step saw the gradients without them: say so once)."""
     global _early_step_warned
-    pending = [layer for layer in layers_with_caches() if layer.has_deferred_grads()]
+    pending = [layer for layer in layers_with_caches() if layer.fused.has_deferred_grads()]
     if pending and not _early_step_warned:
         _early_step_warned = True
         logger.warning(
@@ -99,7 +99,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The skew vectors changed: every cached rotation is stale."""
     for layer in layers_with_caches():
-        layer.drop_rotation_caches()
+        layer.fused.drop()
 
 
 def _install_optimizer_hooks() -> None:

@@ -10,11 +10,15 @@ file, the tensor and what is wrong.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..orthogonal.spo import BLOCK, FULL, SideSpec
 
@@ -112,3 +116,24 @@ def merge_count_problem(count: torch.Tensor) -> str | None:
     if count.numel() != 1 or count.dtype.is_floating_point or int(count.reshape(())) < 0:
         return f"must be a non-negative integer scalar, got {count.dtype} of shape {tuple(count.shape)}"
     return None
+
+
+def check_loaded_state(layer: Any, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+    """A rotation layer's ``load_state_dict`` pre-hook: every incoming index, skew and merge-count tensor must be what
+    the math needs; raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming the first that
+    is not."""
+    names = {id(child): name for name, child in layer.named_children()}
+    for adapter_name, specs in layer.rotation_specs.items():
+        checks: list[tuple[nn.Module, Callable[[torch.Tensor], str | None]]] = [
+            (layer.merge_counts, merge_count_problem)
+        ]
+        for side, spec in specs.items():
+            params, indices = layer.side_containers(side)
+            checks.append((indices, functools.partial(index_problem, spec=spec)))
+            shape = params[adapter_name].shape
+            checks.append((params, functools.partial(skew_problem, expected_shape=shape, spec=spec)))
+        for container, problem_of in checks:
+            key = f"{prefix}{names[id(container)]}.{adapter_name}"
+            problem = problem_of(state_dict[key]) if key in state_dict else None
+            if problem:
+                raise AdapterStateError(f"tensor '{key}' {problem}", layer.rotation_settings[adapter_name].source)

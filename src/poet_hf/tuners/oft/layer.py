@@ -17,7 +17,9 @@ from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...orthogonal.spo import make_side_spec
-from ..rotation_layer import SIDE_INPUT, RotationLayer, RotationSettings
+from ..constants import SIDE_INPUT
+from ..fused_forward import fused_enabled, reference_forward
+from ..rotation_layer import RotationLayer, RotationSettings
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,13 @@ class OftLayer(RotationLayer):
     """OFT state of one wrapped module: one input-side rotation ``poet_oft_R`` per adapter."""
 
     adapter_layer_names = ("poet_oft_R",)
-    other_param_names = ("poet_oft_R_index", "poet_oft_merge_count", "poet_specs", "poet_settings", "oft_options")
+    other_param_names = (
+        "poet_oft_R_index",
+        "poet_oft_merge_count",
+        "rotation_specs",
+        "rotation_settings",
+        "oft_options",
+    )
 
     def _init_containers(self) -> None:
         # Names start with the PEFT prefix "poet_oft_", so PEFT's prefix-based code paths find them.
@@ -102,13 +110,13 @@ class OftLayer(RotationLayer):
                 self.project_coft(a)
             if self.training and options.module_dropout > 0:
                 mask = dropout_keep_mask(
-                    self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout, self._base_weight().device
+                    self.sides(a)[SIDE_INPUT].num_blocks, options.module_dropout, self.base_weight().device
                 )
                 if mask is not None:
                     keep[a] = mask
-        if self.fused_enabled() and len(adapter_names) == 1:
-            return self.fused_forward(x, adapter_names[0], keep.get(adapter_names[0]))
-        return self.reference_forward(x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)
+        if fused_enabled() and len(adapter_names) == 1:
+            return self.fused(self, x, adapter_names[0], keep.get(adapter_names[0]))
+        return reference_forward(self, x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)
 
     def _all_activation(self, x: torch.Tensor, adapter_names: list[str]) -> bool:
         tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0

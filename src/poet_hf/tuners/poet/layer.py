@@ -15,7 +15,8 @@ from torch import nn
 from ...orthogonal import init_base_weight, spo_generator, subset_size
 from ...orthogonal.spo import make_side_spec
 from ..block_sizes import resolve_block_size
-from ..rotation_layer import SIDE_INPUT, SIDE_OUTPUT, RotationLayer, RotationSettings
+from ..constants import SIDE_INPUT, SIDE_OUTPUT
+from ..rotation_layer import RotationLayer, RotationSettings
 
 
 def side_values(config: Any, field_name: str) -> dict[str, Any]:
@@ -36,7 +37,7 @@ class PoetLayer(RotationLayer):
     """POET state of one wrapped module: skew parameters ``poet_R`` (input side) and ``poet_P`` (output side)."""
 
     adapter_layer_names = ("poet_R", "poet_P")
-    other_param_names = ("poet_R_index", "poet_P_index", "poet_merge_count", "poet_specs", "poet_settings")
+    other_param_names = ("poet_R_index", "poet_P_index", "poet_merge_count", "rotation_specs", "rotation_settings")
 
     def _init_containers(self) -> None:
         self.poet_R = nn.ParameterDict({})
@@ -81,7 +82,7 @@ class PoetLayer(RotationLayer):
             adapter_name, settings, specs, {side: spec.num_blocks for side, spec in specs.items()}
         )
         if config.base_quantization is not None:
-            if self._base_weight().device.type == "meta":  # materialize_model quantises it, layer by layer
+            if self.base_weight().device.type == "meta":  # materialize_model quantises it, layer by layer
                 self.pending_quantization = config.base_quantization
             else:
                 self.quantize_base(config.base_quantization)
@@ -90,7 +91,7 @@ class PoetLayer(RotationLayer):
         """The adapter's initial state (`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh
         ``W0`` drawn from the generator keyed by (seed, adapter, layer)."""
         super().reset_rotation_state(adapter_name)
-        settings = self.poet_settings[adapter_name]
+        settings = self.rotation_settings[adapter_name]
         if settings.base_init is not None:
             generator = spo_generator(settings.seed, 0, settings.layer_name, "base_init", adapter_name)
             self.set_weight_matrix(init_base_weight(self.weight_shape, settings.base_init, generator))

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
-from peft.config import PeftConfig
-from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..bnb import is_bnb_module
 from ..constants import DEFAULT_TARGET_MODULES
+from ..tuner_base import LayerReplacingTuner
 from .layer import Conv2d, Linear, OrthogonalLayer
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def create_orthogonal_module(
     )
 
 
-class OrthogonalModel(BaseTuner):
+class OrthogonalModel(LayerReplacingTuner):
     """Rewrites every target ``nn.Linear`` / ``nn.Conv2d`` into an orthogonal layer (``OrthogonalConfig``).
 
     Use it through PEFT: ``get_peft_model(model, OrthogonalConfig(...))``. ``merge_and_unload()`` gives plain
@@ -48,34 +48,16 @@ class OrthogonalModel(BaseTuner):
     prefix: str = "orthogonal_"
     tuner_layer_cls = OrthogonalLayer
     target_module_mapping = DEFAULT_TARGET_MODULES  # type: ignore[assignment]  # PEFT annotates lists; it matches regex strings too
-    layer_factory = staticmethod(create_orthogonal_module)
 
-    def _create_and_replace(
-        self,
-        peft_config: PeftConfig,
-        adapter_name: str,
-        target: nn.Module,
-        target_name: str,
-        parent: nn.Module,
-        current_key: str,
-        parameter_name: str | None = None,
-        **optional_kwargs: Any,
-    ) -> None:
-        if current_key is None:
-            raise ValueError("current_key must not be None")
-        if isinstance(target, OrthogonalLayer):
-            target.update_layer(adapter_name, peft_config, layer_name=current_key)
-        else:
-            new_module = self.layer_factory(peft_config, adapter_name, target, current_key)
-            if adapter_name not in self.active_adapters:
-                new_module.requires_grad_(False)
-            self._replace_module(parent, target_name, new_module, target)
-        layer = target if isinstance(target, OrthogonalLayer) else new_module
+    def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> OrthogonalLayer:
+        return create_orthogonal_module(config, adapter_name, target, layer_name)
+
+    def after_layer_added(self, layer: nn.Module, adapter_name: str, layer_name: str) -> None:
         logger.info(
             "orthogonal adapter '%s' on %s: relative weight change at init %.4g",
             adapter_name,
-            current_key,
-            layer.init_change(adapter_name),
+            layer_name,
+            cast(OrthogonalLayer, layer).init_change(adapter_name),
         )
 
     def init_change_report(self, adapter_name: str | None = None) -> dict[str, float]:

@@ -1,0 +1,142 @@
+"""The norm cap of the Cayley–Neumann map: a skew block past the series' domain is rescaled back onto it.
+
+The truncated series only approximates ``(I − Q)^{-1}`` for ``||Q||_2 < 1``; `skew_norm_scale` gives the per-block
+factors that bring ``||Q||_2`` down to `MAX_SKEW_NORM`, from cheap certified bounds first
+(`skew_spectral_norm_bounds`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_SKEW_NORM", "skew_spectral_norm_bounds", "skew_spectral_norm", "skew_norm_scale"]
+
+# The truncated series only approximates (I − Q)^{-1} for ||Q||_2 < 1; at ||Q||_2 = 1 the k = 5 polynomial is
+# singular (its singular values are |1 − (iθ)^4|), and beyond it the polynomial grows like ||Q||^(k−1), so one large
+# optimizer step can push a model to inf/NaN. The Cayley–Neumann path therefore rescales any block whose spectral norm
+# exceeds this cap back onto it (the exact transform needs no cap). At the cap the k = 5 rotation's singular values
+# lie within [1 − 0.75⁴, 1] = [0.68, 1]; below it nothing changes, bit for bit.
+MAX_SKEW_NORM = 0.75
+# ||Q||_2 from (QᵀQ)^(2^s) by s repeated squarings: s = 6 weighs the eigenvalues as 64 power iterations would, in
+# 7 batched matrix products (a power iteration is a matrix-vector product per step, memory-bound on a CPU: 48 of
+# them took longer than the layer's own matmul). The first 2 squarings already give a certified upper bound.
+_SQUARINGS, _SQUARINGS_FOR_BOUND = 6, 2
+_cap_warned = False
+
+
+@torch.no_grad()
+def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lower, upper)`` bounds of ``||Q||_2`` per block of ``(..., b, b)``, from ``G = QᵀQ`` squared ``squarings``
+    times (``G^n``, ``n = 2^squarings``, renormalised at each step).
+
+    ``upper = ||G^n||_F^(1/2n)`` (the Frobenius norm bounds the largest eigenvalue); ``lower`` is the square root of
+    ``tr(G^(n+1)) / tr(G^n)``, the mean of ``G``'s eigenvalues weighted by their ``n``-th powers. Both converge to
+    ``||Q||_2`` as ``n`` grows, the lower one like ``n`` power iterations but with no start vector to depend on.
+    """
+    b = q.shape[-1]
+    q3 = q.detach().reshape(-1, b, b)
+    frobenius = torch.linalg.matrix_norm(q3).clamp_min(torch.finfo(q3.dtype).tiny)
+    gram = q3.mT @ q3 / frobenius[:, None, None] ** 2  # eigenvalues σ²/||Q||_F² in [0, 1]
+    power, log_norm = gram, torch.zeros_like(frobenius)  # G^(2^k) = power · exp(log_norm)
+    for _ in range(squarings):
+        power = power @ power
+        norm = torch.linalg.matrix_norm(power).clamp_min(torch.finfo(q3.dtype).tiny)
+        power, log_norm = power / norm[:, None, None], 2 * log_norm + norm.log()
+    n = 2**squarings
+    upper = torch.exp(log_norm / n) if squarings else torch.linalg.matrix_norm(gram)
+    weighted = (power * gram).sum((-2, -1)) / power.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(
+        torch.finfo(q3.dtype).tiny
+    )  # tr(G^(n+1)) / tr(G^n), G symmetric
+    return (
+        (frobenius * weighted.clamp_min(0).sqrt()).reshape(q.shape[:-2]),
+        (frobenius * upper.sqrt()).reshape(q.shape[:-2]),
+    )
+
+
+def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
+    """``||Q||_2`` per block of ``(..., b, b)``: the lower estimate of `skew_spectral_norm_bounds`, within 2% for
+    blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
+    return skew_spectral_norm_bounds(q)[0]
+
+
+def skew_norm_scale(q: torch.Tensor, terms: int, cap: float | None = None) -> torch.Tensor | None:
+    """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
+    (always for the exact transform, ``terms == 0``).
+
+    Certified upper bounds decide cheaply that nothing needs doing: ``||Q||_F``, then ``||(QᵀQ)⁴||_F^(1/8)``. Only
+    when one of them exceeds the cap is ``||Q||_2`` estimated from below (`skew_spectral_norm`), so every
+    process computes the same factor. The factor carries no gradient: beyond the cap the rotation is that of the
+    rescaled block, like a norm clip.
+    """
+    global _cap_warned
+    cap = MAX_SKEW_NORM if cap is None else cap
+    if terms == 0 or math.isinf(cap):
+        return None
+    with torch.no_grad():
+        if not bool((torch.linalg.matrix_norm(q.detach()) > cap).any()):
+            return None
+        if not bool((skew_spectral_norm_bounds(q, _SQUARINGS_FOR_BOUND)[1] > cap).any()):
+            return None
+        spectral = skew_spectral_norm(q)
+        scale = torch.where(spectral > cap, cap / spectral, torch.ones_like(spectral))
+        if not bool((scale < 1).any()):
+            return None
+    if not _cap_warned:
+        _cap_warned = True
+        logger.warning(
+            "a skew block reached ||Q||_2 = %.3g > %.3g, outside the Cayley–Neumann series' domain; it is rescaled to "
+            "the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. (Logged once.)",
+            float(spectral.max()),
+            cap,
+        )
+    return scale[..., None, None]
+
+
+# The cap's factor per skew-vector tensor, its in-place version and its norm: the forward and the backward's rebuild
+# of one step (and every micro-batch until the optimizer changes the vector) share one evaluation, and so agree.
+_scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); entries leave with their tensor
+
+
+def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor | None:
+    if vec.device.type == "meta":  # a trace by shapes (the memory planner): no values to cap
+        return None
+    if torch.compiler.is_compiling():  # no data-dependent branch: the factor is computed, 1 where below the cap
+        return _traced_norm_scale(q, terms)
+    # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
+    key = (
+        vec._version,
+        float(torch.linalg.vector_norm(vec.detach())),
+        tuple(q.shape),
+        terms,
+        MAX_SKEW_NORM,
+        q.dtype,
+        q.device,
+    )
+    hit = _scale_cache.get(id(vec))
+    if hit is not None and hit[0]() is vec and hit[1] == key:
+        return hit[2]
+    scale = skew_norm_scale(q, terms)
+    ident = id(vec)
+
+    def forget(_: weakref.ref) -> None:
+        _scale_cache.pop(ident, None)
+
+    _scale_cache[ident] = (weakref.ref(vec, forget), key, scale)
+    return scale
+
+
+def _traced_norm_scale(q: torch.Tensor, terms: int) -> torch.Tensor | None:
+    """`skew_norm_scale` without its data-dependent shortcuts, for ``torch.compile``: the same factors (where the
+    certified bounds are below the cap, so is the estimate, and the factor is 1), always computed."""
+    if terms == 0 or math.isinf(MAX_SKEW_NORM):
+        return None
+    with torch.no_grad():
+        spectral = skew_spectral_norm(q.detach())
+        scale = torch.where(spectral > MAX_SKEW_NORM, MAX_SKEW_NORM / spectral, torch.ones_like(spectral))
+    return scale[..., None, None]

@@ -1,0 +1,105 @@
+"""What each fused strategy of `rotated_linear` costs: multiply-adds and kept bytes, from the shapes alone.
+
+`strategy_costs` is how ``forward="auto"`` chooses a strategy per call; `polynomial_products` counts the
+Cayley–Neumann polynomial by the call's place in an optimizer step.
+"""
+
+from __future__ import annotations
+
+from .cayley import neumann_product_count
+from .rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT
+from .spo import SideSpec
+
+__all__ = ["polynomial_products", "strategy_costs"]
+
+
+def polynomial_products(terms: int, phase: str) -> int:
+    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays, by its place in the
+    optimizer step (`RotationCache`):
+
+    - ``"uncached"``: built in the forward, rebuilt in the backward, and its VJP (no accumulation window);
+    - ``"building"``: the window's first micro-batch builds the blocks, its VJP is deferred;
+    - ``"deferred"``: the blocks come from the cache, the VJP is deferred: nothing;
+    - ``"closing"``: the window's last micro-batch rebuilds once for the VJP of the accumulated sum.
+
+    Over a window of ``k`` micro-batches that is ``2·forward + VJP`` per optimizer step, as for one uncached call.
+    """
+    forward, vjp = neumann_product_count(terms)
+    return {"uncached": 2 * forward + vjp, "building": forward, "deferred": 0, "closing": forward + vjp}[phase]
+
+
+def strategy_costs(
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    input_side: SideSpec | None,
+    output_side: SideSpec | None,
+    training: bool,
+    dequantize_cost: float = 0.0,
+    polynomial: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
+    strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
+    pays for the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
+    block and side.
+
+    With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
+    a fully stochastic one) and ``ρ_T`` its rotation of ``T`` rows (``b·T·d`` or ``b²·T``), in training:
+
+    - ``weight``: ``3·T·N`` (``y``, ``∂L/∂x``, ``∂L/∂W_eff = gᵀx``) + ``3·ρ_W(R) + (3 or 4)·ρ_W(P)`` (forward, rebuild,
+      block gradient; P's side also carries the gradient through to R's). Keeps nothing.
+    - ``activation``: ``2·T·N`` + ``3·ρ_T`` per side. Keeps ``h`` (``T × d_out``) when there is an output side.
+    - ``activation-recompute``: as ``activation`` plus ``T·N + ρ_T(R)`` to recompute ``h``. Keeps nothing.
+
+    Inference is ``T·N`` plus one rotation per side (of the weight, or of the rows).
+
+    A quantised ``W0`` (`DenseWeight`) adds ``dequantize_cost·N`` per pass that needs it dense: the forward
+    and the backward in training (every strategy), the forward in inference. It is the same for every strategy, so
+    it moves the totals, never the choice. So does the polynomial: amortizing it over an accumulation window (a
+    deferred micro-batch pays none of it) makes every strategy cheaper by the same amount.
+    """
+    passes = 2 if training else 1
+    fixed = passes * dequantize_cost * d_in * d_out + polynomial * sum(
+        spec.num_blocks * spec.block**3 for spec in (input_side, output_side) if spec is not None
+    )
+    return {
+        name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
+        for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()
+    }
+
+
+def _rotation_costs(
+    tokens: int, d_in: int, d_out: int, input_side: SideSpec | None, output_side: SideSpec | None, training: bool
+) -> dict[str, dict[str, float]]:
+    """`strategy_costs` for a dense ``W0``."""
+    n = d_in * d_out
+    rotate_weight = {
+        side: spec.apply_cost(other)
+        for side, spec, other in (("R", input_side, d_out), ("P", output_side, d_in))
+        if spec is not None
+    }
+    rotate_rows = {
+        side: spec.apply_cost(tokens) for side, spec in (("R", input_side), ("P", output_side)) if spec is not None
+    }
+    if not training:
+        row_cost = tokens * n + sum(rotate_rows.values())
+        return {
+            WEIGHT: {"macs": tokens * n + sum(rotate_weight.values()), "kept": 0.0},
+            ACTIVATION: {"macs": row_cost, "kept": 0.0},
+            ACTIVATION_RECOMPUTE: {"macs": row_cost, "kept": 0.0},
+        }
+    weight = (
+        3 * tokens * n + 3 * rotate_weight.get("R", 0) + (4 if "R" in rotate_weight else 3) * rotate_weight.get("P", 0)
+    )
+    activation = 2 * tokens * n + 3 * sum(rotate_rows.values())
+    if "P" not in rotate_rows:  # nothing to keep: the two activation strategies are the same
+        return {
+            WEIGHT: {"macs": weight, "kept": 0.0},
+            ACTIVATION: {"macs": activation, "kept": 0.0},
+            ACTIVATION_RECOMPUTE: {"macs": activation, "kept": 0.0},
+        }
+    return {
+        WEIGHT: {"macs": weight, "kept": 0.0},
+        ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
+        ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0},
+    }

@@ -1,0 +1,235 @@
+"""The base weight of a rotation layer as the torch matrix ``W_t`` (out × in), whatever stores it.
+
+``nn.Linear.weight``; ``Conv1D.weight.T`` (GPT-2 stores in × out); ``nn.Conv2d.weight`` viewed as
+out × (in/groups·kh·kw); or the dequantised weight of a bitsandbytes ``Linear4bit`` / ``Linear8bitLt``
+(`bnb`: QOFT, QPOET), which every write requantises. The bias is never rotated.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from ..orthogonal import spo_generator
+from ..orthogonal.base_ops import Conv2dOp, LinearOp
+from ..sharded import full_tensor, is_dtensor, write_full
+from . import bnb, low_precision, residual_store
+
+
+class QuantizedMergeWarning(UserWarning):
+    """A merge or unmerge into a quantised base changed ``W0`` by a requantisation (its measured size is in the
+    message)."""
+
+
+class BaseWeightMixin:
+    """Reads and writes of a rotation layer's base weight and its base operation (the host is a PEFT layer)."""
+
+    get_base_layer: Any
+    base_layer: nn.Module
+    rotation_settings: dict[str, Any]
+    requantization_error: float | None
+    pending_quantization: str | None
+
+    def _init_weight_access(self, base_layer: nn.Module) -> None:
+        inner = base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
+        self._weight_transposed = _is_conv1d(inner)
+        self.requantization_error = None  # relative error of the last fold into a quantised W0
+        self.pending_quantization = None  # base_quantization of a meta base, for materialize_model
+
+    @property
+    def base_quantization(self) -> str | None:
+        """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
+        return bnb.quantization_of(self.get_base_layer())
+
+    def base_weight(self) -> torch.Tensor:
+        """The stored weight of a float base (``Linear``, ``Conv1D``, ``Conv2d``)."""
+        return cast(torch.Tensor, self.get_base_layer().weight)
+
+    def base_bias(self) -> torch.Tensor | None:
+        return cast("torch.Tensor | None", self.get_base_layer().bias)
+
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """The logical ``(out, in)`` shape of the base weight (never a quantised layer's packed storage)."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return cast(int, base.out_features), cast(int, base.in_features)
+        shape = self.base_weight().shape
+        return (shape[1], shape[0]) if self._weight_transposed else (shape[0], math.prod(shape[1:]))
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the base weight is used in (a quantised base's compute dtype)."""
+        if self.base_quantization is not None:
+            return bnb.compute_dtype(self.get_base_layer())
+        return self.base_weight().dtype
+
+    def weight_matrix(self) -> torch.Tensor:
+        """The out × in base weight: a view of the stored weight, or a quantised base dequantised (a new tensor)."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return bnb.dequantize(base).to(self.weight_dtype)
+        weight = self.base_weight()
+        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+
+    def dense_weight(self) -> torch.Tensor | bnb.QuantizedWeight:
+        """What the fused forward takes as ``W0``: the weight matrix, or a quantised base's dequantising callable
+        (so no dequantised copy is kept between forward and backward)."""
+        if self.base_quantization is not None:
+            return bnb.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
+        return self.weight_matrix()
+
+    def full_weight_matrix(self) -> torch.Tensor:
+        """The whole out × in matrix, gathered when FSDP2 has sharded the weight (then a collective: every rank
+        calls it). Only this layer's weight is gathered, never the model's."""
+        if self.base_quantization is not None:
+            return self.weight_matrix()
+        weight = full_tensor(self.base_weight())
+        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+
+    def set_weight_matrix(
+        self, matrix: torch.Tensor, requantize: str = "nearest", generator: torch.Generator | None = None
+    ) -> None:
+        """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard.
+
+        A quantised base is requantised by `requantize` (``requantize``: "feedback",
+        "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
+        `requantization_error`. A bfloat16 or float16 base is rounded the same three ways
+        (`poet_hf.tuners.low_precision`; nearest when FSDP2 shards it)."""
+        if self.base_quantization is not None:
+            self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
+            return
+        weight = self.base_weight()
+        full = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
+        if weight.dtype in low_precision.LOW_PRECISION_DTYPES and not is_dtensor(weight):
+            full = low_precision.store(self.get_base_layer(), full, requantize, generator)
+        write_full(weight, full)
+
+    def check_quantizable(self, quantization: str, layer_name: str) -> None:
+        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization`` (an
+        ``nn.Linear``, or a bitsandbytes layer already quantised the same way)."""
+        current = self.base_quantization
+        base = self.get_base_layer()
+        if current is None and type(base) is not nn.Linear:
+            raise ValueError(
+                f"`base_quantization`={quantization!r} quantises nn.Linear targets with bitsandbytes; "
+                f"target '{layer_name}' is a {type(base).__name__}"
+            )
+        if current is not None and current != quantization:
+            raise ValueError(
+                f"`base_quantization`={quantization!r}, but target '{layer_name}' is already quantised as {current!r}"
+            )
+
+    def quantize_base(self, quantization: str) -> None:
+        """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
+        if self.base_quantization is None:
+            self.base_layer = bnb.quantize_linear(cast(nn.Linear, self.get_base_layer()), quantization)
+        self.pending_quantization = None
+
+    def base_weight_bytes(self) -> int:
+        """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
+        if self.base_quantization is None:
+            weight = self.base_weight()
+            return weight.numel() * weight.element_size() + low_precision.residual_bytes(self.get_base_layer())
+        return bnb.quantized_bytes(self.get_base_layer())
+
+    def _load_base_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+        """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
+        int8 row scales), which ``nn.Module``'s loader would drop, so they are installed here together; a 16-bit
+        base gets room for its saved rounding residual."""
+        if self.rotation_settings:
+            self._attach_residual_store(next(iter(self.rotation_settings)))
+        if self.base_quantization is not None:
+            bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+            return
+        low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+
+    def _attach_residual_store(self, adapter_name: str) -> None:
+        """Keep the base's error-feedback residual where the adapter's ``residual_storage`` says
+        (`poet_hf.tuners.residual_store`)."""
+        names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
+        residual_store.attach(self.get_base_layer(), self.rotation_settings[adapter_name].residual_storage, names)
+
+    def _rounding_residual(self) -> torch.Tensor | None:
+        """What the last fold's rounding of ``W0`` dropped (error feedback), as an out × in matrix, or ``None``."""
+        base = self.get_base_layer()
+        if self.base_quantization is not None:
+            return bnb.residual(base)
+        kept = low_precision.residual(base)
+        if kept is None:
+            return None
+        return kept.T if self._weight_transposed else kept.reshape(kept.shape[0], -1)
+
+    @property
+    def is_conv2d(self) -> bool:
+        return isinstance(self.get_base_layer(), nn.Conv2d)
+
+    def _pads_input(self) -> bool:
+        """Whether the input is padded before an unpadded convolution: a ``padding_mode`` other than zeros (as
+        ``nn.Conv2d`` does), or ``padding="same"``/``"valid"``, which ``convolution_backward`` does not take."""
+        base = self.get_base_layer()
+        return isinstance(base, nn.Conv2d) and (base.padding_mode != "zeros" or isinstance(base.padding, str))
+
+    def base_operation(self) -> LinearOp | Conv2dOp:
+        """The base layer's operation with its weight given as the out × in matrix."""
+        base = self.get_base_layer()
+        if not isinstance(base, nn.Conv2d):
+            return LinearOp()
+        padding = (0, 0) if self._pads_input() else cast(tuple[int, ...], base.padding)
+        return Conv2dOp(tuple(base.weight.shape), base.stride, padding, base.dilation, base.groups)
+
+    def pad_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Pad ``x`` as the base convolution would (`_pads_input`), with ``nn.Conv2d``'s own left/right split."""
+        if not self._pads_input():
+            return x
+        base = cast(nn.Conv2d, self.get_base_layer())
+        mode = "constant" if base.padding_mode == "zeros" else base.padding_mode
+        return F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
+
+    def _weight_for_folding(self, adapter_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base; or
+        ``dtype``), with the residual of the last requantisation added back when the adapter folds by error
+        feedback."""
+        matrix = self.full_weight_matrix()
+        matrix = matrix.to(dtype or at_least_float32(matrix.dtype))
+        if self.rotation_settings[adapter_name].requantize == "feedback":
+            residual = self._rounding_residual()
+            if residual is not None:
+                matrix = matrix + residual.to(matrix.dtype)
+        return matrix
+
+    def _fold_into_base(self, matrix: torch.Tensor, adapter_name: str, merge_count: int) -> None:
+        """Write a folded weight back; a quantised base is requantised by the adapter's ``requantize`` mode (a
+        stochastic one draws from a generator seeded by (seed, merge count, layer): the same on every rank)."""
+        settings = self.rotation_settings[adapter_name]
+        generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
+        self._attach_residual_store(adapter_name)
+        self.set_weight_matrix(matrix, settings.requantize, generator)
+
+    def warn_requantized(self, action: str, adapter_name: str) -> None:
+        """A fold into a quantised base changes the weight by a requantisation: say by how much (measured)."""
+        if self.base_quantization is not None:
+            warnings.warn(
+                f"{action} adapter '{adapter_name}' into the {self.base_quantization} base of "
+                f"'{self.rotation_settings[adapter_name].layer_name}' requantised W0: relative error "
+                f"{self.requantization_error:.2e} (||dequant(Q(W)) - W||_F / ||W||_F, measured)",
+                QuantizedMergeWarning,
+                stacklevel=3,
+            )
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, Conv1D)
+
+
+def at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a fold or the reference forward computes in: float32, or wider when the weight is."""
+    return torch.promote_types(dtype, torch.float32)

@@ -1,0 +1,244 @@
+"""A rotation layer's forward: the fused path, its per-step rotation caches, and the plain autograd reference.
+
+`FusedForward` runs ``base(x, Pᵀ W0 Rᵀ)`` (POET eq. 3) through the fused functions of
+`poet_hf.orthogonal.rotated_linear`, choosing a strategy per call, and keeps per adapter and side the
+[`RotationCache`][poet_hf.orthogonal.rotated_linear.RotationCache] that lets an accumulation window build each
+rotation once and run one VJP for it (`rotation_cache.py` tracks the windows and the optimizer hooks).
+`reference_forward` composes the same forward from the orthogonal primitives under plain autograd: the path of
+several adapters at once, and, inside `plain_autograd`, the reference the fused path is tested against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, rotated_forward
+from ..orthogonal.strategy_costs import polynomial_products, strategy_costs
+from ..sharded import full_tensor
+from . import bnb, rotation_cache
+from .base_weight import at_least_float32
+from .constants import SIDE_INPUT, SIDE_OUTPUT
+
+_FUSED = True
+
+
+@contextlib.contextmanager
+def plain_autograd() -> Iterator[None]:
+    """Run rotation layers through the plain autograd composition of the orthogonal primitives: the reference the
+    fused forward and backward are tested against."""
+    global _FUSED
+    previous, _FUSED = _FUSED, False
+    try:
+        yield
+    finally:
+        _FUSED = previous
+
+
+def fused_enabled() -> bool:
+    """Whether rotation layers use the fused forward (``False`` inside `plain_autograd`)."""
+    return _FUSED
+
+
+class FusedForward:
+    """The fused forward of one rotation layer and its per-step rotation caches, keyed by ``(adapter, side)``.
+
+    Every method takes the layer it serves, so the collaborator holds no reference back to it.
+    """
+
+    def __init__(self) -> None:
+        self.caches: dict[tuple[str, str], RotationCache] = {}
+
+    def side_rotation(
+        self,
+        layer: Any,
+        adapter_name: str,
+        side: str,
+        keep: torch.Tensor | None = None,
+        cache: RotationCache | None = None,
+        defer: bool = False,
+    ) -> SideRotation:
+        """One side's rotation as the fused functions take it; ``keep`` flags the blocks OFT's dropout keeps."""
+        settings = layer.rotation_settings[adapter_name]
+        spec = layer.sides(adapter_name)[side]
+        return SideRotation(spec, layer.index_buffer(adapter_name, side), settings.neumann_terms, keep, cache, defer)
+
+    def choose_strategy(
+        self, layer: Any, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached"
+    ) -> str:
+        """The strategy for one call: ``forward="weight"``/``"activation"`` as given; ``"auto"`` the fewest
+        multiply-adds (`strategy_costs`) among the strategies that keep only the layer input for the backward, the
+        polynomial counted as this call pays it (`polynomial_products`). Conv2d always uses the weight strategy."""
+        settings = layer.rotation_settings[adapter_name]
+        if layer.is_conv2d:
+            return WEIGHT
+        if settings.forward != "auto":
+            return str(settings.forward)
+        sides = layer.sides(adapter_name)
+        quantization = layer.base_quantization
+        costs = strategy_costs(
+            tokens,
+            layer.in_features,
+            layer.out_features,
+            sides.get(SIDE_INPUT),
+            sides.get(SIDE_OUTPUT),
+            training,
+            dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
+            polynomial=polynomial_products(settings.neumann_terms, polynomial_phase) if training else 0,
+        )
+        # (macs, order, name): the cheapest, the first listed on a tie; a plain min, which Dynamo traces.
+        affordable = [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] == 0]
+        return min(affordable)[2]
+
+    def __call__(
+        self, layer: Any, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``base(x, Pᵀ W0 Rᵀ)`` for one adapter."""
+        sides = layer.sides(adapter_name)
+        training = torch.is_grad_enabled() and any(layer.skew_parameter(adapter_name, s).requires_grad for s in sides)
+        tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
+        rotations, phases = {}, set()
+        for side in sides:
+            vec = layer.skew_parameter(adapter_name, side)
+            cache, defer = self.cache_for(layer, adapter_name, side, vec, training and vec.requires_grad)
+            phases.add(_polynomial_phase(cache, defer))
+            side_keep = keep if side == SIDE_INPUT else None
+            rotations[side] = (self.side_rotation(layer, adapter_name, side, side_keep, cache, defer), vec)
+        phase = phases.pop() if len(phases) == 1 else "uncached"
+        strategy = self.choose_strategy(layer, adapter_name, tokens, training, phase)
+        r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
+        p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
+        return rotated_forward(
+            strategy,
+            layer.pad_input(x),
+            layer.dense_weight(),
+            layer.base_bias(),
+            r_side,
+            r_vec,
+            p_side,
+            p_vec,
+            op=layer.base_operation(),
+        )
+
+    def cache_for(
+        self, layer: Any, adapter_name: str, side: str, vec: torch.Tensor, training: bool
+    ) -> tuple[RotationCache | None, bool]:
+        """The cache a call reads its blocks from (``None`` when none is open and the call does not defer) and
+        whether the call defers its VJP. Under ``torch.compile`` there is none: the cache lives outside the graph.
+
+        Raises:
+            RuntimeError: the skew vector changed under deferred gradients other than by a step or a merge.
+        """
+        if torch.compiler.is_compiling():
+            return None, False
+        settings = layer.rotation_settings[adapter_name]
+        defer = training and settings.cache_rotations and rotation_cache.deferring()
+        cache = self.caches.get((adapter_name, side))
+        if cache is None:
+            if not defer:
+                return None, False
+            cache = self.caches[(adapter_name, side)] = RotationCache()
+            vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
+            rotation_cache.track(layer)
+        if rotation_cache.gradient_was_reset(vec, cache):
+            cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
+        key = (int(layer.merge_counts[adapter_name]), float(torch.linalg.vector_norm(vec.detach())))
+        if cache.key is not None and cache.key != key:
+            if cache.pending is not None:
+                raise RuntimeError(
+                    f"the skew parameter of adapter '{adapter_name}' ({side} side) of '{settings.layer_name}' changed "
+                    "while its gradient was deferred over an accumulation window; apply the deferred gradients first "
+                    "with poet_hf.flush_rotation_caches(model)"
+                )
+            cache.clear()
+        cache.key = key
+        return cache, defer
+
+    def nbytes(self) -> int:
+        """Bytes the caches hold (blocks and deferred gradients)."""
+        return sum(cache.nbytes for cache in self.caches.values())
+
+    def has_deferred_grads(self) -> bool:
+        return any(cache.pending is not None for cache in self.caches.values())
+
+    def drop(self) -> None:
+        """Free the caches, deferred gradients included (for a step that is abandoned)."""
+        for cache in self.caches.values():
+            cache.clear()
+
+    @torch.no_grad()
+    def flush(self, layer: Any, collective: bool = True) -> None:
+        """Add the deferred gradients to the skew parameters' ``.grad`` (what the micro-batches would have added
+        without deferral) and free the caches. A sharded (FSDP2) parameter's gradient is averaged over the processes,
+        as FSDP2's reduce-scatter does; with ``collective=False`` such a cache is left for a later flush."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for (adapter_name, side), cache in self.caches.items():
+            param = layer.skew_parameter(adapter_name, side)
+            sharded = isinstance(param, DTensor)
+            if sharded and not collective:
+                continue
+            pending = cache.pending
+            cache.clear()
+            if pending is None:
+                continue
+            grad = self.side_rotation(layer, adapter_name, side).vector_grad(None, pending, full_tensor(param))
+            if sharded:
+                torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.AVG)
+                grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+
+def reference_forward(
+    layer: Any, x: torch.Tensor, adapter_names: list[str], activation: bool, keep: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The forward as a plain autograd composition (several adapters compose in order); ``keep`` maps an
+    adapter to the input-side blocks it keeps (OFT's module dropout)."""
+    bias = layer.base_bias()
+    op = layer.base_operation()
+    x = layer.pad_input(x)
+    keep = keep or {}
+    if not activation:
+        base_weight = layer.weight_matrix()
+        matrix = base_weight.to(at_least_float32(base_weight.dtype))
+        for a in adapter_names:
+            for side, spec in layer.sides(a).items():
+                blocks = layer.rotation_blocks(
+                    a, side, dtype=matrix.dtype, keep=keep.get(a) if side == SIDE_INPUT else None
+                ).mT
+                index = layer.index_buffer(a, side)
+                matrix = (
+                    spec.matmul_right(matrix, index, blocks)
+                    if side == SIDE_INPUT
+                    else spec.matmul_left(matrix, index, blocks)
+                )
+        return op.forward(x, matrix.to(base_weight.dtype), None if bias is None else bias.to(x.dtype))
+    # y = x R W0^T P: R-rotations compose innermost-last, P-rotations in adapter order.
+    compute = at_least_float32(x.dtype)
+    h = x.to(compute)
+    for a in reversed(adapter_names):
+        if SIDE_INPUT in layer.sides(a):
+            blocks = layer.rotation_blocks(a, SIDE_INPUT, dtype=compute, keep=keep.get(a))
+            h = layer.sides(a)[SIDE_INPUT].matmul_right(h, layer.index_buffer(a, SIDE_INPUT), blocks)
+    output_side = any(SIDE_OUTPUT in layer.sides(a) for a in adapter_names)
+    h = op.forward(h.to(x.dtype), layer.weight_matrix(), None if bias is None or output_side else bias.to(x.dtype)).to(
+        compute
+    )
+    for a in adapter_names:
+        if SIDE_OUTPUT in layer.sides(a):
+            blocks = layer.rotation_blocks(a, SIDE_OUTPUT, dtype=compute)
+            h = layer.sides(a)[SIDE_OUTPUT].matmul_right(h, layer.index_buffer(a, SIDE_OUTPUT), blocks)
+    out = h.to(x.dtype)
+    return out if bias is None or not output_side else out + bias.to(out.dtype)
+
+
+def _polynomial_phase(cache: RotationCache | None, defer: bool) -> str:
+    """Where a call stands in its optimizer step (`polynomial_products`)."""
+    if cache is None:
+        return "uncached"
+    if not defer:
+        return "closing"
+    return "building" if cache.blocks is None else "deferred"

@@ -1,0 +1,188 @@
+"""`RotationModel`, what the POET and OFT tuners share, and `merge_and_reinit` (POET's Algorithm 1, step 5)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, cast
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from .block_sizes import warn_adjusted_block_sizes
+from .bnb import adopt_base, drop_residual, quantization_of
+from .config_utils import holds_full_model
+from .low_precision import drop_rounding_residual
+from .rotation_layer import RotationLayer, rotation_layers
+from .state_checks import AdapterStateError
+from .tuner_base import LayerReplacingTuner
+
+
+def create_tuner_module(
+    config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
+) -> RotationLayer:
+    """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
+    a ``ValueError`` naming the type.
+
+    bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` targets are dispatched first (as PEFT dispatches LoRA's): they
+    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through `bnb`
+    (`quantization_of` raises for any other bitsandbytes module)."""
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    if quantization_of(base_layer) is not None:
+        adopt_base(base_layer)
+        return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
+    for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes, strict=True):
+        if isinstance(base_layer, base_type):
+            return layer_cls(target, adapter_name, config=config, layer_name=layer_name)
+    raise ValueError(
+        f"`target_modules` matched '{layer_name}', a {type(base_layer).__name__}; supported module types are "
+        "torch.nn.Linear, transformers Conv1D and torch.nn.Conv2d"
+    )
+
+
+def _release_caches_if_raising(module: nn.Module, args: Any, output: Any) -> None:
+    """Forward hook (``always_call``): an exception in the model's forward abandons the micro-batch, so deferred
+    rotation gradients of the earlier micro-batches are applied to ``.grad`` (a loop that goes on accumulating keeps
+    them; one that calls ``zero_grad`` drops them) and the rotation caches are freed."""
+    if sys.exc_info()[1] is not None:  # called from the forward's exception handler
+        for _, layer in rotation_layers(module):
+            layer.flush_rotation_caches(collective=False)
+
+
+class RotationModel(LayerReplacingTuner):
+    """What the POET and OFT tuners share: rotation layers around the targets, merge-count checks on load, the saved
+    base weights that merges changed, and [`merge_and_reinit`][poet_hf.merge_and_reinit].
+
+    A subclass sets PEFT's ``prefix`` and ``tuner_layer_cls`` and its ``layer_classes`` (Linear, Conv1D, Conv2d).
+    """
+
+    tuner_layer_cls: type[RotationLayer] = RotationLayer
+    layer_classes: tuple[type[RotationLayer], ...] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_post_hook(check_merge_counts_agree)
+        # PEFT reaches the wrapped model through this tuner (task models) or directly (PeftModel): hook both.
+        for module in (self, self.model):
+            module.register_forward_hook(_release_caches_if_raising, always_call=True)
+
+    def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
+        """PEFT's injection, then one warning listing the layers whose block size was adjusted to fit
+        (`block_sizes`)."""
+        config = self.peft_config[adapter_name]
+        before = dict(getattr(config, "block_size_pattern", {}))
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+        if getattr(config, "block_size_pattern", None):
+            dims = {
+                name: {side: spec.dim for side, spec in layer.sides(adapter_name).items()}
+                for name, layer in rotation_layers(model, adapter_name)
+            }
+            warn_adjusted_block_sizes(config, before, dims)
+
+    def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> RotationLayer:
+        return create_tuner_module(config, adapter_name, target, layer_name, self.layer_classes)
+
+    def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
+        super()._mark_only_adapters_as_trainable(model)
+        if any(holds_full_model(self.peft_config[a]) for a in self.active_adapters):
+            # Pretraining from scratch: embeddings, norms and lm_head train normally beside the POET layers.
+            inside_tuner_layers = {
+                id(p) for m in model.modules() if isinstance(m, BaseTunerLayer) for p in m.parameters()
+            }
+            for param in model.parameters():
+                if id(param) not in inside_tuner_layers:
+                    param.requires_grad = True
+
+    @classmethod
+    def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
+        """Adapter entries, plus the base weights POET changed (``W0`` moves at every merge), plus the
+        non-targeted parameters trained beside the adapter, so a saved model reloads exactly."""
+        to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
+        layers = [m for m in model.modules() if isinstance(m, RotationLayer) and adapter_name in m.merge_counts]
+        include_base = (
+            getattr(config, "base_init", None) is not None
+            or any(int(m.merge_counts[adapter_name]) > 0 for m in layers)
+            or any(getattr(m.get_base_layer(), "poet_base_changed", False) for m in layers)  # bnb.adopt_base
+        )
+        if include_base:
+            to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
+        if holds_full_model(config):
+            # Pretraining: every non-adapter weight was trained or re-initialised, so the whole model is saved.
+            to_return.update(state_dict)
+        return to_return
+
+    def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:  # type: ignore[override]  # PEFT annotates None, returns the model
+        """PEFT's unload; a quantised or 16-bit base leaves without its rounding residual, which only the next
+        fold of an adapter would use."""
+        bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
+        model = cast(nn.Module, super()._unload_and_optionally_merge(*args, **kwargs))
+        for base in bases:
+            drop_residual(base)
+            drop_rounding_residual(base)
+        return model
+
+    def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
+        """Fold the rotations into ``W0`` in every layer, zero Q and resample; see
+        [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
+        return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
+
+
+def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
+    """The layers of one adapter merge together, so after a load their merge counts must agree (a
+    ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming
+    two that disagree."""
+    for adapter_name in getattr(tuner, "peft_config", {}):
+        layers = rotation_layers(tuner, adapter_name)
+        counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
+        if not layers:
+            continue
+        first = layers[0][0]
+        other = next((name for name, count in counts.items() if count != counts[first]), None)
+        if other is not None:
+            raise AdapterStateError(
+                f"merge counts disagree: layer '{first}' has merged {counts[first]} times but '{other}' "
+                f"{counts[other]} times; the layers of adapter '{adapter_name}' merge together, so they must hold one "
+                "count",
+                layers[0][1].rotation_settings[adapter_name].source,
+            )
+
+
+@torch.no_grad()
+def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[str, Any]:
+    """The POET merge-then-reinitialize step (Algorithm 1, step 5) over every POET layer of ``model``.
+
+    Folds ``R`` and ``P`` into ``W0``, zeroes the skew parameters and draws fresh permutations / index sets from
+    generators seeded by (seed, merge count, layer name), so every process draws the same ones. Optimizer state
+    is not touched here (see ``poet_hf.training``).
+
+    Returns ``{"layers": n, "merge_count": c, "max_q_norm": …, "max_orth_error": …, "max_neumann_bound": …}``
+    computed just before the merge, for logging; with quantised bases also ``max_requantization_error``, the largest
+    relative change the requantisation made to a folded ``W0``.
+
+    Args:
+        model: the model with POET (or OFT) layers.
+        adapter_name: the adapter to merge.
+
+    Returns:
+        The statistics described above.
+
+    Raises:
+        ValueError: no POET layer holds the adapter.
+    """
+    layers = rotation_layers(model, adapter_name)
+    if not layers:
+        raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
+    stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
+    summary = {
+        "layers": len(layers),
+        "merge_count": int(layers[0][1].merge_counts[adapter_name]),
+        "max_q_norm": max(s["q_norm"] for s in stats),
+        "max_orth_error": max(s["orth_error"] for s in stats),
+        "max_neumann_bound": max(s["neumann_bound"] for s in stats),
+    }
+    requantized = [s["requantization_error"] for s in stats if "requantization_error" in s]
+    if requantized:
+        summary["max_requantization_error"] = max(requantized)
+    return summary
