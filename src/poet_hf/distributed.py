@@ -121,17 +121,15 @@ def shard_model(
     ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no
     process ever holds the whole model, and the result equals, bit for bit, the model one process would build.
 
-    ``mesh`` defaults to a 1-D mesh over every process (gloo on CPU, nccl on CUDA). Extra keyword arguments go to
-    ``fully_shard`` (``reshard_after_forward``, ``mp_policy``, ``shard_placement_fn`` to place shards yourself, …).
-
     Args:
         model: the model to shard, built on the ``meta`` device or materialized.
-        mesh: the device mesh; default a 1-D mesh over every process.
+        mesh: the device mesh; default a 1-D mesh over every process (gloo on CPU, nccl on CUDA).
         seed: seed of the keyed initialisation of a ``meta`` model's base modules.
         checkpoint: for a ``meta`` model, a ``save_pretrained`` folder or ``.safetensors`` file to read its base weights
             from.
         loading: how rank 0 hands out a checkpoint's tensors: ``"scatter"`` (each process its shard) or ``"broadcast"``.
-        **fully_shard_kwargs: passed to ``fully_shard``.
+        **fully_shard_kwargs: passed to ``fully_shard`` (``reshard_after_forward``, ``mp_policy``,
+            ``shard_placement_fn`` to place shards yourself, …).
 
     Returns:
         ``model``, sharded in place.

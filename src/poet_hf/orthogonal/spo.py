@@ -125,8 +125,8 @@ def spo_generator(
     """A CPU generator seeded by (seed, adapter name, merge count, layer name, side).
 
     The seed is a stable hash (not Python's salted ``hash``), so every process and every resumed run draws the same
-    permutations without communication, and two adapters of one model draw different ones. The ``"default"`` adapter
-    keeps the key it had before adapter names were part of it, so earlier runs resume with the same draws.
+    permutations without communication, and two adapters of one model draw different ones (the ``"default"``
+    adapter's key leaves its name out).
 
     Args:
         seed: the adapter's seed.

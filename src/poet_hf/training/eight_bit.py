@@ -2,7 +2,7 @@
 
 bitsandbytes' CPU kernel for blockwise 8-bit states (``optimizer_update_8bit_blockwise``) dequantises both states
 to float32, copies the gradient and forms the update over the whole tensor: about five float32 copies of the
-parameter at once (2.5 GB for a Llama-2-7B embedding of 131M entries). Its states are quantised in independent
+parameter at once. Its states are quantised in independent
 blocks of 256 entries, so updating consecutive chunks of whole blocks, each with the same kernel, gives the same
 bits with temporaries of one chunk. GPU kernels are fused and left alone.
 """

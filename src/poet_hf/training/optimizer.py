@@ -171,16 +171,11 @@ def create_poet_optimizer(
 
 @torch.no_grad()
 def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> int:
-    """Reset the state (moments, step count) of ``params`` to a fresh one; returns how many states were reset.
+    """Reset the state (moments, step count) of ``params`` to a fresh one, in place, as POET does after a merge.
 
-    After a merge the skew parameters are zero and the coordinates are re-permuted, so old moments refer to other
-    directions (the POET code's ``POETAdamW`` does the same). The tensors are zeroed in place rather than dropped:
-    for Adam-family optimizers step 0 with zero moments *is* the fresh state, and keeping the entries keeps one state
-    layout, so a sharded checkpoint taken right after a merge resumes exactly (``torch.distributed.checkpoint``
-    would otherwise fill missing entries by a zero-gradient step, leaving step 1). Works on DTensor states (FSDP2),
-    on bitsandbytes' 8-bit states (``--optim adamw_bnb_8bit``: their codes and block scales are zeroed, a zero scale
-    reading every code as 0; their quantisation maps ``qmap*`` are kept and their integer step set to 0) and on
-    torchao's (``--optim adamw_torch_8bit``: a tensor subclass, which is given zeros to quantise).
+    Zeroed rather than dropped, so the state keeps one layout and a checkpoint taken right after a merge resumes
+    exactly; float32, DTensor (FSDP2), bitsandbytes' and torchao's 8-bit states alike
+    (the pretraining guide says why).
 
     Args:
         optimizer: the optimizer holding the state.

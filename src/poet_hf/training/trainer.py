@@ -49,45 +49,32 @@ def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None,
 
 
 class PoetTrainer(CrashSafeTrainer):
-    """Trainer for POET models (works for any model; without POET layers it behaves like ``Trainer``).
+    """A ``transformers.Trainer`` for POET and OFT models (any other model trains as with ``Trainer``).
 
-    - Optimizer: POET parameters at ``args.poet_learning_rate`` without weight decay; the rest at
-      ``args.learning_rate`` with Trainer's usual decay rules. The scheduler scales both groups.
-    - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback] (merge every ``merge_every`` steps,
-    optimizer-state reset, post-merge
-      clip ramp).
+    - Optimizer: the skew parameters at ``args.poet_learning_rate`` without weight decay, the rest at
+      ``args.learning_rate`` with Trainer's decay rules; the scheduler scales both.
+    - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback]: merge-then-reinitialize every
+      ``merge_every`` steps (POET Algorithm 1, step 5), the optimizer-state reset and the post-merge clip ramp.
     - Logs the POET learning rate, merge count, ``||Q||``, orthogonality error and vector-probe cosines.
-    - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json``, so a model pretrained
-      from scratch can be rebuilt and exported without a hub id. They are written atomically, and
-      ``train(resume_from_checkpoint="auto")`` resumes from the newest complete one
-      (`CrashSafeTrainer`).
-
-    POET merges fold weights in place on every process, which is exact under DDP (every rank draws the same
-    permutations) and under FSDP2, where each layer's weight is gathered for its fold and every rank writes back its
-    own shard ([`distributed`][poet_hf.distributed]). FSDP1 and DeepSpeed are refused with an error that names FSDP2.
-
-    A model built on the ``meta`` device (``with torch.device("meta"): ...``, then ``get_peft_model``) is materialized
-    here ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``): whole on
-    ``args.device``, or, when Accelerate runs FSDP2, sharded first by [`shard_model`][poet_hf.distributed.shard_model]
-    with the plugin's mixed-precision, resharding and offload settings, so that no process ever holds the whole model.
-
-    Args beyond ``Trainer``'s:
-        run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).
-        pretrained_weights: for a model built on the ``meta`` device, a ``save_pretrained`` folder (or
-            ``.safetensors`` file) of its base model, read tensor by tensor (under FSDP2 by rank 0, which sends each
-            process its shard) instead of initialising the base weights.
+    - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json`` (so a model pretrained from scratch
+      exports without a hub id), written atomically; ``train(resume_from_checkpoint="auto")`` resumes from the newest
+      complete one (`CrashSafeTrainer`).
+    - Runs under DDP and FSDP2 ([`distributed`][poet_hf.distributed]); FSDP1 and DeepSpeed are refused.
+    - Materializes a model built on the ``meta`` device
+      ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``), under FSDP2 after
+      [`shard_model`][poet_hf.distributed.shard_model] with the plugin's settings, so no process holds the whole
+      model.
 
     Args:
-        run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).
-        pretrained_weights: for a model built on the ``meta`` device, a ``save_pretrained`` folder (or ``.safetensors``
-            file) of its base model, read tensor by tensor (under FSDP2 by rank 0, which sends each process its shard)
-            instead of initialising the base weights.
         *args: as ``transformers.Trainer``.
+        run_info: what to record in each checkpoint's ``poet_run.json`` (method, dataset, …).
+        pretrained_weights: for a ``meta`` model, a ``save_pretrained`` folder or ``.safetensors`` file of its base
+            model, read tensor by tensor (under FSDP2 by rank 0, which sends each process its shard).
         **kwargs: as ``transformers.Trainer``.
 
     Raises:
-        ValueError: the model has POET layers and Accelerate runs DeepSpeed or FSDP1, or FSDP was requested on a machine
-            where Accelerate does not enable it.
+        ValueError: the model has POET layers and Accelerate runs DeepSpeed or FSDP1, or FSDP was requested where
+            Accelerate does not enable it.
     """
 
     def __init__(
