@@ -1,29 +1,9 @@
 """Feedback Gradient Descent (Bu & Chang, AAAI 2022): momentum on the Stiefel manifold without retraction.
 
-Implementation notes (seed-001 digest, which the code follows where the paper's appendix and reference code
-disagree):
-
-- A constrained tensor is viewed as the matrix ``out x (in*kh*kw)`` and its *smaller* Gram is kept at the
-  identity: rows orthonormal when ``out <= in*kh*kw`` (the reference code's case), columns otherwise. The
-  math below is written for the tall view ``theta (n x p)``, ``n >= p``, ``theta^T theta = I``.
-- The buffer stores ``b = lr * phi`` (as the reference ``SGDStiefel`` does) and is updated **first**, from the
-  old ``b`` and ``theta``; ``theta`` then moves with the new, unprojected ``b`` (seed-001 §4.2). The
-  simultaneous Euler form of eqs. (24)-(25) is a delayed-gradient heavy ball and diverges at the paper's
-  learning rates, so it is not used.
-- ``(theta^T theta)^{-1}`` is approximated by ``2I - theta^T theta`` (Theorem 4.8: no inverse, QR or SVD);
-  ``exact_inverse=True`` solves instead, for testing.
-- ``feedback`` is ``beta = alpha * lr / 4`` (the code's ``feedback``; 0.4 in the paper's CIFAR runs, keep it in
-  ``(0, 0.5]``: the deviation contracts by ``1 - 2 beta`` per step). ``feedback_alpha`` fixes ``alpha`` instead
-  (the ImageNet recipe), so ``beta`` follows the learning rate.
-- Because ``b = lr * phi``, a learning-rate change (a scheduler, or a user) rescales ``b`` by
-  ``lr_new / lr_old`` (``lr_change="rescale"``, the default) or drops it (``"reset"``, what the reference
-  ``main.py`` does by re-creating the optimizer).
-- Weight decay is not applied to constrained tensors; Nesterov is only available for unconstrained groups.
-- A group's ``lr_multiplier`` scales its learning rate (the reference's ``lr = baselr * stiefel`` for mixed
-  models); Stiefel groups default to ``stiefel_lr_multiplier``, the others to 1. It is a group key, so
-  ``state_dict`` keeps it and a scheduler, which rescales ``lr``, composes with it.
-- Unconstrained parameters get ``torch.optim.SGD`` semantics exactly (momentum, dampening, weight decay,
-  Nesterov).
+A constrained tensor, viewed as the matrix ``out x (in*kh*kw)``, keeps its smaller Gram at the identity; the feedback
+term pulls it back with ``(θᵀθ)^{-1} ≈ 2I − θᵀθ`` (Theorem 4.8: no inverse, QR or SVD). Unconstrained parameters get
+``torch.optim.SGD`` semantics exactly. Where the paper's appendix and its reference code disagree, the guide's
+"FeedbackGD" section says which this follows.
 """
 
 from __future__ import annotations

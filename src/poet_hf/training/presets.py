@@ -26,6 +26,7 @@ __all__ = [
     "build_llama",
     "count_trainable",
     "intermediate_size",
+    "recipe_parameter_counts",
     "tied_poet_learning_rate",
 ]
 
@@ -145,7 +146,20 @@ def build_llama(
 def apply_recipe(
     model: LlamaForCausalLM, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
 ) -> torch.nn.Module:
-    """Wrap the model for the recipe's method: POET via PoetConfig, LoRA via PEFT, AdamW/GaLore unchanged."""
+    """Wrap the model for the recipe's method: POET via `PoetConfig`, LoRA via PEFT, AdamW and GaLore unchanged.
+
+    Args:
+        model: the LLaMA to wrap.
+        recipe: a resolved recipe (``method`` and the method's settings).
+        base_init: POET's ``W0`` initialisation; ``"recipe"``: the recipe's.
+        seed: the adapter's seed.
+
+    Returns:
+        The model to train.
+
+    Raises:
+        SystemExit: ``method="galore"`` without the ``galore-torch`` package.
+    """
     from peft import LoraConfig, get_peft_model
 
     targets = DEFAULT_TARGET_MODULES["llama"]
@@ -182,9 +196,33 @@ def apply_recipe(
 
 
 def count_trainable(model: torch.nn.Module) -> dict[str, int]:
-    """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention)."""
+    """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention).
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``{"trainable_params", "trainable_block_params"}``.
+    """
     trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
     return {
         "trainable_params": sum(n for _, n in trainable),
         "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name),
     }
+
+
+def recipe_parameter_counts(recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
+    """Trainable parameters of a recipe's method (`count_trainable`), counted on a model built on the ``meta`` device.
+
+    Args:
+        recipe: a resolved recipe (``preset``, ``method``, ``model.seq_len`` and the method's settings).
+        vocab_size: the vocabulary size.
+
+    Returns:
+        ``{"trainable_params", "trainable_block_params"}``.
+    """
+    preset = PRESETS[recipe["preset"]]
+    with torch.device("meta"):
+        base = build_llama(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"], 0, device="meta")
+        model = apply_recipe(base, {**recipe, "base_quantization": None}, base_init=None)
+    return count_trainable(model)

@@ -36,6 +36,7 @@ from .presets import (  # noqa: F401 (public here too)
     build_llama,
     count_trainable,
     intermediate_size,
+    recipe_parameter_counts,
     tied_poet_learning_rate,
 )
 from .trainer import PoetTrainer
@@ -296,7 +297,7 @@ def resolve_recipe(
     elif args.method == "lora":
         recipe["lora_rank"] = args.lora_rank
     if vocab_size is not None:
-        recipe.update(_parameter_counts(args, recipe, vocab_size))
+        recipe.update(recipe_parameter_counts(recipe, vocab_size))
     return recipe
 
 
@@ -363,17 +364,6 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
 
 def _collapse(per_side: dict[str, Any]) -> Any:
     return per_side["input"] if per_side["input"] == per_side["output"] else per_side
-
-
-def _parameter_counts(args: PretrainArguments, recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
-    """Trainable parameters of the method, counted on a model built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        model = apply_recipe(
-            build_llama(PRESETS[args.preset], args.method, vocab_size, args.seq_len, 0, device="meta"),
-            {**recipe, "base_quantization": None},
-            base_init=None,
-        )
-    return count_trainable(model)
 
 
 def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
