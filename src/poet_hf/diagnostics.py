@@ -195,7 +195,7 @@ def _probe_vector(layer: RotationLayer, adapter: str, side: str, dim: int) -> to
 def rotation_stats(
     layer: RotationLayer, adapter: str = "default", rotations: SideRotations | None = None
 ) -> dict[str, float]:
-    """One layer's [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics] in float64.
+    """One layer's [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics], in float64.
 
     Args:
         layer: a POET or OFT layer.
@@ -213,8 +213,9 @@ def rotation_stats(
 def paper_metrics(
     layer: RotationLayer, adapter: str = "default", rotations: SideRotations | None = None
 ) -> dict[str, dict[str, float]]:
-    """Per side, the POET paper's ``e_orth`` and ``Tr(R)/m`` of one layer
-    ([`rotation_metrics`][poet_hf.orthogonal.statistics.rotation_metrics]).
+    """Per side, the POET paper's ``e_orth`` and ``Tr(R)/m`` of one layer's rotation.
+
+    See [`rotation_metrics`][poet_hf.orthogonal.statistics.rotation_metrics].
 
     Args:
         layer: a POET or OFT layer.
@@ -230,7 +231,9 @@ def paper_metrics(
 
 @torch.no_grad()
 def rotation_angle(layer: RotationLayer, adapter: str = "default") -> float:
-    """How far, in degrees, one layer's live rotations can turn a vector (POET's two sides add up; OFT has one):
+    """How far, in degrees, one layer's live rotations can turn a vector.
+
+    POET's two sides add up; OFT has one. See
     [`largest_rotation_angle`][poet_hf.orthogonal.statistics.largest_rotation_angle].
 
     Args:
@@ -247,8 +250,10 @@ def rotation_angle(layer: RotationLayer, adapter: str = "default") -> float:
 
 
 def neumann_drift_bound(model: nn.Module, merge_history: list[dict]) -> float | None:
-    """Bound on any singular value's relative drift over a run: each merge and the live rotations scale it by at most
-    ``1 + ε`` (``ε`` from the Cayley–Neumann truncation, POET §5); ``None`` without rotation layers.
+    """Bound on any singular value's relative drift over a run.
+
+    Each merge and the live rotations scale a singular value by at most ``1 + ε``, with ``ε`` from the
+    Cayley–Neumann truncation (POET §5).
 
     Args:
         model: the trained model.

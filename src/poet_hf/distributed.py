@@ -113,9 +113,10 @@ def shard_model(
     loading: str = "scatter",
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
-    """``fully_shard`` every transformer block of ``model``, the input embeddings and the output head (when not
-    tied), then the root (in place; returns ``model``). Each parameter is split along
-    [`shard_dim`][poet_hf.distributed.shard_dim].
+    """Shard ``model`` in place with FSDP2's ``fully_shard``, one transformer block at a time.
+
+    The input embeddings and the output head (when not tied) are units of their own, then the root. Each parameter
+    is split along [`shard_dim`][poet_hf.distributed.shard_dim].
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
     ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no

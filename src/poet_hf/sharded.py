@@ -34,8 +34,10 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Write the whole tensor ``full`` into ``param``; a sharded ``DTensor`` takes each rank's own shard of ``full``
-    (which every rank computed identically, so no communication is needed).
+    """Write the whole tensor ``full`` into ``param``.
+
+    A sharded ``DTensor`` takes each rank's own shard of ``full``, which every rank computed identically, so no
+    communication is needed.
 
     Args:
         param: the tensor or ``DTensor`` to write into.

@@ -32,8 +32,9 @@ _cap_warned = False
 
 @torch.no_grad()
 def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lower, upper)`` bounds of ``||Q||_2`` per block of ``(..., b, b)``, from ``G = QᵀQ`` squared ``squarings``
-    times (``G^n``, ``n = 2^squarings``, renormalised at each step).
+    """``(lower, upper)`` bounds of ``||Q||_2`` per block of ``(..., b, b)``.
+
+    They come from ``G = QᵀQ`` squared ``squarings`` times (``G^n``, ``n = 2^squarings``, renormalised each time).
 
     ``upper = ||G^n||_F^(1/2n)`` (the Frobenius norm bounds the largest eigenvalue); ``lower`` is the square root of
     ``tr(G^(n+1)) / tr(G^n)``, the mean of ``G``'s eigenvalues weighted by their ``n``-th powers. Both converge to
@@ -60,14 +61,17 @@ def skew_spectral_norm_bounds(q: torch.Tensor, squarings: int = _SQUARINGS) -> t
 
 
 def skew_spectral_norm(q: torch.Tensor) -> torch.Tensor:
-    """``||Q||_2`` per block of ``(..., b, b)``: the lower estimate of `skew_spectral_norm_bounds`, within 2% for
-    blocks up to 256 (exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per block)."""
+    """``||Q||_2`` per block of ``(..., b, b)``, to within 2% for blocks up to 256.
+
+    The lower estimate of `skew_spectral_norm_bounds`; the exact ``torch.linalg.matrix_norm(q, 2)`` costs an SVD per
+    block."""
     return skew_spectral_norm_bounds(q)[0]
 
 
 def skew_norm_scale(q: torch.Tensor, terms: int, cap: float | None = None) -> torch.Tensor | None:
-    """Per-block factors ``min(1, cap / ||Q||_2)`` (shape ``(..., 1, 1)``), or ``None`` when no block exceeds ``cap``
-    (always for the exact transform, ``terms == 0``).
+    """Per-block factors ``min(1, cap / ||Q||_2)`` of shape ``(..., 1, 1)``, or ``None`` when no block exceeds ``cap``.
+
+    Always ``None`` for the exact transform (``terms == 0``).
 
     Certified upper bounds decide cheaply that nothing needs doing: ``||Q||_F``, then ``||(QᵀQ)⁴||_F^(1/8)``. Only
     when one of them exceeds the cap is ``||Q||_2`` estimated from below (`skew_spectral_norm`), so every
@@ -132,8 +136,9 @@ def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.
 
 
 def _traced_norm_scale(q: torch.Tensor, terms: int) -> torch.Tensor | None:
-    """`skew_norm_scale` without its data-dependent shortcuts, for ``torch.compile``: the same factors (where the
-    certified bounds are below the cap, so is the estimate, and the factor is 1), always computed."""
+    """`skew_norm_scale` without its data-dependent shortcuts, for ``torch.compile``.
+
+    The factors are the same: where the certified bounds are below the cap, so is the estimate, and the factor is 1."""
     if terms == 0 or math.isinf(MAX_SKEW_NORM):
         return None
     with torch.no_grad():

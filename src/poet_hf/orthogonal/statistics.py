@@ -16,8 +16,10 @@ __all__ = ["block_statistics", "rotation_metrics", "largest_rotation_angle"]
 
 @torch.no_grad()
 def block_statistics(rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], neumann_terms: int) -> dict[str, float]:
-    """``q_norm`` (largest ``||Q||_2``), ``orth_error`` (largest ``||B Bᵀ − I||_F/√b``) and ``neumann_bound`` (the
-    bound on any singular value's relative change the rotations cause, POET §5) over every block of every side.
+    """The largest ``||Q||_2``, orthogonality error and Cayley–Neumann bound over every block of every side.
+
+    ``q_norm`` is the largest ``||Q||_2``, ``orth_error`` the largest ``||B Bᵀ − I||_F/√b``, and ``neumann_bound`` the
+    bound on any singular value's relative change the rotations cause (POET §5).
 
     Args:
         rotations: per side, ``(Q, blocks)``: the skew blocks and their ``(num_blocks, b, b)`` rotations.
@@ -37,9 +39,11 @@ def block_statistics(rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], ne
 
 @torch.no_grad()
 def rotation_metrics(blocks: torch.Tensor, spec: SideSpec) -> dict[str, float]:
-    """The POET paper's ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` and trace metric ``Tr(R)/m`` (appendices A, G, J) of the
-    whole ``m × m`` rotation of one side, from its blocks: a permutation changes neither, and the identity outside a
-    fully stochastic block adds nothing to the error and ``m − b`` to the trace.
+    """The POET paper's ``e_orth`` and ``Tr(R)/m`` of one side's whole ``m × m`` rotation, from its blocks.
+
+    ``e_orth = ||R Rᵀ − I||_F / ||I||_F`` and the trace metric are those of appendices A, G and J. A permutation
+    changes neither, and the identity outside a fully stochastic block adds nothing to the error and ``m − b`` to the
+    trace.
 
     Args:
         blocks: the side's ``(num_blocks, b, b)`` rotations.
@@ -53,8 +57,10 @@ def rotation_metrics(blocks: torch.Tensor, spec: SideSpec) -> dict[str, float]:
 
 @torch.no_grad()
 def largest_rotation_angle(skews: dict[str, tuple[torch.Tensor, SideSpec]]) -> float:
-    """How far, in degrees, the rotations can turn a vector: over sides, the sum of ``2·atan(||Q||_2)``, the largest
-    angle of a Cayley rotation (its eigenvalues are ``e^{±2i·atan θ}``).
+    """How far, in degrees, the rotations of all sides together can turn a vector.
+
+    Over sides, the sum of ``2·atan(||Q||_2)``: the largest angle of a Cayley rotation, whose eigenvalues are
+    ``e^{±2i·atan θ}``.
 
     Args:
         skews: per side, the skew parameter (one row per block) and the side's layout.

@@ -74,8 +74,10 @@ class PoetTrainingArguments(TrainingArguments):
 
 @dataclass(kw_only=True)
 class ScriptArguments:
-    """The options every training script has beside its ``TrainingArguments``: where the text comes from, the
-    tokenizer, and where to export the merged model (the scripts' own classes add theirs)."""
+    """The options every training script has beside its ``TrainingArguments``.
+
+    Where the text comes from, the tokenizer, and where to export the merged model; each script's class adds its
+    own."""
 
     dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name, e.g. 'en' for C4"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})

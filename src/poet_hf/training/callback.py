@@ -38,8 +38,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> int | None:
-    """The merge interval of a run, the one place that reads it: the adapter config's ``merge_every``, unless
-    ``PoetTrainingArguments.merge_every`` overrides it for this run; ``None`` for a model without rotation layers.
+    """The merge interval of a run: the one place that reads it.
+
+    It is the adapter config's ``merge_every``, unless ``PoetTrainingArguments.merge_every`` overrides it for this
+    run.
 
     Args:
         model: the model being trained (unwrapped).
@@ -57,8 +59,10 @@ def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "de
 
 
 def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, factor: float) -> float:
-    """Clip threshold for optimizer step ``step`` (1-based): after each merge it ramps linearly from
-    ``factor·base`` back to ``base`` over ``ramp_steps`` steps (the POET code's post-merge clipping).
+    """The gradient-clip threshold for optimizer step ``step`` (1-based).
+
+    After each merge it ramps linearly from ``factor·base`` back to ``base`` over ``ramp_steps`` steps, as the POET
+    code's post-merge clipping does.
 
     Args:
         step: the optimizer step, 1-based.
@@ -77,9 +81,11 @@ def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, fa
 
 
 class MergeReinitCallback(TrainerCallback, ExportableState):
-    """Every ``merge_every`` optimizer steps (by ``state.global_step``, so it survives resume and gradient
-    accumulation): fold R and P into W0, zero Q, resample permutations, and reset the optimizer state of the
-    POET parameters. Before each step it sets the post-merge clip threshold.
+    """POET's merge-then-reinitialize (Algorithm 1, step 5) in any ``transformers.Trainer``.
+
+    Every ``merge_every`` optimizer steps (by ``state.global_step``, so it survives resume and gradient
+    accumulation) it folds R and P into W0, zeroes Q, resamples the permutations and resets the rotations'
+    optimizer state. Before each step it sets the post-merge clip threshold.
 
     ``history`` (what each merge reported, with its step) is saved in every checkpoint's ``trainer_state.json`` and
     restored on resume, so a resumed run knows the merges before it. On a merge step that is also a logging step,

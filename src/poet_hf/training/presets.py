@@ -1,9 +1,9 @@
-"""The LLaMA shapes and training recipes of the POET paper's pretraining runs (Tables 7–9, appendix E), and the
-model they build; `apply_recipe` wraps it for a method.
+"""The LLaMA shapes and training recipes of the POET paper's pretraining runs (Tables 7–9, appendix E).
 
 [`PRESETS`][poet_hf.training.presets.PRESETS] names each shape with its recipe; `build_llama` builds one on the
-``meta`` device and materializes it with keyed initialisation. ``scripts/pretrain.py`` (`poet_hf.training.pretrain`)
-and [`plan_memory`][poet_hf.memory_plan.plan_memory] both read them here.
+``meta`` device and materializes it with keyed initialisation, and `apply_recipe` wraps it for a method.
+``scripts/pretrain.py`` (`poet_hf.training.pretrain`) and [`plan_memory`][poet_hf.memory_plan.plan_memory] both read
+them here.
 """
 
 from __future__ import annotations

@@ -23,8 +23,7 @@ from . import bnb, low_precision, residual_store
 
 
 class QuantizedMergeWarning(UserWarning):
-    """A merge or unmerge into a quantised base changed ``W0`` by a requantisation (its measured size is in the
-    message)."""
+    """A merge or unmerge requantised a quantised ``W0``; the message gives the measured error."""
 
 
 class BaseWeightMixin:
@@ -79,15 +78,18 @@ class BaseWeightMixin:
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
     def dense_weight(self) -> torch.Tensor | bnb.QuantizedWeight:
-        """What the fused forward takes as ``W0``: the weight matrix, or a quantised base's dequantising callable
-        (so no dequantised copy is kept between forward and backward)."""
+        """``W0`` as the fused forward takes it.
+
+        The weight matrix, or a quantised base's dequantising callable, so no dequantised copy is kept between
+        forward and backward."""
         if self.base_quantization is not None:
             return bnb.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
         return self.weight_matrix()
 
     def full_weight_matrix(self) -> torch.Tensor:
-        """The whole out × in matrix, gathered when FSDP2 has sharded the weight (then a collective: every rank
-        calls it). Only this layer's weight is gathered, never the model's."""
+        """The whole out × in matrix.
+
+        Under FSDP2 only this layer's weight is gathered, a collective that every rank calls."""
         if self.base_quantization is not None:
             return self.weight_matrix()
         weight = full_tensor(self.base_weight())
@@ -112,8 +114,9 @@ class BaseWeightMixin:
         write_full(weight, full)
 
     def check_quantizable(self, quantization: str, layer_name: str) -> None:
-        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization`` (an
-        ``nn.Linear``, or a bitsandbytes layer already quantised the same way)."""
+        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization``.
+
+        It can when it is an ``nn.Linear``, or a bitsandbytes layer already quantised the same way."""
         current = self.base_quantization
         base = self.get_base_layer()
         if current is None and type(base) is not nn.Linear:
@@ -140,9 +143,10 @@ class BaseWeightMixin:
         return bnb.quantized_bytes(self.get_base_layer())
 
     def _load_base_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
-        """``load_state_dict`` pre-hook: a quantised base's codes arrive with their statistics (4-bit quant state,
-        int8 row scales), which ``nn.Module``'s loader would drop, so they are installed here together; a 16-bit
-        base gets room for its saved rounding residual."""
+        """``load_state_dict`` pre-hook: install a quantised base's codes together with their statistics.
+
+        ``nn.Module``'s loader would drop the statistics (4-bit quant state, int8 row scales). A 16-bit base gets
+        room for its saved rounding residual."""
         if self.rotation_settings:
             self._attach_residual_store(next(iter(self.rotation_settings)))
         if self.base_quantization is not None:
@@ -151,8 +155,7 @@ class BaseWeightMixin:
         low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
 
     def _attach_residual_store(self, adapter_name: str) -> None:
-        """Keep the base's error-feedback residual where the adapter's ``residual_storage`` says
-        (`poet_hf.tuners.residual_store`)."""
+        """Keep the base's error-feedback residual where ``residual_storage`` says (`residual_store`)."""
         names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
         residual_store.attach(self.get_base_layer(), self.rotation_settings[adapter_name].residual_storage, names)
 
@@ -171,8 +174,10 @@ class BaseWeightMixin:
         return isinstance(self.get_base_layer(), nn.Conv2d)
 
     def _pads_input(self) -> bool:
-        """Whether the input is padded before an unpadded convolution: a ``padding_mode`` other than zeros (as
-        ``nn.Conv2d`` does), or ``padding="same"``/``"valid"``, which ``convolution_backward`` does not take."""
+        """Whether the input is padded before an unpadded convolution.
+
+        So it is for a ``padding_mode`` other than zeros (as ``nn.Conv2d`` does), and for ``padding="same"`` or
+        ``"valid"``, which ``convolution_backward`` does not take."""
         base = self.get_base_layer()
         return isinstance(base, nn.Conv2d) and (base.padding_mode != "zeros" or isinstance(base.padding, str))
 
@@ -193,9 +198,9 @@ class BaseWeightMixin:
         return F.pad(x, base._reversed_padding_repeated_twice, mode=mode)
 
     def _weight_for_folding(self, adapter_name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The base weight matrix in the dtype a fold is computed in (float32, or float64 for a float64 base; or
-        ``dtype``), with the residual of the last requantisation added back when the adapter folds by error
-        feedback."""
+        """The base weight matrix to fold, in float32 (float64 for a float64 base), or ``dtype``.
+
+        When the adapter folds by error feedback, the residual of the last requantisation is added back."""
         matrix = self.full_weight_matrix()
         matrix = matrix.to(dtype or at_least_float32(matrix.dtype))
         if self.rotation_settings[adapter_name].requantize == "feedback":
@@ -205,8 +210,9 @@ class BaseWeightMixin:
         return matrix
 
     def _fold_into_base(self, matrix: torch.Tensor, adapter_name: str, merge_count: int) -> None:
-        """Write a folded weight back; a quantised base is requantised by the adapter's ``requantize`` mode (a
-        stochastic one draws from a generator seeded by (seed, merge count, layer): the same on every rank)."""
+        """Write a folded weight back, requantised by the adapter's ``requantize`` mode.
+
+        A stochastic mode draws from a generator seeded by (seed, merge count, layer): the same on every rank."""
         settings = self.rotation_settings[adapter_name]
         generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
         self._attach_residual_store(adapter_name)

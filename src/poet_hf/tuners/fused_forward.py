@@ -28,8 +28,7 @@ _FUSED = True
 
 @contextlib.contextmanager
 def plain_autograd() -> Iterator[None]:
-    """Run rotation layers through the plain autograd composition of the orthogonal primitives: the reference the
-    fused forward and backward are tested against."""
+    """Run rotation layers through `reference_forward`, the path the fused one is tested against."""
     global _FUSED
     previous, _FUSED = _FUSED, False
     try:
@@ -69,9 +68,11 @@ class FusedForward:
     def choose_strategy(
         self, layer: Any, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached"
     ) -> str:
-        """The strategy for one call: ``forward="weight"``/``"activation"`` as given; ``"auto"`` the fewest
-        multiply-adds (`strategy_costs`) among the strategies that keep only the layer input for the backward, the
-        polynomial counted as this call pays it (`polynomial_products`). Conv2d always uses the weight strategy."""
+        """The fused strategy for one call of ``tokens`` tokens.
+
+        ``forward="weight"`` or ``"activation"`` is taken as given. ``"auto"`` takes the fewest multiply-adds
+        (`strategy_costs`) among the strategies that keep only the layer input for the backward, with the polynomial
+        counted as this call pays it (`polynomial_products`). Conv2d always uses the weight strategy."""
         settings = layer.rotation_settings[adapter_name]
         if layer.is_conv2d:
             return WEIGHT
@@ -126,8 +127,10 @@ class FusedForward:
     def cache_for(
         self, layer: Any, adapter_name: str, side: str, vec: torch.Tensor, training: bool
     ) -> tuple[RotationCache | None, bool]:
-        """The cache a call reads its blocks from (``None`` when none is open and the call does not defer) and
-        whether the call defers its VJP. Under ``torch.compile`` there is none: the cache lives outside the graph.
+        """The cache a call reads its blocks from, and whether the call defers its VJP.
+
+        The cache is ``None`` when none is open and the call does not defer, and always under ``torch.compile``
+        (the cache lives outside the graph).
 
         Raises:
             RuntimeError: the skew vector changed under deferred gradients other than by a step or a merge.
@@ -171,9 +174,11 @@ class FusedForward:
 
     @torch.no_grad()
     def flush(self, layer: Any, collective: bool = True) -> None:
-        """Add the deferred gradients to the skew parameters' ``.grad`` (what the micro-batches would have added
-        without deferral) and free the caches. A sharded (FSDP2) parameter's gradient is averaged over the processes,
-        as FSDP2's reduce-scatter does; with ``collective=False`` such a cache is left for a later flush."""
+        """Add the deferred gradients to the skew parameters' ``.grad`` and free the caches.
+
+        The sum is what the micro-batches would have added without deferral. A sharded (FSDP2) parameter's gradient
+        is averaged over the processes, as FSDP2's reduce-scatter does; with ``collective=False`` its cache is left
+        for a later flush."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         for (adapter_name, side), cache in self.caches.items():
@@ -195,8 +200,10 @@ class FusedForward:
 def reference_forward(
     layer: Any, x: torch.Tensor, adapter_names: list[str], activation: bool, keep: dict[str, torch.Tensor] | None = None
 ) -> torch.Tensor:
-    """The forward as a plain autograd composition (several adapters compose in order); ``keep`` maps an
-    adapter to the input-side blocks it keeps (OFT's module dropout)."""
+    """The forward as a plain autograd composition of the orthogonal primitives.
+
+    Several adapters compose in order; ``keep`` maps an adapter to the input-side blocks it keeps (OFT's module
+    dropout); ``activation`` rotates the activations instead of the weight."""
     bias = layer.base_bias()
     op = layer.base_operation()
     x = layer.pad_input(x)

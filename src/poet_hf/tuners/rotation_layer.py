@@ -184,8 +184,9 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
     def add_rotation_adapter(
         self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec], rows: dict[str, int]
     ) -> None:
-        """Create the skew parameters (``rows[side]`` rows) and index buffers, and give them their initial state
-        (`reset_rotation_state`); on the ``meta`` device that waits for
+        """Create an adapter's skew parameters (``rows[side]`` rows) and index buffers in their initial state.
+
+        On the ``meta`` device the state (`reset_rotation_state`) waits for
         [`materialize_model`][poet_hf.initialization.materialize_model]."""
         self.rotation_specs[adapter_name] = specs
         self.rotation_settings[adapter_name] = settings
@@ -202,10 +203,11 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
 
     @torch.no_grad()
     def reset_rotation_state(self, adapter_name: str) -> None:
-        """The adapter's state at creation, drawn from generators keyed by (seed, adapter, layer, side), so that it is
-        the same on every process, whether the layer was built on a device or on ``meta`` and sharded: merge count
-        0, the merge-0 permutations / index sets, and zero skew vectors (the identity), or random ones with
-        ``init_weights=False``. Sharded (FSDP2) tensors keep their own shard of each draw."""
+        """Give the adapter its state at creation: merge count 0, the merge-0 indices, identity rotations.
+
+        The draws come from generators keyed by (seed, adapter, layer, side), so they are the same on every process
+        and on every way of building the layer; sharded (FSDP2) tensors keep their own shard of each. With
+        ``init_weights=False`` the skew vectors are random instead of zero."""
         settings = self.rotation_settings[adapter_name]
         self.merge_counts[adapter_name].zero_()
         for side in self.sides(adapter_name):
@@ -236,8 +238,9 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
     def rotation_blocks(
         self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32, keep: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The ``(num_blocks, b, b)`` orthogonal blocks of one side, computed in ``dtype`` (float32 or wider);
-        blocks flagged ``False`` in ``keep`` are the identity."""
+        """The ``(num_blocks, b, b)`` orthogonal blocks of one side, in ``dtype`` (float32 or wider).
+
+        Blocks flagged ``False`` in ``keep`` are the identity."""
         param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
         blocks = self._blocks_from_vector(param, adapter_name, side)
         if keep is not None:
@@ -260,9 +263,9 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
 
     @torch.no_grad()
     def float64_rotations(self, adapter_name: str) -> SideRotations:
-        """Per side, ``(Q, blocks)``: the skew blocks and the ``(num_blocks, b, b)`` orthogonal blocks, in float64.
-        Every statistic (`rotation_stats`, `paper_metrics`, ``diagnostics.poet_statistics``) is computed from these;
-        computing them once per logging step and passing them on is what keeps logging cheap."""
+        """Per side, ``(Q, blocks)``: the skew blocks and their orthogonal blocks, in float64.
+
+        Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
         rotations = {}
         for side, spec in self.sides(adapter_name).items():
             param = full_tensor(self.skew_parameter(adapter_name, side)).double()
@@ -427,9 +430,10 @@ def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
 
 
 def flush_rotation_caches(model: nn.Module) -> None:
-    """Apply every deferred rotation gradient of ``model`` to its skew parameter's ``.grad`` and free the rotation
-    caches (under FSDP2 a collective: every process calls it). Needed only after changing skew parameters by hand in
-    the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it themselves.
+    """Apply every deferred rotation gradient of ``model`` to ``.grad`` and free the rotation caches.
+
+    Under FSDP2 this is a collective: every process calls it. It is needed only after changing skew parameters by
+    hand in the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it.
 
     Args:
         model: the model whose layers to flush.

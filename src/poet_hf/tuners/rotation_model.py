@@ -21,8 +21,9 @@ from .tuner_base import LayerReplacingTuner
 def create_tuner_module(
     config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
 ) -> RotationLayer:
-    """Wrap ``target`` in the class of ``layer_classes`` = (Linear, Conv1D, Conv2d layer) for its type, or raise
-    a ``ValueError`` naming the type.
+    """Wrap ``target`` in the layer of ``layer_classes`` (Linear, Conv1D, Conv2d) for its type.
+
+    Raises a ``ValueError`` naming any other type.
 
     bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` targets are dispatched first (as PEFT dispatches LoRA's): they
     subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through `bnb`
@@ -43,17 +44,20 @@ def create_tuner_module(
 
 
 def _release_caches_if_raising(module: nn.Module, args: Any, output: Any) -> None:
-    """Forward hook (``always_call``): an exception in the model's forward abandons the micro-batch, so deferred
-    rotation gradients of the earlier micro-batches are applied to ``.grad`` (a loop that goes on accumulating keeps
-    them; one that calls ``zero_grad`` drops them) and the rotation caches are freed."""
+    """Forward hook (``always_call``): on an exception, apply the deferred rotation gradients and free the caches.
+
+    The exception abandons the micro-batch; the earlier micro-batches' gradients go to ``.grad``, where a loop that
+    goes on accumulating keeps them and one that calls ``zero_grad`` drops them."""
     if sys.exc_info()[1] is not None:  # called from the forward's exception handler
         for _, layer in rotation_layers(module):
             layer.flush_rotation_caches(collective=False)
 
 
 class RotationModel(LayerReplacingTuner):
-    """What the POET and OFT tuners share: rotation layers around the targets, merge-count checks on load, the saved
-    base weights that merges changed, and [`merge_and_reinit`][poet_hf.merge_and_reinit].
+    """The PEFT tuner POET and OFT share.
+
+    Rotation layers around the targets, merge-count checks on load, the base weights that merges changed in the saved
+    adapter, and [`merge_and_reinit`][poet_hf.merge_and_reinit].
 
     A subclass sets PEFT's ``prefix`` and ``tuner_layer_cls`` and its ``layer_classes`` (Linear, Conv1D, Conv2d).
     """
@@ -69,8 +73,7 @@ class RotationModel(LayerReplacingTuner):
             module.register_forward_hook(_release_caches_if_raising, always_call=True)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """PEFT's injection, then one warning listing the layers whose block size was adjusted to fit
-        (`block_sizes`)."""
+        """PEFT's injection, then one warning listing the layers whose block size was adjusted (`block_sizes`)."""
         config = self.peft_config[adapter_name]
         before = dict(getattr(config, "block_size_pattern", {}))
         super().inject_adapter(model, adapter_name, *args, **kwargs)
@@ -97,8 +100,9 @@ class RotationModel(LayerReplacingTuner):
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
-        """Adapter entries, plus the base weights POET changed (``W0`` moves at every merge), plus the
-        non-targeted parameters trained beside the adapter, so a saved model reloads exactly."""
+        """The adapter's entries, and what else a saved model needs to reload exactly.
+
+        That is the base weights the merges changed and the non-targeted parameters trained beside the adapter."""
         to_return = super()._get_adapter_state_dict(model, config, adapter_name, state_dict, unwanted_adapter_names)
         layers = [m for m in model.modules() if isinstance(m, RotationLayer) and adapter_name in m.merge_counts]
         include_base = (
@@ -114,8 +118,9 @@ class RotationModel(LayerReplacingTuner):
         return to_return
 
     def _unload_and_optionally_merge(self, *args: Any, **kwargs: Any) -> nn.Module:  # type: ignore[override]  # PEFT annotates None, returns the model
-        """PEFT's unload; a quantised or 16-bit base leaves without its rounding residual, which only the next
-        fold of an adapter would use."""
+        """PEFT's unload, which leaves a quantised or 16-bit base without its rounding residual.
+
+        Only the next fold of an adapter would use it."""
         bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
         model = cast(nn.Module, super()._unload_and_optionally_merge(*args, **kwargs))
         for base in bases:
@@ -124,15 +129,14 @@ class RotationModel(LayerReplacingTuner):
         return model
 
     def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
-        """Fold the rotations into ``W0`` in every layer, zero Q and resample; see
-        [`merge_and_reinit`][poet_hf.merge_and_reinit]."""
+        """[`merge_and_reinit`][poet_hf.merge_and_reinit] on this model."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
 
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
-    """The layers of one adapter merge together, so after a load their merge counts must agree (a
-    ``load_state_dict`` post-hook); raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming
-    two that disagree."""
+    """``load_state_dict`` post-hook: the layers of one adapter merge together, so their merge counts must agree.
+
+    Raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming two that disagree."""
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
         counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
