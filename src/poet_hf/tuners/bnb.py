@@ -53,14 +53,16 @@ def import_bitsandbytes() -> Any:
 
 
 def is_bnb_module(module: nn.Module) -> bool:
-    """Whether ``module`` comes from bitsandbytes (checked by its class's module, so bitsandbytes is not imported
-    for a model that has none)."""
+    """Whether ``module`` comes from bitsandbytes.
+
+    It is checked by the class's module, so bitsandbytes is not imported for a model that has none."""
     return type(module).__module__.split(".")[0] == "bitsandbytes"
 
 
 def quantization_of(module: nn.Module) -> str | None:
-    """``"nf4"``, ``"fp4"`` or ``"int8"`` for a ``Linear4bit`` / ``Linear8bitLt``; ``None`` for a module that is not
-    from bitsandbytes. Any other bitsandbytes module raises a ``ValueError`` naming its type."""
+    """``"nf4"``, ``"fp4"`` or ``"int8"`` for a ``Linear4bit`` / ``Linear8bitLt``; ``None`` outside bitsandbytes.
+
+    Any other bitsandbytes module raises a ``ValueError`` naming its type."""
     if not is_bnb_module(module):
         return None
     bnb = import_bitsandbytes()
@@ -86,8 +88,10 @@ def _backend(module: BnbLayer) -> Any:
 
 
 class QuantizedBaseRepackedWarning(UserWarning):
-    """A 4-bit base was repacked by bitsandbytes for its CPU kernels before poet_hf wrapped it: its scales were
-    rounded to bfloat16, so its ``W0`` is no longer the checkpoint's (`keep_quantized_layout` prevents it)."""
+    """A 4-bit base was repacked for bitsandbytes' CPU kernels before poet_hf wrapped it.
+
+    Its scales were rounded to bfloat16, so its ``W0`` is no longer the checkpoint's (`keep_quantized_layout` prevents
+    it)."""
 
 
 def keep_layout(module: BnbLayer) -> None:
@@ -101,10 +105,11 @@ def keep_layout(module: BnbLayer) -> None:
 
 
 def keep_quantized_layout(model: nn.Module) -> int:
-    """Keep every 4-bit bitsandbytes layer of ``model`` in the layout its checkpoint has (`keep_layout`), so that an
-    inference forward on a CPU does not round its scales before an adapter is attached. Call it right after loading
-    a quantised model you evaluate before wrapping (the adapters do it for the layers they wrap, and
-    `quantize_linear` for the layers it builds).
+    """Keep every 4-bit bitsandbytes layer of ``model`` in its checkpoint's layout (`keep_layout`).
+
+    An inference forward on a CPU then does not round its scales before an adapter is attached. Call it right after
+    loading a quantised model you evaluate before wrapping; the adapters do it for the layers they wrap, and
+    `quantize_linear` for the layers it builds.
 
     Args:
         model: a model with bitsandbytes layers (any others are left alone).
@@ -119,10 +124,11 @@ def keep_quantized_layout(model: nn.Module) -> int:
 
 
 def _restore_packed(module: BnbLayer) -> bool:
-    """Give a 4-bit weight that bitsandbytes repacked for its CPU kernels its standard layout back (codes in order,
-    one float32 scale per block), keeping the bfloat16-rounded scales as they are (bitsandbytes' own inverse would
-    requantise them with double quantisation, a second rounding, and leaves them transposed without it); warn.
-    Returns whether the layer was repacked."""
+    """Give a 4-bit weight that bitsandbytes repacked for its CPU kernels its standard layout back, and warn.
+
+    The codes go back in order with one float32 scale per block, the bfloat16-rounded scales kept as they are
+    (bitsandbytes' own inverse would requantise them with double quantisation, a second rounding, and leaves them
+    transposed without it). Returns whether the layer was repacked."""
     weight = module.weight
     state: Any = getattr(weight, "quant_state", None)
     if not getattr(state, "packing_format_for_cpu", False):
@@ -188,9 +194,10 @@ def stochastic_round(
     scale: torch.Tensor,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """Round every entry of ``matrix`` to one of its two neighbours on ``scale · grid`` (``grid`` sorted ascending,
-    ``scale`` broadcasting over ``matrix``), up with probability equal to the distance from the lower neighbour over
-    the gap: unbiased, ``E[round(w)] = w`` (inside the grid's range)."""
+    """Round every entry of ``matrix`` to one of its two neighbours on ``scale · grid``, without bias.
+
+    ``grid`` is sorted ascending and ``scale`` broadcasts over ``matrix``. An entry rounds up with probability equal to
+    its distance from the lower neighbour over the gap, so ``E[round(w)] = w`` inside the grid's range."""
     normalized = (matrix / scale).clamp(grid[0], grid[-1]).contiguous()
     upper = torch.searchsorted(grid, normalized).clamp(1, grid.numel() - 1)
     low, high = grid[upper - 1], grid[upper]
@@ -200,9 +207,10 @@ def stochastic_round(
 
 
 def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``matrix`` stochastically rounded onto the grid the module's quantiser will use, so that requantising it
-    keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over the code book) or
-    per row (int8, 127 levels each way)."""
+    """``matrix`` stochastically rounded onto the grid the module's quantiser will use.
+
+    Requantising it then keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over
+    the code book) or per row (int8, 127 levels each way)."""
     work = matrix.float()
     if quantization_of(module) == "int8":
         scale = work.half().float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
@@ -218,8 +226,9 @@ def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Gener
 def requantize(
     peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest", generator: torch.Generator | None = None
 ) -> float:
-    """Store the dense ``matrix`` into the quantised base of ``peft_layer`` with the same quantisation settings
-    (PEFT's backends), and return the relative error this requantisation caused, ``‖dequant(Q(M)) − M‖/‖M‖``.
+    """Store the dense ``matrix`` into the quantised base of ``peft_layer``, with the same quantisation settings.
+
+    Returns the relative error this requantisation caused, ``‖dequant(Q(M)) − M‖/‖M‖`` (PEFT's backends store it).
 
     ``mode`` (`REQUANTIZE_MODES`):
 
@@ -254,8 +263,9 @@ def requantize(
 
 
 def encode_residual(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)``: ``residual`` as int8 codes (its shape) and one float32 absmax scale per
-    `RESIDUAL_BLOCK` consecutive entries (the last block zero-padded)."""
+    """``residual`` as int8 codes of its shape and one float32 absmax scale per `RESIDUAL_BLOCK` entries.
+
+    The last block is zero-padded."""
     flat = residual.reshape(-1)
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % RESIDUAL_BLOCK)).reshape(-1, RESIDUAL_BLOCK)
     scales = padded.abs().amax(dim=1, keepdim=True) / 127
@@ -284,8 +294,9 @@ def residual(module: BnbLayer) -> torch.Tensor | None:
 def quantize_linear(
     linear: nn.Linear, quantization: str, compute_dtype: torch.dtype | None = None, double_quant: bool = True
 ) -> BnbLayer:
-    """A ``bnb.nn.Linear4bit`` (``"nf4"``, ``"fp4"``) or ``bnb.nn.Linear8bitLt`` (``"int8"``) holding ``linear``'s
-    weight, quantised, and its bias; on ``linear``'s device."""
+    """A bitsandbytes layer holding ``linear``'s weight, quantised, and its bias, on ``linear``'s device.
+
+    ``"nf4"`` and ``"fp4"`` give a ``bnb.nn.Linear4bit``, ``"int8"`` a ``bnb.nn.Linear8bitLt``."""
     if quantization not in BASE_QUANTIZATIONS:
         raise ValueError(f"`base_quantization` must be one of {(None, *BASE_QUANTIZATIONS)}, got {quantization!r}")
     bnb = import_bitsandbytes()
@@ -321,8 +332,10 @@ def quantize_linear(
 
 
 def quantized_bytes(module: BnbLayer) -> int:
-    """Bytes a quantised layer holds for its weight: the codes, the quantisation statistics and the requantisation
-    residual (error feedback) when it is kept on the layer (`residual_store`)."""
+    """Bytes a quantised layer holds for its weight.
+
+    The codes, the quantisation statistics, and the requantisation residual (error feedback) when it is kept on the
+    layer (`residual_store`)."""
     weight = module.weight
     total = weight.numel() * weight.element_size()
     state = getattr(weight, "quant_state", None)
@@ -336,8 +349,9 @@ def quantized_bytes(module: BnbLayer) -> int:
 
 
 def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
-    """Install the quantised weight that ``state_dict`` holds under ``prefix`` (the codes at ``weight`` and their
-    statistics) into the bitsandbytes layer ``module``, before ``load_state_dict`` copies the codes.
+    """Install the quantised weight ``state_dict`` holds under ``prefix`` into the bitsandbytes layer ``module``.
+
+    The codes (at ``weight``) and their statistics go in together, before ``load_state_dict`` copies the codes.
 
     A 4-bit layer gets a new ``Params4bit`` from the saved quant state (whose keys are consumed here, as
     ``transformers`` does when it loads a 4-bit checkpoint); an int8 layer gets its row scales ready for
@@ -378,8 +392,9 @@ def load_quantized_state(module: BnbLayer, state_dict: dict[str, torch.Tensor], 
 
 
 def dense_linear(module: BnbLayer, dtype: torch.dtype | None = None) -> nn.Linear:
-    """A plain ``nn.Linear`` holding a bitsandbytes layer's dequantised weight (in ``dtype``, default its compute
-    dtype or float32) and its bias."""
+    """A plain ``nn.Linear`` holding a bitsandbytes layer's dequantised weight and its bias.
+
+    The weight is in ``dtype``, by default the layer's compute dtype or float32."""
     weight = dequantize(module).to(dtype or torch.promote_types(compute_dtype(module), torch.float32))
     dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     dense.weight = nn.Parameter(weight, requires_grad=False)
@@ -391,9 +406,10 @@ def dense_linear(module: BnbLayer, dtype: torch.dtype | None = None) -> nn.Linea
 
 
 def dequantize_modules(model: nn.Module) -> dict[str, Any] | None:
-    """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (`dense_linear`) and drop
-    ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``), so that the model
-    saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
+    """Replace every bitsandbytes layer of ``model`` by a plain ``nn.Linear`` (`dense_linear`).
+
+    ``transformers``' quantisation state (its ``hf_quantizer`` and ``config.quantization_config``) is dropped too, so
+    that the model saves as a full-precision checkpoint. Returns the quantisation config it had (``transformers``'
     ``BitsAndBytesConfig`` as a dict, or one describing the layers found), ``None`` if nothing was quantised."""
     kinds: set[str] = set()
     for parent in list(model.modules()):
@@ -425,8 +441,9 @@ def dequantize_modules(model: nn.Module) -> dict[str, Any] | None:
 def bits_and_bytes_config(
     quantization: str, compute_dtype: torch.dtype = torch.float32, double_quant: bool = True
 ) -> Any:
-    """``transformers.BitsAndBytesConfig`` that loads a checkpoint's Linear layers as ``quantization`` (``"nf4"``,
-    ``"fp4"``: 4-bit with ``compute_dtype``; ``"int8"``), the QLoRA way."""
+    """The ``transformers.BitsAndBytesConfig`` that loads a checkpoint's Linear layers quantised, the QLoRA way.
+
+    ``"nf4"`` and ``"fp4"`` are 4-bit with ``compute_dtype``; ``"int8"`` is 8-bit."""
     from transformers import BitsAndBytesConfig
 
     if quantization not in BASE_QUANTIZATIONS:

@@ -42,8 +42,9 @@ def check_bool(field_name: str, value: object) -> None:
 
 
 def requantize_field() -> Any:
-    """The ``requantize`` field of the rotation configs: how a fold into a quantised or 16-bit ``W0`` rounds
-    (`poet_hf.tuners.bnb.requantize`, `poet_hf.tuners.low_precision.store`)."""
+    """The ``requantize`` field of the rotation configs: how a fold into a quantised or 16-bit ``W0`` rounds.
+
+    See `poet_hf.tuners.bnb.requantize` and `poet_hf.tuners.low_precision.store`."""
     return field(
         default="feedback",
         metadata={
@@ -58,8 +59,9 @@ def requantize_field() -> Any:
 
 
 def residual_storage_field() -> Any:
-    """The ``residual_storage`` field of the rotation configs: where error feedback keeps its residual between
-    folds (`poet_hf.tuners.residual_store`)."""
+    """The ``residual_storage`` field of the rotation configs: where error feedback keeps its residual.
+
+    See `poet_hf.tuners.residual_store`."""
     return field(
         default="auto",
         metadata={
@@ -83,8 +85,9 @@ _PEFT_FIELD_HELP = {
 
 
 def peft_field(name: str) -> Any:
-    """One of PEFT's standard config fields (``layers_to_transform``, ``layers_pattern``, ``modules_to_save``),
-    default ``None``, with its help: one definition for the three tuners."""
+    """One of PEFT's standard config fields, default ``None``, with its help: one definition for the three tuners.
+
+    They are ``layers_to_transform``, ``layers_pattern`` and ``modules_to_save``."""
     return field(default=None, metadata={"help": _PEFT_FIELD_HELP[name]})
 
 
@@ -138,8 +141,9 @@ def per_side(field_name: str, value: Any) -> dict[str, Any]:
 
 
 def normalize_peft_target_fields(config: Any) -> None:
-    """PEFT's conventions for the standard targeting fields: lists become sets, and ``layers_pattern`` needs
-    ``layers_to_transform``."""
+    """Apply PEFT's conventions to the standard targeting fields.
+
+    Lists become sets, and ``layers_pattern`` needs ``layers_to_transform``."""
     if isinstance(config.target_modules, list):
         config.target_modules = set(config.target_modules)
     if isinstance(config.exclude_modules, list):
@@ -149,15 +153,18 @@ def normalize_peft_target_fields(config: Any) -> None:
 
 
 def holds_full_model(config: Any) -> bool:
-    """Whether an adapter of ``config`` trains, and saves, every parameter of the model besides its rotations
-    (POET pretraining from scratch): its adapter file is then the whole model. False for OFT and orthogonal configs."""
+    """Whether an adapter of ``config`` trains and saves every parameter of the model besides its rotations.
+
+    So POET does when pretraining from scratch: its adapter file is then the whole model. False for OFT and
+    orthogonal configs."""
     return bool(getattr(config, "trains_other_params", False))
 
 
 class CheckedLoadConfig:
-    """Mixin for a ``PeftConfig``: ``from_pretrained`` checks that the adapter weights beside the config are a whole
-    safetensors file, and records where they are (``loaded_from``, not serialized), so that the layers' load checks
-    (`state_checks`) name the file when a tensor in it is wrong."""
+    """Mixin for a ``PeftConfig`` whose ``from_pretrained`` checks the adapter weights beside the config.
+
+    They must be a whole safetensors file. Where they are is recorded (``loaded_from``, not serialized), so that the
+    layers' load checks (`state_checks`) name the file when a tensor in it is wrong."""
 
     loaded_from: str | None = None
 

@@ -26,8 +26,10 @@ _RESIDUAL_LEVELS = 254  # codes ±127 for a residual of ±ulp/2
 
 
 def rounding_step(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The spacing of ``dtype``'s numbers at each of ``values`` (representable in ``dtype``), as float32: the
-    distance to the next number away from zero, its subnormal spacing at and near zero."""
+    """The spacing of ``dtype``'s numbers at each of ``values``, as float32.
+
+    ``values`` are representable in ``dtype``; the spacing is the distance to the next number away from zero, and the
+    subnormal spacing at and near zero."""
     info = torch.finfo(dtype)
     precision = {torch.bfloat16: 8, torch.float16: 11}[dtype]  # significant bits, the implicit one included
     _, exponent = torch.frexp(values.float())
@@ -48,8 +50,10 @@ def decode_residual(codes: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
 
 
 def stochastic_round(matrix: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-    """``matrix`` rounded to one of its two neighbours in ``dtype``, the farther one with probability equal to its
-    distance from the nearer over the step: unbiased, ``E[round(m)] = m``."""
+    """``matrix`` rounded to one of its two neighbours in ``dtype``, without bias.
+
+    The farther one is taken with probability equal to its distance from the nearer over the step, so
+    ``E[round(m)] = m``."""
     nearest = matrix.to(dtype)
     error = matrix.float() - nearest.float()
     step = rounding_step(nearest, dtype)
@@ -72,9 +76,10 @@ def residual(module: nn.Module) -> torch.Tensor | None:
 
 
 def store(module: nn.Module, matrix: torch.Tensor, mode: str, generator: torch.Generator | None) -> torch.Tensor:
-    """``matrix`` (in the weight's layout) rounded to the 16-bit weight dtype of ``module`` by ``mode``
-    (``"nearest"``, ``"stochastic"`` with ``generator``, or ``"feedback"``, which keeps the residual on ``module``);
-    returns the rounded matrix for the caller to write."""
+    """``matrix`` (in the weight's layout) rounded to the 16-bit weight dtype of ``module`` by ``mode``.
+
+    ``"nearest"``, ``"stochastic"`` with ``generator``, or ``"feedback"``, which keeps the residual on ``module``.
+    Returns the rounded matrix for the caller to write."""
     dtype = cast(torch.Tensor, module.weight).dtype
     if mode == "stochastic":
         if generator is None:
@@ -87,15 +92,17 @@ def store(module: nn.Module, matrix: torch.Tensor, mode: str, generator: torch.G
 
 
 def keep_residual(module: nn.Module, codes: torch.Tensor) -> None:
-    """Keep ``codes`` as ``module``'s rounding residual (`residual_store`), read against its weight's present
-    dtype."""
+    """Keep ``codes`` as ``module``'s rounding residual (`residual_store`).
+
+    They are read against its weight's present dtype."""
     residual_store.keep(module, {ROUNDING_RESIDUAL: codes})
     setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
 
 
 def load_residual(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
-    """``load_state_dict`` pre-hook part: the rounding residual ``state_dict`` holds for ``module`` (under
-    ``prefix``) goes to its store, or gets a buffer to be loaded into (`residual_store.load_from_state_dict`)."""
+    """``load_state_dict`` pre-hook part: the rounding residual ``state_dict`` holds for ``module``.
+
+    It goes to the store, or gets a buffer to be loaded into (`residual_store.load_from_state_dict`)."""
     if f"{prefix}{ROUNDING_RESIDUAL}" in state_dict:
         setattr(module, RESIDUAL_DTYPE, cast(torch.Tensor, module.weight).dtype)
         residual_store.load_from_state_dict(module, state_dict, prefix, (ROUNDING_RESIDUAL,))

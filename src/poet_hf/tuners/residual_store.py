@@ -45,7 +45,8 @@ STORE_ATTRIBUTE = "poet_residual_store"
 
 
 class ResidualStore:
-    """A base layer's rounding residual, kept off the layer: in host memory (``"cpu"``) or in a file (``"disk"``);
+    """A base layer's rounding residual, kept off the layer: in host memory (``"cpu"``) or in a file (``"disk"``).
+
     ``"auto"`` picks by the device of the residual it is given (`RESIDUAL_STORAGES`)."""
 
     def __init__(self, storage: str) -> None:
@@ -73,8 +74,9 @@ class ResidualStore:
         save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(self._path))
 
     def get(self, device: torch.device | None = None) -> dict[str, torch.Tensor] | None:
-        """The kept tensors (on ``device``, default the CPU), read whole from the file for ``"disk"``; ``None`` if
-        nothing is kept."""
+        """The kept tensors on ``device`` (default the CPU); ``None`` if nothing is kept.
+
+        ``"disk"`` reads them whole from the file."""
         if self._tensors is not None:
             tensors = self._tensors
         elif self._kept and self._path is not None:
@@ -128,8 +130,9 @@ def _install(module: nn.Module, store: ResidualStore) -> None:
 
 
 def attach(module: nn.Module, storage: str, names: tuple[str, ...]) -> None:
-    """Keep ``module``'s residual (its tensors ``names``) in ``storage`` (one of `RESIDUAL_STORAGES`) from now on,
-    moving a residual it already holds there."""
+    """Keep ``module``'s residual (its tensors ``names``) in ``storage`` from now on.
+
+    ``storage`` is one of `RESIDUAL_STORAGES`; a residual the layer already holds moves there."""
     if storage not in RESIDUAL_STORAGES:
         raise ValueError(f"`residual_storage` must be one of {RESIDUAL_STORAGES}, got {storage!r}")
     current = _store(module)
@@ -180,9 +183,10 @@ def read(module: nn.Module, names: tuple[str, ...]) -> dict[str, torch.Tensor] |
 def load_from_state_dict(
     module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, names: tuple[str, ...]
 ) -> None:
-    """``load_state_dict`` pre-hook part: the residual tensors ``names`` that ``state_dict`` holds under ``prefix``
-    go into ``module``'s store (their keys consumed), or, without a store, get empty buffers on the weight's device
-    for the loader to copy into."""
+    """``load_state_dict`` pre-hook part: the residual tensors ``names`` that ``state_dict`` holds under ``prefix``.
+
+    They go into ``module``'s store (their keys consumed), or, without a store, get empty buffers on the weight's
+    device for the loader to copy into."""
     saved = {name: state_dict[f"{prefix}{name}"] for name in names if f"{prefix}{name}" in state_dict}
     if _store(module) is not None:
         for name in saved:

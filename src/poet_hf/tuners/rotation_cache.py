@@ -39,8 +39,10 @@ _early_step_warned = False
 
 @contextlib.contextmanager
 def defer_rotation_grads() -> Iterator[None]:
-    """Run a micro-batch that is not the last of its optimizer step: rotations come from (or go into) the cache,
-    and the polynomial's VJP waits for the step's last micro-batch, which runs outside this context.
+    """Run a micro-batch that is not the last of its optimizer step.
+
+    Rotations come from (or go into) the cache, and the polynomial's VJP waits for the step's last micro-batch, which
+    runs outside this context.
 
     For a plain training loop with gradient accumulation (``Trainer``, ``PoetTrainer`` and ``accelerate``'s
     ``accumulate`` need nothing)::
@@ -64,14 +66,17 @@ def defer_rotation_grads() -> Iterator[None]:
 
 
 def deferring() -> bool:
-    """Whether the current micro-batch defers (see the module docstring). Reads accelerate's state without creating
-    it (creating ``GradientState`` early would freeze its accumulation plugin before the ``Accelerator`` exists)."""
+    """Whether the current micro-batch defers (see the module docstring).
+
+    Accelerate's state is read without creating it: creating ``GradientState`` early would freeze its accumulation
+    plugin before the ``Accelerator`` exists."""
     return _explicit_deferrals > 0 or not GradientState._shared_state.get("sync_gradients", True)
 
 
 def track(layer: Any) -> None:
-    """Remember ``layer`` (weakly, for its lifetime) as one that caches rotations, so that every optimizer step can
-    flush and free its caches."""
+    """Remember ``layer``, weakly, as one that caches rotations.
+
+    Every optimizer step then flushes and frees its caches."""
     _install_optimizer_hooks()
     _layers_with_caches.add(layer)
 
@@ -81,8 +86,10 @@ def layers_with_caches() -> list[Any]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """A step that comes while gradients are still deferred applies them first (nothing deferred was reduced across
-    processes, and a gradient clip before the step saw the gradients without them: say so once)."""
+    """Apply gradients still deferred when a step comes, and say so once.
+
+    Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
+    them."""
     global _early_step_warned
     pending = [layer for layer in layers_with_caches() if layer.fused.has_deferred_grads()]
     if pending and not _early_step_warned:
@@ -113,8 +120,9 @@ def _install_optimizer_hooks() -> None:
 
 
 class _GradAnchor:
-    """Hung on a skew parameter's ``.grad``: when ``zero_grad()`` releases that gradient, the deferred part of it
-    (the cache's pending sum) goes too."""
+    """Hung on a skew parameter's ``.grad``, so that ``zero_grad()`` releases the deferred part of the gradient too.
+
+    The deferred part is the cache's pending sum."""
 
     def __init__(self, cache: Any) -> None:
         weakref.finalize(self, _drop_pending, weakref.ref(cache))
@@ -127,9 +135,10 @@ def _drop_pending(cache_ref: weakref.ref[Any]) -> None:
 
 
 def anchor_to_gradient(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of every skew parameter: tie its rotation cache's pending sum to ``param.grad`` (it
-    is part of that gradient), and note the gradient's version, so that an in-place ``zero_grad(set_to_none=False)``
-    is seen too.
+    """Post-accumulate-grad hook of every skew parameter: tie its cache's pending sum to ``param.grad``.
+
+    The pending sum is part of that gradient. The gradient's version is noted too, so that an in-place
+    ``zero_grad(set_to_none=False)`` is seen.
 
     Registered on the layer's own parameter object. FSDP2 replaces it by sharded and unsharded copies, on which the
     hook never runs: there the cache is freed by the step's last micro-batch, a merge or the step only."""

@@ -50,9 +50,10 @@ class AdapterStateError(ValueError):
 
 
 def check_safetensors_file(path: str | os.PathLike) -> None:
-    """Raise [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] unless ``path`` is a whole safetensors
-    file: its header parses and the data it describes ends exactly at the end of the file (a truncated or extended file
-    fails). Reads the header only."""
+    """Raise an `AdapterStateError` unless ``path`` is a whole safetensors file.
+
+    Its header must parse and the data it describes must end exactly at the end of the file, so a truncated or
+    extended file fails. Only the header is read."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     try:
@@ -119,9 +120,10 @@ def merge_count_problem(count: torch.Tensor) -> str | None:
 
 
 def check_loaded_state(layer: Any, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
-    """A rotation layer's ``load_state_dict`` pre-hook: every incoming index, skew and merge-count tensor must be what
-    the math needs; raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming the first that
-    is not."""
+    """A rotation layer's ``load_state_dict`` pre-hook: each incoming tensor must be what the math needs.
+
+    Index, skew and merge-count tensors are checked; raises
+    [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming the first that is not."""
     names = {id(child): name for name, child in layer.named_children()}
     for adapter_name, specs in layer.rotation_specs.items():
         checks: list[tuple[nn.Module, Callable[[torch.Tensor], str | None]]] = [

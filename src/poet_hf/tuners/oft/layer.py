@@ -33,8 +33,9 @@ class OftOptions:
 
 
 def dropout_keep_mask(num_blocks: int, p: float, device: torch.device) -> torch.Tensor | None:
-    """Flags of the blocks kept when ``int(p · num_blocks)`` random blocks become the identity (PEFT's
-    multiplicative dropout); ``None`` when none is dropped.
+    """Flags of the blocks kept when ``int(p · num_blocks)`` random blocks become the identity.
+
+    This is PEFT's multiplicative dropout; ``None`` when no block is dropped.
 
     Uses the global RNG of ``device``, so activation checkpointing (which restores the RNG state) draws the same
     blocks again when it recomputes the forward.
@@ -101,8 +102,10 @@ class OftLayer(RotationLayer):
             param.copy_(torch.where(outside, param * (radius / norm), param))
 
     def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
-        """``base(x, W0 · R^T)``: COFT projects the skew blocks first; in training, module dropout replaces random
-        blocks by the identity (the forward only: merges never drop blocks)."""
+        """``base(x, W0 · Rᵀ)``, with COFT's projection and, in training, module dropout.
+
+        COFT projects the skew blocks first; module dropout replaces random blocks by the identity in the forward only
+        (merges never drop blocks)."""
         keep: dict[str, torch.Tensor] = {}
         for a in adapter_names:
             options = self.oft_options[a]

@@ -88,8 +88,9 @@ class PoetLayer(RotationLayer):
                 self.quantize_base(config.base_quantization)
 
     def reset_rotation_state(self, adapter_name: str) -> None:
-        """The adapter's initial state (`RotationLayer.reset_rotation_state`), and with ``base_init`` a fresh
-        ``W0`` drawn from the generator keyed by (seed, adapter, layer)."""
+        """The adapter's initial state (`RotationLayer.reset_rotation_state`), and a fresh ``W0`` with ``base_init``.
+
+        The ``W0`` is drawn from the generator keyed by (seed, adapter, layer)."""
         super().reset_rotation_state(adapter_name)
         settings = self.rotation_settings[adapter_name]
         if settings.base_init is not None:

@@ -29,8 +29,9 @@ class PoetModel(RotationModel):
 
 
 def poet_layers(model: nn.Module, adapter_name: str | None = None) -> list[tuple[str, RotationLayer]]:
-    """Deprecated alias of [`rotation_layers`][poet_hf.tuners.rotation_layer.rotation_layers] (it returns OFT's
-    layers too)."""
+    """Deprecated alias of [`rotation_layers`][poet_hf.tuners.rotation_layer.rotation_layers].
+
+    It always returned OFT's layers too."""
     warnings.warn(
         "`poet_layers` is deprecated and will be removed in the next release; use "
         "`poet_hf.tuners.rotation_layer.rotation_layers`, which it always returned",
