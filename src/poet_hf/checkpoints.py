@@ -1,5 +1,6 @@
-"""Crash-safe checkpoints: a ``checkpoint-N`` folder exists only once all of it is on disk, and resuming picks the
-newest complete one.
+"""Crash-safe checkpoints: a ``checkpoint-N`` folder exists only once all of it is on disk.
+
+Resuming picks the newest complete one.
 
 `CrashSafeTrainer` is a ``transformers.Trainer`` whose checkpoints are written atomically:
 
@@ -96,8 +97,9 @@ def _checkpoints_by_step(output_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def latest_complete_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir`` (``None`` if there is none); every newer partial folder
-    is named in a warning and skipped."""
+    """The newest complete ``checkpoint-N`` in ``output_dir``, or ``None``.
+
+    Every newer partial folder is named in a warning and skipped."""
     for _, path in reversed(_checkpoints_by_step(output_dir)):
         problem = checkpoint_problem(path)
         if problem is None:
@@ -155,8 +157,9 @@ def fsync_tree(folder: str | Path) -> None:
 
 
 def publish(staged: str | Path, final: str | Path) -> None:
-    """Write the manifest of ``staged`` and move it onto ``final`` in one rename (replacing an older folder of that
-    name, which is first moved out of sight)."""
+    """Write the manifest of ``staged`` and move it onto ``final`` in one rename.
+
+    An older folder of that name is first moved out of sight."""
     staged, final = Path(staged), Path(final)
     files = {str(p.relative_to(staged)): p.stat().st_size for p in sorted(staged.rglob("*")) if p.is_file()}
     manifest = staged / MANIFEST_NAME
@@ -170,8 +173,9 @@ def publish(staged: str | Path, final: str | Path) -> None:
 
 
 def discard(folder: str | Path, staging_root: str | Path) -> None:
-    """Delete ``folder`` after moving it into ``staging_root``, so that a kill midway leaves nothing half-deleted
-    under a checkpoint name."""
+    """Delete ``folder`` after moving it into ``staging_root``.
+
+    A kill midway then leaves nothing half-deleted under a checkpoint name."""
     trash = Path(staging_root) / f"deleting-{Path(folder).name}"
     trash.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(trash, ignore_errors=True)
@@ -180,8 +184,9 @@ def discard(folder: str | Path, staging_root: str | Path) -> None:
 
 
 def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str]) -> None:
-    """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit, never a folder in ``keep`` (the
-    checkpoint just published, which is the newest complete one, and the best model)."""
+    """``save_total_limit`` rotation: delete the oldest checkpoints beyond the limit.
+
+    Never a folder in ``keep``: the checkpoint just published, which is the newest complete one, and the best model."""
     if not save_total_limit or save_total_limit <= 0:
         return
     checkpoints = [path for _, path in _checkpoints_by_step(output_dir)]

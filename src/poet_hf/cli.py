@@ -72,8 +72,9 @@ def parse_arguments(
 
 
 def training_parser(script_class: type, training_class: type = TrainingArguments) -> HfArgumentParser:
-    """The parser of a training script: its own options, then every flag of ``training_class`` (without the
-    recipe's defaults, which `parse_arguments` sets)."""
+    """The parser of a training script: its own options, then every flag of ``training_class``.
+
+    The flags come without the recipe's defaults, which `parse_arguments` sets."""
     return HfArgumentParser(cast(Any, (script_class, training_class)))
 
 
@@ -95,8 +96,10 @@ def _readable(parser: argparse.ArgumentParser, name: str, value: Any) -> bool:
 
 
 def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptArgs | None:
-    """The script's own options, read first (quietly: an error is the full parser's to report, with every option);
-    for ``--help``, required options the line leaves out get placeholders, so the help shows the recipe's defaults."""
+    """The script's own options, read first and quietly.
+
+    An error is the full parser's to report, with every option. For ``--help``, required options the line leaves out get
+    placeholders, so the help shows the recipe's defaults."""
     if {"-h", "--help"} & set(argv):
         argv = [a for a in argv if a not in ("-h", "--help")]
         for f in dataclasses.fields(script_class):  # type: ignore[arg-type]
@@ -179,9 +182,10 @@ def check_cpu_mixed_precision(training: TrainingArguments) -> None:
 
 
 def run_defaults(given: dict[str, Any], **values: Any) -> dict[str, Any]:
-    """The defaults every training script shares (no checkpoints unless ``--save_steps`` or ``--save_strategy``
-    asks for them; seed `SCRIPT_SEED`, and ``data_seed`` follows ``--seed``; the CPU where no GPU is), then
-    ``values``."""
+    """The defaults every training script shares, then ``values``.
+
+    No checkpoints unless ``--save_steps`` or ``--save_strategy`` asks for them; seed `SCRIPT_SEED`, and ``data_seed``
+    follows ``--seed``; the CPU where no GPU is."""
     import torch
 
     return {

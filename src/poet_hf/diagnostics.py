@@ -19,8 +19,10 @@ PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge 
 
 
 def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Effective out × in weights of every POET layer, or — for a baseline — of the modules whose names end
-    with one of ``names`` (a plain Linear's weight, or a PEFT layer's base weight plus its delta, e.g. LoRA).
+    """Effective out × in weights of every POET layer, or of a baseline's modules named in ``names``.
+
+    For a baseline, the modules whose names end with one of ``names``: a plain Linear's weight, or a PEFT layer's base
+    weight plus its delta (LoRA, for example).
 
     Args:
         model: the model.
@@ -53,8 +55,9 @@ def _svdvals(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def singular_values(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Singular values (descending, float64) of every target weight; see
-    [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
+    """Singular values (descending, float64) of every target weight.
+
+    See [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
 
     Args:
         model: the model.
@@ -90,9 +93,10 @@ def module_singular_values(model: nn.Module, names: list[str], progress: bool = 
 
 
 def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
-    """One row per module-name group (the name's last part, e.g. ``q_proj``) of
-    [`singular_values`][poet_hf.diagnostics.singular_values] output:
-    ``count``, mean ``sigma_max``, mean ``sigma_min`` and the worst ``condition`` number of the group.
+    """One row per module-name group of [`singular_values`][poet_hf.diagnostics.singular_values] output.
+
+    A group is the name's last part (``q_proj``, for example); its row holds ``count``, the mean ``sigma_max`` and
+    ``sigma_min``, and the worst ``condition`` number.
 
     Args:
         spectra: [`singular_values`][poet_hf.diagnostics.singular_values] output.

@@ -72,9 +72,11 @@ def refuse_quantized_bases(model: nn.Module) -> None:
 
 
 def _embedding_units(model: nn.Module) -> list[nn.Module]:
-    """The input embeddings and the output head, to shard as units of their own: left to the root, FSDP2 would
-    hold them unsharded from the start of the forward to the end of the backward (the root is not resharded after
-    its forward), a full vocabulary × hidden copy of each per process. Tied, they stay with the root."""
+    """The input embeddings and the output head, to shard as units of their own.
+
+    Left to the root, FSDP2 would hold them unsharded from the start of the forward to the end of the backward (the
+    root is not resharded after its forward), a full vocabulary × hidden copy of each per process. Tied, they stay
+    with the root."""
     base = base_model_of(model)
     units = [m for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None]
     shared = len(units) == 2 and {id(p) for p in units[0].parameters()} & {id(p) for p in units[1].parameters()}
@@ -82,10 +84,11 @@ def _embedding_units(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_dim(shape: torch.Size, processes: int) -> int:
-    """The dimension FSDP2 shards a parameter on: 0, as ``fully_shard`` does, unless it has fewer rows than
-    processes (a POET-FS skew vector is ``1 × b(b−1)/2``, a POET-BS one ``m/b`` rows): ``fully_shard`` would pad
-    dim 0 to one row per process and every process would hold a whole row, so such a matrix is split along its
-    longest dimension instead.
+    """The dimension FSDP2 shards a parameter on.
+
+    0, as ``fully_shard`` does, unless the parameter has fewer rows than processes (a POET-FS skew vector is
+    ``1 × b(b−1)/2``, a POET-BS one ``m/b`` rows): ``fully_shard`` would pad dim 0 to one row per process and every
+    process would hold a whole row, so such a matrix is split along its longest dimension instead.
 
     Args:
         shape: the parameter's shape.

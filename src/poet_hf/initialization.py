@@ -1,5 +1,6 @@
-"""Materializing a model built on the ``meta`` device, one module at a time, with values that do not depend on how it
-is sharded.
+"""Materializing a model built on the ``meta`` device, one module at a time.
+
+The values do not depend on how the model is sharded.
 
 Built under ``with torch.device("meta")``, a model (POET or OFT adapters included) holds no memory.
 [`materialize_model`][poet_hf.initialization.materialize_model] then gives every tensor still on ``meta`` its storage
@@ -64,8 +65,9 @@ def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
 
 
 def base_name(name: str) -> str:
-    """A module's name in the model PEFT wraps: without ``base_model.model.`` nor PEFT's wrapper levels, so a layer
-    is keyed (and found in a checkpoint) by the same name with or without adapters."""
+    """A module's name in the model PEFT wraps, without ``base_model.model.`` nor PEFT's wrapper levels.
+
+    A layer is so keyed (and found in a checkpoint) by the same name with or without adapters."""
     return _PEFT_WRAPPERS.sub("", name.removeprefix("base_model.model."))
 
 
@@ -92,9 +94,11 @@ def _owners(model: nn.Module) -> dict[int, PreTrainedModel]:
 
 @torch.no_grad()
 def initial_values(module: nn.Module, owner: PreTrainedModel | None, key: str, seed: int) -> dict[str, torch.Tensor]:
-    """Fresh values of ``module``'s own parameters and buffers, whole, on the CPU, under a generator keyed by
-    (``seed``, ``key``): ``owner._init_weights`` applied to a shallow copy of the module holding whole tensors, or,
-    for what that leaves untouched (or without a ``transformers`` owner), the module's ``reset_parameters``.
+    """Fresh values of ``module``'s own parameters and buffers, whole, on the CPU.
+
+    They are drawn under a generator keyed by (``seed``, ``key``): ``owner._init_weights`` applied to a shallow copy of
+    the module holding whole tensors, or, for what that leaves untouched (or without a ``transformers`` owner), the
+    module's ``reset_parameters``.
 
     Raises:
         ValueError: a floating-point tensor of ``module`` is left uninitialised by both.
@@ -127,15 +131,17 @@ def initial_values(module: nn.Module, owner: PreTrainedModel | None, key: str, s
 
 
 def _unset(tensor: torch.Tensor) -> torch.Tensor:
-    """A whole CPU tensor shaped like ``tensor``, NaN where it is floating-point (so that what no initialisation
-    writes is seen)."""
+    """A whole CPU tensor shaped like ``tensor``, NaN where it is floating-point.
+
+    What no initialisation writes is then seen."""
     fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     return fresh.fill_(float("nan")) if fresh.is_floating_point() else fresh
 
 
 class SafetensorsCheckpoint:
-    """The tensors of a ``save_pretrained`` folder (``model.safetensors`` or its sharded index) or of one
-    ``.safetensors`` file, read one tensor at a time."""
+    """The tensors of a ``save_pretrained`` folder or of one ``.safetensors`` file, read one at a time.
+
+    A folder holds ``model.safetensors`` or its sharded index."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
@@ -173,9 +179,10 @@ class SafetensorsCheckpoint:
         return next((c for c in candidates if c in self.files), None)
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key``. The file is opened for this one read: ``safe_open`` maps it, and every page read
-        through a mapping that stays open stays resident, so an open handle would end up holding the whole
-        checkpoint in memory."""
+        """The tensor ``key``, read with the file opened for this one read.
+
+        ``safe_open`` maps the file, and every page read through a mapping that stays open stays resident, so an open
+        handle would end up holding the whole checkpoint in memory."""
         from safetensors import safe_open
 
         with safe_open(str(self.files[key]), framework="pt") as handle:
@@ -188,8 +195,10 @@ def _rank() -> int:
 
 @torch.no_grad()
 def _receive_from_rank0(target: torch.Tensor, full: torch.Tensor | None, loading: str) -> None:
-    """Fill ``target`` (a sharded ``DTensor`` or a plain tensor every process holds) from ``full``, which only rank 0
-    has: ``"scatter"`` sends each process its shard, ``"broadcast"`` the whole tensor (each keeps its shard)."""
+    """Fill ``target`` from ``full``, which only rank 0 has.
+
+    ``target`` is a sharded ``DTensor`` or a plain tensor every process holds. ``"scatter"`` sends each process its
+    shard, ``"broadcast"`` the whole tensor (each keeps its shard)."""
     from torch.distributed.tensor import DTensor, Shard
 
     device = target.device
@@ -246,8 +255,9 @@ def materialize_model(
     checkpoint: str | Path | None = None,
     loading: str = "scatter",
 ) -> _Module:
-    """Give every tensor of ``model`` still on the ``meta`` device its storage on ``device`` and its value (in
-    place; returns ``model``). Tensors already materialized are left as they are.
+    """Give every tensor of ``model`` still on the ``meta`` device its storage on ``device`` and its value.
+
+    The model is changed in place and returned; tensors already materialized are left as they are.
 
     Args:
         model: a model built under ``torch.device("meta")``, with or without POET / OFT adapters, sharded by FSDP2
@@ -330,8 +340,9 @@ def _fill(module: nn.Module, key: str, stored: Any, owner: Any, seed: int, shard
 def _groups_by_layer(
     pending: list[tuple[str, nn.Module]], layers: list[RotationLayer]
 ) -> Iterator[tuple[list[tuple[str, nn.Module]], RotationLayer | None]]:
-    """``pending`` in order, as groups to materialize together: every module of one rotation layer (with the layer),
-    or one other module alone."""
+    """``pending`` in order, as groups to materialize together.
+
+    A group is every module of one rotation layer (with the layer), or one other module alone."""
     owner = {id(m): layer for layer in layers for m in cast(nn.Module, layer).modules()}
     groups: dict[int, list[tuple[str, nn.Module]]] = {}
     order: list[tuple[list[tuple[str, nn.Module]], RotationLayer | None]] = []
@@ -348,8 +359,9 @@ def _groups_by_layer(
 
 
 def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
-    """A materialized rotation layer's adapter state (`reset_rotation_state`), then the quantisation its config
-    asked for while it was on the meta device."""
+    """Give a materialized rotation layer its adapter state, then the quantisation its config asked for.
+
+    The state is `reset_rotation_state`'s; the quantisation waited while the layer was on the meta device."""
     for adapter_name in layer.rotation_specs:
         layer.reset_rotation_state(adapter_name)
     if layer.pending_quantization is not None:
@@ -362,8 +374,9 @@ def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
 
 
 class _StoredNames(dict):
-    """Model tensor name → checkpoint tensor name, for what the checkpoint holds; ``source`` reads them (``None``
-    on the processes of a sharded model that receive rather than read)."""
+    """Model tensor name → checkpoint tensor name, for what the checkpoint holds.
+
+    ``source`` reads them; it is ``None`` on the processes of a sharded model that receive rather than read."""
 
     source: SafetensorsCheckpoint | None = None
 
@@ -371,8 +384,10 @@ class _StoredNames(dict):
 def _checkpoint_names(
     model: nn.Module, modules: list[tuple[str, nn.Module]], checkpoint: str | Path | None, sharded: bool
 ) -> _StoredNames:
-    """Which persistent tensors of ``modules`` to read from ``checkpoint``, and under which names. In a sharded model
-    rank 0 reads the checkpoint's index and tells the other processes; a persistent tensor it lacks is an error."""
+    """Which persistent tensors of ``modules`` to read from ``checkpoint``, and under which names.
+
+    In a sharded model rank 0 reads the checkpoint's index and tells the other processes; a persistent tensor it lacks
+    is an error."""
     stored = _StoredNames()
     if checkpoint is None:
         return stored

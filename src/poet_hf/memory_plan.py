@@ -98,8 +98,10 @@ class MemoryPlan:
 
 
 def _resolve_model_config(model: Any) -> Any:
-    """A preset name (`PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its
-    folder), or a Hub id (its config is read through ``huggingface_hub``'s cache)."""
+    """The model config that ``model`` names.
+
+    A preset name (`PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its folder), or a Hub id (its config is
+    read through ``huggingface_hub``'s cache)."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
@@ -139,8 +141,10 @@ def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget
 
 
 def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, rank: int) -> Any:
-    """The method as the pretraining recipes apply it: POET and LoRA train every other parameter too (the paper's
-    baselines), OFT fine-tunes its adapters alone, AdamW and GaLore train the plain model."""
+    """Wrap the meta model for the method as the pretraining recipes apply it.
+
+    POET and LoRA train every other parameter too (the paper's baselines), OFT fine-tunes its adapters alone, AdamW
+    and GaLore train the plain model."""
     from peft import LoraConfig, get_peft_model
 
     from .tuners.constants import DEFAULT_TARGET_MODULES
@@ -191,8 +195,10 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def _shard(shape: torch.Size, processes: int) -> int:
-    """Entries of one process's shard: FSDP2 splits one dimension ([`shard_dim`][poet_hf.distributed.shard_dim]) into
-    ``processes`` chunks, padded to equal size."""
+    """Entries of one process's shard of a tensor of ``shape``.
+
+    FSDP2 splits one dimension ([`shard_dim`][poet_hf.distributed.shard_dim]) into ``processes`` chunks, padded to
+    equal size."""
     from .distributed import shard_dim
 
     if not shape:
@@ -202,9 +208,10 @@ def _shard(shape: torch.Size, processes: int) -> int:
 
 
 class _FusedAttentionShapes(torch.autograd.Function):
-    """Scaled dot-product attention as the fused kernels (flash / memory-efficient, on GPU and CPU) keep it for the
-    backward: the query, key, value, output and the row log-sum-exp, never the ``T × T`` probabilities (which the
-    meta device's decomposed attention would save)."""
+    """Scaled dot-product attention as the fused kernels keep it for the backward.
+
+    The flash and memory-efficient kernels (GPU and CPU) keep the query, key, value, output and the row log-sum-exp,
+    never the ``T × T`` probabilities that the meta device's decomposed attention would save."""
 
     @staticmethod
     def forward(ctx, query, key, value):
@@ -225,8 +232,10 @@ def _fused_attention(query, key, value, *args, **kwargs):
 def _trace_activations(
     model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, blocks: tuple[type[nn.Module], ...]
 ) -> tuple[int, int, int, int]:
-    """``(saved outside the blocks, saved by the largest block, all saved, one block's input)`` in bytes, from one
-    meta forward of the training loss (``dtype`` the activations' float type)."""
+    """The activation bytes of one meta forward of the training loss.
+
+    ``(saved outside the blocks, saved by the largest block, all saved, one block's input)``, with ``dtype`` the
+    activations' float type."""
     parameters = {p.untyped_storage()._cdata for p in model.parameters()}
     saved: dict[int, tuple[int, int | None]] = {}
     current: list[int | None] = [None]
@@ -368,8 +377,9 @@ def _check_settings(settings: dict[str, Any]) -> None:
 def _parameter_bytes(
     built: Any, settings: dict[str, Any], blocks: tuple[type[nn.Module], ...]
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[int, int]]:
-    """Per parameter: its bytes by part, the entry counts, the largest W0 / gradient and the head's gradients, and
-    each parameter's bytes per entry (for the FSDP2 gathers)."""
+    """The parameters' bytes by part, their entry counts, and the largest of each kind.
+
+    Also each parameter's bytes per entry, for the FSDP2 gathers."""
     method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
@@ -437,8 +447,10 @@ FOUR_BIT_LAYER_BYTES = 16 * 4 + 256 * 4 + 170  # code book, nested code book, pa
 
 
 def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_size: int, shards: int) -> int:
-    """Bytes of one POET ``W0`` on a process: its codes and scales (quantised) or values, and the merges'
-    error-feedback residual when it is kept on the layer (a 16-bit ``W0`` sharded by FSDP2 keeps none)."""
+    """Bytes of one POET ``W0`` on a process.
+
+    Its codes and scales (quantised) or values, and the merges' error-feedback residual when it is kept on the layer
+    (a 16-bit ``W0`` sharded by FSDP2 keeps none)."""
     entries = _shard(shape, shards)
     if quantization is None:
         rounding = value_size == 2 and storage == "layer" and shards == 1  # an int8 byte per entry
@@ -461,8 +473,9 @@ def _state_bytes(entries: int, value_size: int, bits: int) -> int:
 def _gathered_bytes(
     model: Any, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], processes: int
 ) -> int:
-    """FSDP2's unsharded tensors at the peak, the output head's backward (every activation is still alive there):
-    the head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
+    """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
+
+    The head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
     root when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient
     twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
     ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
@@ -479,8 +492,9 @@ def _gathered_bytes(
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:
-    """The plans side by side, one column per method, in MB; the last line is ``total: N MB per process`` for the
-    first plan."""
+    """The plans side by side, one column per method, in MB.
+
+    The last line is ``total: N MB per process`` for the first plan."""
     width = max(len(p) for p in PARTS) + 2
     lines = [f"{'MB per process':<{width}}" + "".join(f"{plan.method:>12}" for plan in plans)]
     for part in PARTS:

@@ -22,8 +22,9 @@ def push_merged_to_hub(
     revision: str | None = None,
     endpoint: str | None = None,
 ) -> str:
-    """Upload an export written by [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``;
-    return the commit URL.
+    """Upload an export of [`export_merged`][poet_hf.export.export_merged] to the Hub model repo ``repo_id``.
+
+    Returns the commit URL.
 
     Uses ``huggingface_hub`` (``create_repo(exist_ok=True)`` then ``upload_folder``). The token is ``token``, else
     ``HF_TOKEN``, else the one saved by ``hf auth login``; the endpoint is ``endpoint``, else ``HF_ENDPOINT``.

@@ -1,6 +1,7 @@
-"""Loading what [`export_merged`][poet_hf.export.export_merged] folds: a ``PeftModel``, a trainer holding one, or a
-directory (``save_pretrained`` output or a ``PoetTrainer`` checkpoint), as a float32 ``PeftModel`` with its training
-facts."""
+"""Loading what [`export_merged`][poet_hf.export.export_merged] folds, as a float32 ``PeftModel``.
+
+The source is a ``PeftModel``, a trainer holding one, or a directory (``save_pretrained`` output or a
+``PoetTrainer`` checkpoint); its training facts come with it."""
 
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ class LoadedSource:
 
 
 def supported_peft_types() -> frozenset[str]:
-    """PEFT types [`export_merged`][poet_hf.export.export_merged] accepts: poet_hf's registered tuners, plus POET, OFT
-    and ORTHOGONAL.
+    """The PEFT types [`export_merged`][poet_hf.export.export_merged] accepts.
+
+    poet_hf's registered tuners, plus POET, OFT and ORTHOGONAL.
 
     Returns:
         The PEFT type names.
@@ -90,8 +92,9 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_source(source: Any, inplace: bool) -> LoadedSource | None:
-    """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) plus its training facts;
-    ``None`` on the ranks other than 0 for a model FSDP2 shards (rank 0 folds an unsharded copy)."""
+    """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) and its training facts.
+
+    ``None`` on the ranks other than 0 for a model FSDP2 shards: rank 0 folds an unsharded copy."""
     if isinstance(source, (str, os.PathLike)):
         return _load_directory(Path(source))
     if _is_trainer(source):

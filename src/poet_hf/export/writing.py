@@ -1,5 +1,6 @@
-"""Writing an export: fold, cast, and save weights, config, tokenizer and card into a staging directory that is
-renamed into place only when complete."""
+"""Writing an export: fold, cast, and save weights, config, tokenizer and card, atomically.
+
+Everything goes into a staging directory that is renamed into place only when complete."""
 
 from __future__ import annotations
 

@@ -17,8 +17,10 @@ def template_path(name: str) -> Path:
 
 
 def render_card(template: str, card_data: dict[str, Any], **variables: Any) -> Any:
-    """A ``huggingface_hub.ModelCard`` from the packaged ``template``: ``card_data`` becomes the YAML metadata
-    (``library_name`` is ``transformers``), ``variables`` fill the Jinja template."""
+    """A ``huggingface_hub.ModelCard`` from the packaged ``template``.
+
+    ``card_data`` becomes the YAML metadata (``library_name`` is ``transformers``); ``variables`` fill the Jinja
+    template."""
     from huggingface_hub import ModelCard, ModelCardData
 
     data = ModelCardData(library_name="transformers", **card_data)

@@ -27,8 +27,10 @@ def _tall(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def stiefel_deviation(tensor: torch.Tensor) -> float:
-    """``||theta^T theta - I||_F`` for the tall view of ``tensor`` (``||P P^T - I||_F`` for a wide ``P``): the
-    absolute form of [`orthogonality_error`][poet_hf.orthogonal.orthogonality_error], which divides by ``||I||_F = √p``.
+    """``||theta^T theta - I||_F`` for the tall view of ``tensor`` (``||P P^T - I||_F`` for a wide ``P``).
+
+    The absolute form of [`orthogonality_error`][poet_hf.orthogonal.orthogonality_error], which divides by
+    ``||I||_F = √p``.
 
     Args:
         tensor: a weight (2-D or more; viewed as ``out × in…``).

@@ -61,9 +61,10 @@ def random_skew_params(
     op_norm: float = 0.1,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Gaussian skew parameters (``shape``, last axis [`num_skew_params`][poet_hf.orthogonal.num_skew_params]) whose
-    ``block_size``-square skew matrices have operator norm about ``op_norm``: a non-identity start for adapters and
-    tests.
+    """Gaussian skew parameters whose ``b × b`` skew matrices have operator norm about ``op_norm``.
+
+    A non-identity start for adapters and tests; the last axis of ``shape`` is
+    [`num_skew_params`][poet_hf.orthogonal.num_skew_params].
 
     A ``b × b`` Gaussian skew matrix with entry std ``s`` has operator norm about ``2 s √b``.
 
@@ -81,14 +82,16 @@ def random_skew_params(
 
 
 def paper_neumann_k(terms: int) -> int | None:
-    """The POET paper's ``k`` (eq. 6: Neumann terms after the identity) for PEFT's term count ``terms``; ``None`` for
-    the exact transform."""
+    """The POET paper's ``k`` for PEFT's term count ``terms``; ``None`` for the exact transform.
+
+    Eq. 6 counts the Neumann terms after the identity, so ``k = terms − 2``."""
     return None if terms == 0 else terms - 2
 
 
 def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
-    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2 (PEFT's count; the paper's k = terms −
-    2).
+    """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2.
+
+    The count is PEFT's; the paper's ``k`` is ``terms − 2``.
 
     Args:
         terms: the value to check.
@@ -110,8 +113,9 @@ _T = TypeVar("_T")
 
 
 def _eager_cache(function: Callable[..., _T]) -> Callable[..., _T]:
-    """``functools.cache`` in eager mode; under ``torch.compile`` the function itself, traced into the graph (Dynamo
-    would trace it anyway, and warn that it ignores the cache)."""
+    """``functools.cache`` in eager mode; under ``torch.compile`` the function itself.
+
+    Dynamo would trace it into the graph anyway, and warn that it ignores the cache."""
     cached = functools.cache(function)
 
     @functools.wraps(function)
@@ -170,8 +174,10 @@ def skew_from_vector(vec: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def vector_from_skew(grad_q: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``: ``Q = U − Uᵀ`` gives
-    ``dL/dU = dQ − dQᵀ``, read on the strict upper triangle. Only the skew part of ``grad_q`` contributes."""
+    """``dL/dvec`` of [`skew_from_vector`][poet_hf.orthogonal.skew_from_vector] from ``dL/dQ``.
+
+    ``Q = U − Uᵀ`` gives ``dL/dU = dQ − dQᵀ``, read on the strict upper triangle. Only the skew part of ``grad_q``
+    contributes."""
     upper, lower = _triangle_flat_indices(block_size, grad_q.device)
     flat = grad_q.reshape(*grad_q.shape[:-2], block_size * block_size)
     return flat.index_select(-1, upper) - flat.index_select(-1, lower)
@@ -238,8 +244,9 @@ def _linear_in_q(a: float, b: float, q: torch.Tensor) -> torch.Tensor:
 def _neumann_partial_sums(
     q: torch.Tensor, terms: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
-    """``R``, ``Z = Q²`` and the partial sums ``[H_1, …, H_m]`` of Horner's rule in ``Z`` (``H_0 = R``); an ``H_m``
-    that is a multiple of the identity is ``None``. Works on ``(n, b, b)`` batches."""
+    """``R``, ``Z = Q²`` and the partial sums ``[H_1, …, H_m]`` of Horner's rule in ``Z`` (``H_0 = R``).
+
+    An ``H_m`` that is a multiple of the identity is ``None``. Works on ``(n, b, b)`` batches."""
     pairs = _neumann_pairs(terms)
     if len(pairs) == 1:
         return _linear_in_q(*pairs[0], q), None, []
@@ -408,8 +415,9 @@ def neumann_error_bound(q: torch.Tensor, terms: int) -> torch.Tensor:
 
 
 def neumann_error_bound_at_norm(theta: torch.Tensor, terms: int) -> torch.Tensor:
-    """`neumann_error_bound` of blocks whose spectral norms ``||Q||_2`` are ``theta`` (elementwise); a caller that has
-    the norms already spares an SVD per block."""
+    """`neumann_error_bound` of blocks whose spectral norms ``||Q||_2`` are ``theta`` (elementwise).
+
+    A caller that has the norms already spares an SVD per block."""
     check_neumann_terms(terms)
     if terms == 0:
         return torch.zeros_like(theta)

@@ -59,8 +59,9 @@ def _unpack_lapack(input: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
 
 
 def householder_product_sequential(input: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """First ``n`` columns of ``H_1 ... H_k``, one reflection at a time (``torch.linalg.householder_product``
-    semantics).
+    """First ``n`` columns of ``H_1 ... H_k``, one reflection at a time.
+
+    The semantics are ``torch.linalg.householder_product``'s.
 
     Real dtypes only. Differentiable with respect to ``input`` and ``tau``.
 
@@ -115,8 +116,9 @@ def _blocks(vecs: torch.Tensor, tau: torch.Tensor, block_size: int) -> tuple[tor
 
 
 def householder_product_blocked(input: torch.Tensor, tau: torch.Tensor, block_size: int = 32) -> torch.Tensor:
-    """Same result as [`householder_product_sequential`][poet_hf.orthogonal.householder_product_sequential], via
-    compact-WY blocks of ``block_size`` reflections.
+    """The product of [`householder_product_sequential`][poet_hf.orthogonal.householder_product_sequential], blocked.
+
+    It applies compact-WY blocks of ``block_size`` reflections.
 
     Args:
         input: the reflection vectors in LAPACK's packed form ``(..., m, n)``.

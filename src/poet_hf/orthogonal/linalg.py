@@ -43,8 +43,9 @@ def power_iteration(a: torch.Tensor, u: torch.Tensor, iterations: int) -> torch.
 
 
 def spectral_norm_estimate(a: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``||Aᵀ u||``: the spectral norm estimate of [`power_iteration`][poet_hf.orthogonal.power_iteration]'s vectors
-    (differentiable through ``a``)."""
+    """``||Aᵀ u||``, the spectral norm estimate of [`power_iteration`][poet_hf.orthogonal.power_iteration]'s vectors.
+
+    It is differentiable through ``a``."""
     return torch.einsum("...ij,...i->...j", a, u.to(a.dtype)).norm(dim=-1)
 
 

@@ -123,8 +123,9 @@ class SocConv2d(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Kernel ~ N(0, 1/(c k²)), random unit vectors for the four bounds warmed up by 30 power iterations, zero
-        bias."""
+        """Kernel ~ N(0, 1/(c k²)), zero bias, and warmed-up power-iteration vectors.
+
+        The random unit vectors for the four bounds are warmed up by 30 power iterations."""
         with torch.no_grad():
             self.weight.normal_(0.0, 1.0 / math.sqrt(self.width * self.kernel_size**2), generator=generator)
             for u in self._vectors():
@@ -151,8 +152,10 @@ class SocConv2d(nn.Module):
             target.copy_(value)
 
     def skew_kernel(self, update: bool = False) -> torch.Tensor:
-        """``L · correction / min σ`` with ``σ`` the Fantastic Four estimates (no gradient flows through ``σ``, as in
-        the SOC code); ``update`` refreshes the power-iteration vectors first (training forward only)."""
+        """``L · correction / min σ`` with ``σ`` the Fantastic Four estimates.
+
+        No gradient flows through ``σ``, as in the SOC code; ``update`` refreshes the power-iteration vectors first
+        (training forward only)."""
         raw = self._skew_kernel_raw()
         sigmas, vectors = fantastic_four(raw, self._vectors(), self.power_iterations if update else 0)
         if update:

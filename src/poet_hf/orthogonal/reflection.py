@@ -71,8 +71,9 @@ def auxiliary_reflection(x: torch.Tensor, weight: torch.Tensor, eps: float = DEF
 
 
 def auxiliary_reflection_jacobian(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """Jacobians ``(..., d, d)`` of [`auxiliary_reflection`][poet_hf.orthogonal.auxiliary_reflection] at rows ``x``
-    (seed-002 Theorem 3).
+    """Jacobians ``(..., d, d)`` of [`auxiliary_reflection`][poet_hf.orthogonal.auxiliary_reflection] at rows ``x``.
+
+    seed-002 Theorem 3.
 
     ``J = H(Wx) A - 2 (Wx)(x^T W) / ||Wx||^2`` with ``A = I - 2 s W`` and ``s = x^T W x / ||Wx||^2``.
 

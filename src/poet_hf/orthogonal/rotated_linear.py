@@ -64,8 +64,10 @@ STRATEGIES = (WEIGHT, ACTIVATION, ACTIVATION_RECOMPUTE)
 
 
 class RotationCache:
-    """One side's rotation blocks kept across the micro-batches of one optimizer step, and the ``∂L/∂blocks`` those
-    micro-batches accumulated while the polynomial's vector-Jacobian product waits for the last one.
+    """One side's rotation blocks, kept across the micro-batches of one optimizer step.
+
+    Also the ``∂L/∂blocks`` those micro-batches accumulated while the polynomial's vector-Jacobian product waits for
+    the last one.
 
     The Cayley–Neumann polynomial depends only on the skew vector, which changes only at an optimizer step, and its
     VJP is linear in ``∂L/∂R``: ``Σ_i Jᵀ g_i = Jᵀ Σ_i g_i``. So the blocks are built once per step and the VJP runs
@@ -116,8 +118,9 @@ class SideRotation:
         return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
 
     def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, SkewRotation | None]:
-        """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP (``None``
-        when they came from the cache; ``store`` puts freshly built blocks there)."""
+        """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP.
+
+        The evaluation is ``None`` when the blocks came from the cache; ``store`` puts freshly built blocks there."""
         evaluation = None
         blocks = None if self.cache is None else self.cache.blocks
         if blocks is None:
@@ -152,8 +155,10 @@ class SideRotation:
 
 
 class DenseWeight(Protocol):
-    """A frozen ``W0`` stored in another form (quantised): called, it returns the dense ``out × in`` matrix in
-    ``dtype``; ``dequantize_cost`` is the multiply-add equivalent of one call per weight entry (cost model)."""
+    """A frozen ``W0`` stored in another form (quantised) that returns the dense matrix when called.
+
+    Called, it returns the dense ``out × in`` matrix in ``dtype``; ``dequantize_cost`` is the multiply-add equivalent
+    of one call per weight entry (cost model)."""
 
     dtype: torch.dtype
     dequantize_cost: float
@@ -165,8 +170,9 @@ WeightSource = torch.Tensor | DenseWeight
 
 
 def _save_weight(ctx: Any, weight: WeightSource) -> torch.Tensor | None:
-    """What to save of ``weight`` for the backward: the tensor itself, or nothing for a `DenseWeight`
-    (kept on ``ctx`` and called again)."""
+    """What to save of ``weight`` for the backward.
+
+    The tensor itself, or nothing for a `DenseWeight` (kept on ``ctx`` and called again)."""
     ctx.weight_source = None if isinstance(weight, torch.Tensor) else weight
     return weight if isinstance(weight, torch.Tensor) else None
 
@@ -253,8 +259,9 @@ def _effective_weight(
     output_side: SideRotation | None,
     p_blocks: torch.Tensor | None,
 ) -> tuple:
-    """``Pᵀ W Rᵀ`` and the intermediates its backward needs: ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and
-    ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
+    """``Pᵀ W Rᵀ`` and the intermediates its backward needs.
+
+    ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
     gathered = weight_in_block_coordinates(weight, input_side, output_side)
     rotated_in = gathered if input_side is None else _right(gathered, input_side, _transpose(_given(r_blocks)))
     rotated = rotated_in if output_side is None else _left(rotated_in, output_side, _transpose(_given(p_blocks)))
@@ -426,14 +433,18 @@ class _ActivationStrategy(torch.autograd.Function):
 
 # --- entry points -----------------------------------------------------------------------------------------------------
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
-    """``torch.autocast(device_type, enabled=False)``; nothing on the meta device (no autocast there), where the
-    memory planner traces a model's forward and backward by shapes alone."""
+    """``torch.autocast(device_type, enabled=False)``, or nothing on the meta device.
+
+    There is no autocast on the meta device, where the memory planner traces a model's forward and backward by shapes
+    alone."""
     return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
 
 
 def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, torch.dtype]:
-    """``(rotation_dtype, base_dtype)``: under ``torch.autocast`` both are the autocast dtype; otherwise the base op
-    runs in the weight's dtype and the rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
+    """``(rotation_dtype, base_dtype)`` of one call.
+
+    Under ``torch.autocast`` both are the autocast dtype; otherwise the base op runs in the weight's dtype and the
+    rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
     device_type = x.device.type
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

@@ -240,8 +240,9 @@ class SideSpec:
 
 
 def nearest_divisor(dim: int, size: int) -> int:
-    """The divisor of ``dim`` nearest to ``size`` (a tie goes to the smaller), never 1; ``dim`` itself when
-    ``size >= dim``.
+    """The divisor of ``dim`` nearest to ``size``, never 1; ``dim`` itself when ``size >= dim``.
+
+    A tie goes to the smaller.
 
     This is PEFT's rule for an ``oft_block_size`` that does not divide a layer (``OFTLayer.adjust_oft_parameters``),
     except that a 1-block (a 1×1 rotation is ±1, so nothing would train) gives way to the next divisor above.
@@ -287,8 +288,10 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
 
 
 def select_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``: the same values, up to twice as
-    fast on a CPU for wide rows (``index_select`` along the last dimension copies element by element)."""
+    """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``.
+
+    The same values, up to twice as fast on a CPU for wide rows (``index_select`` along the last dimension copies
+    element by element)."""
     if x.dim() < 2 or not x.is_contiguous():
         return x.index_select(-1, index)
     rows = x.reshape(-1, x.shape[-1])

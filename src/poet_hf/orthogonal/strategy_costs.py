@@ -14,8 +14,9 @@ __all__ = ["polynomial_products", "strategy_costs"]
 
 
 def polynomial_products(terms: int, phase: str) -> int:
-    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays, by its place in the
-    optimizer step (`RotationCache`):
+    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays.
+
+    They depend on the call's place in the optimizer step (`RotationCache`):
 
     - ``"uncached"``: built in the forward, rebuilt in the backward, and its VJP (no accumulation window);
     - ``"building"``: the window's first micro-batch builds the blocks, its VJP is deferred;
@@ -38,10 +39,10 @@ def strategy_costs(
     dequantize_cost: float = 0.0,
     polynomial: int = 0,
 ) -> dict[str, dict[str, float]]:
-    """Multiply-adds (``"macs"``) and floats kept for the backward beyond the layer input (``"kept"``) of each
-    strategy, for one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call
-    pays for the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per
-    block and side.
+    """Multiply-adds (``"macs"``) and floats kept beyond the layer input (``"kept"``) of each strategy.
+
+    For one call with ``tokens`` rows. ``polynomial`` is the number of batched ``b × b`` products the call pays for
+    the Cayley–Neumann polynomial (`polynomial_products`; 0 leaves it out), ``b³`` multiply-adds per block and side.
 
     With ``N = d_in·d_out``, ``ρ_W`` one side's rotation of the weight (``b·N`` for a block side, ``b²·d_other`` for
     a fully stochastic one) and ``ρ_T`` its rotation of ``T`` rows (``b·T·d`` or ``b²·T``), in training:

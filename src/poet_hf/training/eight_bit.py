@@ -55,8 +55,9 @@ def _chunked(update: Any, chunk: int) -> Any:
 
 @contextlib.contextmanager
 def chunked_cpu_updates(chunk: int = CHUNK_ENTRIES) -> Iterator[None]:
-    """Within the block, bitsandbytes' blockwise 8-bit optimizer steps update CPU tensors larger than ``chunk``
-    entries a chunk at a time (the same bits, see the module docstring).
+    """Within the block, bitsandbytes' 8-bit steps update large CPU tensors ``chunk`` entries at a time.
+
+    The bits are the same (see the module docstring).
 
     Args:
         chunk: entries per chunk, a multiple of 256.

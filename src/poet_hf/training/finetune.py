@@ -58,8 +58,9 @@ ADAPTER_LEARNING_RATE = 1e-3
 
 @dataclass
 class FinetuneArguments(ScriptArguments):
-    """The options of ``scripts/finetune.py`` beside `PoetTrainingArguments` (both parsed by
-    ``transformers.HfArgumentParser``; `parse_finetune_arguments`).
+    """The options of ``scripts/finetune.py`` beside `PoetTrainingArguments`.
+
+    Both are parsed by ``transformers.HfArgumentParser`` (`parse_finetune_arguments`).
 
     The training flags (``--learning_rate``, ``--max_steps``, ``--per_device_train_batch_size``, ``--seed``,
     ``--merge_every``, ``--poet_reference_block``, …) are ``TrainingArguments``'; `finetune_defaults` gives the ones the
@@ -175,10 +176,11 @@ class FinetuneArguments(ScriptArguments):
 
 
 def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:
-    """The training flags the method's recipe decides, for those the user did not give: POET's rotation rate
-    (``poet_learning_rate``, unless ``--learning_rate`` alone was given, which then sets every rate) and its
-    per-block-size scaling (`POET_FINETUNE_RECIPES`); 1e-3 for OFT, LoRA and any new head; a short run; evaluation
-    batches as large as the training ones.
+    """The training flags the method's recipe decides, for those the user did not give.
+
+    POET's rotation rate (``poet_learning_rate``, unless ``--learning_rate`` alone was given, which then sets every
+    rate) and its per-block-size scaling (`POET_FINETUNE_RECIPES`); 1e-3 for OFT, LoRA and any new head; a short run;
+    evaluation batches as large as the training ones.
 
     Args:
         args: the script's options.
@@ -208,8 +210,9 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
 def parse_finetune_arguments(
     argv: list[str] | None = None, **fields: Any
 ) -> tuple[FinetuneArguments, PoetTrainingArguments]:
-    """``scripts/finetune.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
-    ``fields`` of either dataclass (`cli.parse_arguments`).
+    """``scripts/finetune.py``'s options from a command line or from keyword ``fields``.
+
+    ``argv`` ``None`` reads ``sys.argv``; ``fields`` may belong to either dataclass (`cli.parse_arguments`).
 
     Args:
         argv: the command line.
@@ -223,9 +226,10 @@ def parse_finetune_arguments(
 
 # --- 1. model and tokenizer -------------------------------------------------------------------------------------------
 def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[PreTrainedModel, list[str]]:
-    """The pretrained model for ``args.task`` (a hub name or a local path), and the modules the checkpoint did not
-    provide: a new classification head, or the pooler a sentence-embedding checkpoint lacks. Those start random, so
-    they train fully and are saved beside the adapter."""
+    """The pretrained model for ``args.task``, and the modules the checkpoint did not provide.
+
+    The model is a hub name or a local path. A new classification head, or the pooler a sentence-embedding checkpoint
+    lacks, starts random, so it trains fully and is saved beside the adapter."""
     quantized = (
         {}
         if args.base_quantization is None
@@ -249,8 +253,9 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
 
 
 def sharded_by_accelerate() -> bool:
-    """Whether Accelerate will shard this run with FSDP (``accelerate launch`` with an FSDP config; it does so only
-    on accelerators)."""
+    """Whether Accelerate will shard this run with FSDP.
+
+    It does so for ``accelerate launch`` with an FSDP config, on accelerators only."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and torch.cuda.is_available()
 
 
@@ -277,8 +282,9 @@ def load_model_tokenizer(args: FinetuneArguments):
 
 # --- 2. data ----------------------------------------------------------------------------------------------------------
 def load_finetune_data(args: FinetuneArguments, tokenizer, seed: int = 0) -> tuple[Any, Any, int | None]:
-    """Tokenized train and evaluation sets, and the number of labels (classification); ``seed`` draws the held-out
-    twentieth of a dataset without an evaluation split."""
+    """Tokenized train and evaluation sets, and the number of labels (classification).
+
+    ``seed`` draws the held-out twentieth of a dataset without an evaluation split."""
     raw = load_corpus(args.dataset, args.dataset_config, seed=seed, validation_split=args.eval_split)
     if args.task == "causal-lm":
         train = pack_sequences(raw["train"], tokenizer, args.seq_len, args.text_column)
@@ -330,9 +336,11 @@ def method_config(
     seed: int = 0,
     merge_every: int | None = None,
 ):
-    """The PEFT config of ``args.method``; ``new_modules`` (and, through the task type, classification heads) are
-    trained fully and saved beside the adapter. ``seed`` and ``merge_every`` are the training arguments' (the
-    rotations' permutations, and the interval the adapter records; ``None``: the config's)."""
+    """The PEFT config of ``args.method``.
+
+    ``new_modules`` (and, through the task type, classification heads) are trained fully and saved beside the adapter.
+    ``seed`` and ``merge_every`` come from the command line: the rotations' permutations, and the interval the adapter
+    records (``None``: the config's)."""
     from peft import TaskType
 
     task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
@@ -399,8 +407,10 @@ class _LastEvaluation(TrainerCallback):
 
 
 def _evaluate_after_training(trainer: PoetTrainer, last: _LastEvaluation) -> dict[str, float]:
-    """The final model's metrics: those of the evaluation the trainer ran at the last step (with ``eval_steps``,
-    ``transformers`` evaluates the last step too) when nothing has changed the model since, else a new evaluation."""
+    """The final model's metrics.
+
+    Those of the evaluation the trainer ran at the last step (with ``eval_steps``, ``transformers`` evaluates the last
+    step too) when nothing has changed the model since, else a new evaluation."""
     if last.metrics is not None and last.step == trainer.state.global_step and not trainer.args.load_best_model_at_end:
         return last.metrics
     return trainer.evaluate()
@@ -409,8 +419,9 @@ def _evaluate_after_training(trainer: PoetTrainer, last: _LastEvaluation) -> dic
 def run_finetuning(
     args: FinetuneArguments, training: PoetTrainingArguments | None = None, callbacks: list | None = None
 ) -> dict[str, Any]:
-    """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export). Returns the report,
-    also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
+    """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export).
+
+    Returns the report, also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
 
     Args:
         args: the run's options (``scripts/finetune.py``'s own flags).

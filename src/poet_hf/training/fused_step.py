@@ -1,5 +1,6 @@
-"""Optimizer steps fused into the backward: each parameter steps as soon as its gradient is complete, and its
-gradient is freed at once, so no gradient outlives its parameter's step.
+"""Optimizer steps fused into the backward: each parameter steps as soon as its gradient is complete.
+
+Its gradient is freed at once, so no gradient outlives its parameter's step.
 
 This is the scheme of PyTorch's "How to save memory by fusing the optimizer step into the backward pass" tutorial
 and of transformers' layer-wise GaLore optimizers (``register_post_accumulate_grad_hook``). `FusedStepOptimizer`
@@ -52,8 +53,9 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._share_state()
 
     def _share_state(self) -> None:
-        """Every per-parameter optimizer keeps its state in this one's ``state`` (saved, loaded and reset as one),
-        beginning with what its constructor put there (APOLLO's per-parameter seed)."""
+        """Every per-parameter optimizer keeps its state in this one's ``state``, saved, loaded and reset as one.
+
+        It begins with what its constructor put there (APOLLO's per-parameter seed)."""
         for inner in self._inner:
             if inner.state is not self.state:
                 for param, state in inner.state.items():
@@ -96,8 +98,9 @@ class FusedStepOptimizer(torch.optim.Optimizer):
 
 
 def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:
-    """``source``'s hyperparameters into ``target``; a tensor-valued one (torchao keeps ``lr`` as a tensor, which its
-    compiled step reads) is filled in place."""
+    """``source``'s hyperparameters into ``target``.
+
+    A tensor-valued one is filled in place (torchao keeps ``lr`` as a tensor, which its compiled step reads)."""
     for key, value in source.items():
         if key == "params":
             continue

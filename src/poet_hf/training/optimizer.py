@@ -33,8 +33,9 @@ def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
-    """The trainable skew parameters grouped by the block size ``b`` of their side (for POET-FS: the index-set
-    size)."""
+    """The trainable skew parameters grouped by the block size ``b`` of their side.
+
+    For POET-FS the size is the index set's."""
     groups: dict[int, list[nn.Parameter]] = {}
     for module in model.modules():
         if isinstance(module, RotationLayer):
@@ -54,8 +55,10 @@ def poet_param_groups(
     decay_parameter_names: Iterable[str],
     reference_block: int | None = None,
 ) -> list[dict]:
-    """The non-POET trainable parameters with and without decay (``learning_rate``; first, so Trainer logs it as
-    ``learning_rate``), then the POET parameters (no weight decay, as the POET code). Empty groups are dropped.
+    """The parameter groups of POET's optimizer: the other trainable parameters, then the rotations.
+
+    The non-POET parameters with and without decay come first (at ``learning_rate``, so Trainer logs it as
+    ``learning_rate``), then the POET parameters, without weight decay as in the POET code. Empty groups are dropped.
 
     Without ``reference_block`` every POET parameter trains at ``poet_learning_rate``. With it, a side of block size
     ``b`` trains at ``poet_learning_rate · reference_block / b``: Adam moves each skew entry by about the learning

@@ -96,9 +96,11 @@ PRESETS = {
 
 
 def tied_poet_learning_rate(method: str, size: float) -> float:
-    """Tables 8–9 tie the POET learning rate to the rotation size: 1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64
-    and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and ``1e-3 · ½/budget`` (the same rule between those sizes);
-    ``size`` is the block size (BS) or the budget fraction (FS)."""
+    """The POET learning rate that Tables 8–9 tie to the rotation size.
+
+    1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64 and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and
+    ``1e-3 · ½/budget`` (the same rule between those sizes); ``size`` is the block size (BS) or the budget fraction
+    (FS)."""
     return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
 
 

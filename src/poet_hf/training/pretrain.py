@@ -62,8 +62,9 @@ CONFIG_FLAGS = ("merge_every",)
 
 @dataclass
 class PretrainArguments(ScriptArguments):
-    """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments` (both parsed by
-    ``transformers.HfArgumentParser``; `parse_pretrain_arguments`).
+    """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments`.
+
+    Both are parsed by ``transformers.HfArgumentParser`` (`parse_pretrain_arguments`).
 
     The preset decides the defaults of the training flags it has a value for (``--max_steps``,
     ``--per_device_train_batch_size``, ``--gradient_accumulation_steps``, ``--learning_rate``,
@@ -178,8 +179,9 @@ class PretrainArguments(ScriptArguments):
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
-    """The training flags of the preset's recipe (`resolve_recipe`), for those the user did not give: the length,
-    batch and accumulation, the two learning rates, merge interval, clipping and decay; a cosine schedule to
+    """The training flags of the preset's recipe (`resolve_recipe`), for those the user did not give.
+
+    The length, batch and accumulation, the two learning rates, clipping and decay; a cosine schedule to
     ``min_lr_ratio``.
 
     Args:
@@ -209,8 +211,9 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
 def parse_pretrain_arguments(
     argv: list[str] | None = None, **fields: Any
 ) -> tuple[PretrainArguments, PoetTrainingArguments]:
-    """``scripts/pretrain.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
-    ``fields`` of either dataclass (`cli.parse_arguments`).
+    """``scripts/pretrain.py``'s options from a command line or from keyword ``fields``.
+
+    ``argv`` ``None`` reads ``sys.argv``; ``fields`` may belong to either dataclass (`cli.parse_arguments`).
 
     Args:
         argv: the command line.
@@ -242,8 +245,9 @@ def resolve_recipe(
     world_size: int | None = None,
     vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """Every value of the run: the options and training flags given, else the preset's (the paper's Tables 7–9 and
-    appendix E).
+    """Every value of the run: the options and training flags given, else the preset's.
+
+    The presets hold the paper's Tables 7–9 and appendix E.
 
     Args:
         args: the script's options.
@@ -367,8 +371,9 @@ def _collapse(per_side: dict[str, Any]) -> Any:
 
 
 def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
-    """Train and (capped) validation sets: packed rows, or one truncated / padded row per document (``seed`` orders a
-    streamed dataset and draws a held-out split where the dataset has none)."""
+    """Train and (capped) validation sets: packed rows, or one truncated / padded row per document.
+
+    ``seed`` orders a streamed dataset and draws a held-out split where the dataset has none."""
     corpus = load_corpus(args.dataset, args.dataset_config, streaming=args.streaming, seed=seed)
     prepare = pack_sequences if args.packing else pad_documents
     train = prepare(corpus["train"], tokenizer, args.seq_len, args.text_column)

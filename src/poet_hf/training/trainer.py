@@ -122,8 +122,10 @@ class PoetTrainer(CrashSafeTrainer):
         return unwrap(cast(nn.Module, self.model))
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        """POET's optimizer ([`create_poet_optimizer`][poet_hf.training.create_poet_optimizer]) for a model with POET
-        layers; Trainer's otherwise, or when one was passed in ``optimizers``."""
+        """POET's optimizer for a model with POET layers; Trainer's otherwise.
+
+        See [`create_poet_optimizer`][poet_hf.training.create_poet_optimizer]. An optimizer passed in ``optimizers`` is
+        kept."""
         opt_model = cast(nn.Module, self.model if model is None else model)
         if self.optimizer is not None or not self.has_poet:
             return super().create_optimizer(model)

@@ -22,7 +22,8 @@ __all__ = ["certified_radius", "certified_accuracy", "accuracy_at_radii", "pgd_l
 def certified_radius(
     model: Any, logits: torch.Tensor, labels: torch.Tensor, lipschitz: float | None = None
 ) -> torch.Tensor:
-    """ℓ2 radius (pixel space) around each input within which the prediction provably stays ``labels``;
+    """ℓ2 radius (pixel space) around each input within which the prediction provably stays ``labels``.
+
     0 for misclassified points.
 
     ``lipschitz`` overrides ``model.lipschitz_constant()`` (computed in the model's current mode otherwise).
@@ -122,8 +123,10 @@ def pgd_l2_attack(
     step_size: float | None = None,
     seed: int = 2,
 ) -> torch.Tensor:
-    """ℓ2 projected gradient ascent on the margin ``max_{j≠y} f_j − f_y`` inside the ball of radius ``eps`` around
-    each input (pixel scale, no clipping to [0, 1], which only makes it stronger); returns the adversarial inputs.
+    """ℓ2 projected gradient ascent on the margin ``max_{j≠y} f_j − f_y`` in the ball of radius ``eps``.
+
+    The ball is around each input on the pixel scale, without clipping to [0, 1], which only makes the attack
+    stronger. Returns the adversarial inputs.
 
     Works for any classifier returning ``.logits``. Robust accuracy under it bounds the true robust accuracy from
     above (the ECO paper's appendix C), as a certificate bounds it from below, so no certified point may fall.

@@ -1,5 +1,6 @@
-"""Image data for the vision models: HF datasets by name, local image folders or saved datasets, and the
-offline default (scikit-learn's 8x8 ``load_digits``, 1,797 images, resized to the model's input size).
+"""Image data for the vision models: HF datasets by name, local image folders or saved datasets.
+
+The offline default is scikit-learn's 8x8 ``load_digits`` (1,797 images), resized to the model's input size.
 
 Every source is normalised to a ``DatasetDict`` with ``train`` / ``test`` splits and columns ``img`` (PIL image)
 and ``label`` (int), the CIFAR-10 layout on the Hub (``uoft-cs/cifar10``). `image_to_tensor` turns an image
@@ -40,8 +41,9 @@ _LABEL_COLUMNS = ("label", "labels", "fine_label")
 
 
 def load_digits_dataset(test_fraction: float = 0.2, seed: int = 0):
-    """scikit-learn's ``load_digits`` (offline, 8x8 grey, 10 classes) as a ``DatasetDict`` in the ``img``/``label``
-    layout, with a seeded stratified-by-shuffle ``train`` / ``test`` split."""
+    """scikit-learn's ``load_digits`` as a ``DatasetDict`` in the ``img``/``label`` layout.
+
+    Offline, 8x8 grey, 10 classes, with a seeded stratified-by-shuffle ``train`` / ``test`` split."""
     import datasets
     from PIL import Image
 
@@ -101,8 +103,9 @@ def load_image_dataset(name_or_path: str = DEFAULT_DATASET, test_fraction: float
 
 
 def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Tensor:
-    """``[C, H, W]`` float tensor in ``[0, 1]`` from a PIL image / array / tensor, resized (bilinear) to
-    ``image_size`` and converted to ``num_channels`` (1 = grey, 3 = RGB)."""
+    """A ``[C, H, W]`` float tensor in ``[0, 1]`` from a PIL image, an array or a tensor.
+
+    It is resized (bilinear) to ``image_size`` and converted to ``num_channels`` (1 = grey, 3 = RGB)."""
     from PIL import Image
 
     if isinstance(image, torch.Tensor):
@@ -128,8 +131,10 @@ def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Ten
 
 
 def random_crop_and_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
-    """The CIFAR augmentation of the SOC and ECO code: zero-pad by ``padding``, crop back at a random offset, and
-    flip left-right with probability ½ (torch's global RNG, so ``transformers.set_seed`` makes it reproducible)."""
+    """The CIFAR augmentation of the SOC and ECO code: pad, crop at a random offset, and flip.
+
+    Zero-padding by ``padding``, then a left-right flip with probability ½, from torch's global RNG, so
+    ``transformers.set_seed`` makes it reproducible."""
     size = image.shape[-2:]
     padded = torch.nn.functional.pad(image, (padding,) * 4)
     top, left = (int(torch.randint(0, 2 * padding + 1, ())) for _ in range(2))
@@ -138,8 +143,9 @@ def random_crop_and_flip(image: torch.Tensor, padding: int = 4) -> torch.Tensor:
 
 
 def pixel_value_transform(num_channels: int, image_size: int, augment: bool = False):
-    """A ``Dataset.with_transform`` function: batches of ``img`` / ``label`` to ``pixel_values`` / ``labels``, each
-    image resized to ``image_size`` first, then (``augment``) randomly cropped and flipped."""
+    """A ``Dataset.with_transform`` function from ``img`` / ``label`` to ``pixel_values`` / ``labels``.
+
+    Each image is resized to ``image_size`` first, then (``augment``) randomly cropped and flipped."""
 
     def transform(batch: dict[str, list]) -> dict[str, Any]:
         images = [image_to_tensor(im, num_channels, image_size) for im in batch["img"]]
@@ -162,8 +168,10 @@ def collate_images(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 def iterate_batches(
     data: Any, num_channels: int, image_size: int, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(pixel_values, labels)`` batches from a ``(images, labels)`` tensor pair, or any sequence of examples
-    with ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are converted with `image_to_tensor`)."""
+    """``(pixel_values, labels)`` batches from a tensor pair or a sequence of examples.
+
+    The pair is ``(images, labels)``; the examples hold ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are
+    converted with `image_to_tensor`)."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):
         images, labels = data
         for start in range(0, len(labels), batch_size):

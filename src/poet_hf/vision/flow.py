@@ -102,8 +102,9 @@ class ReflectionFlowConfig(PretrainedConfig):
 
 @dataclass
 class ReflectionFlowOutput(ModelOutput):
-    """``loss``: mean bits per dimension; ``bits_per_dim`` and ``log_likelihood`` (nats) per image;
-    ``latents`` (B, D)."""
+    """The flow's output: the mean bits per dimension as ``loss``, and per image figures.
+
+    ``bits_per_dim`` and ``log_likelihood`` (nats) per image; ``latents`` (B, D)."""
 
     loss: torch.Tensor | None = None
     bits_per_dim: torch.Tensor | None = None
@@ -357,8 +358,9 @@ class ReflectionFlowModel(PreTrainedModel):
     EVAL_NOISE_SEED = 0
 
     def dequantize_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``x + u / num_bins`` with ``u ~ U[0, 1)``: from the global RNG in training, from a fixed seed in
-        evaluation.
+        """``x + u / num_bins`` with ``u ~ U[0, 1)``.
+
+        ``u`` comes from the global RNG in training and from a fixed seed in evaluation.
 
         Args:
             pixel_values: images quantised to ``num_bins`` levels in ``[0, 1)``.
@@ -377,7 +379,9 @@ class ReflectionFlowModel(PreTrainedModel):
     def forward(
         self, pixel_values: torch.Tensor, return_dict: bool | None = None, **kwargs
     ) -> ReflectionFlowOutput | tuple:
-        """Log-likelihood and bits per dimension of quantised ``pixel_values``, dequantised (see
+        """Log-likelihood and bits per dimension of quantised ``pixel_values``.
+
+        The pixels are dequantised first (see
         [`dequantize_pixels`][poet_hf.vision.flow.ReflectionFlowModel.dequantize_pixels])."""
         latents, logdet = self.encode(self.dequantize_pixels(pixel_values))
         log_prior = -0.5 * (latents.pow(2) + math.log(2 * math.pi)).sum(-1)

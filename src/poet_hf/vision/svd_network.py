@@ -153,8 +153,10 @@ def train_svd_network(
     args: SvdExperimentArgs,
     progress: Callable[[Any], Any] = lambda it: it,
 ) -> dict[str, Any]:
-    """Train one `SvdNetwork`; returns its validation error after every epoch (epoch 0: at initialisation)
-    and the cumulative training seconds (evaluation excluded)."""
+    """Train one `SvdNetwork`; return its validation errors and the training time.
+
+    The validation error after every epoch (epoch 0: at initialisation) and the cumulative training seconds
+    (evaluation excluded)."""
     x_train, y_train = train
     model = SvdNetwork(x_train.shape[1], method, depth=args.depth, seed=args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)

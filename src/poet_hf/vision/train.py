@@ -41,8 +41,9 @@ REPORTED_RADII = {"36/255": 36 / 255, "72/255": 72 / 255, "108/255": 108 / 255, 
 
 @dataclass(frozen=True)
 class VisionRecipe:
-    """A training recipe: the model and data options it fills, and the defaults of the ``TrainingArguments`` flags
-    the user does not give.
+    """A training recipe: the model and data options it fills, and defaults of ``TrainingArguments`` flags.
+
+    The defaults apply to the flags the user does not give.
 
     Args:
         init_channels: channels of the first block.
@@ -91,9 +92,10 @@ RECIPES = {"eco-paper": ECO_PAPER_RECIPE}
 
 @dataclass
 class VisionTrainArgs:
-    """The model, data and certification options of `train_lipconvnet` (its optimizer, schedule, length, seed and
-    output folder are ``TrainingArguments`` flags); the defaults train LipConvNet-5 on the offline digits in
-    minutes."""
+    """The model, data and certification options of `train_lipconvnet`.
+
+    Its optimizer, schedule, length, seed and output folder are ``TrainingArguments`` flags; the defaults train
+    LipConvNet-5 on the offline digits in minutes."""
 
     dataset: str = field(
         default=DEFAULT_DATASET,
@@ -202,8 +204,9 @@ class VisionTrainArgs:
 
 
 def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, Any]:
-    """The ``TrainingArguments`` values of ``args``' recipe for the flags the user did not give (with the deprecated
-    ``--epochs``, ``--batch_size`` and ``--momentum`` in their new places).
+    """The ``TrainingArguments`` values of ``args``' recipe, for the flags the user did not give.
+
+    The deprecated ``--epochs``, ``--batch_size`` and ``--momentum`` land in their new places.
 
     Args:
         args: the script's options.
@@ -225,8 +228,10 @@ def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, A
 
 
 def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tuple[VisionTrainArgs, TrainingArguments]:
-    """``scripts/train_vision.py``'s options from a command line (``argv``; ``None``: ``sys.argv``) or from keyword
-    ``fields`` of either dataclass (`poet_hf.cli.parse_arguments`).
+    """``scripts/train_vision.py``'s options from a command line or from keyword ``fields``.
+
+    ``argv`` ``None`` reads ``sys.argv``; ``fields`` may belong to either dataclass
+    (`poet_hf.cli.parse_arguments`).
 
     Args:
         argv: the command line.
@@ -239,8 +244,10 @@ def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tupl
 
 
 def lr_milestones(args: VisionTrainArgs, training: TrainingArguments) -> list[float] | None:
-    """The epochs of the step decay: ``args.lr_milestones``, else the recipe's scaled to the run's epochs (a shortened
-    recipe decays at the same fractions of training), else ``None`` (``training.lr_scheduler_type``)."""
+    """The epochs of the step decay.
+
+    ``args.lr_milestones``, else the recipe's scaled to the run's epochs (a shortened recipe decays at the same
+    fractions of training), else ``None`` (``training.lr_scheduler_type``)."""
     if args.lr_milestones is not None:
         return args.lr_milestones
     recipe = args.training_recipe
@@ -277,9 +284,10 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
 
 
 def certificate_regularized_loss(gamma: float, lipschitz: float):
-    """The later SOC code's loss, for ``Trainer(compute_loss_func=...)``: cross-entropy minus ``gamma`` times the mean
-    certified radius ``max(0, f_y − max_{j≠y} f_j) / (√2·L)`` (``L`` the network's nominal Lipschitz constant, its
-    input normalisation; the orthogonal layers count as 1)."""
+    """The later SOC code's certificate-regularised loss, for ``Trainer(compute_loss_func=...)``.
+
+    Cross-entropy minus ``gamma`` times the mean certified radius ``max(0, f_y − max_{j≠y} f_j) / (√2·L)``, with ``L``
+    the network's nominal Lipschitz constant (its input normalisation; the orthogonal layers count as 1)."""
 
     def loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
         logits = outputs.logits
@@ -292,8 +300,9 @@ def certificate_regularized_loss(gamma: float, lipschitz: float):
 
 
 def _step_decay(trainer: Trainer, milestones: list[float], decay: float, steps_per_epoch: int) -> None:
-    """Give ``trainer`` its ``--optim`` optimizer and a step decay by ``decay`` at the ``milestones`` epochs (no
-    ``lr_scheduler_type`` has one)."""
+    """Give ``trainer`` its ``--optim`` optimizer and a step decay by ``decay`` at the ``milestones`` epochs.
+
+    No ``lr_scheduler_type`` has one."""
     optimizer = trainer.create_optimizer()
     steps = [round(epoch * steps_per_epoch) for epoch in milestones]
     schedule: Any = torch.optim.lr_scheduler.MultiStepLR(optimizer, steps, gamma=decay)
@@ -303,8 +312,10 @@ def _step_decay(trainer: Trainer, milestones: list[float], decay: float, steps_p
 def train_lipconvnet(
     args: VisionTrainArgs, training: TrainingArguments
 ) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
-    """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics: clean accuracy and
-    certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when ``pgd_steps``).
+    """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics.
+
+    The clean accuracy and the certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when
+    ``pgd_steps``).
 
     Args:
         args: the model, data and certification options.
