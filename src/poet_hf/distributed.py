@@ -12,6 +12,7 @@ rank 0 to export or save, written once) live in [`poet_hf.sharded`][poet_hf.shar
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,19 @@ __all__ = [
     "unsharded_replica",
     "save_pretrained_unsharded",
     "end_distributed",
+    "fsdp_requested",
     "barrier",
     "full_tensor",
 ]
+
+
+def fsdp_requested() -> bool:
+    """Whether ``accelerate launch`` asked for FSDP (it sets ``ACCELERATE_USE_FSDP``), CPU or not.
+
+    Returns:
+        ``True`` when the launcher asked for FSDP.
+    """
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true")
 
 
 def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:

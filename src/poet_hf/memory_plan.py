@@ -59,6 +59,7 @@ PARTS = (
     "loss working set",
     "gathered layers",
 )
+BASE_LAYER = ".base_layer."  # in the name of a wrapped layer's base weight (PEFT's convention)
 ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
 
 
@@ -163,14 +164,9 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type)
     peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
     for name, parameter in peft_model.named_parameters():
-        if "lora_" not in name and not _in_targeted_linear(name):
+        if "lora_" not in name and BASE_LAYER not in name:
             parameter.requires_grad_(True)
     return peft_model
-
-
-def _in_targeted_linear(parameter_name: str) -> bool:
-    """Whether the parameter is the base weight of a layer an adapter wraps (PEFT's ``base_layer``)."""
-    return ".base_layer." in parameter_name
 
 
 def _galore_targets(model: PreTrainedModel) -> set[str]:
@@ -195,10 +191,7 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def _shard(shape: torch.Size, processes: int) -> int:
-    """Entries of one process's shard of a tensor of ``shape``.
-
-    FSDP2 splits one dimension ([`shard_dim`][poet_hf.distributed.shard_dim]) into ``processes`` chunks, padded to
-    equal size."""
+    """Entries of one process's shard: ``shape`` split along `shard_dim` into ``processes`` padded chunks."""
     from .distributed import shard_dim
 
     if not shape:
@@ -393,7 +386,7 @@ def _parameter_bytes(
         size = entry_bytes[id(parameter)] = 4 if adapter else value_size
         local = _shard(parameter.shape, shards) * size
         if not parameter.requires_grad:
-            kind = "W0" if _in_targeted_linear(name) else "other frozen"
+            kind = "W0" if BASE_LAYER in name else "other frozen"
             counts[kind] += parameter.numel()
             if kind == "W0" and method.startswith("poet"):
                 largest["W0"] = max(largest["W0"], parameter.numel())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from transformers import (
 
 from ..cli import check_cpu_mixed_precision, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
+from ..distributed import fsdp_requested
 from ..initialization import has_meta_tensors
 from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
 from ..tuners.config_utils import check_choice
@@ -224,7 +224,6 @@ def parse_finetune_arguments(
     return parse_arguments(FinetuneArguments, finetune_defaults, argv, fields or None, PoetTrainingArguments)
 
 
-# --- 1. model and tokenizer -------------------------------------------------------------------------------------------
 def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[PreTrainedModel, list[str]]:
     """The pretrained model for ``args.task``, and the modules the checkpoint did not provide.
 
@@ -235,7 +234,8 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
         if args.base_quantization is None
         else {"quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
     )
-    if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded_by_accelerate():
+    sharded = fsdp_requested() and torch.cuda.is_available()  # Accelerate shards on accelerators only
+    if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded:
         # No process loads the checkpoint whole: built on meta, PoetTrainer shards it and materializes each
         # process's shards from the checkpoint (pretrained_weights).
         with torch.device("meta"):
@@ -250,13 +250,6 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
             args.model, num_labels=num_labels, output_loading_info=True, **quantized
         )
     return model, sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
-
-
-def sharded_by_accelerate() -> bool:
-    """Whether Accelerate will shard this run with FSDP.
-
-    It does so for ``accelerate launch`` with an FSDP config, on accelerators only."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") and torch.cuda.is_available()
 
 
 def local_weights(model: str) -> str:
@@ -280,7 +273,6 @@ def load_model_tokenizer(args: FinetuneArguments):
     return tokenizer
 
 
-# --- 2. data ----------------------------------------------------------------------------------------------------------
 def load_finetune_data(args: FinetuneArguments, tokenizer, seed: int = 0) -> tuple[Any, Any, int | None]:
     """Tokenized train and evaluation sets, and the number of labels (classification).
 
@@ -318,7 +310,6 @@ def load_finetune_data(args: FinetuneArguments, tokenizer, seed: int = 0) -> tup
     return train, evaluation, num_labels
 
 
-# --- 3. the method --------------------------------------------------------------------------------------------------
 def target_modules(args: FinetuneArguments, model: torch.nn.Module):
     """``--target_modules`` or the default per model type (every Linear in the blocks, as POET)."""
     if args.target_modules:
@@ -378,7 +369,6 @@ def apply_method(
     return get_peft_model(model, method_config(args, model, new_modules, seed, merge_every))
 
 
-# --- 4. training ------------------------------------------------------------------------------------------------------
 def accuracy(eval_prediction) -> dict[str, float]:
     """Classification accuracy, for ``Trainer(compute_metrics=...)``."""
     logits, labels = eval_prediction

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
-from ..distributed import shard_model
+from ..distributed import fsdp_requested, shard_model
 from ..export.source import RUN_INFO_NAME
 from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
@@ -90,7 +90,7 @@ class PoetTrainer(CrashSafeTrainer):
                 self.is_fsdp_enabled,
                 self.is_deepspeed_enabled,
                 getattr(plugin, "fsdp_version", None),
-                os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"),
+                fsdp_requested(),
             )
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
