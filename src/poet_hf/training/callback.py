@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 # steps gets a warning. docs/finetuning.md has the angles of the runs that improved the testbed models.
 FINETUNE_WARN_ANGLE = 45.0
 FINETUNE_WARN_STEPS = 20
+_UNREAD = object()  # the merge interval before the callback has read it
 
 
 def starts_from_pretrained(model: nn.Module, adapter: str = "default") -> bool:
@@ -111,7 +112,7 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             )
         self.merge_every = merge_every
         self.adapter_name = adapter_name
-        self._interval: int | None = None
+        self._interval: int | None | object = _UNREAD
         self.base_max_grad_norm: float | None = None
         self.history: list[dict] = []
         self.statistics_before_merge: tuple[int, dict[str, float]] | None = None  # (step, statistics)
@@ -132,13 +133,13 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         Returns:
             Optimizer steps between merges; ``None``: no merges.
         """
-        if self._interval is None:
+        if self._interval is _UNREAD:
             self._interval = self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
-        return self._interval
+        return cast("int | None", self._interval)
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         self.base_max_grad_norm = args.max_grad_norm
-        self._interval = None
+        self._interval = _UNREAD
         if model is not None:
             self.interval(args, model)
         stateful = cast(dict[str, Any], state.stateful_callbacks or {})  # name -> state, as read from the checkpoint
