@@ -328,13 +328,19 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             self.flush_rotation_caches(collective=False)
         return nn.Module.train(cast(nn.Module, self), mode)  # the concrete layers are nn.Modules
 
-    def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
-        """The forward with the given active adapters (a subclass adds its own options around it)."""
+    def adapter_forward(
+        self, x: torch.Tensor, adapter_names: list[str], keep: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The forward with the given active adapters; ``keep`` maps an adapter to the input-side blocks it keeps.
+
+        One adapter runs the fused forward; several compose through `reference_forward`, rotating activations when
+        every adapter's strategy does. A subclass adds its own options around it."""
         if fused_enabled() and len(adapter_names) == 1:
-            return self.fused(self, x, adapter_names[0])
+            return self.fused(self, x, adapter_names[0], keep.get(adapter_names[0]) if keep else None)
         tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
         strategies = {self.choose_strategy(a, tokens, torch.is_grad_enabled()) for a in adapter_names}
-        return reference_forward(self, x, adapter_names, activation=strategies <= {ACTIVATION, ACTIVATION_RECOMPUTE})
+        activation = strategies <= {ACTIVATION, ACTIVATION_RECOMPUTE}
+        return reference_forward(self, x, adapter_names, activation=activation, keep=keep)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.disable_adapters:

@@ -18,7 +18,6 @@ from torch import nn
 
 from ...orthogonal.spo import make_side_spec
 from ..constants import SIDE_INPUT
-from ..fused_forward import fused_enabled, reference_forward
 from ..rotation_layer import RotationLayer, RotationSettings
 
 
@@ -101,12 +100,15 @@ class OftLayer(RotationLayer):
         if bool(outside.any()):
             param.copy_(torch.where(outside, param * (radius / norm), param))
 
-    def adapter_forward(self, x: torch.Tensor, adapter_names: list[str]) -> torch.Tensor:
+    def adapter_forward(
+        self, x: torch.Tensor, adapter_names: list[str], keep: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """``base(x, W0 · Rᵀ)``, with COFT's projection and, in training, module dropout.
 
         COFT projects the skew blocks first; module dropout replaces random blocks by the identity in the forward only
-        (merges never drop blocks)."""
-        keep: dict[str, torch.Tensor] = {}
+        (merges never drop blocks). ``keep`` is as for `RotationLayer.adapter_forward`; an adapter's dropout mask
+        replaces its entry."""
+        keep = dict(keep or {})
         for a in adapter_names:
             options = self.oft_options[a]
             if options.coft:
@@ -117,13 +119,7 @@ class OftLayer(RotationLayer):
                 )
                 if mask is not None:
                     keep[a] = mask
-        if fused_enabled() and len(adapter_names) == 1:
-            return self.fused(self, x, adapter_names[0], keep.get(adapter_names[0]))
-        return reference_forward(self, x, adapter_names, activation=self._all_activation(x, adapter_names), keep=keep)
-
-    def _all_activation(self, x: torch.Tensor, adapter_names: list[str]) -> bool:
-        tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
-        return all(self.choose_strategy(a, tokens, torch.is_grad_enabled()) != "weight" for a in adapter_names)
+        return super().adapter_forward(x, adapter_names, keep)
 
 
 class Linear(nn.Module, OftLayer):
