@@ -60,9 +60,9 @@ def _planned_mb(preset: str, batch: int) -> float:
 def run(quick: bool = False, repeats: int = 3, steps: int = 1) -> list[dict]:
     """One row per (shape, method): the steps' peak (median of ``repeats`` processes), its ratio to AdamW's, the
     step time in the same process (with the fixed mmap threshold, so slower than the default allocator's); then the
-    8-bit state implementations' step on the largest 7B tensor (`state_step_rows`) and the tiny run's quality with
-    everything on (`quality_rows`)."""
-    rows = [] if quick else state_step_rows() + [{"table": "quality", **row} for row in quality_rows()]
+    8-bit state implementations' step on the largest 7B tensor (`state_step_rows`). The quality of the savings is
+    `benchmarks.savings_quality`'s."""
+    rows = [] if quick else state_step_rows()
     for preset, batch in QUICK_CONFIGS if quick else CONFIGS:
         measured = {}
         for name, (method, options) in METHODS.items():
@@ -154,23 +154,3 @@ def state_step_rows() -> list[dict]:
         result = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append({"table": "8-bit state step", "implementation": variant, **result})
     return rows
-
-
-EVERYTHING_ON = [
-    "--base_quantization",
-    "nf4",
-    "--fused_optimizer_step",
-    "--optim",
-    "adamw_bnb_8bit",
-    "--gradient_checkpointing",
-    "--max_grad_norm",
-    "0",
-]
-
-
-def quality_rows(quick: bool = False) -> list[dict]:
-    """The README's tiny POET run (200 steps) with every memory saving on, against the float32 run: validation
-    perplexity and its gap."""
-    from benchmarks.common import readme_job_rows
-
-    return readme_job_rows("run", {"float32 POET": [], "everything on": EVERYTHING_ON}, quick)

@@ -1,11 +1,15 @@
 """Speed and memory benchmarks, each measured as a ratio against a baseline run in the same process.
 
-    python scripts/benchmark.py --suite poet_layer          # one suite
+    python scripts/benchmark.py --suite poet_layer          # one suite; writes benchmarks/results/poet_layer.json
     python scripts/benchmark.py --suite all --out bench.json
-    python scripts/benchmark.py --plot bench.json --plot_dir docs/figures   # figures of the pretrain_step rows
+    python scripts/benchmark.py --render_figures            # the README's and docs' figures from the results files
+    python scripts/benchmark.py --check_figures             # exit 1, naming page and figure, where one differs
+    python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json   # figures of the pretrain_step rows
 
-Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script only
-dispatches, prints a Markdown table per suite and optionally writes JSON.
+Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script dispatches,
+prints a Markdown table per suite and writes each suite's results file (``benchmarks/results/<suite>.json``, with the
+machine, date and commit; not for ``--quick``, whose rows are a smoke run's), from which the README's and the docs'
+figures are rendered (`benchmarks.figures`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -37,16 +42,26 @@ SUITES = (
     "training_modes",
     "memory_peers",
     "pretrain_7b",
+    "savings_quality",
 )
 
 
 def machine_description() -> str:
-    device = (
-        torch.cuda.get_device_name(0)
-        if torch.cuda.is_available()
-        else f"CPU ({platform.processor() or platform.machine()})"
-    )
-    return f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    """The device (the CPU's model name from ``/proc/cpuinfo`` where there is no GPU), cores, memory and torch."""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = f"CPU ({_cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
+    return f"{device}, {memory:.0f} GiB, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         "file written by --out (its pretrain_step rows) into --plot_dir",
     )
     parser.add_argument("--plot_dir", type=Path, default=Path("docs/figures"), help="where --plot writes its PNGs")
+    parser.add_argument(
+        "--render_figures", action="store_true", help="instead of running: rewrite the figures of the README and docs/"
+    )
+    parser.add_argument(
+        "--check_figures",
+        action="store_true",
+        help="instead of running: exit 1 where a figure of the README or docs/ differs from its results file",
+    )
     return parser
 
 
@@ -70,12 +93,26 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import to_markdown
+    from benchmarks.results import save_results
 
+    if args.render_figures or args.check_figures:
+        from benchmarks.figures import check_figures, render_figures
+
+        if args.render_figures:
+            for page in render_figures(ROOT):
+                print(f"rendered {page}")
+            return 0
+        problems = check_figures(ROOT)
+        for problem in problems:
+            print(problem)
+        print(f"figures: {len(problems)} differ from their results files" if problems else "figures: all rendered")
+        return 1 if problems else 0
     if args.plot:
         from benchmarks.plots import plot_pretrain_step
 
         data = json.loads(args.plot.read_text())
-        for path in plot_pretrain_step(data["pretrain_step"], args.plot_dir, data.get("machine", "")):
+        rows = data.get("rows", data.get("pretrain_step"))
+        for path in plot_pretrain_step(rows, args.plot_dir, data.get("machine", "")):
             print(path)
         return 0
     results = {"machine": machine_description()}
@@ -84,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick)
         results[suite] = rows
         print(f"\n## {suite}\n\n{to_markdown(rows)}")
+        if not args.quick:
+            command = "python scripts/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
+            print(save_results(suite, rows, results["machine"], command))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     return 0

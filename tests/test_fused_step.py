@@ -87,7 +87,6 @@ def test_a_fused_optimizer_resumes_from_its_state_dict_exactly():
     ("settings", "message"),
     [
         ({"gradient_accumulation_steps": 2}, "cannot accumulate gradients"),
-        ({"max_grad_norm": 1.0}, "cannot clip by the global gradient norm"),
         ({"max_grad_norm": 0, "fp16": True}, r"cannot run with fp16 \(fp16=True\)"),
     ],
 )
@@ -95,6 +94,82 @@ def test_settings_a_fused_step_cannot_honour_are_refused(tmp_path, settings, mes
     args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **settings)
     with pytest.raises(ValueError, match=message):
         check_fused_step(args)
+
+
+def reference_clipped_steps(model, batches, threshold: float, order: list[list[int]]) -> None:
+    """The clip of `FusedStepOptimizer` written out in float64 on a twin with an ordinary AdamW: all gradients first,
+    then each parameter's scale from the global norm estimate in the order the backward reached them (``order``,
+    recorded on the fused model): this step's squared norms of the parameters reached so far, the previous step's of
+    the rest."""
+    params = list(model.parameters())
+    groups = poet_param_groups(model, 1e-2, 3e-3, 0.01, ["base_model.model.lm_head.weight"])
+    optimizer = torch.optim.AdamW(groups)
+    previous: dict[int, float] = {}
+    for ids, reached in zip(batches, order, strict=True):
+        model(input_ids=ids, labels=ids).loss.backward()
+        current = {i: float(params[i].grad.double().pow(2).sum()) for i in reached}
+        for position, i in enumerate(reached):
+            known = {**previous, **{j: current[j] for j in reached[: position + 1]}}
+            estimate = sum(known.values()) ** 0.5
+            params[i].grad.mul_(min(1.0, threshold / (estimate + 1e-6)))
+        optimizer.step()
+        optimizer.zero_grad()
+        previous = current
+
+
+@pytest.mark.parametrize("threshold", [0.05, 1e9])
+def test_the_fused_clip_is_the_running_global_norm_estimate_in_float64(threshold):
+    """With ``max_grad_norm`` the fused steps clip against the global norm as the backward knows it; a threshold no
+    norm reaches changes nothing. The last parameter reached is clipped by this step's exact global norm."""
+    plain_model = poet_model()
+    fused_model = copy.deepcopy(plain_model)
+    params = list(fused_model.parameters())
+    index = {p: i for i, p in enumerate(params)}
+    order: list[list[int]] = [[] for _ in BATCHES]
+    groups = poet_param_groups(fused_model, 1e-2, 3e-3, 0.01, ["base_model.model.lm_head.weight"])
+    fused = FusedStepOptimizer(groups, torch.optim.AdamW, max_grad_norm=lambda: threshold)
+    current = [0]  # the step the backward is in
+    for p in params:  # registered after the optimizer's hooks: they run in the same order, once the step is done
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: order[current[0]].append(index[p]))
+    norms = []
+    for step, ids in enumerate(BATCHES):
+        current[0] = step
+        fused_model(input_ids=ids, labels=ids).loss.backward()
+        norms.append(fused.grad_norm)
+        fused.step()
+    reference_clipped_steps(plain_model, BATCHES, threshold, order)
+    assert len(order[0]) == sum(p.requires_grad for p in params) and min(norms) > 10 * 0.05  # the clip acts
+    for (name, expected), actual in zip(plain_model.named_parameters(), fused_model.parameters(), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_the_trainer_logs_the_fused_steps_gradient_norm_and_clips_with_the_recipe(tmp_path):
+    """``max_grad_norm`` stays on with fused steps: PoetTrainer logs the norm the backward measured (the float64
+    norm of the same gradients an ordinary step clips), not the zero of the freed gradients."""
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    logged = {}
+    for fused in (False, True):
+        model = get_peft_model(tiny_llama(), PoetConfig(block_size=16))
+        args = PoetTrainingArguments(
+            output_dir=str(tmp_path / str(fused)),
+            fused_optimizer_step=fused,
+            max_grad_norm=1.0,
+            max_steps=1,
+            per_device_train_batch_size=8,
+            logging_steps=1,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=0,
+        )
+        trainer = PoetTrainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        logged[fused] = next(log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log)
+    assert logged[True] > 0
+    # the same first gradients; float32 norms summed in two orders: a relative gap of a few float32 roundings
+    assert logged[True] == pytest.approx(logged[False], rel=1e-5)
 
 
 def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
@@ -150,7 +225,6 @@ def test_the_pretraining_script_takes_fused_steps_and_names_what_it_needs(tmp_pa
     small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64", "--max_steps", "2"]
     argv = [*small, "--max_eval_sequences", "4", "--dataset", local_corpus, "--block_size", "32"]
     argv += ["--output_dir", str(tmp_path), "--fused_optimizer_step"]
-    with pytest.raises(ValueError, match=r"cannot clip by the global gradient norm \(max_grad_norm=1.0\)"):
-        script.main(argv)  # the recipe clips; the refusal names the flag to change
-    results = script.main([*argv, "--max_grad_norm", "0"])
+    results = script.main(argv)  # the recipe's clip stays on
+    assert results["recipe"]["max_grad_norm"] == 1.0 and results["recipe"]["fused_optimizer_step"]
     assert results["steps"] == 2 and all(torch.isfinite(torch.tensor(results["train_losses"])))

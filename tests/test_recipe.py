@@ -2,6 +2,7 @@
 appendix E, configurations the paper uses (per-side budgets, absolute FS sizes, unpacked documents), and its
 diagnostics against dense references."""
 
+import importlib.util
 import io
 import json
 from contextlib import redirect_stdout
@@ -78,10 +79,40 @@ def test_a_preset_alone_is_the_papers_run_but_for_its_length(preset, lr, paper_s
     assert recipe["sequences_per_step"] == 512 and recipe["batch_size"] * recipe["gradient_accumulation_steps"] == 512
     assert recipe["learning_rate"] == lr and recipe["poet_learning_rate"] == 1e-3  # BS-256
     assert recipe["neumann_terms"] == 6 and recipe["paper_neumann_k"] == 4 and recipe["base_init"] == "normalized"
-    assert recipe["schedule"] == "cosine" and recipe["min_lr_ratio"] == 0.01 and recipe["warmup_steps"] == 0
+    assert recipe["schedule"] == "cosine_with_min_lr" and recipe["min_lr_ratio"] == 0.01
+    assert recipe["warmup_steps"] == 0 and recipe["optimizer"] == "adamw_torch_fused"  # transformers' default
     assert recipe["tokens_per_step"] == 512 * 256
     paper = print_recipe("--preset", preset, "--paper_steps")
     assert paper["steps"] == paper_steps and paper["total_tokens"] == paper_steps * 512 * 256
+
+
+@pytest.mark.parametrize(
+    "flags,optimizer,schedule,fused",
+    [
+        (["--optim", "adamw_bnb_8bit"], "adamw_bnb_8bit", "cosine_with_min_lr", False),
+        pytest.param(
+            ["--method", "galore"],
+            "galore_adamw",
+            "cosine_with_min_lr",
+            False,
+            marks=pytest.mark.skipif(not importlib.util.find_spec("galore_torch"), reason="the [bench] extra"),
+        ),
+        (["--lr_scheduler_type", "linear", "--fused_optimizer_step"], "adamw_torch_fused", "linear", True),
+    ],
+)
+def test_the_recipe_reports_the_optimizer_and_schedule_that_run(flags, optimizer, schedule, fused):
+    """``--print_recipe`` (and ``results.json``) name the optimizer and schedule the Trainer builds, not fixed text."""
+    from transformers import Trainer
+
+    from poet_hf.training.pretrain import parse_pretrain_arguments
+
+    recipe = print_recipe("--preset", "tiny", *flags)
+    assert (recipe["optimizer"], recipe["schedule"], recipe["fused_optimizer_step"]) == (optimizer, schedule, fused)
+    _, training = parse_pretrain_arguments(["--preset", "tiny", *flags])
+    assert training.optim == optimizer and training.lr_scheduler_type == schedule  # what Trainer reads
+    if optimizer == "adamw_bnb_8bit":
+        optimizer_cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(training)
+        assert optimizer_cls.__module__.startswith("bitsandbytes") and kwargs["optim_bits"] == 8
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from .allocator import bound_allocator_slack
 from .orthogonal import spo_generator
 from .sharded import write_full
 from .tuners.peft_utils import base_model_of
@@ -285,6 +286,7 @@ def materialize_model(
 
     if loading not in CHECKPOINT_LOADING:
         raise ValueError(f"`loading` must be one of {CHECKPOINT_LOADING}, got {loading!r}")
+    bound_allocator_slack()  # a layer's float32 build, freed before the next: off the resident set at once
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     layers = [layer for _, layer in rotation_layers(model) if has_meta_tensors(cast(nn.Module, layer))]

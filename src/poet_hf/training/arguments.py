@@ -46,8 +46,9 @@ class PoetTrainingArguments(TrainingArguments):
         default=False,
         metadata={
             "help": "Step each trainable parameter in the backward, as soon as its gradient is complete, and free "
-            "the gradient at once (no gradient outlives its step). Needs gradient_accumulation_steps=1, no fp16, "
-            "max_grad_norm=0 and one process."
+            "the gradient at once (no gradient outlives its step). It clips by max_grad_norm against the global "
+            "norm known so far (this step's norms of the parameters already stepped, the previous step's of the "
+            "rest). Needs gradient_accumulation_steps=1, no fp16 and one process."
         },
     )
 

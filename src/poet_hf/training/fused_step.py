@@ -9,20 +9,26 @@ scheduler moves their rates, read at every step), its ``state`` holds every para
 ``load_state_dict`` and `reset_optimizer_state` work as with the unfused optimizer), and its ``step`` and
 ``zero_grad`` do nothing, the work being done in the backward.
 
+It clips by the global gradient norm without waiting for it (`FusedStepOptimizer`'s ``max_grad_norm``): each
+parameter's gradient is scaled by ``min(1, max_grad_norm / N)``, with ``N`` the global norm as far as the backward
+knows it, this step's norms of the parameters it has reached and the previous step's of the rest. The last parameter
+to step sees this step's exact global norm; the first sees its own new norm beside the others' previous ones.
+
 What it cannot do, by construction, and refuses (`check_fused_step`): accumulate gradients over micro-batches (a
-step would run at every backward), clip by the global gradient norm (no parameter may wait for the others), unscale
-fp16 gradients (the loss scaler acts after the backward), and run under DDP or FSDP2 (a hook sees the local gradient
-before it is reduced).
+step would run at every backward), unscale fp16 gradients (the loss scaler acts after the backward), and run under
+DDP or FSDP2 (a hook sees the local gradient before it is reduced).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import TrainingArguments
+
+from ..allocator import bound_allocator_slack
 
 
 class FusedStepOptimizer(torch.optim.Optimizer):
@@ -36,11 +42,26 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         groups: parameter groups, as for ``optimizer_cls`` (`poet_hf.training.poet_param_groups`).
         optimizer_cls: the optimizer class to run per parameter (``torch.optim.AdamW``, bitsandbytes' ``AdamW8bit``,
             …).
+        max_grad_norm: the clip threshold, or a function returning it (read at every parameter's step, so a schedule
+            such as `MergeReinitCallback`'s post-merge ramp of ``args.max_grad_norm`` applies); ``None`` or 0: no
+            clip. The norm it compares with is the running estimate of the module docstring.
         **kwargs: ``optimizer_cls``'s keyword arguments (the defaults of every group).
     """
 
-    def __init__(self, groups: Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+    def __init__(
+        self,
+        groups: Iterable[dict[str, Any]],
+        optimizer_cls: type[torch.optim.Optimizer],
+        *,
+        max_grad_norm: float | Callable[[], float | None] | None = None,
+        **kwargs: Any,
+    ):
+        bound_allocator_slack()  # freed gradients and update chunks must leave the resident set
         groups = list(groups)
+        self.max_grad_norm = max_grad_norm
+        self._norms_sq: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's latest squared gradient norm
+        self._reached: set[torch.Tensor] = set()  # the parameters that stepped in this step's backward
+        self._running_sq: torch.Tensor | None = None  # the sum of _norms_sq, updated as the backward goes
         probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)  # the class's defaults, with kwargs
         super().__init__(groups, dict(probe.defaults))
         self._inner: list[torch.optim.Optimizer] = []
@@ -72,19 +93,74 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         def step_and_free(param: torch.Tensor) -> None:
             group = self.param_groups[index]  # looked up now: a scheduler or a loaded state may have replaced it
             _copy_hyperparameters(group, inner.param_groups[0])
+            self._clip(param)
             with bounded():
                 inner.step()
             param.grad = None
 
         return step_and_free
 
+    def _threshold(self) -> float | None:
+        value = self.max_grad_norm() if callable(self.max_grad_norm) else self.max_grad_norm
+        return value if value and value > 0 else None
+
+    @torch.no_grad()
+    def _clip(self, param: torch.Tensor) -> None:
+        """Record ``param``'s gradient norm, then scale its gradient by ``min(1, max_grad_norm / N)``.
+
+        ``N`` is the running estimate of the global norm; the coefficient is ``torch.nn.utils.clip_grad_norm_``'s.
+        Norms stay tensors on the gradient's device, so a GPU backward never waits for the host."""
+        grad = cast(torch.Tensor, param.grad)
+        norm_sq = _squared_norm(grad)
+        previous = self._norms_sq.get(param)
+        running = self._running_sq.to(grad.device) if self._running_sq is not None else torch.zeros_like(norm_sq)
+        self._running_sq = running + norm_sq - (previous if previous is not None else 0.0)
+        self._norms_sq[param] = norm_sq
+        self._reached.add(param)
+        threshold = self._threshold()
+        if threshold is not None:
+            estimate = self._running_sq.clamp(min=0).sqrt()
+            grad.mul_((threshold / (estimate + 1e-6)).clamp(max=1.0).to(grad.dtype))
+
+    def _total_sq(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        norms = [self._norms_sq[p] for p in params]
+        return torch.stack([n.cpu() for n in norms]).sum() if norms else None
+
+    @property
+    def grad_norm(self) -> float:
+        """The global norm of this step's gradients before the clip (of the last step, after `step`)."""
+        total = self._total_sq(self._reached or self._norms_sq.keys())
+        return 0.0 if total is None else float(total.sqrt())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``, with the gradient norms the next step's clip starts from."""
+        state = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        state["grad_norms_sq"] = [float(self._norms_sq[p]) if p in self._norms_sq else None for p in params]
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, then the per-parameter optimizers read the loaded state."""
         super().load_state_dict(state_dict)
         self._share_state()
+        params = [p for group in self.param_groups for p in group["params"]]
+        norms = state_dict.get("grad_norms_sq") or [None] * len(params)
+        self._norms_sq = {
+            p: torch.tensor(n, dtype=torch.float64, device=p.device)
+            for p, n in zip(params, norms, strict=True)
+            if n is not None
+        }
+        self._running_sq = self._total_sq(self._norms_sq)
+        self._reached = set()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Nothing to do: every parameter stepped in the backward. A closure is still evaluated."""
+        """End the step: every parameter stepped in the backward. A closure is still evaluated.
+
+        The clip's norm estimate keeps this step's norms and drops those of parameters that got no gradient."""
+        if self._reached:
+            self._norms_sq = {p: n for p, n in self._norms_sq.items() if p in self._reached}
+            self._running_sq = self._total_sq(self._norms_sq)
+            self._reached = set()
         return None if closure is None else closure()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -95,6 +171,19 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+NORM_CHUNK = 1 << 16  # entries per float32 partial norm: its error stays near float32 rounding; 256 KB temporaries
+
+
+def _squared_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``‖grad‖²`` as a float64 scalar: float32 partial norms (float64 for a float64 gradient) of a chunk at a time,
+    so that a half-precision gradient is never cast whole."""
+    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    parts = [torch.linalg.vector_norm(chunk, dtype=dtype) for chunk in grad.reshape(-1).split(NORM_CHUNK)]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=grad.device)
+    return torch.stack(parts).double().square().sum()
 
 
 def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:
@@ -118,19 +207,13 @@ def check_fused_step(args: TrainingArguments) -> None:
         args: the run's training arguments.
 
     Raises:
-        ValueError: ``gradient_accumulation_steps`` > 1, ``max_grad_norm`` > 0, ``fp16`` (its loss scaler), or more
-            than one process.
+        ValueError: ``gradient_accumulation_steps`` > 1, ``fp16`` (its loss scaler), or more than one process.
     """
     if args.gradient_accumulation_steps > 1:
         raise ValueError(
             f"`fused_optimizer_step` steps each parameter in the backward, so it cannot accumulate gradients; got "
             f"gradient_accumulation_steps={args.gradient_accumulation_steps} (use 1, and a larger "
             "per_device_train_batch_size)"
-        )
-    if args.max_grad_norm and args.max_grad_norm > 0:
-        raise ValueError(
-            f"`fused_optimizer_step` cannot clip by the global gradient norm (max_grad_norm={args.max_grad_norm}): "
-            "each parameter steps before the others' gradients exist; set max_grad_norm=0"
         )
     if args.fp16:
         raise ValueError(

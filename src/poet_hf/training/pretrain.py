@@ -58,6 +58,8 @@ RECIPE_FLAGS = {
 # Read from the command line into the recipe, which puts them in the adapter config (their home); the training
 # argument keeps only what the user set, as an override for the run.
 CONFIG_FLAGS = ("merge_every",)
+# Training flags the recipe reports as the run uses them (the optimizer and the schedule that actually run).
+RUN_FLAGS = ("optim", "lr_scheduler_type", "fused_optimizer_step")
 
 
 @dataclass
@@ -227,7 +229,17 @@ def parse_pretrain_arguments(
 
 def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:
     """The recipe's values that ``training`` holds (`RECIPE_FLAGS`), to resolve the recipe of a run."""
-    return {flag: getattr(training, flag) for flag in (*RECIPE_FLAGS.values(), *CONFIG_FLAGS)}
+    return {flag: getattr(training, flag) for flag in (*RECIPE_FLAGS.values(), *CONFIG_FLAGS, *RUN_FLAGS)}
+
+
+def _flag_value(value: Any) -> Any:
+    """A training flag as the command line spells it (``OptimizerNames.ADAMW_TORCH`` -> ``"adamw_torch"``)."""
+    return getattr(value, "value", value)
+
+
+def _default(flag: str) -> Any:
+    """``TrainingArguments``' default of ``flag``."""
+    return PoetTrainingArguments.__dataclass_fields__[flag].default
 
 
 def _budget(value: float) -> float | int:
@@ -283,8 +295,9 @@ def resolve_recipe(
         "learning_rate": given.get("learning_rate", preset.learning_rate),
         "max_grad_norm": given.get("max_grad_norm", preset.max_grad_norm),
         "weight_decay": given.get("weight_decay", preset.weight_decay),
-        "optimizer": "AdamW",
-        "schedule": "cosine",
+        "optimizer": _flag_value(given.get("optim", "galore_adamw" if args.method == "galore" else _default("optim"))),
+        "fused_optimizer_step": bool(given.get("fused_optimizer_step", False)),
+        "schedule": _flag_value(given.get("lr_scheduler_type", "cosine_with_min_lr")),
         "min_lr_ratio": args.min_lr_ratio,
         "warmup_steps": given.get("warmup_steps", 0),
         "steps": steps,

@@ -17,6 +17,7 @@ from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
 from ..tuners.rotation_layer import rotation_layers
 from .callback import MergeReinitCallback, unwrap
+from .fused_step import FusedStepOptimizer
 from .optimizer import create_poet_optimizer
 
 
@@ -136,6 +137,24 @@ class PoetTrainer(CrashSafeTrainer):
             decay_parameter_names=self.get_decay_parameter_names(opt_model),
         )
         return self.optimizer
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """Trainer's clip; with fused steps, the norm the `FusedStepOptimizer` measured and clipped by in the backward
+        (its gradients are already freed)."""
+        fused = self._fused_optimizer()
+        if fused is None:
+            return super()._clip_grad_norm(model)
+        return torch.tensor(fused.grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        fused = self._fused_optimizer()
+        if fused is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return fused.grad_norm
+
+    def _fused_optimizer(self) -> FusedStepOptimizer | None:
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper
+        return optimizer if isinstance(optimizer, FusedStepOptimizer) else None
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.has_poet and "loss" in logs and self.optimizer is not None:

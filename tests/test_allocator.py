@@ -1,0 +1,67 @@
+"""`bound_allocator_slack`: glibc's mmap threshold fixed where the memory savings run. Checked on the C library
+itself, in fresh processes: after a large block is freed, a 256 KiB block is served by its own ``mmap`` (glibc's
+``mallinfo2().hblks`` counts those) only when the threshold is fixed; glibc's dynamic threshold would have risen to
+the freed block's size and served it from the heap."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+
+PROBE = """
+import ctypes, json, sys
+from poet_hf.allocator import bound_allocator_slack
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+bounded = bound_allocator_slack() if sys.argv[1] == "bound" else False
+libc.free(libc.malloc(8 << 20))  # an 8 MiB block, mmapped and freed: the dynamic threshold rises to 8 MiB
+before = libc.mallinfo2().hblks
+block = libc.malloc(256 << 10)
+print(json.dumps({"bounded": bounded, "mmapped": libc.mallinfo2().hblks - before}))
+libc.free(block)
+"""
+
+
+def probe(mode: str, **env: str) -> dict:
+    environment = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "POET_HF_ALLOCATOR")}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], env={**environment, **env}, capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_the_fixed_threshold_returns_large_blocks_to_the_system_after_a_larger_one_was_freed():
+    assert probe("default") == {"bounded": False, "mmapped": 0}  # glibc's own: served from the heap
+    assert probe("bound") == {"bounded": True, "mmapped": 1}  # fixed: its own mmap, unmapped when freed
+
+
+def test_the_users_allocator_setting_wins():
+    assert probe("bound", POET_HF_ALLOCATOR="default") == {"bounded": False, "mmapped": 0}
+    assert probe("bound", MALLOC_MMAP_THRESHOLD_="16777216")["bounded"] is False  # theirs, untouched
+
+
+def test_the_memory_saving_paths_fix_it(tmp_path):
+    code = (
+        "import torch, json; from poet_hf.training import FusedStepOptimizer; "
+        "from poet_hf.allocator import bound_allocator_slack; "
+        "FusedStepOptimizer([{'params': [torch.nn.Parameter(torch.zeros(2))]}], torch.optim.AdamW); "
+        "print(json.dumps(bound_allocator_slack.cache_info().hits + bound_allocator_slack.cache_info().misses))"
+    )
+    environment = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "POET_HF_ALLOCATOR")}
+    out = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == 1  # the optimizer called it
