@@ -1,7 +1,7 @@
 """Figures of ``--suite pretrain_step`` rows (what ``scripts/benchmark.py --out`` writes): each measured ratio beside
 the floor that bounds it, and how both move with the model size and the batch.
 
-    python scripts/benchmark.py --plot docs/data/pretrain_step.json --plot_dir docs/figures
+    python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json --plot_dir docs/figures
 """
 
 from __future__ import annotations

@@ -140,22 +140,28 @@ def residual_file_mb() -> float:
     return sum(p.stat().st_size for p in Path(folder).iterdir()) / 2**20 if folder else 0.0
 
 
-def planned_mb(batch: int, seq: int, dtype: str = "float32", layers: int | None = None) -> float:
-    """`poet_hf.plan_memory`'s per-process total for the run `measure` makes (or for ``dtype``)."""
+def planned_mb(
+    batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs"
+) -> float:
+    """`poet_hf.plan_memory`'s per-process total for the run `measure` makes (or for ``dtype``, or ``method``
+    with the same savings: AdamW with 8-bit states and fused steps, checkpointed)."""
     from transformers import LlamaConfig
 
     from poet_hf import plan_memory
 
     config = LlamaConfig.from_json_file(str(CONFIG))
     config.num_hidden_layers = layers or config.num_hidden_layers
+    savings = dict(PLAN_EVERYTHING_ON)
+    if method != "poet-bs":
+        savings.pop("base_quantization")
     plan = plan_memory(
         config,
-        "poet-bs",
+        method,
         block_size=BLOCK_SIZE,
         dtype=dtype,
         batch_size=batch,
         seq_len=seq,
-        **PLAN_EVERYTHING_ON,
+        **savings,
     )
     return plan.total_bytes / 2**20
 
@@ -177,4 +183,5 @@ def run(quick: bool = False) -> list[dict]:
     row["planned_mb"] = planned_mb(1, 256, layers=layers)
     row["planned_vs_measured"] = row["planned_mb"] / row["steps_peak_mb"]  # both above the imports
     row["planned_gpu_bf16_1x2048_mb"] = planned_mb(1, 2048, "bfloat16", layers=layers)
+    row["planned_adamw_same_savings_mb"] = planned_mb(1, 256, layers=layers, method="adamw")
     return [row]

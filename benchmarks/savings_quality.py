@@ -6,6 +6,10 @@ recipe's clip at 1.0), then the same command with ``--base_quantization nf4 --op
 --fused_optimizer_step --gradient_checkpointing``: the clip left at the recipe's default, which the fused steps apply
 against their running global-norm estimate (`poet_hf.training.FusedStepOptimizer`). Each run in its own process, as a
 user types it.
+
+Beside them, the plain job again with ``--optim adamw_torch``, torch's for-each AdamW in place of its fused one
+(transformers' default): the same update rounded differently in the last bits, which shows how far 200 steps with
+four merges carry such differences.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from benchmarks.common import readme_job_results
 
 EVERYTHING_ON = ["--base_quantization", "nf4", "--optim", "adamw_bnb_8bit", "--fused_optimizer_step"]
 EVERYTHING_ON += ["--gradient_checkpointing"]
-VARIANTS = {"plain": [], "everything on": EVERYTHING_ON}
+VARIANTS = {"plain": [], "plain, other rounding": ["--optim", "adamw_torch"], "everything on": EVERYTHING_ON}
 SEEDS = (0, 1)
 
 

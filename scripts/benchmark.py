@@ -92,21 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     sys.path.insert(0, str(ROOT))
-    from benchmarks.common import to_markdown
-    from benchmarks.results import save_results
-
     if args.render_figures or args.check_figures:
-        from benchmarks.figures import check_figures, render_figures
+        from benchmarks.figures import figures_command
 
-        if args.render_figures:
-            for page in render_figures(ROOT):
-                print(f"rendered {page}")
-            return 0
-        problems = check_figures(ROOT)
-        for problem in problems:
-            print(problem)
-        print(f"figures: {len(problems)} differ from their results files" if problems else "figures: all rendered")
-        return 1 if problems else 0
+        return figures_command(ROOT, render=args.render_figures)
     if args.plot:
         from benchmarks.plots import plot_pretrain_step
 
@@ -115,6 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot_pretrain_step(rows, args.plot_dir, data.get("machine", "")):
             print(path)
         return 0
+    results = run_suites(args, "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def run_suites(args: argparse.Namespace, command: str) -> dict:
+    """Run the suites asked for, print each as a table and write its results file (not for ``--quick``)."""
+    from benchmarks.common import to_markdown
+    from benchmarks.results import save_results
+
     results = {"machine": machine_description()}
     print(f"machine: {results['machine']}")
     for suite in SUITES if args.suite == "all" else (args.suite,):
@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         results[suite] = rows
         print(f"\n## {suite}\n\n{to_markdown(rows)}")
         if not args.quick:
-            command = "python scripts/benchmark.py " + " ".join(argv if argv is not None else sys.argv[1:])
             print(save_results(suite, rows, results["machine"], command))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`bound_allocator_slack`: glibc's mmap threshold fixed where the memory savings run. Checked on the C library
-itself, in fresh processes: after a large block is freed, a 256 KiB block is served by its own ``mmap`` (glibc's
-``mallinfo2().hblks`` counts those) only when the threshold is fixed; glibc's dynamic threshold would have risen to
-the freed block's size and served it from the heap."""
+itself, in fresh processes: after an 8 MiB block is freed (and the heap trimmed, so that its top cannot serve the
+next request), a 4 MiB block is served by its own ``mmap`` (glibc's ``mallinfo2().hblks`` counts those) only when
+the threshold is fixed; glibc's dynamic threshold would have risen to 8 MiB and grown the heap instead."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ libc.free.argtypes = [ctypes.c_void_p]
 libc.mallinfo2.restype = MallInfo2
 bounded = bound_allocator_slack() if sys.argv[1] == "bound" else False
 libc.free(libc.malloc(8 << 20))  # an 8 MiB block, mmapped and freed: the dynamic threshold rises to 8 MiB
+libc.malloc_trim(0)
 before = libc.mallinfo2().hblks
-block = libc.malloc(256 << 10)
+block = libc.malloc(4 << 20)
 print(json.dumps({"bounded": bounded, "mmapped": libc.mallinfo2().hblks - before}))
 libc.free(block)
 """

@@ -13,12 +13,13 @@ PACKAGE = ROOT / "src" / "poet_hf"
 
 # Which parts of poet_hf each part may import (itself always). A part is the first name below `poet_hf.`.
 ALLOWED = {
+    "allocator": set(),  # the C allocator's setting: ctypes only
     "orthogonal": set(),
     "optim": {"orthogonal"},
     "sharded": set(),  # whole views of FSDP2-sharded tensors and models: torch and PEFT only
     "tuners": {"orthogonal", "sharded"},
     "data": set(),
-    "initialization": {"orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
+    "initialization": {"allocator", "orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
     "distributed": {"tuners", "initialization", "sharded"},  # refuses to shard quantised bases (tuners/bnb.py)
     "checkpoints": {"tuners"},
     "model_cards": set(),
@@ -27,6 +28,7 @@ ALLOWED = {
     "cli": set(),  # command lines over TrainingArguments, for the training and vision scripts
     "vision": {"orthogonal", "optim", "model_cards", "checkpoints", "cli"},
     "training": {
+        "allocator",
         "cli",
         "orthogonal",
         "optim",

@@ -181,6 +181,13 @@ def check_cpu_mixed_precision(training: TrainingArguments) -> None:
         )
 
 
+def flag_value(given: dict[str, Any], flag: str, default: Any = None) -> Any:
+    """A training flag of ``given`` as the command line spells it (``OptimizerNames.ADAMW_TORCH``: ``"adamw_torch"``);
+    absent, ``default``, else ``TrainingArguments``' own default."""
+    value = given.get(flag, default if default is not None else TrainingArguments.__dataclass_fields__[flag].default)
+    return getattr(value, "value", value)
+
+
 def run_defaults(given: dict[str, Any], **values: Any) -> dict[str, Any]:
     """The defaults every training script shares, then ``values``.
 

@@ -6,8 +6,8 @@ This is the scheme of PyTorch's "How to save memory by fusing the optimizer step
 and of transformers' layer-wise GaLore optimizers (``register_post_accumulate_grad_hook``). `FusedStepOptimizer`
 is an ordinary ``torch.optim.Optimizer`` to the outside: its ``param_groups`` are the groups it was given (a
 scheduler moves their rates, read at every step), its ``state`` holds every parameter's state (so ``state_dict``,
-``load_state_dict`` and `reset_optimizer_state` work as with the unfused optimizer), and its ``step`` and
-``zero_grad`` do nothing, the work being done in the backward.
+``load_state_dict`` and `reset_optimizer_state` work as with the unfused optimizer), its ``step`` only closes the
+step for the clip's norm estimate, and its ``zero_grad`` does nothing, the work being done in the backward.
 
 It clips by the global gradient norm without waiting for it (`FusedStepOptimizer`'s ``max_grad_norm``): each
 parameter's gradient is scaled by ``min(1, max_grad_norm / N)``, with ``N`` the global norm as far as the backward

@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 from transformers import default_data_collator
 
-from ..cli import check_cpu_mixed_precision, deprecated_alias, parse_arguments, run_defaults
+from ..cli import check_cpu_mixed_precision, deprecated_alias, flag_value, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
@@ -232,16 +232,6 @@ def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:
     return {flag: getattr(training, flag) for flag in (*RECIPE_FLAGS.values(), *CONFIG_FLAGS, *RUN_FLAGS)}
 
 
-def _flag_value(value: Any) -> Any:
-    """A training flag as the command line spells it (``OptimizerNames.ADAMW_TORCH`` -> ``"adamw_torch"``)."""
-    return getattr(value, "value", value)
-
-
-def _default(flag: str) -> Any:
-    """``TrainingArguments``' default of ``flag``."""
-    return PoetTrainingArguments.__dataclass_fields__[flag].default
-
-
 def _budget(value: float) -> float | int:
     """A budget from the command line: a fraction (<= 1) stays a float, an absolute size (> 1) becomes an int."""
     if value > 1:
@@ -295,9 +285,9 @@ def resolve_recipe(
         "learning_rate": given.get("learning_rate", preset.learning_rate),
         "max_grad_norm": given.get("max_grad_norm", preset.max_grad_norm),
         "weight_decay": given.get("weight_decay", preset.weight_decay),
-        "optimizer": _flag_value(given.get("optim", "galore_adamw" if args.method == "galore" else _default("optim"))),
+        "optimizer": flag_value(given, "optim", "galore_adamw" if args.method == "galore" else None),
         "fused_optimizer_step": bool(given.get("fused_optimizer_step", False)),
-        "schedule": _flag_value(given.get("lr_scheduler_type", "cosine_with_min_lr")),
+        "schedule": flag_value(given, "lr_scheduler_type", "cosine_with_min_lr"),
         "min_lr_ratio": args.min_lr_ratio,
         "warmup_steps": given.get("warmup_steps", 0),
         "steps": steps,

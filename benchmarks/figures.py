@@ -1,0 +1,321 @@
+"""The README's and the docs' measured figures, rendered from the committed results files.
+
+A page marks each rendered piece:
+
+- a table: ``<!-- table: NAME -->``, the table's lines, ``<!-- /table -->``;
+- a figure in prose: ``<!-- figure: NAME -->7.7 GiB<!-- /figure -->``.
+
+``NAME`` is a key of `TABLES` or `FIGURES`, whose function builds the text from ``benchmarks/results/<suite>.json``
+(`benchmarks.results`). `render_figures` rewrites every marked piece; `check_figures` lists every piece whose text
+differs from what its results file gives, naming the page, the piece and the first differing line, so a figure
+typed by hand fails ``python scripts/benchmark.py --check_figures`` (CI runs it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.results import load_results
+
+TABLE = re.compile(r"(?P<open><!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close>\n?<!-- /table -->)", re.S)
+FIGURE = re.compile(r"(?P<open><!-- figure: (?P<name>[\w.-]+) -->)(?P<body>.*?)(?P<close><!-- /figure -->)", re.S)
+PAGES = ("README.md", "docs/*.md")
+
+Load = Callable[[str], dict[str, Any]]
+
+
+# --- formatting ---------------------------------------------------------------------------------------------------
+def ratio(value: float) -> str:
+    return f"{value:.2f}×"
+
+
+def mib(value: float) -> str:
+    return f"{value:,.0f} MiB"
+
+
+def gib(value_mib: float) -> str:
+    return f"{value_mib / 1024:.2f} GiB"
+
+
+def gib_and_si(value_mib: float) -> str:
+    """Binary and decimal units side by side, for a headline that someone will hold against "8 GB"."""
+    return f"{value_mib / 1024:.2f} GiB ({value_mib * 2**20 / 1e9:.2f} GB)"
+
+
+def percent(value: float) -> str:
+    return f"{value * 100:+.1f} %".replace("-", "−")
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
+
+
+def provenance(record: dict[str, Any]) -> str:
+    """Where a results file's rows were measured: its command, date, machine and commit."""
+    return f"`{record['command']}`, {record['date']}, {record['machine']}, commit `{record['commit']}`"
+
+
+# --- the suites' rows ---------------------------------------------------------------------------------------------
+def pretrain_step_row(load: Load, preset: str, batch: str, method: str = "poet-bs") -> dict[str, Any]:
+    rows = load("pretrain_step")["rows"]
+    return next(r for r in rows if (r["preset"], r["batch"], r["method"]) == (preset, batch, method))
+
+
+def seven_b(load: Load) -> dict[str, Any]:
+    return load("pretrain_7b")["rows"][0]
+
+
+def quality(load: Load) -> list[dict[str, Any]]:
+    return load("savings_quality")["rows"]
+
+
+def main_job(load: Load) -> dict[str, Any]:
+    """The README's main job as typed: the plain run at the scripts' default seed 0."""
+    return next(r for r in quality(load) if r["run"] == "plain" and r["seed"] == 0)
+
+
+def quality_gaps(load: Load, run: str = "everything on") -> str:
+    """The ``run`` rows' perplexity against the plain ones', per seed."""
+    gaps = [row for row in quality(load) if row["run"] == run]
+    return " / ".join(f"{percent(row['vs plain'])} (seed {row['seed']})" for row in gaps)
+
+
+# --- the tables ---------------------------------------------------------------------------------------------------
+def headline_table(load: Load) -> str:
+    """The README's headline table."""
+    step130, step350 = pretrain_step_row(load, "llama-130m", "4x256"), pretrain_step_row(load, "llama-350m", "2x256")
+    step130_16 = pretrain_step_row(load, "llama-130m", "16x256")
+    big = seven_b(load)
+    plain = main_job(load)
+    rows = [
+        [
+            "POET-BS 256 pretraining step, llama-130m, 4 × 256: memory / AdamW",
+            f"**{ratio(step130['memory ratio'])}**",
+            f"analytic floor {ratio(step130['analytic floor ratio'])}; peak RSS above the imports, glibc's default "
+            f"allocator for both ({load('pretrain_step')['date']})",
+        ],
+        [
+            "the same run: time / AdamW",
+            f"**{ratio(step130['time ratio'])}**",
+            f"flop floor {ratio(step130['flop floor'])}; {ratio(step130_16['time ratio'])} at 16 × 256 "
+            f"(floor {ratio(step130_16['flop floor'])})",
+        ],
+        [
+            "POET-BS 256, llama-350m, 2 × 256: memory / AdamW",
+            f"**{ratio(step350['memory ratio'])}**",
+            f"analytic floor {ratio(step350['analytic floor ratio'])}",
+        ],
+        [
+            "Llama-2-7B's shape, POET training steps (nf4 `W0`, 8-bit states, fused steps with the clip, "
+            f"checkpointing), {big['batch']} × {big['seq']}: the whole process's peak RSS",
+            f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
+            f"{gib_and_si(big['whole_peak_mb'])} with a merge",
+            f"imports ({mib(big['imports_rss_mb'])}) included, started as a user starts it (no allocator variable); "
+            f"above the imports {mib(big['steps_peak_mb'])}, `plan_memory` {mib(big['planned_mb'])} "
+            f"({ratio(big['planned_vs_measured'])}); [the recipe](docs/pretraining-7b.md)",
+        ],
+        [
+            "the README's main job with every saving on (nf4 `W0`, 8-bit states, fused steps, checkpointing), "
+            "validation perplexity against the plain job",
+            f"**{quality_gaps(load)}**",
+            f"plain job {plain['val perplexity']:.2f} (seed 0), the clip at the recipe's {plain['max_grad_norm']}; "
+            f"the plain job with another AdamW kernel (the same update, other last bits): "
+            f"{quality_gaps(load, 'plain, other rounding')}",
+        ],
+    ]
+    return markdown_table(["what", "figure", "note"], rows)
+
+
+def pretrain_step_table(load: Load) -> str:
+    """Every row of ``--suite pretrain_step`` (docs/benchmarks.md)."""
+    names = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½"}
+    header = ["model, batch", "method", "AdamW peak (MB)", "POET peak (MB)", "memory ratio", "analytic floor"]
+    header += ["saving / analytic", "saving / at-peak", "AdamW step (s)", "POET step (s)", "time ratio", "flop floor"]
+    rows = [
+        [
+            f"{r['preset'].removeprefix('llama-')}, {r['batch'].replace('x', ' × ')}",
+            names[r["method"]],
+            f"{r['AdamW peak MB']:.0f}",
+            f"{r['POET peak MB']:.0f}",
+            f"{r['memory ratio']:.2f}",
+            f"{r['analytic floor ratio']:.2f}",
+            f"{r['saving / analytic']:.2f}",
+            f"{r['saving / at-peak']:.2f}",
+            f"{r['AdamW step s']:.3g}",
+            f"{r['POET step s']:.3g}",
+            f"{r['time ratio']:.2f}",
+            f"{r['flop floor']:.2f}",
+        ]
+        for r in load("pretrain_step")["rows"]
+    ]
+    return markdown_table(header, rows)
+
+
+def pretrain_7b_table(load: Load) -> str:
+    """The phases of the 7B step (docs/pretraining-7b.md)."""
+    big = seven_b(load)
+    phases = [
+        ("build: `meta`, then each layer initialized and quantized to nf4", "build", big["build_s"]),
+        ("training steps (two)", "steps", big["step_s"]),
+        (f"merge of all {7 * big['layers']} layers (residual read and written a layer at a time)", "merge", None),
+        ("the step after the merge", "after_merge", big["after_merge_s"]),
+    ]
+    rows = []
+    for label, key, seconds in phases:
+        seconds = big[f"{key}_s"] if seconds is None else seconds
+        planned = f"{mib(big['planned_mb'])} ({ratio(big['planned_vs_measured'])})" if key == "steps" else "–"
+        rows.append([label, f"{seconds:.0f} s", mib(big[f"{key}_whole_peak_mb"]), mib(big[f"{key}_peak_mb"]), planned])
+    header = ["phase", "time", "peak RSS, whole process", "peak RSS above the imports", "`plan_memory`"]
+    return markdown_table(header, rows)
+
+
+def savings_quality_table(load: Load) -> str:
+    """The main job with every saving on against the plain job, per seed (docs/pretraining-7b.md)."""
+    rows = [
+        [
+            row["run"],
+            str(row["seed"]),
+            f"`{row['optimizer']}`" + (", fused" if row["fused steps"] else ""),
+            str(row["max_grad_norm"]),
+            f"{row['val perplexity']:.2f}",
+            "–" if row["run"] == "plain" else percent(row["vs plain"]),
+        ]
+        for row in quality(load)
+    ]
+    return markdown_table(["run", "seed", "optimizer", "clip", "validation perplexity", "vs plain"], rows)
+
+
+def choosing_pretrain_table(load: Load) -> str:
+    """POET-BS and POET-FS against AdamW at llama-130m, 4 × 256 (docs/choosing-a-method.md)."""
+    rows = []
+    for method, name in (("poet-bs", "POET-BS 256"), ("poet-fs", "POET-FS ½")):
+        step = pretrain_step_row(load, "llama-130m", "4x256", method)
+        big_batch = pretrain_step_row(load, "llama-130m", "16x256", method)
+        rows.append(
+            [
+                name,
+                f"{step['memory ratio']:.2f} (floor {step['analytic floor ratio']:.2f})",
+                f"{step['time ratio']:.2f} (flop floor {step['flop floor']:.2f}); "
+                f"{big_batch['time ratio']:.2f} at 16 × 256 (floor {big_batch['flop floor']:.2f})",
+            ]
+        )
+    return markdown_table(["method", "memory / AdamW", "time / AdamW"], rows)
+
+
+TABLES: dict[str, Callable[[Load], str]] = {
+    "choosing_pretrain": choosing_pretrain_table,
+    "headline": headline_table,
+    "pretrain_step": pretrain_step_table,
+    "pretrain_7b": pretrain_7b_table,
+    "savings_quality": savings_quality_table,
+}
+
+# --- the figures in prose -----------------------------------------------------------------------------------------
+FIGURES: dict[str, Callable[[Load], str]] = {
+    "pretrain_7b.whole_peak": lambda load: gib_and_si(seven_b(load)["whole_peak_mb"]),
+    "pretrain_7b.steps_whole_peak": lambda load: gib_and_si(seven_b(load)["steps_whole_peak_mb"]),
+    "pretrain_7b.whole_peak_mib": lambda load: mib(seven_b(load)["whole_peak_mb"]),
+    "pretrain_7b.steps_peak": lambda load: mib(seven_b(load)["steps_peak_mb"]),
+    "pretrain_7b.imports": lambda load: mib(seven_b(load)["imports_rss_mb"]),
+    "pretrain_7b.planned": lambda load: mib(seven_b(load)["planned_mb"]),
+    "pretrain_7b.planned_ratio": lambda load: ratio(seven_b(load)["planned_vs_measured"]),
+    "pretrain_7b.planned_adamw": lambda load: gib(seven_b(load)["planned_adamw_same_savings_mb"]),
+    "pretrain_7b.planned_gpu": lambda load: gib(seven_b(load)["planned_gpu_bf16_1x2048_mb"]),
+    "pretrain_7b.residual_files": lambda load: gib(seven_b(load)["residual_file_mb"]),
+    "pretrain_7b.merge_extra": lambda load: mib(seven_b(load)["merge_peak_mb"] - seven_b(load)["steps_peak_mb"]),
+    "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
+    "savings_quality.gaps": quality_gaps,
+    "savings_quality.noise": lambda load: quality_gaps(load, "plain, other rounding"),
+    "savings_quality.source": lambda load: provenance(load("savings_quality")),
+    "main_job.perplexity": lambda load: (
+        f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
+    ),
+    "pretrain_step.source": lambda load: provenance(load("pretrain_step")),
+}
+
+
+# --- rendering and checking ---------------------------------------------------------------------------------------
+def _loader(root: Path) -> Load:
+    cache: dict[str, dict[str, Any]] = {}
+
+    def load(suite: str) -> dict[str, Any]:
+        if suite not in cache:
+            cache[suite] = load_results(suite, root)
+        return cache[suite]
+
+    return load
+
+
+def pages(root: Path) -> list[Path]:
+    return sorted(path for pattern in PAGES for path in root.glob(pattern))
+
+
+def _expected(kind: str, name: str, load: Load) -> str:
+    registry = TABLES if kind == "table" else FIGURES
+    if name not in registry:
+        raise KeyError(f"no {kind} named {name!r} (known: {', '.join(registry)})")
+    return registry[name](load)
+
+
+def render_page(text: str, load: Load) -> str:
+    """``text`` with every marked table and figure rewritten from the results files."""
+    text = TABLE.sub(lambda m: m["open"] + _expected("table", m["name"], load) + "\n<!-- /table -->", text)
+    return FIGURE.sub(lambda m: m["open"] + _expected("figure", m["name"], load) + m["close"], text)
+
+
+def render_figures(root: Path) -> list[Path]:
+    """Rewrite the marked figures of every page under ``root``; returns the pages that changed."""
+    load, changed = _loader(root), []
+    for page in pages(root):
+        text = page.read_text()
+        rendered = render_page(text, load)
+        if rendered != text:
+            page.write_text(rendered)
+            changed.append(page)
+    return changed
+
+
+def check_figures(root: Path) -> list[str]:
+    """Every marked piece under ``root`` whose text differs from its results file, one line each."""
+    load, problems = _loader(root), []
+    for page in pages(root):
+        relative = page.relative_to(root)
+        text = page.read_text()
+        for kind, pattern in (("table", TABLE), ("figure", FIGURE)):
+            for match in pattern.finditer(text):
+                try:
+                    expected = _expected(kind, match["name"], load)
+                except (KeyError, FileNotFoundError) as error:
+                    problems.append(f"{relative}: {kind} {match['name']!r}: {error}")
+                    continue
+                written = match["body"]
+                if written.strip() != expected.strip():
+                    problems.append(
+                        f"{relative}: {kind} {match['name']!r} differs from its results file: "
+                        f"{_first_difference(written.strip(), expected.strip())}"
+                    )
+    return problems
+
+
+def _first_difference(written: str, expected: str) -> str:
+    for number, (a, b) in enumerate(zip(written.splitlines(), expected.splitlines(), strict=False), start=1):
+        if a != b:
+            return f"line {number} reads {a!r}, the results give {b!r}"
+    return f"{len(written.splitlines())} lines written, {len(expected.splitlines())} rendered"
+
+
+def figures_command(root: Path, render: bool) -> int:
+    """``--render_figures`` (``render``) or ``--check_figures``: print what it did; the exit status."""
+    if render:
+        for page in render_figures(root):
+            print(f"rendered {page}")
+        return 0
+    problems = check_figures(root)
+    for problem in problems:
+        print(problem)
+    print(f"figures: {len(problems)} differ from their results files" if problems else "figures: all rendered")
+    return 1 if problems else 0

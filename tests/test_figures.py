@@ -1,0 +1,64 @@
+"""The README's and the docs' measured figures against the committed results files (`benchmarks.figures`): a clean
+checkout passes ``--check_figures``; a figure changed by hand fails it, naming the page and the figure."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from script_modules import load_module  # noqa: E402
+
+from benchmarks.figures import FIGURE, TABLE, check_figures, render_figures  # noqa: E402
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """The pages and the results files, copied."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("figures", "*.py"))
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    return tmp_path
+
+
+def test_every_rendered_figure_of_this_checkout_is_its_results_files():
+    assert check_figures(ROOT) == []
+    assert load_module(ROOT / "scripts" / "benchmark.py").main(["--check_figures"]) == 0
+
+
+def test_the_readme_headline_table_is_rendered_and_carries_the_7b_figure():
+    readme = (ROOT / "README.md").read_text()
+    tables = {m["name"]: m["body"] for m in TABLE.finditer(readme)}
+    assert "headline" in tables and tables["headline"].count("\n") >= 3
+    assert "GiB" in tables["headline"]
+
+
+def test_a_headline_figure_changed_by_hand_fails_naming_the_readme(checkout: Path):
+    readme = checkout / "README.md"
+    text = readme.read_text()
+    table = next(m for m in TABLE.finditer(text) if m["name"] == "headline")
+    body = table["body"]
+    start = body.index("**") + 2
+    end = body.index("**", start)
+    edited = body[:start] + "0.01×" + body[end:]  # the first bold figure, typed over
+    readme.write_text(text.replace(body, edited))
+    problems = check_figures(checkout)
+    assert len(problems) == 1
+    assert problems[0].startswith("README.md: table 'headline' differs") and "0.01×" in problems[0]
+    assert render_figures(checkout) == [readme] and check_figures(checkout) == []  # rendering puts it back
+
+
+def test_a_figure_in_prose_changed_by_hand_fails_and_an_unknown_name_is_reported(checkout: Path):
+    page = next(p for p in sorted((checkout / "docs").glob("*.md")) if FIGURE.search(p.read_text()))
+    text = page.read_text()
+    figure = FIGURE.search(text)
+    page.write_text(text.replace(figure[0], figure["open"] + "42" + figure["close"], 1))
+    problems = check_figures(checkout)
+    assert len(problems) == 1 and problems[0].startswith(f"docs/{page.name}: figure {figure['name']!r} differs")
+    page.write_text(text + "\n<!-- figure: no.such.figure -->1<!-- /figure -->\n")
+    assert any("no figure named 'no.such.figure'" in p for p in check_figures(checkout))
