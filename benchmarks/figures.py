@@ -73,6 +73,12 @@ def quality(load: Load) -> list[dict[str, Any]]:
     return load("savings_quality")["rows"]
 
 
+def mean_gap(load: Load, run: str = "everything on") -> str:
+    """The ``run`` rows' mean gap to the plain job over the seeds, and how many."""
+    gaps = [row["vs plain"] for row in quality(load) if row["run"] == run]
+    return f"{percent(sum(gaps) / len(gaps))} over {len(gaps)} seeds"
+
+
 def main_job(load: Load) -> dict[str, Any]:
     """The README's main job as typed: the plain run at the scripts' default seed 0."""
     return next(r for r in quality(load) if r["run"] == "plain" and r["seed"] == 0)
@@ -230,6 +236,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
     "savings_quality.gaps": quality_gaps,
     "savings_quality.noise": lambda load: quality_gaps(load, "plain, other rounding"),
+    "savings_quality.mean_gap": lambda load: mean_gap(load),
     "savings_quality.source": lambda load: provenance(load("savings_quality")),
     "main_job.perplexity": lambda load: (
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
