@@ -79,6 +79,12 @@ def mean_gap(load: Load, run: str = "everything on") -> str:
     return f"{percent(sum(gaps) / len(gaps))} over {len(gaps)} seeds"
 
 
+def gap_range(load: Load, run: str = "everything on") -> str:
+    """The smallest and the largest of the ``run`` rows' gaps to the plain job, as ``"a to b"``."""
+    gaps = [row["vs plain"] for row in quality(load) if row["run"] == run]
+    return f"{percent(min(gaps))} to {percent(max(gaps))}"
+
+
 def main_job(load: Load) -> dict[str, Any]:
     """The README's main job as typed: the plain run at the scripts' default seed 0."""
     return next(r for r in quality(load) if r["run"] == "plain" and r["seed"] == 0)
@@ -116,8 +122,8 @@ def headline_table(load: Load) -> str:
             f"analytic floor {ratio(step350['analytic floor ratio'])}",
         ],
         [
-            "Llama-2-7B's shape, POET training steps (nf4 `W0`, 8-bit states, fused steps with the clip, "
-            f"checkpointing), {big['batch']} × {big['seq']}: the whole process's peak RSS",
+            "Llama-2-7B's shape, POET training steps (nf4 `W0`, 8-bit states with 32-bit ones for the embeddings, "
+            f"fused steps with the clip, checkpointing), {big['batch']} × {big['seq']}: the whole process's peak RSS",
             f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
             f"{gib_and_si(big['whole_peak_mb'])} with a merge",
             f"imports ({mib(big['imports_rss_mb'])}) included, started as a user starts it (no allocator variable); "
@@ -231,12 +237,14 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_7b.planned_ratio": lambda load: ratio(seven_b(load)["planned_vs_measured"]),
     "pretrain_7b.planned_adamw": lambda load: gib(seven_b(load)["planned_adamw_same_savings_mb"]),
     "pretrain_7b.planned_gpu": lambda load: gib(seven_b(load)["planned_gpu_bf16_1x2048_mb"]),
+    "pretrain_7b.states": lambda load: gib(seven_b(load)["states_mb"]),
     "pretrain_7b.residual_files": lambda load: gib(seven_b(load)["residual_file_mb"]),
     "pretrain_7b.merge_extra": lambda load: mib(seven_b(load)["merge_peak_mb"] - seven_b(load)["steps_peak_mb"]),
     "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
     "savings_quality.gaps": quality_gaps,
     "savings_quality.noise": lambda load: quality_gaps(load, "plain, other rounding"),
     "savings_quality.mean_gap": lambda load: mean_gap(load),
+    "savings_quality.range": lambda load: gap_range(load),
     "savings_quality.source": lambda load: provenance(load("savings_quality")),
     "main_job.perplexity": lambda load: (
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"

@@ -7,7 +7,8 @@ and quantises it before the next one gets storage. The run then trains with ever
 - nf4 ``W0``, with error feedback keeping its residual off the steps' memory (``residual_storage="auto"``: a file per
   layer on the CPU);
 - optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`);
-- bitsandbytes' 8-bit AdamW states for the skews, the embeddings and ``lm_head``;
+- bitsandbytes' 8-bit AdamW states for the skews and ``lm_head``, 32-bit ones for the input embeddings (as
+  `create_poet_optimizer` keeps them, `poet_hf.training.optimizer.keep_32bit_states`);
 - activation checkpointing per block (non-reentrant).
 
 The fused steps keep the clip (``max_grad_norm`` 1.0, against the running global-norm estimate of
@@ -55,6 +56,7 @@ def measure(
     from poet_hf.allocator import bound_allocator_slack
     from poet_hf.initialization import materialize_model
     from poet_hf.training import FusedStepOptimizer, poet_param_groups, poet_parameters, reset_optimizer_state
+    from poet_hf.training.optimizer import keep_32bit_states
     from poet_hf.tuners.rotation_layer import rotation_layers
 
     after_imports = status_mb("VmRSS")
@@ -88,6 +90,7 @@ def measure(
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
+    keep_32bit_states(model, bitsandbytes.optim.AdamW8bit, {"optim_bits": 8})  # as create_poet_optimizer does
     optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, max_grad_norm=max_grad_norm)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     losses: list[float] = []

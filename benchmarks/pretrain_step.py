@@ -127,7 +127,10 @@ def measure(
     if optim == "adamw_8bit":
         import bitsandbytes
 
+        from poet_hf.training.optimizer import keep_32bit_states
+
         optimizer_cls = bitsandbytes.optim.AdamW8bit
+        keep_32bit_states(model, optimizer_cls, {"optim_bits": 8})  # the embeddings, as Trainer and POET's optimizer
     if optim not in ("adamw", "adamw_8bit"):
         from benchmarks.peer_optimizers import peer_optimizer
 

@@ -125,10 +125,10 @@ def test_8bit_states_fused_into_the_backward_step_like_the_unfused_8bit_optimize
         assert len(eight_bit) == len([p for p in trainable if p.dim() > 1])  # every matrix, the skews included
 
 
-def test_a_chunked_cpu_8bit_step_gives_the_bits_of_the_whole_tensor_step():
+def test_a_chunked_cpu_8bit_step_gives_the_bits_of_the_whole_tensor_step(monkeypatch):
     """bitsandbytes' CPU kernel updated a chunk of whole 256-entry blocks at a time (`chunked_cpu_updates`, what the
     fused steps use) equals its update of the whole tensor, bit for bit: parameter, codes and block scales; the
-    tensor's 12000 entries end in a partial block and a partial chunk."""
+    tensor's 12000 entries end in a partial block and a partial chunk. Its 32-bit update likewise."""
     from poet_hf.training.eight_bit import chunked_cpu_updates
 
     generator = torch.Generator().manual_seed(7)
@@ -144,6 +144,70 @@ def test_a_chunked_cpu_8bit_step_gives_the_bits_of_the_whole_tensor_step():
     assert torch.equal(whole, chunked)
     for key in ("state1", "state2", "absmax1", "absmax2"):
         assert torch.equal(optimizers[0].state[whole][key], optimizers[1].state[chunked][key]), key
+    calls = []
+    kernel = bnb.functional.optimizer_update_32bit
+    monkeypatch.setattr(bnb.functional, "optimizer_update_32bit", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    thirty_two = [torch.nn.Parameter(whole.detach().clone()) for _ in range(2)]
+    optimizers = [bnb.optim.AdamW32bit([p], lr=1e-2) for p in thirty_two]
+    for _ in range(3):  # 32-bit states (the embeddings'), chunked entry by entry
+        gradient = torch.randn(whole.shape, generator=generator)
+        thirty_two[0].grad, thirty_two[1].grad = gradient.clone(), gradient.clone()
+        optimizers[0].step()
+        with chunked_cpu_updates(chunk=1024):
+            optimizers[1].step()
+    assert len(calls) == 3 * (1 + 12)  # per step: the whole tensor once, then 12 chunks of at most 1024 entries
+    assert optimizers[1].state[thirty_two[1]]["state1"].dtype == torch.float32
+    assert torch.equal(thirty_two[0], thirty_two[1])
+    for key in ("state1", "state2"):
+        assert torch.equal(optimizers[0].state[thirty_two[0]][key], optimizers[1].state[thirty_two[1]][key]), key
     with pytest.raises(ValueError, match="`chunk` must be a multiple of 256"):
         with chunked_cpu_updates(chunk=1000):
             pass
+
+
+@pytest.fixture
+def bitsandbytes_overrides_restored():
+    """bitsandbytes' process-wide override tables as they were before the test (a ``Trainer`` writes into them)."""
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    tables = manager.module_weight_config_triple, manager.index2config, manager.pid2config
+    saved = [table.copy() for table in tables]
+    yield
+    for table, before in zip(tables, saved, strict=True):
+        table.clear()
+        table.extend(before) if isinstance(table, list) else table.update(before)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grouped", "fused"])
+@pytest.mark.parametrize("hidden", [128, 256])
+@pytest.mark.usefixtures("bitsandbytes_overrides_restored")
+def test_embeddings_and_a_head_narrower_than_a_state_block_keep_32bit_states(tmp_path, fused, hidden):
+    """Under ``adamw_bnb_8bit`` the embeddings keep 32-bit states as ``Trainer``'s optimizer keeps them (the reference,
+    built and stepped first on a twin), the head keeps 32-bit states when its rows (``hidden`` wide) are not a whole
+    number of bitsandbytes' 256-entry state blocks and 8-bit ones when they are, and the skews keep 8-bit states,
+    grouped or fused. The Trainer's override is kept by position, process-wide, in bitsandbytes: it must not reach
+    the (0, 0) parameter of POET's optimizers."""
+    from transformers import Trainer, TrainingArguments
+
+    def build() -> torch.nn.Module:
+        config = PoetConfig(block_size=128, train_other_params=True, init_weights=False)
+        return get_peft_model(tiny_llama(hidden=hidden, intermediate=256), config)
+
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_bnb_8bit", use_cpu=True, report_to="none")
+    args.fused_optimizer_step = fused
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    theirs, ours = build(), build()
+    reference = Trainer(model=theirs, args=args).create_optimizer()
+    optimizers = reference, create_poet_optimizer(ours, args, fused_step=fused)
+    for model, optimizer in zip((theirs, ours), optimizers, strict=True):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+
+    def state_dtypes(model, optimizer) -> dict[str, torch.dtype]:
+        return {name: optimizer.state[p]["state1"].dtype for name, p in model.named_parameters() if p.requires_grad}
+
+    expected, actual = state_dtypes(theirs, reference), state_dtypes(ours, optimizers[1])
+    embedding, head = "base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"
+    assert actual[embedding] == expected[embedding] == torch.float32
+    assert expected[head] == torch.uint8
+    assert actual[head] == (torch.float32 if hidden % 256 else torch.uint8)
+    assert all(actual[name] == torch.uint8 for name in actual if "poet_" in name)

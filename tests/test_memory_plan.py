@@ -10,6 +10,7 @@ from script_modules import load_module
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
 from poet_hf.memory_plan import plan_memory
+from poet_hf.training.optimizer import keep_32bit_states
 from poet_hf.training.presets import PRESETS, build_llama
 from poet_hf.tuners.rotation_layer import rotation_layers
 
@@ -55,8 +56,9 @@ def test_parts_are_the_entries_and_bytes_a_trained_model_holds():
 
 def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_holds():
     """Issue 42's terms against a real tiny POET model: nf4 W0 (codes, double-quantised scales; its error-feedback
-    residual off the layer by default, or on it), bitsandbytes' 8-bit AdamW states after one step, and the gradients
-    a fused step leaves alive at the backward's end (the largest one: the head's or the embedding's)."""
+    residual off the layer by default, or on it), bitsandbytes' 8-bit AdamW states after one step (the embeddings
+    and the 128-wide head at 32 bits), and the gradients a fused step leaves alive at the backward's end (the largest
+    one: the head's or the embedding's)."""
     import bitsandbytes as bnb
 
     plan = {"method": "poet-bs", "block_size": 32, "batch_size": 2, "seq_len": 64, "base_quantization": "nf4"}
@@ -74,6 +76,7 @@ def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_hol
     assert off.parts["W0"] == pytest.approx(held - residual - scales, abs=2 * len(layers))
 
     trainable = [p for p in model.parameters() if p.requires_grad]
+    assert keep_32bit_states(model, bnb.optim.AdamW8bit, {"optim_bits": 8}) == 2  # 128-wide rows
     optimizer = bnb.optim.AdamW8bit(trainable, lr=1e-3)
     ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()

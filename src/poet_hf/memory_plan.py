@@ -322,7 +322,8 @@ def plan_memory(
         fused_step: optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`): after the
             backward's start at most one parameter's gradient exists at a time.
         optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
-            2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more).
+            2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more; embeddings, and a head whose
+            rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
 
     Returns:
         A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state
@@ -375,7 +376,10 @@ def _parameter_bytes(
     Also each parameter's bytes per entry, for the FSDP2 gathers."""
     method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
+    from .training.eight_bit import weights_keeping_32bit_states
+
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
+    thirty_two_bit = {id(w) for w in weights_keeping_32bit_states(built)}
     galore = _galore_targets(built) if method == "galore" else set()
     counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
     parts = dict.fromkeys(PARTS, 0)
@@ -406,7 +410,8 @@ def _parameter_bytes(
             states = short * settings["rank"] + 2 * long * settings["rank"]
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
-        parts["optimizer states"] += _state_bytes(local_states, size, settings["optimizer_bits"])
+        bits = 32 if id(parameter) in thirty_two_bit else settings["optimizer_bits"]
+        parts["optimizer states"] += _state_bytes(local_states, size, bits)
         largest["gradient"] = max(largest["gradient"], local)
     return parts, counts, largest, entry_bytes
 

@@ -1,21 +1,27 @@
-"""bitsandbytes' 8-bit optimizer steps on the CPU in bounded memory: a large tensor is updated a chunk at a time.
+"""bitsandbytes' 8-bit optimizer states: which tensors keep 32 bits, and CPU steps in bounded memory.
+
+`weights_keeping_32bit_states` names the weights whose states stay 32-bit; `own_override_index` keeps bitsandbytes'
+process-wide overrides by position from reaching another optimizer.
 
 bitsandbytes' CPU kernel for blockwise 8-bit states (``optimizer_update_8bit_blockwise``) dequantises both states
 to float32, copies the gradient and forms the update over the whole tensor: about five float32 copies of the
-parameter at once. Its states are quantised in independent
-blocks of 256 entries, so updating consecutive chunks of whole blocks, each with the same kernel, gives the same
-bits with temporaries of one chunk. GPU kernels are fused and left alone.
+parameter at once. Its states are quantised in independent blocks of 256 entries, so updating consecutive chunks of
+whole blocks, each with the same kernel, gives the same bits with temporaries of one chunk
+(`chunked_cpu_updates`); its 32-bit kernel is elementwise and is chunked the same way. GPU kernels are fused and left
+alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["CHUNK_ENTRIES", "chunked_cpu_updates"]
+__all__ = ["CHUNK_ENTRIES", "chunked_cpu_updates", "own_override_index", "weights_keeping_32bit_states"]
 
 STATE_BLOCK = 256  # entries per absmax of bitsandbytes' blockwise 8-bit optimizer states
 CHUNK_ENTRIES = 1 << 22  # entries per chunk (16 MB of float32), a whole number of blocks
@@ -53,9 +59,32 @@ def _chunked(update: Any, chunk: int) -> Any:
     return chunked_update
 
 
+def _chunked_32bit(update: Any, chunk: int) -> Any:
+    def chunked_update(name: str, g, p, state1, beta1, eps, step, lr, state2=None, *args: Any, **kwargs: Any):
+        flat = (g, p, state1) + ((state2,) if state2 is not None else ())
+        whole = (
+            p.device.type != "cpu"
+            or p.numel() <= chunk
+            or state1.shape != p.shape
+            or not all(t.is_contiguous() for t in flat)
+            or kwargs.get("max_unorm", 0.0) > 0  # the update norm is a whole-tensor reduction
+        )
+        if whole:
+            return update(name, g, p, state1, beta1, eps, step, lr, state2, *args, **kwargs)
+        for start in range(0, p.numel(), chunk):
+            part = slice(start, min(start + chunk, p.numel()))
+            moment2 = None if state2 is None else state2.view(-1)[part]
+            update(name, g.view(-1)[part], p.data.view(-1)[part], state1.view(-1)[part], beta1, eps, step, lr, moment2,
+                   *args, **kwargs)  # fmt: skip
+        return None
+
+    return chunked_update
+
+
 @contextlib.contextmanager
 def chunked_cpu_updates(chunk: int = CHUNK_ENTRIES) -> Iterator[None]:
-    """Within the block, bitsandbytes' 8-bit steps update large CPU tensors ``chunk`` entries at a time.
+    """Within the block, bitsandbytes' steps update large CPU tensors ``chunk`` entries at a time: 8-bit states in
+    whole blocks, 32-bit states (the embeddings', `weights_keeping_32bit_states`) entry by entry.
 
     The bits are the same (see the module docstring).
 
@@ -66,9 +95,52 @@ def chunked_cpu_updates(chunk: int = CHUNK_ENTRIES) -> Iterator[None]:
         raise ValueError(f"`chunk` must be a multiple of {STATE_BLOCK}, got {chunk}")
     import bitsandbytes.functional as functional
 
-    original = functional.optimizer_update_8bit_blockwise
-    functional.optimizer_update_8bit_blockwise = _chunked(original, chunk)
+    originals = functional.optimizer_update_8bit_blockwise, functional.optimizer_update_32bit
+    functional.optimizer_update_8bit_blockwise = _chunked(originals[0], chunk)
+    functional.optimizer_update_32bit = _chunked_32bit(originals[1], chunk)
     try:
         yield
     finally:
-        functional.optimizer_update_8bit_blockwise = original
+        functional.optimizer_update_8bit_blockwise, functional.optimizer_update_32bit = originals
+
+
+def own_override_index(optimizer: torch.optim.Optimizer) -> None:
+    """Give a bitsandbytes optimizer its own table of overrides by position.
+
+    bitsandbytes keeps the overrides of ``register_module_override`` by (group, index) in one process-wide table, so a
+    ``Trainer`` that kept its embedding, at (0, 0), at 32 bits makes the (0, 0) parameter of every later bitsandbytes
+    optimizer in the process 32-bit too (each one-parameter optimizer of `FusedStepOptimizer` among them). The
+    overrides by parameter (``override_config``) and by module stay shared. Other optimizers are left alone.
+    """
+    manager = getattr(optimizer, "mng", None)
+    if manager is None or not hasattr(manager, "index2config"):
+        return
+    optimizer.mng = types.SimpleNamespace(  # type: ignore[attr-defined]
+        pid2config=manager.pid2config,
+        index2config={},
+        module_weight_config_triple=manager.module_weight_config_triple,
+    )
+
+
+def weights_keeping_32bit_states(model: nn.Module) -> list[torch.Tensor]:
+    """The weights that keep 32-bit states under bitsandbytes' 8-bit optimizers: every ``nn.Embedding``, as
+    ``Trainer`` keeps them, and an output head whose rows are not a whole number of 8-bit state blocks (256 entries).
+
+    An embedding's rows see a gradient only when their token occurs, and 8-bit states train it measurably worse
+    (bitsandbytes' advice, and what ``Trainer`` does). A block of 8-bit states shares one scale: where a block of the
+    head spans two tokens' rows, a frequent token's moments set the scale and a rare token's round to a few codes or
+    to zero, which also trains worse. A head whose rows are a whole number of blocks (4096, 768 or 256 wide) keeps
+    each block within one token and 8-bit states (docs/training-modes.md).
+
+    Args:
+        model: the model (its ``nn.Embedding`` modules and ``get_output_embeddings()``, where it has one).
+
+    Returns:
+        The weights, each once (tied ones are one tensor).
+    """
+    weights: dict[int, torch.Tensor] = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    head = getattr(output, "weight", None)
+    if head is not None and head.dim() == 2 and head.shape[-1] % STATE_BLOCK:
+        weights.setdefault(id(head), head)
+    return list(weights.values())

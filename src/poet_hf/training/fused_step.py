@@ -29,6 +29,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..allocator import bound_allocator_slack
+from .eight_bit import own_override_index
 
 
 class FusedStepOptimizer(torch.optim.Optimizer):
@@ -69,6 +70,7 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 inner = optimizer_cls([param], **kwargs)
+                own_override_index(inner)
                 self._inner.append(inner)
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index, inner)))
         self._share_state()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from ..tuners.rotation_layer import RotationLayer
+from .eight_bit import own_override_index, weights_keeping_32bit_states
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -165,13 +167,46 @@ def create_poet_optimizer(
         decay_parameter_names,
         poet_reference_block,
     )
+    keep_32bit_states(model, optimizer_cls, kwargs)
     if fused_step if fused_step is not None else getattr(args, "fused_optimizer_step", False):
         from .fused_step import FusedStepOptimizer, check_fused_step
 
         check_fused_step(args)
         # Read at every step: MergeReinitCallback ramps args.max_grad_norm after each merge.
         return FusedStepOptimizer(groups, optimizer_cls, max_grad_norm=lambda: args.max_grad_norm, **kwargs)
-    return optimizer_cls(groups, **kwargs)
+    optimizer = optimizer_cls(groups, **kwargs)
+    own_override_index(optimizer)
+    return optimizer
+
+
+def keep_32bit_states(model: nn.Module, optimizer_cls: type, kwargs: dict[str, Any]) -> int:
+    """Keep 32-bit states, under bitsandbytes' 8-bit optimizers, for the embeddings and for a head whose rows do not
+    fill whole state blocks (`weights_keeping_32bit_states`).
+
+    Set per parameter (``GlobalOptimManager.override_config``), which the per-parameter optimizers of
+    `FusedStepOptimizer` read too.
+
+    Args:
+        model: the model whose embeddings and head to look at.
+        optimizer_cls: the optimizer class; anything but a bitsandbytes optimizer with 8-bit states (``optim_bits=8``
+            or an ``…8bit`` class) is left alone.
+        kwargs: its keyword arguments.
+
+    Returns:
+        How many weights were kept at 32 bits.
+    """
+    default_bits = 8 if "8bit" in getattr(optimizer_cls, "__name__", "") else 32
+    if "bitsandbytes" not in str(optimizer_cls) or kwargs.get("optim_bits", default_bits) != 8:
+        return 0
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    weights = [w for w in weights_keeping_32bit_states(model) if w.requires_grad]
+    for weight in weights:
+        manager.override_config(weight, "optim_bits", 32)
+        # The manager is keyed by id(): forget the entry with the weight, so no later tensor inherits it.
+        weakref.finalize(weight, manager.pid2config.pop, id(weight), None)
+    return len(weights)
 
 
 @torch.no_grad()
