@@ -27,16 +27,20 @@ STATE_BLOCK = 256  # entries per absmax of bitsandbytes' blockwise 8-bit optimiz
 CHUNK_ENTRIES = 1 << 22  # entries per chunk (16 MB of float32), a whole number of blocks
 
 
+def _in_one_piece(chunk: int, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor, state2: Any) -> bool:
+    """Whether a step runs as bitsandbytes runs it: off the CPU, small, or on tensors a flat view cannot split."""
+    flat = (g, p, state1) + ((state2,) if state2 is not None else ())
+    return (
+        p.device.type != "cpu"
+        or p.numel() <= chunk
+        or state1.shape != p.shape
+        or not all(t.is_contiguous() for t in flat)
+    )
+
+
 def _chunked(update: Any, chunk: int) -> Any:
     def chunked_update(name: str, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor, state2, *args: Any, **kwargs):
-        flat = (g, p, state1) + ((state2,) if state2 is not None else ())
-        whole = (
-            p.device.type != "cpu"
-            or p.numel() <= chunk
-            or state1.shape != p.shape
-            or not all(t.is_contiguous() for t in flat)
-        )
-        if whole:
+        if _in_one_piece(chunk, g, p, state1, state2):
             return update(name, g, p, state1, state2, *args, **kwargs)
         beta1, beta2, beta3, alpha, eps, step, lr, qmap1, qmap2, absmax1, absmax2, *rest = args
         for start in range(0, p.numel(), chunk):
@@ -61,15 +65,8 @@ def _chunked(update: Any, chunk: int) -> Any:
 
 def _chunked_32bit(update: Any, chunk: int) -> Any:
     def chunked_update(name: str, g, p, state1, beta1, eps, step, lr, state2=None, *args: Any, **kwargs: Any):
-        flat = (g, p, state1) + ((state2,) if state2 is not None else ())
-        whole = (
-            p.device.type != "cpu"
-            or p.numel() <= chunk
-            or state1.shape != p.shape
-            or not all(t.is_contiguous() for t in flat)
-            or kwargs.get("max_unorm", 0.0) > 0  # the update norm is a whole-tensor reduction
-        )
-        if whole:
+        # The update norm (max_unorm > 0) is a whole-tensor reduction.
+        if _in_one_piece(chunk, g, p, state1, state2) or kwargs.get("max_unorm", 0.0) > 0:
             return update(name, g, p, state1, beta1, eps, step, lr, state2, *args, **kwargs)
         for start in range(0, p.numel(), chunk):
             part = slice(start, min(start + chunk, p.numel()))
