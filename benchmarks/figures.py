@@ -185,6 +185,73 @@ def pretrain_7b_table(load: Load) -> str:
     return markdown_table(header, rows)
 
 
+def held_7b(load: Load) -> float:
+    """MiB the 7B steps hold before any activation or gradient, by `plan_memory`: ``W0``, the trainable parameters
+    and their optimizer states (above the imports)."""
+    from benchmarks.pretrain_7b import plan
+
+    big = seven_b(load)
+    parts = plan(big["batch"], big["seq"]).parts
+    return (
+        sum(parts[name] for name in ("W0", "other frozen weights", "trainable parameters", "optimizer states")) / 2**20
+    )
+
+
+def memory_peers_table(load: Load) -> str:
+    """POET with every saving on against the low-memory optimizers (docs/benchmarks.md)."""
+    rows = []
+    for r in load("memory_peers")["rows"]:
+        if r.get("table"):
+            continue
+        poet = r["method"].startswith("POET")
+        bold = (lambda text: f"**{text}**") if poet else (lambda text: text)
+        planned = f"{r['planned MB']:.0f} MB ({r['planned MB'] / r['peak MB']:.2f}×)" if r["planned MB"] else ""
+        rows.append(
+            [
+                r["preset"],
+                bold(r["method"]),
+                bold(f"{r['peak MB']:.0f}"),
+                bold(f"{r['peak / AdamW']:.3g}"),
+                f"{r['step s']:.3g}",
+                planned,
+            ]
+        )
+    return markdown_table(["shape", "method", "peak MB", "peak / AdamW", "step s", "`plan_memory`"], rows)
+
+
+def state_step_table(load: Load) -> str:
+    """One 8-bit AdamW step of a 32000 × 4096 tensor, per implementation (docs/training-modes.md)."""
+    names = {
+        "bitsandbytes, whole tensor": "bitsandbytes `AdamW8bit`, whole tensor",
+        "bitsandbytes, chunked": "bitsandbytes `AdamW8bit`, chunked (what the fused steps run)",
+        "torchao": "torchao `AdamW8bit` (compiled update)",
+    }
+    rows = [
+        [names[r["implementation"]], f"{r['step_s']:.2f}", f"{r['transient_mb']:.0f} MB"]
+        for r in load("memory_peers")["rows"]
+        if r.get("table") == "8-bit state step"
+    ]
+    return markdown_table(["implementation", "step s", "memory above the states"], rows)
+
+
+def plan_7b_table(load: Load) -> str:
+    """`plan_memory`'s parts for the 7B run, POET against AdamW with the same savings (docs/pretraining-7b.md).
+
+    The planner's output for the run's shape and settings (``--seq_len`` and batch from the results file), not a
+    measurement: it changes with the planner's code."""
+    from benchmarks.pretrain_7b import plan
+
+    big = seven_b(load)
+    plans = [plan(big["batch"], big["seq"]), plan(big["batch"], big["seq"], method="adamw")]
+    rows = [
+        [part, *(f"{p.parts[part] / 2**20:.0f}" for p in plans)]
+        for part in plans[0].parts
+        if any(p.parts[part] for p in plans)
+    ]
+    rows.append(["**total**", *(f"**{p.total_bytes / 2**20:.0f}**" for p in plans)])
+    return markdown_table(["MiB per process", "POET-BS, everything on", "AdamW, 8-bit states, fused"], rows)
+
+
 def savings_quality_table(load: Load) -> str:
     """The main job with every saving on against the plain job, per seed (docs/pretraining-7b.md)."""
     rows = [
@@ -223,6 +290,9 @@ TABLES: dict[str, Callable[[Load], str]] = {
     "headline": headline_table,
     "pretrain_step": pretrain_step_table,
     "pretrain_7b": pretrain_7b_table,
+    "plan_7b": plan_7b_table,
+    "memory_peers": memory_peers_table,
+    "state_step": state_step_table,
     "savings_quality": savings_quality_table,
 }
 
@@ -241,6 +311,9 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_7b.residual_files": lambda load: gib(seven_b(load)["residual_file_mb"]),
     "pretrain_7b.merge_extra": lambda load: mib(seven_b(load)["merge_peak_mb"] - seven_b(load)["steps_peak_mb"]),
     "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
+    "pretrain_7b.held": lambda load: mib(held_7b(load)),
+    "pretrain_7b.held_whole": lambda load: gib_and_si(held_7b(load) + seven_b(load)["imports_rss_mb"]),
+    "pretrain_7b.working": lambda load: mib(seven_b(load)["steps_peak_mb"] - held_7b(load)),
     "savings_quality.gaps": quality_gaps,
     "savings_quality.noise": lambda load: quality_gaps(load, "plain, other rounding"),
     "savings_quality.mean_gap": lambda load: mean_gap(load),
@@ -250,6 +323,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
     ),
     "pretrain_step.source": lambda load: provenance(load("pretrain_step")),
+    "memory_peers.source": lambda load: provenance(load("memory_peers")),
 }
 
 

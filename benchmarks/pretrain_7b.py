@@ -25,6 +25,7 @@ RSS (imports included) and as the peak above the RSS after the imports. Beside t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -91,7 +92,7 @@ def measure(
     model.train()
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
     keep_32bit_states(model, bitsandbytes.optim.AdamW8bit, {"optim_bits": 8})  # as create_poet_optimizer does
-    optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, max_grad_norm=max_grad_norm)
+    optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, max_grad_norm=max_grad_norm, model=model)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     losses: list[float] = []
 
@@ -143,11 +144,10 @@ def residual_file_mb() -> float:
     return sum(p.stat().st_size for p in Path(folder).iterdir()) / 2**20 if folder else 0.0
 
 
-def planned_mb(
-    batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs"
-) -> float:
-    """`poet_hf.plan_memory`'s per-process total for the run `measure` makes (or for ``dtype``, or ``method``
-    with the same savings: AdamW with 8-bit states and fused steps, checkpointed)."""
+@functools.cache  # the planner builds the model on meta: once per settings
+def plan(batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs") -> Any:
+    """`poet_hf.plan_memory`'s plan for the run `measure` makes (or for ``dtype``, or ``method`` with the same
+    savings: AdamW with 8-bit states and fused steps, checkpointed)."""
     from transformers import LlamaConfig
 
     from poet_hf import plan_memory
@@ -157,16 +157,14 @@ def planned_mb(
     savings = dict(PLAN_EVERYTHING_ON)
     if method != "poet-bs":
         savings.pop("base_quantization")
-    plan = plan_memory(
-        config,
-        method,
-        block_size=BLOCK_SIZE,
-        dtype=dtype,
-        batch_size=batch,
-        seq_len=seq,
-        **savings,
-    )
-    return plan.total_bytes / 2**20
+    return plan_memory(config, method, block_size=BLOCK_SIZE, dtype=dtype, batch_size=batch, seq_len=seq, **savings)
+
+
+def planned_mb(
+    batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs"
+) -> float:
+    """The per-process total of `plan`, in MB (above the imports, as the planner counts)."""
+    return plan(batch, seq, dtype, layers, method).total_bytes / 2**20
 
 
 def _child(**options: Any) -> dict[str, Any]:

@@ -138,7 +138,7 @@ def measure(
     elif fused_step:
         from poet_hf.training import FusedStepOptimizer
 
-        optimizer = FusedStepOptimizer(groups, optimizer_cls)
+        optimizer = FusedStepOptimizer(groups, optimizer_cls, model=model)
     else:
         optimizer = optimizer_cls(groups)
     if peak_after_build and dev.type == "cpu":

@@ -228,3 +228,104 @@ def test_the_pretraining_script_takes_fused_steps_and_names_what_it_needs(tmp_pa
     results = script.main(argv)  # the recipe's clip stays on
     assert results["recipe"]["max_grad_norm"] == 1.0 and results["recipe"]["fused_optimizer_step"]
     assert results["steps"] == 2 and all(torch.isfinite(torch.tensor(results["train_losses"])))
+
+
+def row_chunk_steps(model, optimizer, batches) -> None:
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_the_head_and_embeddings_step_in_row_chunks_with_the_whole_weights_arithmetic(monkeypatch):
+    """Given the model, the fused optimizer trains the head and the input embeddings as row chunks (no gradient of
+    either is ever whole); every row still steps at every step, tokens or not, so in float64 the parameters equal those
+    of the ordinary AdamW on the whole weights, bit for bit. A resumed run continues identically."""
+    from poet_hf.training import row_gradients
+
+    monkeypatch.setattr(row_gradients, "ROW_CHUNK_ENTRIES", 1000)
+    whole = poet_model()
+    whole.base_model.model.model.embed_tokens.weight.requires_grad_(True)
+    chunked, resumed = copy.deepcopy(whole), copy.deepcopy(whole)
+
+    def optimizer(model, fused: bool):
+        groups = poet_param_groups(model, 1e-2, 3e-3, 0.01, ["base_model.model.lm_head.weight"])
+        return FusedStepOptimizer(groups, torch.optim.AdamW, model=model) if fused else torch.optim.AdamW(groups)
+
+    row_chunk_steps(whole, optimizer(whole, False), BATCHES)
+    fused = optimizer(chunked, True)
+    row_chunk_steps(chunked, fused, BATCHES[:2])
+    assert [len(c.chunks) for c in fused.row_gradients.chunked] == [8, 8]  # 16 rows of 64: 1024 entries each
+    saved_model, saved = copy.deepcopy(chunked.state_dict()), copy.deepcopy(fused.state_dict())
+    row_chunk_steps(chunked, fused, BATCHES[2:])
+    fused.remove_hooks()
+    assert chunked.base_model.model.lm_head.weight.requires_grad  # whole again
+    resumed.load_state_dict(saved_model)
+    again = optimizer(resumed, True)
+    again.load_state_dict(saved)
+    row_chunk_steps(resumed, again, BATCHES[2:])
+    for (name, a), b, c in zip(whole.named_parameters(), chunked.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("layer", ["embedding", "head"])
+def test_row_chunks_of_whole_state_blocks_keep_bitsandbytes_8bit_steps_bit_for_bit(monkeypatch, layer):
+    """bitsandbytes quantises 8-bit states in independent 256-entry blocks: chunks of whole blocks (4096 entries, its
+    8-bit minimum) step as the whole weight does, for the same upstream gradients. After the first step no token
+    reads the embedding's second chunk: its rows still move, by their momentum, as the whole weight's do."""
+    import bitsandbytes
+
+    from poet_hf.training import row_gradients
+
+    monkeypatch.setattr(row_gradients, "ROW_CHUNK_ENTRIES", 4096)
+    steps = [torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0)) for vocab in (128, 64, 64)]
+    hidden = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(2)
+        inner = torch.nn.Embedding(128, 64) if layer == "embedding" else torch.nn.Linear(64, 128, bias=False)
+        return torch.nn.ModuleDict({"inner": inner})
+
+    def loss(model, ids) -> torch.Tensor:
+        out = model["inner"](ids if layer == "embedding" else hidden)
+        return (out * torch.linspace(-1, 1, out.shape[-1])).square().sum()
+
+    whole, chunked = build(), build()
+    plain = bitsandbytes.optim.AdamW8bit(whole.parameters(), lr=1e-2)
+    chunked.get_output_embeddings = lambda: chunked["inner"]  # type: ignore[method-assign]
+    groups = [{"params": list(chunked.parameters())}]
+    fused = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, model=chunked, lr=1e-2)
+    assert [len(c.chunks) for c in fused.row_gradients.chunked] == [2]
+    for ids in steps:
+        loss(whole, ids).backward()
+        plain.step()
+        plain.zero_grad()
+        loss(chunked, ids).backward()
+        fused.step()
+    assert plain.state[whole["inner"].weight]["state1"].dtype == torch.uint8
+    assert torch.equal(whole["inner"].weight, chunked["inner"].weight)
+
+
+def test_an_optimizer_with_whole_tensor_statistics_keeps_the_head_and_embeddings_whole(monkeypatch):
+    """Row chunks step as the whole weight only under an update entry by entry: Adafactor's row and column statistics
+    and LAMB's trust ratio (a norm per tensor) would change, so those keep the weights whole."""
+    import bitsandbytes
+    from transformers.optimization import Adafactor
+
+    from poet_hf.training import row_gradients
+
+    monkeypatch.setattr(row_gradients, "ROW_CHUNK_ENTRIES", 1000)
+    cases = [
+        (torch.optim.AdamW, {}, True),
+        (bitsandbytes.optim.AdamW8bit, {}, True),
+        (bitsandbytes.optim.LAMB, {}, False),
+        (Adafactor, {"lr": 1e-3, "relative_step": False}, False),
+    ]
+    for optimizer_cls, kwargs, chunked in cases:
+        model = poet_model().float()
+        groups = poet_param_groups(model, 1e-2, 3e-3, 0.01, ["base_model.model.lm_head.weight"])
+        fused = FusedStepOptimizer(groups, optimizer_cls, model=model, **kwargs)
+        assert (fused.row_gradients is not None) == chunked, optimizer_cls.__name__
+        assert model.base_model.model.lm_head.weight.requires_grad != chunked
+        fused.remove_hooks()

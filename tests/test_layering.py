@@ -41,7 +41,8 @@ ALLOWED = {
         "export",
         "checkpoints",
     },
-    "memory_plan": {"tuners", "distributed", "training"},  # plans a training run: builds its presets on meta
+    "activation_trace": set(),  # what one forward saves, traced on meta by shapes
+    "memory_plan": {"activation_trace", "tuners", "distributed", "training"},  # plans a run: its presets on meta
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal", "optim"}

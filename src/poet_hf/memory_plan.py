@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .activation_trace import trace_activations
 from .tuners.bnb import BASE_QUANTIZATIONS
+from .tuners.bnb_rows import ROW_BLOCK_ENTRIES
 from .tuners.peft_utils import base_model_of
 from .tuners.residual_store import RESIDUAL_STORAGES
 
@@ -200,81 +202,6 @@ def _shard(shape: torch.Size, processes: int) -> int:
     return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
 
 
-class _FusedAttentionShapes(torch.autograd.Function):
-    """Scaled dot-product attention as the fused kernels keep it for the backward.
-
-    The flash and memory-efficient kernels (GPU and CPU) keep the query, key, value, output and the row log-sum-exp,
-    never the ``T × T`` probabilities that the meta device's decomposed attention would save."""
-
-    @staticmethod
-    def forward(ctx, query, key, value):
-        output = query.new_empty(*query.shape[:-1], value.shape[-1])
-        ctx.save_for_backward(query, key, value, output, query.new_empty(query.shape[:-1]))
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        query, key, value = ctx.saved_tensors[:3]
-        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-
-
-def _fused_attention(query, key, value, *args, **kwargs):
-    return _FusedAttentionShapes.apply(query, key, value)
-
-
-def _trace_activations(
-    model: nn.Module, batch_size: int, seq_len: int, dtype: torch.dtype, blocks: tuple[type[nn.Module], ...]
-) -> tuple[int, int, int, int]:
-    """The activation bytes of one meta forward of the training loss.
-
-    ``(saved outside the blocks, saved by the largest block, all saved, one block's input)``, with ``dtype`` the
-    activations' float type."""
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, tuple[int, int | None]] = {}
-    current: list[int | None] = [None]
-    block_input = [0]
-    hooks = []
-
-    def leave(*_: Any) -> None:
-        current[0] = None
-
-    for index, module in enumerate(m for m in model.modules() if isinstance(m, blocks)):
-
-        def enter(_, args, index=index):
-            current[0] = index
-            block_input[0] = max(block_input[0], args[0].numel() * _float_size(args[0], dtype) if args else 0)
-
-        hooks += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in parameters:
-            saved[storage._cdata] = (storage.nbytes() // tensor.element_size() * _float_size(tensor, dtype), current[0])
-        return tensor
-
-    ids = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _fused_attention
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = sdpa
-        for hook in hooks:
-            hook.remove()
-    per_block: dict[int, int] = {}
-    for nbytes, block in saved.values():
-        if block is not None:
-            per_block[block] = per_block.get(block, 0) + nbytes
-    outside = sum(nbytes for nbytes, block in saved.values() if block is None)
-    return outside, max(per_block.values(), default=0), sum(size for size, _ in saved.values()), block_input[0]
-
-
-def _float_size(tensor: torch.Tensor, dtype: torch.dtype) -> int:
-    """Bytes per entry of an activation in a run of ``dtype`` (the meta trace runs in float32)."""
-    return torch.finfo(dtype).bits // 8 if tensor.is_floating_point() else tensor.element_size()
-
-
 def plan_memory(
     model: Any,
     method: str = "poet-bs",
@@ -319,8 +246,8 @@ def plan_memory(
         residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
             ([`PoetConfig`][poet_hf.PoetConfig]): ``"layer"`` counts it in ``W0`` (1.06 B per entry quantised, 1 B
             16-bit); ``"auto"``, ``"cpu"`` and ``"disk"`` keep it off the steps' memory.
-        fused_step: optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`): after the
-            backward's start at most one parameter's gradient exists at a time.
+        fused_step: optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`): one gradient
+            exists at a time, the head's and the input embeddings' one row chunk at a time (`RowGradients`).
         optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
             2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more; embeddings, and a head whose
             rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
@@ -377,7 +304,9 @@ def _parameter_bytes(
     method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
     from .training.eight_bit import weights_keeping_32bit_states
+    from .training.row_gradients import largest_chunk_entries, row_chunked_modules
 
+    chunked = {id(m.weight) for m in row_chunked_modules(built)} if settings["fused_step"] else set()
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
     thirty_two_bit = {id(w) for w in weights_keeping_32bit_states(built)}
     galore = _galore_targets(built) if method == "galore" else set()
@@ -402,8 +331,9 @@ def _parameter_bytes(
         counts["adapter"] += parameter.numel() if adapter else 0
         parts["trainable parameters"] += local
         parts["gradients"] += local
+        gradient = largest_chunk_entries(*parameter.shape) * size if id(parameter) in chunked else local
         if id(parameter) not in block_parameters and parameter.dim() == 2 and "embed" not in name:
-            largest["head gradients"] += local
+            largest["head gradients"] += gradient
         states, local_states = 2 * parameter.numel(), 2 * _shard(parameter.shape, shards)  # shaped as the shard
         if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
             short, long = sorted(parameter.shape)
@@ -412,7 +342,7 @@ def _parameter_bytes(
         counts["optimizer states"] += states
         bits = 32 if id(parameter) in thirty_two_bit else settings["optimizer_bits"]
         parts["optimizer states"] += _state_bytes(local_states, size, bits)
-        largest["gradient"] = max(largest["gradient"], local)
+        largest["gradient"] = max(largest["gradient"], gradient)
     return parts, counts, largest, entry_bytes
 
 
@@ -430,11 +360,13 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
             for spec in specs.values()
         )
     dtype = DTYPES[settings["dtype"]]
-    outside, largest_block, everything, block_input = _trace_activations(built, batch, seq_len, dtype, blocks)
+    outside, largest_block, everything, block_input = trace_activations(built, batch, seq_len, dtype, blocks)
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
     checkpointed = outside + block_count * block_input + largest_block
     working["activations"] = checkpointed if settings["checkpointing"] else everything
     if settings["base_quantization"] is not None and method.startswith("poet"):  # one layer's W0, dequantised
+        if settings["base_quantization"] in ("nf4", "fp4"):  # a block of its rows at a time (tuners/bnb_rows.py)
+            largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary = built.get_output_embeddings().weight.shape[0]
     working["loss working set"] = batch * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)

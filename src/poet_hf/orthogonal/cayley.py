@@ -329,11 +329,19 @@ class SkewRotation:
         pairs = _neumann_pairs(self.terms)
         if len(pairs) == 1:
             return (pairs[0][1] * grad).reshape(self._shape)
+        # Blocks are independent: a group of VJP_BLOCKS at a time bounds the temporaries, with the same values.
+        parts = [self._polynomial_vjp(grad, group) for group in _groups(grad.shape[0], VJP_BLOCKS)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(self._shape)
+
+    def _polynomial_vjp(self, grad: torch.Tensor, group: slice) -> torch.Tensor:
+        """``dL/dQ`` of the blocks in ``group`` (the Neumann polynomial's reverse Horner pass)."""
+        pairs = _neumann_pairs(self.terms)
+        grad = grad[group]
         through_q = grad * pairs[0][1]
-        z = self._z
-        assert z is not None  # set by the forward for two or more pairs
+        assert self._z is not None  # set by the forward for two or more pairs
+        z = self._z[group]
         grad_h, grad_z = grad, None
-        for j, h_next in enumerate(self._sums):  # H_j = C_j + Z H_{j+1}
+        for j, h_next in enumerate(h if h is None else h[group] for h in self._sums):  # H_j = C_j + Z H_{j+1}
             if h_next is None:  # H_m = c I: Z H_m costs no product
                 grad_z = grad_h * pairs[-1][0] if grad_z is None else grad_z.add_(grad_h, alpha=pairs[-1][0])
                 break
@@ -346,7 +354,14 @@ class SkewRotation:
             through_q.add_(grad_h, alpha=pairs[j + 1][1])
         # Z = QQ contributes −(dZ Q + Q dZ), whose skew part is the skew part of −(dZ + dZᵀ)Q.
         assert grad_z is not None  # the loop ran: there is at least one partial sum
-        return torch.baddbmm(through_q, grad_z + grad_z.transpose(-1, -2), self.q, alpha=-1).reshape(self._shape)
+        return torch.baddbmm(through_q, grad_z + grad_z.transpose(-1, -2), self.q[group], alpha=-1)
+
+
+VJP_BLOCKS = 8  # blocks per group of SkewRotation.vjp: 2 MB per temporary at b = 256, float32
+
+
+def _groups(count: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
 
 
 def rotation_from_skew(q: torch.Tensor, terms: int) -> torch.Tensor:

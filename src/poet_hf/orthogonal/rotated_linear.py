@@ -14,13 +14,14 @@ What each costs is in `strategy_costs`.
 
 Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
-`RotationCache` and run the polynomial's VJP once. Block permutations are folded into ``W0`` (one ``d_out × d_in``
-gather per pass) so that every block product runs on contiguous blocks and activations are gathered at most once per
-side.
+`RotationCache` and run the polynomial's VJP once. Every block product runs on contiguous blocks: the weight strategy
+folds the block permutations into ``W0`` (one ``d_out × d_in`` gather per pass), the activation strategies
+(`poet_hf.orthogonal.activation_strategy`) permute the activations instead and read ``W0`` as stored.
 
 The frozen ``W0`` is a tensor, or a `DenseWeight`: a callable that returns it dense (a quantised base
-dequantises itself). A callable is called in the forward and again in the backward and never saved, so at most one
-layer's dense ``W0`` exists at a time and the backward keeps only the layer input, as for a tensor ``W0``.
+dequantises itself), or a block of its rows at a time. A callable is called in the forward and again in the backward
+and never saved, so at most one layer's dense ``W0`` (under the activation strategies, one block of its rows) exists
+at a time and the backward keeps only the layer input, as for a tensor ``W0``.
 
 These functions are the fast path of the POET and OFT layers; the plain autograd composition of
 `spo` and `cayley` is the reference they are tested against.
@@ -29,6 +30,7 @@ These functions are the fast path of the POET and OFT layers; the plain autograd
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -157,8 +159,9 @@ class SideRotation:
 class DenseWeight(Protocol):
     """A frozen ``W0`` stored in another form (quantised) that returns the dense matrix when called.
 
-    Called, it returns the dense ``out × in`` matrix in ``dtype``; ``dequantize_cost`` is the multiply-add equivalent
-    of one call per weight entry (cost model)."""
+    Called, it returns the dense ``out × in`` matrix in ``dtype``; ``row_blocks()``, where it has one, yields
+    ``(start, stop, W0[start:stop])`` for consecutive blocks of rows, so the activation strategies never hold it whole;
+    ``dequantize_cost`` is the multiply-add equivalent of one call per weight entry (cost model)."""
 
     dtype: torch.dtype
     dequantize_cost: float
@@ -177,11 +180,28 @@ def _save_weight(ctx: Any, weight: WeightSource) -> torch.Tensor | None:
     return weight if isinstance(weight, torch.Tensor) else None
 
 
-def _dense(weight: WeightSource | None, ctx: Any = None) -> torch.Tensor:
-    """The dense ``W0``: a saved tensor, or a fresh call of the `DenseWeight` (``ctx.weight_source``)."""
+def _source(weight: WeightSource | None, ctx: Any = None) -> WeightSource:
+    """``W0`` as the forward got it: a saved tensor, or the `DenseWeight` kept on ``ctx``."""
     source = getattr(ctx, "weight_source", None) if weight is None else weight
     assert source is not None  # the forward kept a tensor or a callable
+    return source
+
+
+def _dense(weight: WeightSource | None, ctx: Any = None) -> torch.Tensor:
+    """The dense ``W0``: a saved tensor, or a fresh call of the `DenseWeight` (``ctx.weight_source``)."""
+    source = _source(weight, ctx)
     return source if isinstance(source, torch.Tensor) else source()
+
+
+def _row_blocks(weight: WeightSource) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, stop, W0[start:stop])``: a tensor whole, a `DenseWeight` by its row blocks (whole, called, where it
+    has none)."""
+    blocks = getattr(weight, "row_blocks", None)
+    if blocks is not None:
+        yield from blocks()
+    else:
+        dense = _dense(weight)
+        yield 0, dense.shape[0], dense
 
 
 # --- coordinates: a block side works in permuted coordinates, folded into W0 --------------------------------------
@@ -324,113 +344,6 @@ class _WeightStrategy(torch.autograd.Function):
         return tuple(grads)
 
 
-# --- the activation strategy ------------------------------------------------------------------------------------------
-def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
-    """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
-    if side.spec.kind == BLOCK:
-        x = select_last(x, side.index)
-    return _right(x, side, blocks)
-
-
-def _pre_rotation_output(
-    x2: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    input_side: SideRotation | None,
-    r_blocks: torch.Tensor | None,
-    output_side: SideRotation | None,
-    op: LinearOp,
-    rotation_dtype: torch.dtype,
-    base_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``h = (x R) W0ᵀ (+ bias)`` in P's coordinates (``H Ψ_Pᵀ`` for a block output side)."""
-    u = (
-        x2.to(base_dtype)
-        if input_side is None
-        else _rotate_input(x2.to(rotation_dtype), input_side, _given(r_blocks).to(rotation_dtype)).to(base_dtype)
-    )
-    gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
-    return op.forward(u, gathered, None if bias is None else bias.to(base_dtype))
-
-
-class _ActivationStrategy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output
-    ):
-        with _autocast_off(x.device.type):
-            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
-            # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
-            h = _pre_rotation_output(
-                x.reshape(-1, x.shape[-1]),
-                _dense(weight),
-                bias if output_side is None else None,
-                input_side,
-                r_blocks,
-                output_side,
-                op,
-                rotation_dtype,
-                base_dtype,
-            )
-            y = h
-            if output_side is not None:
-                y = _right(
-                    h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
-                )
-                if output_side.spec.kind == BLOCK:
-                    y = select_last(y, inverse_permutation(output_side.index))
-                y = y.to(base_dtype)
-                if bias is not None:
-                    y = y + bias.to(base_dtype)
-        ctx.save_for_backward(
-            x, _save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
-        )
-        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
-        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
-        grads: list[Any] = [None] * 11
-        with _autocast_off(grad_y.device.type):
-            weight = _dense(weight, ctx)
-            x2 = x.reshape(-1, x.shape[-1])
-            g = grad_y.reshape(-1, grad_y.shape[-1])
-            r_blocks = r_eval = None
-            if input_side is not None:
-                r_blocks, r_eval = input_side.blocks(r_vec)
-            if bias is not None and ctx.needs_input_grad[2]:
-                grads[2] = op.bias_grad(g.to(base_dtype)).to(bias.dtype)
-            if output_side is not None:  # y = (h Diag(P)) Ψ_P, h = H Ψ_Pᵀ
-                p_blocks, p_eval = output_side.blocks(p_vec)
-                g = g.to(rotation_dtype)
-                if output_side.spec.kind == BLOCK:
-                    g = select_last(g, output_side.index)
-                if ctx.needs_input_grad[4]:
-                    if h is None:  # not kept: recompute it
-                        h = _pre_rotation_output(
-                            x2, weight, None, input_side, r_blocks, output_side, op, rotation_dtype, base_dtype
-                        )
-                    grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side), p_vec)
-                g = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
-            gathered = weight_in_block_coordinates(weight, input_side, output_side).to(base_dtype)
-            grad_u = g.to(base_dtype) @ gathered  # in R's coordinates
-            if input_side is not None:
-                grad_u = grad_u.to(rotation_dtype)
-                if ctx.needs_input_grad[3]:
-                    x_r = x2.to(rotation_dtype)
-                    if input_side.spec.kind == BLOCK:
-                        x_r = select_last(x_r, input_side.index)
-                    grads[3] = input_side.vector_grad(r_eval, _grad_right(x_r, grad_u, input_side), r_vec)
-                grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
-                if input_side.spec.kind == BLOCK:
-                    grad_u = select_last(grad_u, inverse_permutation(input_side.index))
-            if ctx.needs_input_grad[0]:
-                grads[0] = grad_u.reshape(x.shape).to(x.dtype)
-        return tuple(grads)
-
-
 # --- entry points -----------------------------------------------------------------------------------------------------
 def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """``torch.autocast(device_type, enabled=False)``, or nothing on the meta device.
@@ -476,7 +389,9 @@ def rotated_forward(
     if strategy != WEIGHT and not isinstance(op, LinearOp):
         raise ValueError(f"the {strategy} strategy needs a linear base op, got {type(op).__name__}")
     rotation_dtype, base_dtype = compute_dtypes(x, weight)
-    function = _WeightStrategy if strategy == WEIGHT else _ActivationStrategy
+    from .activation_strategy import ActivationStrategy  # it builds on this module's sides and coordinates
+
+    function = _WeightStrategy if strategy == WEIGHT else ActivationStrategy
     return function.apply(
         x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, strategy == ACTIVATION
     )

@@ -14,14 +14,22 @@ alone.
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CHUNK_ENTRIES", "chunked_cpu_updates", "own_override_index", "weights_keeping_32bit_states"]
+__all__ = [
+    "CHUNK_ENTRIES",
+    "chunked_cpu_updates",
+    "own_override_index",
+    "share_overrides",
+    "weights_keeping_32bit_states",
+]
 
 STATE_BLOCK = 256  # entries per absmax of bitsandbytes' blockwise 8-bit optimizer states
 CHUNK_ENTRIES = 1 << 22  # entries per chunk (16 MB of float32), a whole number of blocks
@@ -117,6 +125,20 @@ def own_override_index(optimizer: torch.optim.Optimizer) -> None:
         index2config={},
         module_weight_config_triple=manager.module_weight_config_triple,
     )
+
+
+def share_overrides(weight: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Give each of ``parts`` (a weight trained as chunks, `poet_hf.training.row_gradients`) the bitsandbytes
+    override by parameter that ``weight`` has (``override_config``, e.g. 32-bit states), for as long as it lives."""
+    if "bitsandbytes" not in sys.modules:
+        return
+    from bitsandbytes.optim import GlobalOptimManager
+
+    table = GlobalOptimManager.get_instance().pid2config
+    config = table.get(id(weight))
+    for part in parts if config is not None else []:
+        table[id(part)] = dict(config)
+        weakref.finalize(part, table.pop, id(part), None)
 
 
 def weights_keeping_32bit_states(model: nn.Module) -> list[torch.Tensor]:

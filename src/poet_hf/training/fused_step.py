@@ -1,6 +1,8 @@
 """Optimizer steps fused into the backward: each parameter steps as soon as its gradient is complete.
 
-Its gradient is freed at once, so no gradient outlives its parameter's step.
+Its gradient is freed at once, so no gradient outlives its parameter's step. Given the model, the output head and the
+input embeddings step a row chunk at a time (`poet_hf.training.row_gradients`), so neither one's gradient, the
+largest a language model has, is ever whole.
 
 This is the scheme of PyTorch's "How to save memory by fusing the optimizer step into the backward pass" tutorial
 and of transformers' layer-wise GaLore optimizers (``register_post_accumulate_grad_hook``). `FusedStepOptimizer`
@@ -29,7 +31,8 @@ import torch
 from transformers import TrainingArguments
 
 from ..allocator import bound_allocator_slack
-from .eight_bit import own_override_index
+from .eight_bit import own_override_index, share_overrides
+from .row_gradients import RowGradients, steps_by_entry
 
 
 class FusedStepOptimizer(torch.optim.Optimizer):
@@ -46,6 +49,9 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         max_grad_norm: the clip threshold, or a function returning it (read at every parameter's step, so a schedule
             such as `MergeReinitCallback`'s post-merge ramp of ``args.max_grad_norm`` applies); ``None`` or 0: no
             clip. The norm it compares with is the running estimate of the module docstring.
+        model: the model the groups come from: its output head and input embeddings then train as row chunks, so
+            neither one's gradient is ever whole (`poet_hf.training.row_gradients`), where ``optimizer_cls`` updates
+            entry by entry (`steps_by_entry`: Adam-type, not Adafactor); ``None``: every parameter as it is.
         **kwargs: ``optimizer_cls``'s keyword arguments (the defaults of every group).
     """
 
@@ -55,10 +61,17 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         optimizer_cls: type[torch.optim.Optimizer],
         *,
         max_grad_norm: float | Callable[[], float | None] | None = None,
+        model: torch.nn.Module | None = None,
         **kwargs: Any,
     ):
         bound_allocator_slack()  # freed gradients and update chunks must leave the resident set
         groups = list(groups)
+        chunkable = model is not None and steps_by_entry(optimizer_cls, kwargs)
+        self.row_gradients = RowGradients(cast(torch.nn.Module, model)) if chunkable else None
+        if self.row_gradients is not None:
+            groups = self.row_gradients.replace_in(groups)
+            for chunked in self.row_gradients.chunked:
+                share_overrides(chunked.weight, chunked.chunks)  # a weight's 32-bit states (keep_32bit_states)
         self.max_grad_norm = max_grad_norm
         self._norms_sq: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's latest squared gradient norm
         self._reached: set[torch.Tensor] = set()  # the parameters that stepped in this step's backward
@@ -169,10 +182,13 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         """Nothing to do: every gradient was freed right after its step."""
 
     def remove_hooks(self) -> None:
-        """Detach the optimizer from the parameters (the model trains with another optimizer afterwards)."""
+        """Detach the optimizer from the parameters (the model trains with another optimizer afterwards), and train
+        the head and embeddings whole again."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.row_gradients is not None:
+            self.row_gradients.remove()
 
 
 NORM_CHUNK = 1 << 16  # entries per float32 partial norm: its error stays near float32 rounding; 256 KB temporaries

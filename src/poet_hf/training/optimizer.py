@@ -134,9 +134,9 @@ def create_poet_optimizer(
             (`POET_FINETUNE_RECIPES`).
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
-        fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once, and
-            clip by ``args.max_grad_norm`` as it goes; default ``args.fused_optimizer_step`` where it exists, else
-            off.
+        fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once (the
+            head and input embeddings a row chunk at a time), and clip by ``args.max_grad_norm`` as it goes; default
+            ``args.fused_optimizer_step`` where it exists, else off.
 
     Returns:
         The optimizer.
@@ -173,7 +173,9 @@ def create_poet_optimizer(
 
         check_fused_step(args)
         # Read at every step: MergeReinitCallback ramps args.max_grad_norm after each merge.
-        return FusedStepOptimizer(groups, optimizer_cls, max_grad_norm=lambda: args.max_grad_norm, **kwargs)
+        return FusedStepOptimizer(
+            groups, optimizer_cls, max_grad_norm=lambda: args.max_grad_norm, model=model, **kwargs
+        )
     optimizer = optimizer_cls(groups, **kwargs)
     own_override_index(optimizer)
     return optimizer

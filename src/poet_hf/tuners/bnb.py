@@ -6,7 +6,7 @@ A rotation layer whose base is a ``bnb.nn.Linear4bit`` (nf4 or fp4, with or with
 
 - the logical ``(out, in)`` shape is the layer's, never the packed storage's;
 - the forward gets a `QuantizedWeight`, which dequantises ``W0`` when called (once in the forward, once in the
-  backward; `DenseWeight`);
+  backward; `DenseWeight`), a 4-bit one a block of rows at a time;
 - a fold (merge, unmerge, merge-then-reinitialise) dequantises, rotates and requantises with the same quantisation
   settings (type, block size, double quantisation, storage), by PEFT's backends.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -166,9 +167,11 @@ def dequantize(module: BnbLayer) -> torch.Tensor:
 
 
 class QuantizedWeight:
-    """A quantised layer's ``W0`` as the fused forward takes it: called, it returns the dense matrix in ``dtype``.
+    """A quantised layer's ``W0`` as the fused forward takes it: called, it returns the dense matrix in ``dtype``;
+    `row_blocks` gives it a block of rows at a time.
 
-    Only the module is referenced, so nothing dense outlives a call (one layer's ``W0`` at a time)."""
+    Only the module is referenced, so nothing dense outlives a call (one layer's ``W0``, or one block of its rows, at
+    a time)."""
 
     def __init__(self, module: BnbLayer, dtype: torch.dtype) -> None:
         self.module = module
@@ -177,6 +180,14 @@ class QuantizedWeight:
 
     def __call__(self) -> torch.Tensor:
         return dequantize(self.module).to(self.dtype)
+
+    def row_blocks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """``(start, stop, W0[start:stop])`` for consecutive blocks of rows, each dequantised alone
+        (`poet_hf.tuners.bnb_rows`)."""
+        from .bnb_rows import dequantized_row_blocks
+
+        _restore_packed(self.module)
+        return dequantized_row_blocks(self.module, self.dtype, self)
 
 
 def compute_dtype(module: BnbLayer) -> torch.dtype:

@@ -1,0 +1,162 @@
+"""The activation strategy of `poet_hf.orthogonal.rotated_linear`: ``y = ((x R) W0ᵀ) P``, ``W0`` read as stored.
+
+The block permutations act on the activations (``T × d`` gathers) rather than on ``W0``, so ``W0`` is never copied,
+and a `DenseWeight` is read a block of its rows at a time: a quantised ``W0`` is never dense whole. Kept for the
+backward: the input and, for `ACTIVATION` with an output side, the pre-rotation output ``h``; without it
+(`ACTIVATION_RECOMPUTE`) the backward recomputes ``h``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+
+from .base_ops import LinearOp
+from .rotated_linear import (
+    SideRotation,
+    WeightSource,
+    _autocast_off,
+    _given,
+    _grad_right,
+    _permutation,
+    _right,
+    _row_blocks,
+    _save_weight,
+    _source,
+    _transpose,
+)
+from .spo import BLOCK, inverse_permutation, select_last
+
+__all__ = ["ActivationStrategy"]
+
+
+def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
+    """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
+    if side.spec.kind == BLOCK:
+        x = select_last(x, side.index)
+    return _right(x, side, blocks)
+
+
+def _natural_input(
+    x2: torch.Tensor,
+    input_side: SideRotation | None,
+    r_blocks: torch.Tensor | None,
+    rotation_dtype: torch.dtype,
+    base_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``u Ψ_R = x R Ψ_R``: the rotated input in natural order, as ``W0``'s columns are stored."""
+    if input_side is None:
+        return x2.to(base_dtype)
+    u = _rotate_input(x2.to(rotation_dtype), input_side, _given(r_blocks).to(rotation_dtype)).to(base_dtype)
+    return _natural_columns(u, input_side)
+
+
+def _products(
+    u: torch.Tensor | None,
+    g: torch.Tensor | None,
+    weight: WeightSource,
+    op: LinearOp,
+    bias: torch.Tensor | None,
+    base_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(u W0ᵀ (+ bias), g W0)`` (each where its operand is given, all in natural order) in one pass over ``W0``.
+
+    ``W0`` is read as stored, never copied, and a `DenseWeight` a block of its rows at a time: the block's columns
+    of ``u W0ᵀ`` and its share of ``g W0``."""
+    outputs, grad = [], None
+    for start, stop, rows in _row_blocks(weight):
+        rows = rows.to(base_dtype)
+        if u is not None:
+            outputs.append(op.forward(u, rows, None if bias is None else bias[start:stop].to(base_dtype)))
+        if g is not None:
+            part = g[..., start:stop] @ rows
+            grad = part if grad is None else grad.add_(part)
+    output = None if u is None else outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+    return output, grad
+
+
+def _natural_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
+    """``t Ψ``: last-dimension entries from a block side's coordinates back to natural order."""
+    index = _permutation(side)
+    return t if index is None else select_last(t, inverse_permutation(index))
+
+
+def _side_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
+    """``t Ψᵀ``: last-dimension entries from natural order to a block side's coordinates."""
+    index = _permutation(side)
+    return t if index is None else select_last(t, index)
+
+
+class ActivationStrategy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output
+    ):
+        with _autocast_off(x.device.type):
+            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
+            # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
+            u = _natural_input(x.reshape(-1, x.shape[-1]), input_side, r_blocks, rotation_dtype, base_dtype)
+            h_natural = _products(u, None, weight, op, bias if output_side is None else None, base_dtype)[0]
+            h = _side_columns(cast(torch.Tensor, h_natural), output_side)  # in P's coordinates
+            y = h
+            if output_side is not None:
+                y = _right(
+                    h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
+                )
+                if output_side.spec.kind == BLOCK:
+                    y = select_last(y, inverse_permutation(output_side.index))
+                y = y.to(base_dtype)
+                if bias is not None:
+                    y = y + bias.to(base_dtype)
+        ctx.save_for_backward(
+            x, _save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
+        )
+        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
+        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
+        grads: list[Any] = [None] * 11
+        with _autocast_off(grad_y.device.type):
+            weight = _source(weight, ctx)
+            x2 = x.reshape(-1, x.shape[-1])
+            g = grad_y.reshape(-1, grad_y.shape[-1])
+            r_blocks = r_eval = None
+            if input_side is not None:
+                r_blocks, r_eval = input_side.blocks(r_vec)
+            if bias is not None and ctx.needs_input_grad[2]:
+                grads[2] = op.bias_grad(g.to(base_dtype)).to(bias.dtype)
+            g_h, need_h = g, False  # dL/dh, in P's coordinates; whether h must be recomputed
+            if output_side is not None:  # y = (h Diag(P)) Ψ_P, h = H Ψ_Pᵀ
+                p_blocks, p_eval = output_side.blocks(p_vec)
+                g = g.to(rotation_dtype)
+                if output_side.spec.kind == BLOCK:
+                    g = select_last(g, output_side.index)
+                g_h = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
+                need_h = ctx.needs_input_grad[4] and h is None
+            # One pass over W0: h recomputed where needed, and dL/du = g_h Ψ_P W0 Ψ_Rᵀ (in R's coordinates).
+            u = _natural_input(x2, input_side, r_blocks, rotation_dtype, base_dtype) if need_h else None
+            h_natural, grad_natural = _products(
+                u, _natural_columns(g_h.to(base_dtype), output_side), weight, op, None, base_dtype
+            )
+            grad_u = _side_columns(cast(torch.Tensor, grad_natural), input_side)
+            if output_side is not None and ctx.needs_input_grad[4]:
+                h = h if h_natural is None else _side_columns(h_natural, output_side)
+                grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side), p_vec)
+            del h, h_natural
+            if input_side is not None:
+                grad_u = grad_u.to(rotation_dtype)
+                if ctx.needs_input_grad[3]:
+                    x_r = x2.to(rotation_dtype)
+                    if input_side.spec.kind == BLOCK:
+                        x_r = select_last(x_r, input_side.index)
+                    grads[3] = input_side.vector_grad(r_eval, _grad_right(x_r, grad_u, input_side), r_vec)
+                grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
+                if input_side.spec.kind == BLOCK:
+                    grad_u = select_last(grad_u, inverse_permutation(input_side.index))
+            if ctx.needs_input_grad[0]:
+                grads[0] = grad_u.reshape(x.shape).to(x.dtype)
+        return tuple(grads)
