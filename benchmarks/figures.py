@@ -219,6 +219,23 @@ def memory_peers_table(load: Load) -> str:
     return markdown_table(["shape", "method", "peak MB", "peak / AdamW", "step s", "`plan_memory`"], rows)
 
 
+def peer_rows(load: Load, preset: str) -> dict[str, dict[str, Any]]:
+    """The `memory_peers` rows of one shape, by method."""
+    return {r["method"]: r for r in load("memory_peers")["rows"] if r.get("preset") == preset}
+
+
+def poet_time_ratio(load: Load, preset: str) -> str:
+    """POET's step time (every saving on) over AdamW's, in the `memory_peers` run."""
+    rows = peer_rows(load, preset)
+    return ratio(rows["POET-BS, everything on"]["step s"] / rows["AdamW"]["step s"])
+
+
+def planner_gap(load: Load) -> str:
+    """The largest relative gap between `plan_memory` and a measured POET peak of `memory_peers`."""
+    rows = [r for r in load("memory_peers")["rows"] if r.get("planned MB")]
+    return f"{max(abs(r['planned MB'] / r['peak MB'] - 1) for r in rows) * 100:.0f} %"
+
+
 def state_step_table(load: Load) -> str:
     """One 8-bit AdamW step of a 32000 × 4096 tensor, per implementation (docs/training-modes.md)."""
     names = {
@@ -324,6 +341,9 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     ),
     "pretrain_step.source": lambda load: provenance(load("pretrain_step")),
     "memory_peers.source": lambda load: provenance(load("memory_peers")),
+    "memory_peers.time_130m": lambda load: poet_time_ratio(load, "llama-130m"),
+    "memory_peers.time_350m": lambda load: poet_time_ratio(load, "llama-350m"),
+    "memory_peers.planner_gap": planner_gap,
 }
 
 
