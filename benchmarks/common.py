@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils import benchmark
@@ -94,11 +100,7 @@ def to_markdown(rows: list[dict]) -> str:
 def readme_job_results(extra_args: list[str], quick: bool = False) -> dict:
     """``results.json`` of the README's main job (``scripts/pretrain.py``: tiny preset, embedded corpus, 200 steps,
     4 merges; 20 steps and a merge every 5 when ``quick``) run with ``extra_args``, in its own process."""
-    import json
-    import subprocess
-    import sys
     import tempfile
-    from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as out:
@@ -129,3 +131,16 @@ def readme_job_rows(column: str, variants: dict[str, list[str]], quick: bool = F
             }
         )
     return rows
+
+
+def measure_as_a_user(module: str, **options: Any) -> dict[str, Any]:
+    """``benchmarks.<module>.measure(**options)`` in a fresh process started as a user starts one: no allocator
+    variable in its environment (the package sets what it sets). Its JSON result."""
+    root = Path(__file__).resolve().parent.parent
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(root)!r}); from benchmarks.{module} import measure; "
+        f"print(json.dumps(measure(**{options!r})))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "POET_HF_ALLOCATOR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])

@@ -18,45 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
 from benchmarks.results import load_results
+from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
 
 TABLE = re.compile(r"(?P<open><!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close>\n?<!-- /table -->)", re.S)
 FIGURE = re.compile(r"(?P<open><!-- figure: (?P<name>[\w.-]+) -->)(?P<body>.*?)(?P<close><!-- /figure -->)", re.S)
 PAGES = ("README.md", "docs/*.md")
 
 Load = Callable[[str], dict[str, Any]]
-
-
-# --- formatting ---------------------------------------------------------------------------------------------------
-def ratio(value: float) -> str:
-    return f"{value:.2f}×"
-
-
-def mib(value: float) -> str:
-    return f"{value:,.0f} MiB"
-
-
-def gib(value_mib: float) -> str:
-    return f"{value_mib / 1024:.2f} GiB"
-
-
-def gib_and_si(value_mib: float) -> str:
-    """Binary and decimal units side by side, for a headline that someone will hold against "8 GB"."""
-    return f"{value_mib / 1024:.2f} GiB ({value_mib * 2**20 / 1e9:.2f} GB)"
-
-
-def percent(value: float) -> str:
-    return f"{value * 100:+.1f} %".replace("-", "−")
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])
-
-
-def provenance(record: dict[str, Any]) -> str:
-    """Where a results file's rows were measured: its command, date, machine and commit."""
-    return f"`{record['command']}`, {record['date']}, {record['machine']}, commit `{record['commit']}`"
 
 
 # --- the suites' rows ---------------------------------------------------------------------------------------------
@@ -125,7 +95,7 @@ def headline_table(load: Load) -> str:
             "Llama-2-7B's shape, POET training steps (nf4 `W0`, 8-bit states with 32-bit ones for the embeddings, "
             f"fused steps with the clip, checkpointing), {big['batch']} × {big['seq']}: the whole process's peak RSS",
             f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
-            f"{gib_and_si(big['whole_peak_mb'])} with a merge",
+            f"{gib_and_si(big['merge_whole_peak_mb'])} in a merge",
             f"imports ({mib(big['imports_rss_mb'])}) included, started as a user starts it (no allocator variable); "
             f"above the imports {mib(big['steps_peak_mb'])}, `plan_memory` {mib(big['planned_mb'])} "
             f"({ratio(big['planned_vs_measured'])}); [the recipe](docs/pretraining-7b.md)",
@@ -173,7 +143,7 @@ def pretrain_7b_table(load: Load) -> str:
     phases = [
         ("build: `meta`, then each layer initialized and quantized to nf4", "build", big["build_s"]),
         ("training steps (two)", "steps", big["step_s"]),
-        (f"merge of all {7 * big['layers']} layers (residual read and written a layer at a time)", "merge", None),
+        (f"merge of all {7 * big['layers']} layers (each `W0` by groups of rows)", "merge", None),
         ("the step after the merge", "after_merge", big["after_merge_s"]),
     ]
     rows = []
@@ -311,6 +281,7 @@ TABLES: dict[str, Callable[[Load], str]] = {
     "memory_peers": memory_peers_table,
     "state_step": state_step_table,
     "savings_quality": savings_quality_table,
+    **LAYER_TABLES,
 }
 
 # --- the figures in prose -----------------------------------------------------------------------------------------
@@ -326,7 +297,9 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_7b.planned_gpu": lambda load: gib(seven_b(load)["planned_gpu_bf16_1x2048_mb"]),
     "pretrain_7b.states": lambda load: gib(seven_b(load)["states_mb"]),
     "pretrain_7b.residual_files": lambda load: gib(seven_b(load)["residual_file_mb"]),
-    "pretrain_7b.merge_extra": lambda load: mib(seven_b(load)["merge_peak_mb"] - seven_b(load)["steps_peak_mb"]),
+    "pretrain_7b.merge_whole_peak": lambda load: gib_and_si(seven_b(load)["merge_whole_peak_mb"]),
+    "pretrain_7b.merge_working": lambda load: mib(seven_b(load)["merge_peak_mb"] - held_7b(load)),
+    "pretrain_7b.merge_time": lambda load: f"{seven_b(load)['merge_s']:.0f} s",
     "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
     "pretrain_7b.held": lambda load: mib(held_7b(load)),
     "pretrain_7b.held_whole": lambda load: gib_and_si(held_7b(load) + seven_b(load)["imports_rss_mb"]),
@@ -344,6 +317,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "memory_peers.time_130m": lambda load: poet_time_ratio(load, "llama-130m"),
     "memory_peers.time_350m": lambda load: poet_time_ratio(load, "llama-350m"),
     "memory_peers.planner_gap": planner_gap,
+    **LAYER_FIGURES,
 }
 
 

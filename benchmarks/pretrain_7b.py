@@ -17,7 +17,8 @@ The fused steps keep the clip (``max_grad_norm`` 1.0, against the running global
 Measured in its own process, started as a user starts one: no allocator variable in its environment (the package
 fixes glibc's mmap threshold itself where the savings run, `poet_hf.allocator`). Each phase's peak is measured on its
 own (Linux's ``clear_refs`` resets the high-water mark): the build, the training steps, a merge (``merge_and_reinit``
-of every layer, residual read and written a layer at a time) and a step after it; each as the whole process's peak
+of every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.row_fold`, its residual read and
+written a layer at a time) and a step after it; each as the whole process's peak
 RSS (imports included) and as the peak above the RSS after the imports. Beside the measured step peak,
 `poet_hf.plan_memory`'s figure for the same run (above the imports, as the planner counts), and its figure for
 ``1 × 2048`` in bfloat16 on a GPU; and the size of the residual files and the folder they went to.
@@ -26,17 +27,13 @@ RSS (imports included) and as the peak above the RSS after the imports. Beside t
 from __future__ import annotations
 
 import functools
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import PLAN_EVERYTHING_ON, reset_peak_rss, status_mb
+from benchmarks.common import PLAN_EVERYTHING_ON, measure_as_a_user, reset_peak_rss, status_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "models" / "llama-2-7b.json"
@@ -91,6 +88,7 @@ def measure(
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before the head is chunked
     keep_32bit_states(model, bitsandbytes.optim.AdamW8bit, {"optim_bits": 8})  # as create_poet_optimizer does
     optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, max_grad_norm=max_grad_norm, model=model)
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
@@ -118,7 +116,7 @@ def measure(
         losses=losses,
         w0_bytes_per_entry=sum(layer.base_weight_bytes() for layer in layers_) / entries,
         skew_params=sum(p.numel() for p in poet_parameters(model)),
-        trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        trainable_params=trainable,
         whole_peak_mb=max(report[f"{name}_whole_peak_mb"] for name in ("build", "steps", "merge", "after_merge")),
         allocator_bounded=bound_allocator_slack(),
         residual_folder=residual_folder(),
@@ -167,20 +165,10 @@ def planned_mb(
     return plan(batch, seq, dtype, layers, method).total_bytes / 2**20
 
 
-def _child(**options: Any) -> dict[str, Any]:
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.pretrain_7b import measure; "
-        f"print(json.dumps(measure(**{options!r})))"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "POET_HF_ALLOCATOR")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def run(quick: bool = False) -> list[dict]:
     """One row: the measured phases of a 7B step (``quick``: two blocks of the shape) and the planner's figures."""
     layers = 2 if quick else None
-    row = _child(steps=2, batch=1, seq=256, layers=layers)
+    row = measure_as_a_user("pretrain_7b", steps=2, batch=1, seq=256, layers=layers)
     row["planned_mb"] = planned_mb(1, 256, layers=layers)
     row["planned_vs_measured"] = row["planned_mb"] / row["steps_peak_mb"]  # both above the imports
     row["planned_gpu_bf16_1x2048_mb"] = planned_mb(1, 2048, "bfloat16", layers=layers)

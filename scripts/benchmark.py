@@ -39,6 +39,7 @@ SUITES = (
     "import_time",
     "load_checks",
     "quantized",
+    "fold",
     "training_modes",
     "memory_peers",
     "pretrain_7b",

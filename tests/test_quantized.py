@@ -27,6 +27,8 @@ from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners import bnb as quant
+from poet_hf.tuners import bnb_rows
+from poet_hf.tuners import rotation_layer as rotation_layer_module
 from poet_hf.tuners.rotation_layer import QuantizedMergeWarning, rotation_layers
 
 QUANTIZATIONS = ["nf4", "fp4", "int8"]
@@ -90,6 +92,20 @@ def two_layer_rounding_bound(base: TwoLayers, x: torch.Tensor) -> torch.Tensor:
     h = torch.tanh(x @ w1.T + b1)
     first = 2 * gamma(w1.shape[1] + 1, torch.float32) * (x.abs() @ w1.abs().T + b1.abs())
     return first @ w2.abs().T + 2 * gamma(w2.shape[1] + 1, torch.float32) * (h.abs() @ w2.abs().T + b2.abs())
+
+
+@pytest.fixture(params=["whole", "by rows"])
+def fold_by(request, monkeypatch):
+    """Merge-then-reinitialize into a 4-bit ``W0`` whole, or by groups of ~2048 entries (`poet_hf.tuners.row_fold`,
+    which such a test then must have used)."""
+    calls = []
+    if request.param == "by rows":
+        monkeypatch.setattr(bnb_rows, "ROW_BLOCK_ENTRIES", 2048)
+        fold = rotation_layer_module.fold_by_rows
+        monkeypatch.setattr(rotation_layer_module, "fold_by_rows", lambda *args: calls.append(1) or fold(*args))
+    yield request.param
+    quantization = getattr(request.node, "callspec", None) and request.node.callspec.params.get("quantization")
+    assert request.param == "whole" or quantization == "int8" or calls, "no W0 was folded by rows"
 
 
 # --- the fused function with a W0 that dequantises itself ---------------------------------------------------------
@@ -236,7 +252,7 @@ def fold_training_sized_rotations(model, layer, exact: torch.Tensor, generator: 
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
-def test_error_feedback_keeps_repeated_merges_within_one_step_of_the_exact_path(quantization):
+def test_error_feedback_keeps_repeated_merges_within_one_step_of_the_exact_path(quantization, fold_by):
     """Ten folds of rotations of the size seen in training: the stored W0 stays within one quantisation step of the
     float64 path (each fold's rounding is carried to the next), and without the residual it does not."""
     gaps = {}
@@ -255,7 +271,7 @@ def test_error_feedback_keeps_repeated_merges_within_one_step_of_the_exact_path(
 
 
 @pytest.mark.parametrize("storage", ["disk", "layer"])
-def test_a_4bit_w0_holds_under_0_6_bytes_per_entry_and_stays_within_1_5_steps_after_50_merges(storage):
+def test_a_4bit_w0_holds_under_0_6_bytes_per_entry_and_stays_within_1_5_steps_after_50_merges(storage, fold_by):
     """Issue 42's target for a 4-bit W0: 50 folds of training-sized rotations leave the stored nf4 W0 within 1.5
     quantisation steps of the float64 path, while the layer holds at most 0.6 bytes per entry between folds when the
     residual is kept off it (the codes, 0.5 B, and the double-quantised block scales).
@@ -337,7 +353,7 @@ def test_training_with_merges_stays_within_the_measured_requantisation_error(qua
 
 
 @pytest.mark.parametrize("quantization", ["nf4", "int8"])
-def test_save_and_load_on_a_quantised_base_is_exact_after_merges(tmp_path, quantization):
+def test_save_and_load_on_a_quantised_base_is_exact_after_merges(tmp_path, quantization, fold_by):
     config = PoetConfig(
         target_modules=TARGETS,
         block_size=32,

@@ -42,6 +42,7 @@ from .base_weight import BaseWeightMixin, QuantizedMergeWarning
 from .constants import SIDE_INPUT
 from .fused_forward import FusedForward, fused_enabled, reference_forward
 from .module_mixin import ModuleMixin
+from .row_fold import fold_by_rows, foldable_by_rows
 from .state_checks import check_loaded_state
 
 logger = logging.getLogger(__name__)
@@ -400,7 +401,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
 
         A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
-        (`requantize`).
+        (`requantize`); a large 4-bit one a group of rows at a time (`poet_hf.tuners.row_fold`).
 
         Returns the pre-merge [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics], with
         ``requantization_error`` for a quantised base.
@@ -412,9 +413,13 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].neumann_terms
         )
         count = int(self.merge_counts[adapter_name]) + 1
-        self._fold_into_base(
-            self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name, count
-        )
+        if foldable_by_rows(self, adapter_name):  # a large 4-bit W0: a group of rows at a time
+            self._attach_residual_store(adapter_name)
+            self.requantization_error = fold_by_rows(self, adapter_name)
+        else:
+            self._fold_into_base(
+                self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name), adapter_name, count
+            )
         if self.requantization_error is not None and self.base_quantization is not None:
             stats["requantization_error"] = self.requantization_error
         self.merge_counts[adapter_name].fill_(count)

@@ -1,0 +1,173 @@
+"""The measured tables of single layers and folds (docs/benchmarks.md, docs/pretraining-7b.md, docs/quantized.md),
+rendered from their results files by `benchmarks.figures`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.table_format import markdown_table, mib, provenance, ratio
+
+Load = Callable[[str], dict[str, Any]]
+
+
+def fold_table(load: Load) -> str:
+    """One nf4 layer's merge-then-reinitialize, whole against by rows (docs/pretraining-7b.md)."""
+    rows = [
+        [
+            row["way"],
+            f"{mib(row['peak_above_mb'])} ({ratio(row['memory_vs_whole'])})",
+            f"{row['peak_above_mb'] / row['float32_copy_mb']:.1f}",
+            f"{row['fold_s']:.1f} s ({ratio(row['time_vs_whole'])})",
+            f"{row['requantization_error']:.4f}",
+        ]
+        for row in load("fold")["rows"]
+    ]
+    header = ["fold", "peak above the layer (vs whole)", "float32 copies of W0", "time (vs whole)", "requant. error"]
+    return markdown_table(header, rows)
+
+
+def three(value: float) -> str:
+    """Three significant digits, as the layer tables print times and ratios."""
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def span(values: list[float], digits: int = 1) -> str:
+    """``"a–b×"`` over ``values``."""
+    return f"{min(values):.{digits}f}–{max(values):.{digits}f}×"
+
+
+def eco_rows(load: Load, layer: str) -> list[dict[str, Any]]:
+    return [r for r in load("eco")["rows"] if r["layer"] == layer and r["what"].startswith("eval")]
+
+
+def eco_table(load: Load) -> str:
+    """ECO against SOC and a plain dilated conv at the paper's block-3 shape (docs/benchmarks.md)."""
+    rows = [
+        [
+            baked["what"].removeprefix("eval, block 3 of "),
+            three(baked["ms_per_batch"]),
+            f"{three(soc['ratio_vs_eco_baked'])}×",
+            f"{plain['ratio_vs_eco_baked']:.2f}×",
+        ]
+        for baked, soc, plain in zip(
+            eco_rows(load, "eco_baked"), eco_rows(load, "soc"), eco_rows(load, "plain_dilated"), strict=True
+        )
+    ]
+    return markdown_table(["block 3 of", "baked ECO (ms)", "SOC, 10 terms", "plain dilated conv"], rows)
+
+
+def eco_train_ratio(load: Load) -> str:
+    soc = next(r for r in load("eco")["rows"] if r["layer"] == "soc_train")
+    return f"{soc['ratio_vs_eco_baked']:.1f}×"
+
+
+REFLECTION_COLUMNS = {
+    "aux_reflection": "auxiliary reflection",
+    "householder_seq": "Householder, d reflections, sequential",
+    "householder_wy": "Householder, blocked (WY)",
+    "param_matrix_exp": "`orthogonal` (matrix_exp)",
+    "param_cayley": "`orthogonal` (cayley)",
+}
+
+
+def reflection_table(load: Load) -> str:
+    """Reflections against a plain Linear (docs/benchmarks.md)."""
+    rows = [
+        [str(r["d"]), *(three(r[f"{name}/linear"]) for name in REFLECTION_COLUMNS)] for r in load("reflection")["rows"]
+    ]
+    return markdown_table(["d", *REFLECTION_COLUMNS.values()], rows)
+
+
+def reflection_speedup(load: Load, name: str) -> str:
+    values = [r[f"speedup_vs_{name}"] for r in load("reflection")["rows"]]
+    return span(values, 0 if min(values) >= 10 else 1)
+
+
+POET_LAYER_STRATEGIES = ("weight", "activation", "activation-recompute")
+
+
+def poet_layer_table(load: Load) -> str:
+    """Each strategy's forward+backward time against a plain Linear (docs/benchmarks.md)."""
+    rows = [
+        [
+            str(r["dim"]),
+            str(r["block"]),
+            str(r["tokens"]),
+            *(f"{r[f'{s} / plain']:.2f}" for s in POET_LAYER_STRATEGIES),
+            r["auto picks"],
+            r["faster (memory-neutral)"],
+        ]
+        for r in load("poet_layer")["rows"]
+    ]
+    header = ["dim", "block", "tokens", "weight", "activation (keeps `h`)", "activation-recompute"]
+    return markdown_table([*header, "`auto` picks", "fastest memory-neutral"], rows)
+
+
+def poet_layer_picks(load: Load) -> str:
+    """How many of the rows ``auto`` picked within 10 % of the faster memory-neutral strategy."""
+    rows = load("poet_layer")["rows"]
+    good = sum(r["pick within 10% of it"] for r in rows)
+    return f"{good} of the {len(rows)}"
+
+
+def fold_row(load: Load, way: str) -> dict[str, Any]:
+    return next(r for r in load("fold")["rows"] if r["way"] == way)
+
+
+def oft_layer_table(load: Load) -> str:
+    """Our OFT Linear against PEFT's (docs/benchmarks.md)."""
+    rows = [
+        [
+            str(r["in=out"]),
+            str(r["block"]),
+            three(r["frozen Linear ms"]),
+            three(r["PEFT overhead ms"]),
+            three(r["ours overhead ms"]),
+            f"{r['overhead ours / PEFT']:.2f}",
+            f"{r['max |Δy|']:.1e}",
+        ]
+        for r in load("oft_layer")["rows"]
+    ]
+    header = ["d", "block", "frozen Linear (ms)", "PEFT overhead (ms)", "our overhead (ms)", "ours / PEFT"]
+    return markdown_table([*header, "max \\|Δy\\|"], rows)
+
+
+def import_time_table(load: Load) -> str:
+    """``import poet_hf`` against ``import peft`` (docs/benchmarks.md)."""
+    rows = [
+        [f"{r['peft_s']:.2f}", f"{r['poet_hf_s']:.2f}", ratio(r["poet_hf/peft"])] for r in load("import_time")["rows"]
+    ]
+    return markdown_table(["`import peft` (s)", "`import poet_hf` (s)", "poet_hf / peft"], rows)
+
+
+LAYER_TABLES: dict[str, Callable[[Load], str]] = {
+    "fold": fold_table,
+    "eco": eco_table,
+    "reflection": reflection_table,
+    "poet_layer": poet_layer_table,
+    "oft_layer": oft_layer_table,
+    "import_time": import_time_table,
+}
+
+LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
+    "fold.source": lambda load: provenance(load("fold")),
+    "eco.source": lambda load: provenance(load("eco")),
+    "eco.soc_span": lambda load: span([r["ratio_vs_eco_baked"] for r in eco_rows(load, "soc")], 0),
+    "eco.plain_span": lambda load: span([1 / r["ratio_vs_eco_baked"] for r in eco_rows(load, "plain_dilated")], 2),
+    "eco.train": eco_train_ratio,
+    "reflection.source": lambda load: provenance(load("reflection")),
+    "reflection.vs_cayley": lambda load: reflection_speedup(load, "param_cayley"),
+    "reflection.vs_wy": lambda load: reflection_speedup(load, "householder_wy"),
+    "reflection.vs_matrix_exp": lambda load: reflection_speedup(load, "param_matrix_exp"),
+    "reflection.vs_linear": lambda load: span([r["aux_reflection/linear"] for r in load("reflection")["rows"]], 2),
+    "poet_layer.source": lambda load: provenance(load("poet_layer")),
+    "poet_layer.picks": poet_layer_picks,
+    "oft_layer.source": lambda load: provenance(load("oft_layer")),
+    "oft_layer.ratios": lambda load: span([r["overhead ours / PEFT"] for r in load("oft_layer")["rows"]], 2),
+    "import_time.source": lambda load: provenance(load("import_time")),
+    "import_time.extra": lambda load: f"{(load('import_time')['rows'][0]['poet_hf/peft'] - 1) * 100:.0f} %",
+    "fold.floor": lambda load: mib(fold_row(load, "by rows")["floor_mb"]),
+    "fold.memory_ratio": lambda load: ratio(fold_row(load, "by rows")["memory_vs_whole"]),
+    "fold.time_ratio": lambda load: ratio(fold_row(load, "by rows")["time_vs_whole"]),
+}
