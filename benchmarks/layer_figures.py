@@ -141,6 +141,54 @@ def import_time_table(load: Load) -> str:
     return markdown_table(["`import peft` (s)", "`import poet_hf` (s)", "poet_hf / peft"], rows)
 
 
+FINETUNE_NAMES = {"oft": "OFT", "poet": "POET (both sides)", "lora": "LoRA (r 16)"}
+
+
+def finetune_rows(load: Load, accumulation: int) -> list[dict[str, Any]]:
+    return [r for r in load("finetune_step")["rows"] if r["accumulation"] == accumulation]
+
+
+def finetune_step_table(load: Load) -> str:
+    """One fine-tuning step against OFT, without accumulation (docs/benchmarks.md)."""
+    rows = [
+        [
+            FINETUNE_NAMES[r["method"]],
+            f"{r['trainable (M)']:.2f}",
+            three(r["step s"]),
+            f"{r['peak MB']:.0f}",
+            f"{r['time / OFT']:.2f}",
+            f"{r['memory / OFT']:.2f}",
+        ]
+        for r in finetune_rows(load, 1)
+    ]
+    header = ["method", "trainable (M)", "step (s)", "peak memory (MB)", "time / OFT", "memory / OFT"]
+    return markdown_table(header, rows)
+
+
+def finetune_accumulation_table(load: Load) -> str:
+    """The same step with gradient accumulation (docs/benchmarks.md)."""
+    accumulation = max(r["accumulation"] for r in load("finetune_step")["rows"])
+    rows = [
+        [
+            FINETUNE_NAMES[r["method"]],
+            three(r["step s"]),
+            f"{r['peak MB']:.0f}",
+            f"{r['time / OFT']:.2f}",
+            f"{r['memory / OFT']:.2f}",
+        ]
+        for r in finetune_rows(load, accumulation)
+    ]
+    header = ["method", f"step of {accumulation} micro-batches (s)", "peak memory (MB)", "time / OFT", "memory / OFT"]
+    return markdown_table(header, rows)
+
+
+def finetune_ratio(load: Load, method: str, key: str, accumulated: bool = False) -> str:
+    """``method``'s ``key`` ratio to OFT, without accumulation or with the suite's."""
+    accumulation = max(r["accumulation"] for r in load("finetune_step")["rows"]) if accumulated else 1
+    row = next(r for r in finetune_rows(load, accumulation) if r["method"] == method)
+    return ratio(row[key])
+
+
 LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "fold": fold_table,
     "eco": eco_table,
@@ -148,6 +196,8 @@ LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "poet_layer": poet_layer_table,
     "oft_layer": oft_layer_table,
     "import_time": import_time_table,
+    "finetune_step": finetune_step_table,
+    "finetune_accumulation": finetune_accumulation_table,
 }
 
 LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
@@ -165,6 +215,15 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "poet_layer.picks": poet_layer_picks,
     "oft_layer.source": lambda load: provenance(load("oft_layer")),
     "oft_layer.ratios": lambda load: span([r["overhead ours / PEFT"] for r in load("oft_layer")["rows"]], 2),
+    "finetune_step.source": lambda load: provenance(load("finetune_step")),
+    "finetune_step.poet_time": lambda load: finetune_ratio(load, "poet", "time / OFT"),
+    "finetune_step.poet_memory": lambda load: finetune_ratio(load, "poet", "memory / OFT"),
+    "finetune_step.lora_memory": lambda load: finetune_ratio(load, "lora", "memory / OFT"),
+    "finetune_step.lora_time": lambda load: finetune_ratio(load, "lora", "time / OFT"),
+    "finetune_step.oft_vs_lora_time": lambda load: ratio(
+        1 / next(r["time / OFT"] for r in finetune_rows(load, 1) if r["method"] == "lora")
+    ),
+    "finetune_step.accumulated_poet_time": lambda load: finetune_ratio(load, "poet", "time / OFT", accumulated=True),
     "import_time.source": lambda load: provenance(load("import_time")),
     "import_time.extra": lambda load: f"{(load('import_time')['rows'][0]['poet_hf/peft'] - 1) * 100:.0f} %",
     "fold.floor": lambda load: mib(fold_row(load, "by rows")["floor_mb"]),
