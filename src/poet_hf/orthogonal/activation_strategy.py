@@ -72,6 +72,7 @@ def _products(
         if g is not None:
             part = g[..., start:stop] @ rows
             grad = part if grad is None else grad.add_(part)
+        del rows  # before the next block is read: one block of W0 alive at a time
     output = None if u is None else outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
     return output, grad
 
@@ -125,8 +126,6 @@ class ActivationStrategy(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1])
             g = grad_y.reshape(-1, grad_y.shape[-1])
             r_blocks = r_eval = None
-            if input_side is not None:
-                r_blocks, r_eval = input_side.blocks(r_vec)
             if bias is not None and ctx.needs_input_grad[2]:
                 grads[2] = op.bias_grad(g.to(base_dtype)).to(bias.dtype)
             g_h, need_h = g, False  # dL/dh, in P's coordinates; whether h must be recomputed
@@ -137,23 +136,37 @@ class ActivationStrategy(torch.autograd.Function):
                     g = select_last(g, output_side.index)
                 g_h = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
                 need_h = ctx.needs_input_grad[4] and h is None
+            if input_side is not None and need_h:  # R's blocks are built when first needed: here for h, else after W0
+                r_blocks, r_eval = input_side.blocks(r_vec)
             # One pass over W0: h recomputed where needed, and dL/du = g_h Ψ_P W0 Ψ_Rᵀ (in R's coordinates).
             u = _natural_input(x2, input_side, r_blocks, rotation_dtype, base_dtype) if need_h else None
-            h_natural, grad_natural = _products(
-                u, _natural_columns(g_h.to(base_dtype), output_side), weight, op, None, base_dtype
-            )
+            g_natural = _natural_columns(g_h.to(base_dtype), output_side)
+            del g_h
+            h_natural, grad_natural = _products(u, g_natural, weight, op, None, base_dtype)
+            del u, g_natural
             grad_u = _side_columns(cast(torch.Tensor, grad_natural), input_side)
+            # Each activation-sized operand is freed once used: the rotations' VJPs below set the backward's peak.
+            del grad_natural
             if output_side is not None and ctx.needs_input_grad[4]:
                 h = h if h_natural is None else _side_columns(h_natural, output_side)
-                grads[4] = output_side.vector_grad(p_eval, _grad_right(h.to(rotation_dtype), g, output_side), p_vec)
+                h_natural = None
+                grad_blocks = _grad_right(h.to(rotation_dtype), g, output_side)
+                h = g = None
+                grads[4] = output_side.vector_grad(p_eval, grad_blocks, p_vec)
+                del grad_blocks
             del h, h_natural
             if input_side is not None:
+                if r_blocks is None:
+                    r_blocks, r_eval = input_side.blocks(r_vec)
                 grad_u = grad_u.to(rotation_dtype)
                 if ctx.needs_input_grad[3]:
                     x_r = x2.to(rotation_dtype)
                     if input_side.spec.kind == BLOCK:
                         x_r = select_last(x_r, input_side.index)
-                    grads[3] = input_side.vector_grad(r_eval, _grad_right(x_r, grad_u, input_side), r_vec)
+                    grad_blocks = _grad_right(x_r, grad_u, input_side)
+                    del x_r
+                    grads[3] = input_side.vector_grad(r_eval, grad_blocks, r_vec)
+                    del grad_blocks
                 grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
                 if input_side.spec.kind == BLOCK:
                     grad_u = select_last(grad_u, inverse_permutation(input_side.index))
