@@ -184,11 +184,10 @@ class _RotatedRows:
 
     def rotated(self, group: RowGroup) -> torch.Tensor:
         matrix = dequantize_rows(self.codes, self.scales, group.rows, self.state).to(self.dtype)
-        if self.residual is not None:
+        if self.residual is not None:  # rows of whole residual blocks: their codes and their blocks' scales
             codes, scales = self.residual
-            blocks = codes[group.rows].view(group.rows.numel(), -1, bnb.RESIDUAL_BLOCK).float()
-            kept = blocks * scales.view(self.shape[0], -1)[group.rows][:, :, None]
-            matrix = matrix + kept.view(matrix.shape).to(self.dtype)
+            kept = bnb.decode_residual(codes[group.rows], scales.view(self.shape[0], -1)[group.rows].reshape(-1))
+            matrix = matrix + kept.to(self.dtype)
         for side, (spec, index, blocks) in self.sides.items():
             if side == SIDE_INPUT:
                 matrix = spec.matmul_right(matrix, index, blocks)
