@@ -119,11 +119,12 @@ def run_suites(args: argparse.Namespace, command: str) -> dict:
     results = {"machine": machine_description()}
     print(f"machine: {results['machine']}")
     for suite in SUITES if args.suite == "all" else (args.suite,):
-        rows = importlib.import_module(f"benchmarks.{suite}").run(quick=args.quick)
+        module = importlib.import_module(f"benchmarks.{suite}")
+        rows = module.run(quick=args.quick)
         results[suite] = rows
         print(f"\n## {suite}\n\n{to_markdown(rows)}")
         if not args.quick:
-            print(save_results(suite, rows, results["machine"], command))
+            print(save_results(suite, rows, results["machine"], command, getattr(module, "SETTINGS", None)))
     return results
 
 
