@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
+from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
+from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row
 from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
 
 TABLE = re.compile(r"(?P<open><!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close>\n?<!-- /table -->)", re.S)
@@ -30,11 +32,6 @@ Load = Callable[[str], dict[str, Any]]
 
 
 # --- the suites' rows ---------------------------------------------------------------------------------------------
-def pretrain_step_row(load: Load, preset: str, batch: str, method: str = "poet-bs") -> dict[str, Any]:
-    rows = load("pretrain_step")["rows"]
-    return next(r for r in rows if (r["preset"], r["batch"], r["method"]) == (preset, batch, method))
-
-
 def seven_b(load: Load) -> dict[str, Any]:
     return load("pretrain_7b")["rows"][0]
 
@@ -77,8 +74,9 @@ def headline_table(load: Load) -> str:
         [
             "POET-BS 256 pretraining step, llama-130m, 4 × 256: memory / AdamW",
             f"**{ratio(step130['memory ratio'])}**",
-            f"analytic floor {ratio(step130['analytic floor ratio'])}; peak RSS above the imports, glibc's default "
-            f"allocator for both ({load('pretrain_step')['date']})",
+            f"analytic floor {ratio(step130['analytic floor ratio'])}; peak RSS above the imports, each in its own "
+            f"process started as a user starts it; whole process {mib(step130['POET whole peak MB'])} against "
+            f"{mib(step130['AdamW whole peak MB'])} ({load('pretrain_step')['date']})",
         ],
         [
             "the same run: time / AdamW",
@@ -110,31 +108,6 @@ def headline_table(load: Load) -> str:
         ],
     ]
     return markdown_table(["what", "figure", "note"], rows)
-
-
-def pretrain_step_table(load: Load) -> str:
-    """Every row of ``--suite pretrain_step`` (docs/benchmarks.md)."""
-    names = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½"}
-    header = ["model, batch", "method", "AdamW peak (MB)", "POET peak (MB)", "memory ratio", "analytic floor"]
-    header += ["saving / analytic", "saving / at-peak", "AdamW step (s)", "POET step (s)", "time ratio", "flop floor"]
-    rows = [
-        [
-            f"{r['preset'].removeprefix('llama-')}, {r['batch'].replace('x', ' × ')}",
-            names[r["method"]],
-            f"{r['AdamW peak MB']:.0f}",
-            f"{r['POET peak MB']:.0f}",
-            f"{r['memory ratio']:.2f}",
-            f"{r['analytic floor ratio']:.2f}",
-            f"{r['saving / analytic']:.2f}",
-            f"{r['saving / at-peak']:.2f}",
-            f"{r['AdamW step s']:.3g}",
-            f"{r['POET step s']:.3g}",
-            f"{r['time ratio']:.2f}",
-            f"{r['flop floor']:.2f}",
-        ]
-        for r in load("pretrain_step")["rows"]
-    ]
-    return markdown_table(header, rows)
 
 
 def pretrain_7b_table(load: Load) -> str:
@@ -275,13 +248,14 @@ def choosing_pretrain_table(load: Load) -> str:
 TABLES: dict[str, Callable[[Load], str]] = {
     "choosing_pretrain": choosing_pretrain_table,
     "headline": headline_table,
-    "pretrain_step": pretrain_step_table,
     "pretrain_7b": pretrain_7b_table,
     "plan_7b": plan_7b_table,
     "memory_peers": memory_peers_table,
     "state_step": state_step_table,
     "savings_quality": savings_quality_table,
     **LAYER_TABLES,
+    **STEP_TABLES,
+    **QUANTIZED_TABLES,
 }
 
 # --- the figures in prose -----------------------------------------------------------------------------------------
@@ -312,12 +286,13 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "main_job.perplexity": lambda load: (
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
     ),
-    "pretrain_step.source": lambda load: provenance(load("pretrain_step")),
     "memory_peers.source": lambda load: provenance(load("memory_peers")),
     "memory_peers.time_130m": lambda load: poet_time_ratio(load, "llama-130m"),
     "memory_peers.time_350m": lambda load: poet_time_ratio(load, "llama-350m"),
     "memory_peers.planner_gap": planner_gap,
     **LAYER_FIGURES,
+    **STEP_FIGURES,
+    **QUANTIZED_FIGURES,
 }
 
 

@@ -9,6 +9,10 @@
   against AdamW and against POET with a float32 ``W0``, each in its own process.
 - ``finetune``: one step of the SmolLM-135M shape, 8 × 128, on a 4-bit base: QOFT and QPOET against PEFT's LoRA r 8
   on the same base (QLoRA), each in its own process.
+
+The step rows run each method in processes started as a user starts one (glibc's default allocator, no variable in
+the environment); memory and time come from the same processes, the median of ``REPEATS``, interleaved so that the
+machine's noise hits every method alike.
 - ``quality``: the README's tiny pretraining run with a float32, int8 and nf4 ``W0``: validation perplexity.
 """
 
@@ -19,13 +23,15 @@ import sys
 
 import torch
 
-from benchmarks.common import FIXED_MMAP, readme_job_rows
+from benchmarks.common import readme_job_rows
 from poet_hf.tuners.low_precision import LOW_PRECISION_DTYPES
 
 # Rotation sizes: the median largest ||Q||_2 per layer and side at a merge of the README's tiny pretraining run
 # (block 32, 50 steps between merges; measured 0.17), and a tenth of it (shorter intervals or lower rates).
 TRAINING_Q_NORM = 0.17
 MERGES = (1, 5, 10, 20, 50)
+REPEATS = 2
+SETTINGS = {"allocator": "glibc default, as a user runs it", "repeats": f"median of {REPEATS}, interleaved"}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,7 +134,7 @@ def _median(runs: list[dict]) -> dict:
     return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
 
 
-def pretrain_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
+def pretrain_rows(quick: bool = False, repeats: int = REPEATS) -> list[dict]:
     """One llama-130m pretraining step (``benchmarks.pretrain_step.measure``) per W0 storage, against AdamW.
 
     Floors, in bytes, with ``N`` the ``W0`` entries, ``S`` the skew parameters and ``B`` the bytes ``W0`` occupies:
@@ -139,21 +145,19 @@ def pretrain_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
 
     preset, batch = ("tiny", 4) if quick else PRETRAIN
     steps = 2 if quick else 3
-    memory: dict[tuple, list[dict]] = {m: [] for m in PRETRAIN_METHODS}
-    timing: dict[tuple, list[dict]] = {m: [] for m in PRETRAIN_METHODS}
+    runs: dict[tuple, list[dict]] = {m: [] for m in PRETRAIN_METHODS}
     for _ in range(1 if quick else repeats):  # interleaved: noise hits every method alike
         for key in PRETRAIN_METHODS:
             method, quantization, requantize = key
             options = {"quantization": quantization, "requantize": requantize} if quantization else {}
-            memory[key].append(_child(method, preset, batch, steps, env=FIXED_MMAP, **options))
-            timing[key].append(_child(method, preset, batch, steps, **options))
-    adamw_peak = _median(memory[PRETRAIN_METHODS[0]])["peak_mb"]
-    adamw_time = _median(timing[PRETRAIN_METHODS[0]])["step_s"]
-    poet_time = _median(timing[PRETRAIN_METHODS[1]])["step_s"]
+            runs[key].append(_child(method, preset, batch, steps, **options))
+    adamw, poet = _median(runs[PRETRAIN_METHODS[0]]), _median(runs[PRETRAIN_METHODS[1]])
+    adamw_peak, adamw_time, poet_time = adamw["peak_mb"], adamw["step_s"], poet["step_s"]
     rows = []
     for key in PRETRAIN_METHODS[1:]:
         method, quantization, requantize = key
-        mem, step = _median(memory[key]), _median(timing[key])["step_s"]
+        mem = _median(runs[key])
+        step = mem["step_s"]
         n, skew, stored = mem["frozen"], mem["skew"], mem["w0_bytes"]
         analytic = (16 * n - stored - 16 * skew) / 2**20
         at_peak = (12 * n - stored - 12 * skew) / 2**20
@@ -166,6 +170,8 @@ def pretrain_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
                 "W0 bytes/entry": stored / n,
                 "AdamW peak MB": adamw_peak,
                 "POET peak MB": mem["peak_mb"],
+                "AdamW whole peak MB": adamw["whole_peak_mb"],
+                "POET whole peak MB": mem["whole_peak_mb"],
                 "memory ratio": mem["peak_mb"] / adamw_peak,
                 "analytic floor": (adamw_peak - analytic) / adamw_peak,
                 "at-peak floor": (adamw_peak - at_peak) / adamw_peak,
@@ -182,27 +188,24 @@ def pretrain_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
 FINETUNE_METHODS = (("lora", "nf4"), ("oft", "nf4"), ("poet", "nf4"), ("lora", "int8"), ("oft", "int8"))
 
 
-def finetune_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
+def finetune_rows(quick: bool = False, repeats: int = REPEATS) -> list[dict]:
     """One fine-tuning step of the SmolLM-135M shape (``benchmarks.finetune_step``) on a base loaded in 4-bit or
     8-bit through ``BitsAndBytesConfig``: QOFT and QPOET (block 32; POET in the contiguous layout of
     ``scripts/finetune.py``'s default recipe) against PEFT's LoRA r 8 on the same base."""
     from benchmarks.finetune_step import _child
 
     steps = 2 if quick else 5
-    memory: dict[tuple, list[dict]] = {m: [] for m in FINETUNE_METHODS}
-    timing: dict[tuple, list[dict]] = {m: [] for m in FINETUNE_METHODS}
-    for _ in range(1 if quick else repeats):
+    runs: dict[tuple, list[dict]] = {m: [] for m in FINETUNE_METHODS}
+    for _ in range(1 if quick else repeats):  # interleaved: noise hits every method alike
         for key in FINETUNE_METHODS:
             method, quantization = key
             options = {"quantization": quantization, "lora_rank": 8, "poet_spo": "contiguous"}
-            memory[key].append(_child(method, quick, steps, env=FIXED_MMAP, **options))
-            timing[key].append(_child(method, quick, steps, **options))
+            runs[key].append(_child(method, quick, steps, **options))
     rows = []
     for key in FINETUNE_METHODS:
         method, quantization = key
-        baseline = ("lora", quantization)
-        mem, base_mem = _median(memory[key]), _median(memory[baseline])
-        step, base_step = _median(timing[key])["step_s"], _median(timing[baseline])["step_s"]
+        mem, base_mem = _median(runs[key]), _median(runs[("lora", quantization)])
+        step, base_step = mem["step_s"], base_mem["step_s"]
         rows.append(
             {
                 "base": quantization,
@@ -224,7 +227,7 @@ def quality_rows(quick: bool = False) -> list[dict]:
     return readme_job_rows("W0", variants, quick)
 
 
-def run(quick: bool = False, repeats: int = 3) -> list[dict]:
+def run(quick: bool = False, repeats: int = REPEATS) -> list[dict]:
     drift_table = drift_rows((TRAINING_Q_NORM,) if quick else (TRAINING_Q_NORM, TRAINING_Q_NORM / 10))
     return (
         [{"table": "drift", **row} for row in drift_table]

@@ -26,6 +26,12 @@ def percent(value: float) -> str:
     return f"{value * 100:+.1f} %".replace("-", "−")
 
 
+def scientific(value: float) -> str:
+    """Two significant digits times a power of ten, as prose writes it: ``1.5·10⁻⁷``."""
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}·10{str(int(exponent)).translate(str.maketrans('-0123456789', '⁻⁰¹²³⁴⁵⁶⁷⁸⁹'))}"
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join([*lines, *("| " + " | ".join(row) + " |" for row in rows)])

@@ -1,8 +1,9 @@
 """The training modes GPU users combine, on this machine: ``torch.compile``, activation checkpointing and 8-bit
 optimizer states, for POET-BS and AdamW, in the same run.
 
-Every (preset, method, mode) is one pretraining step of `benchmarks.pretrain_step.measure` in its own processes
-(memory with glibc's mmap threshold fixed, time under the default allocator), the median of ``repeats``. Each row
+Every (preset, method, mode) is one pretraining step of `benchmarks.pretrain_step.measure` in its own processes,
+started as a user starts one (glibc's default allocator; the fused steps fix its mmap threshold themselves,
+`poet_hf.allocator`), memory and time from the same processes, the median of ``REPEATS``. Each row
 gives the mode against the eager float32 step of the same method (time and peak), and POET against AdamW in the
 same mode. ``compile s`` is the warm-up step that compiles (Inductor), paid once per run; the peak of a compiled
 run includes what compiling took. The shape is the README's tiny preset: Inductor compiles a POET model of the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.common import FIXED_MMAP, readme_job_rows
+from benchmarks.common import readme_job_rows
 from benchmarks.pretrain_step import SEQ, _child
 
 MODES = {
@@ -37,15 +38,13 @@ UNCOMPILED = ("eager", "checkpointing", "fused step", "checkpointing + fused ste
 # ones that need no compilation at the paper's llama-60m.
 CONFIGS = [("tiny", 4, 5, tuple(MODES)), ("llama-60m", 4, 3, UNCOMPILED)]
 QUICK_CONFIGS = [("tiny", 4, 2, tuple(MODES))]
+REPEATS = 3
+SETTINGS = {"allocator": "glibc default, as a user runs it", "repeats": f"median of {REPEATS}"}
 
 
 def _median_run(method: str, preset: str, batch: int, steps: int, repeats: int, options: dict) -> dict:
-    memory = [_child(method, preset, batch, steps, env=FIXED_MMAP, **options) for _ in range(repeats)]
-    timing = [_child(method, preset, batch, steps, **options) for _ in range(repeats)]
-    result = {key: statistics.median(run[key] for run in memory) for key in ("peak_mb", "states_mb")}
-    result["step_s"] = statistics.median(run["step_s"] for run in timing)
-    result["compile_s"] = statistics.median(run["compile_s"] for run in timing)
-    return result
+    runs = [_child(method, preset, batch, steps, **options) for _ in range(repeats)]
+    return {key: statistics.median(run[key] for run in runs) for key in ("peak_mb", "states_mb", "step_s", "compile_s")}
 
 
 def quality_rows(quick: bool = False) -> list[dict]:
@@ -55,11 +54,11 @@ def quality_rows(quick: bool = False) -> list[dict]:
     return [{"table": "quality", **row} for row in readme_job_rows("optim", variants, quick)]
 
 
-def run(quick: bool = False, repeats: int = 3) -> list[dict]:
+def run(quick: bool = False, repeats: int = REPEATS) -> list[dict]:
     return step_rows(quick, repeats) + quality_rows(quick)
 
 
-def step_rows(quick: bool = False, repeats: int = 3) -> list[dict]:
+def step_rows(quick: bool = False, repeats: int = REPEATS) -> list[dict]:
     """One row per (preset, method, mode): time and peak against the eager step and against AdamW."""
     rows = []
     for preset, batch, steps, modes in QUICK_CONFIGS if quick else CONFIGS:
