@@ -20,14 +20,19 @@ def results_path(suite: str, root: Path = ROOT) -> Path:
     return root / "benchmarks" / "results" / f"{suite}.json"
 
 
+# What a measurement does not run: a results file or a page changed since the commit leaves the code measured as
+# committed (one suite's results written while the next suite runs).
+NOT_MEASURED = (":!benchmarks/results", ":!docs", ":!README.md")
+
+
 def commit() -> str:
-    """The checkout's commit, with ``+changes`` when the working tree differs from it."""
+    """The checkout's commit, with ``+changes`` when the code in the working tree differs from it."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", ".", *NOT_MEASURED) else "")
 
 
 def save_results(suite: str, rows: list[dict], machine: str, command: str, settings: dict | None = None) -> Path:
