@@ -44,6 +44,7 @@ SUITES = (
     "memory_peers",
     "pretrain_7b",
     "savings_quality",
+    "svd_network",
 )
 
 
