@@ -286,10 +286,11 @@ def materialize_model(
 
     if loading not in CHECKPOINT_LOADING:
         raise ValueError(f"`loading` must be one of {CHECKPOINT_LOADING}, got {loading!r}")
-    bound_allocator_slack()  # a layer's float32 build, freed before the next: off the resident set at once
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     sharded = any(isinstance(p, DTensor) for p in model.parameters())
     layers = [layer for _, layer in rotation_layers(model) if has_meta_tensors(cast(nn.Module, layer))]
+    if any(layer.pending_quantization is not None for layer in layers):
+        bound_allocator_slack()  # each layer's float32 build, freed once quantised: off the resident set at once
     adapter_state = {
         id(m)
         for layer in layers
