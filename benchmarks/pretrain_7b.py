@@ -130,10 +130,11 @@ def measure(
 
 
 def residual_folder() -> str | None:
-    """The folder of this process's residual files (`poet_hf.tuners.residual_store`), if any were written."""
-    from poet_hf.tuners import residual_store
+    """The folder of this process's residual files (`poet_hf.tuners.residual_folder`), if any were written."""
+    from poet_hf.tuners.residual_folder import current_folder
 
-    return residual_store._FOLDER[0].name if residual_store._FOLDER else None
+    folder = current_folder()
+    return str(folder) if folder is not None else None
 
 
 def residual_file_mb() -> float:

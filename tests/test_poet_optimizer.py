@@ -99,3 +99,59 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
     assert [g["lr"] for g in optimizer.param_groups] == [0.0, 0.0]  # linear decay to 0 at the last step
     assert [m["step"] for m in merges.history] == [6, 12]
     assert all(int(layer.merge_counts["default"]) == 2 for _, layer in rotation_layers(model))
+
+
+def skew_rates(optimizer: torch.optim.Optimizer, model) -> dict[tuple[str, str], float]:
+    """The learning rate of each layer side's skew parameter, read off the optimizer's groups."""
+    rate_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    return {
+        (name, side): rate_of[id(layer.skew_parameter("default", side))]
+        for name, layer in rotation_layers(model)
+        for side in layer.sides("default")
+    }
+
+
+def side_blocks(model) -> dict[tuple[str, str], int]:
+    layers = rotation_layers(model)
+    return {(name, side): spec.block for name, layer in layers for side, spec in layer.sides("default").items()}
+
+
+@pytest.mark.parametrize("recipe", ["default", "finetune blocks 32 / 64"])
+def test_default_arguments_train_a_recipe_config_at_the_recipes_rate(tmp_path, caplog, monkeypatch, recipe):
+    """`PoetTrainer` with ``PoetTrainingArguments(output_dir=…)`` alone (transformers' learning_rate 5e-5, no
+    poet_learning_rate) trains a `PoetConfig.for_finetuning` adapter at its recipe's rate: 5e-4 at a 32-block side,
+    5e-4 · 32/b at a b-block side, and says so once in the log."""
+    from models import tiny_llama
+
+    from poet_hf.training import optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "_LOGGED_RATES", set())  # once per process: this test's process
+    blocks = {"input": 32, "output": 64} if recipe != "default" else 32
+    config = PoetConfig.for_finetuning(block_size=blocks, target_modules=["q_proj", "up_proj"])
+    model = get_peft_model(tiny_llama(), config)
+    args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert args.learning_rate == 5e-5 and args.poet_learning_rate is None
+    with caplog.at_level("WARNING"):
+        optimizer = PoetTrainer(model=model, args=args).create_optimizer()
+        PoetTrainer(model=model, args=args).create_optimizer()
+    expected = {key: 5e-4 * 32 / block for key, block in side_blocks(model).items()}
+    assert skew_rates(optimizer, model) == pytest.approx(expected, rel=1e-12)
+    if recipe != "default":
+        assert set(expected.values()) == {5e-4, 2.5e-4}
+    assert sum("poet_learning_rate is not set" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_default_arguments_train_a_pretraining_config_at_the_papers_tied_rate(tmp_path):
+    """Without a recipe rate, a POET-BS adapter trains at the POET paper's Tables 8–9 tie, 1e-3 · 256/b per side; an
+    explicit poet_learning_rate still wins, for every side."""
+    from models import tiny_llama
+
+    model = get_peft_model(tiny_llama(), PoetConfig(block_size={"input": 32, "output": 64}, target_modules=["up_proj"]))
+    args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    optimizer = PoetTrainer(model=model, args=args).create_optimizer()
+    blocks = side_blocks(model)
+    assert sorted(set(blocks.values())) == [32, 64]
+    assert skew_rates(optimizer, model) == pytest.approx({k: 1e-3 * 256 / b for k, b in blocks.items()}, rel=1e-12)
+    explicit = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, poet_learning_rate=2e-3)
+    optimizer = PoetTrainer(model=model, args=explicit).create_optimizer()
+    assert set(skew_rates(optimizer, model).values()) == {2e-3}

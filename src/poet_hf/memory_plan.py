@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .activation_trace import trace_activations
-from .tuners.bnb import BASE_QUANTIZATIONS
+from .tuners.bnb import BASE_QUANTIZATIONS, residual_bytes
 from .tuners.bnb_rows import ROW_BLOCK_ENTRIES
 from .tuners.peft_utils import base_model_of
 from .tuners.residual_store import RESIDUAL_STORAGES
@@ -74,12 +74,16 @@ class MemoryPlan:
         parts: bytes per process, per part (``W0``, trainable parameters, gradients, …).
         settings: the inputs of the plan (model, dtype, batch, …).
         counts: tensor entries read off the model (``W0``, trainable, optimizer states).
+        residual_bytes: the merges' error-feedback residual kept off the steps' memory (``residual_storage`` other
+            than ``"layer"``): files under the residual folder on a CPU run, host memory for a ``W0`` on an
+            accelerator (`poet_hf.tuners.residual_store`). Not part of `total_bytes`.
     """
 
     method: str
     parts: dict[str, int]
     settings: dict[str, Any] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # entries (not bytes), before any sharding
+    residual_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -89,7 +93,7 @@ class MemoryPlan:
         """The plan as JSON-ready data (what ``--json`` prints).
 
         Returns:
-            ``{"method", "parts", "total_bytes", "settings", "counts"}``.
+            ``{"method", "settings", "counts", "parts_mb", "total_mb", "residual_mb"}``.
         """
         return {
             "method": self.method,
@@ -97,6 +101,7 @@ class MemoryPlan:
             "counts": self.counts,
             "parts_mb": {k: v / 2**20 for k, v in self.parts.items()},
             "total_mb": self.total_bytes / 2**20,
+            "residual_mb": self.residual_bytes / 2**20,
         }
 
 
@@ -275,7 +280,24 @@ def plan_memory(
     at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
     at_end["gradients"] = largest["gradient"] if fused_step else all_gradients
     settings["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
-    return MemoryPlan(method, at_end if settings["peak"] == "backward end" else parts, settings, counts)
+    peak = at_end if settings["peak"] == "backward end" else parts
+    return MemoryPlan(method, peak, settings, counts, _residual_off_memory(built, settings))
+
+
+def _residual_off_memory(built: Any, settings: dict[str, Any]) -> int:
+    """Bytes of the error-feedback residual kept off the steps' memory: every POET ``W0``'s, where ``W0`` is quantised
+    or 16-bit, unsharded, and ``residual_storage`` is not ``"layer"``."""
+    sixteen_bit = settings["dtype"] != "float32" and not (settings["sharding"] == "fsdp2" and settings["processes"] > 1)
+    if not settings["method"].startswith("poet") or settings["residual_storage"] == "layer":
+        return 0
+    if settings["base_quantization"] is None and not sixteen_bit:
+        return 0
+    quantized = settings["base_quantization"] is not None
+    weights = [
+        p for name, p in built.named_parameters() if name.endswith(f"{BASE_LAYER}weight") and not p.requires_grad
+    ]
+    entries = [p.numel() for p in weights]
+    return sum(residual_bytes(n) if quantized else n for n in entries)
 
 
 def _check_settings(settings: dict[str, Any]) -> None:
@@ -389,8 +411,7 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
         stored = entries + 4 * shape[0]  # codes and a float32 scale per row
     else:  # codes, an int8 absmax per 64 entries and a float32 scale per 256 of those (double quantisation)
         stored = entries // 2 + math.ceil(entries / 64) + 4 * math.ceil(entries / 64 / 256) + FOUR_BIT_LAYER_BYTES
-    residual = entries + 4 * math.ceil(entries / 64)  # int8 codes and a float32 scale per 64 (tuners/bnb.py)
-    return stored + (residual if storage == "layer" else 0)
+    return stored + (residual_bytes(entries) if storage == "layer" else 0)
 
 
 def _state_bytes(entries: int, value_size: int, bits: int) -> int:
@@ -432,4 +453,9 @@ def format_plans(plans: list[MemoryPlan]) -> str:
             lines.append(f"{part:<{width}}" + "".join(f"{plan.parts[part] / 2**20:>12.1f}" for plan in plans))
     lines.append(f"{'sum':<{width}}" + "".join(f"{plan.total_bytes / 2**20:>12.1f}" for plan in plans))
     lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MB per process")
+    if plans[0].residual_bytes:
+        lines.append(
+            f"residual files: {plans[0].residual_bytes / 2**20:.0f} MB on disk beside it (the merges' error-feedback "
+            "residual, under the residual folder; host memory instead for a W0 on an accelerator)"
+        )
     return "\n".join(lines)

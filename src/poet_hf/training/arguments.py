@@ -42,6 +42,15 @@ class PoetTrainingArguments(TrainingArguments):
     post_merge_clip_factor: float = field(
         default=0.1, metadata={"help": "Clip threshold right after a merge, as a fraction of max_grad_norm."}
     )
+    residual_folder: str | None = field(
+        default=None,
+        metadata={
+            "help": "Parent folder of the merges' residual files (error feedback of a 4-bit or 16-bit W0 on the "
+            "CPU: about 1.06 B per 4-bit W0 entry, 1 B per 16-bit one); default the system temp folder ($TMPDIR, "
+            "else /tmp). Each process writes into a poet-residuals-<pid>-* folder of its own, removed at exit; one "
+            "left by a killed process is removed at the next start. The free space is checked before training."
+        },
+    )
     fused_optimizer_step: bool = field(
         default=False,
         metadata={

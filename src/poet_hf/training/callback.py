@@ -13,6 +13,7 @@ from transformers.trainer_callback import ExportableState
 from ..diagnostics import poet_statistics, rotation_angle
 from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit
 from ..tuners.rotation_layer import rotation_layers
+from ..tuners.rotation_model import prepare_residual_files
 from .optimizer import poet_parameters, reset_optimizer_state
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         return cast("int | None", self._interval)
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+        if model is not None and rotation_layers(unwrap(model), self.adapter_name):
+            prepare_residual_files(unwrap(model), self.adapter_name)  # before any merge writes a residual file
         self.base_max_grad_norm = args.max_grad_norm
         self._interval = _UNREAD
         if model is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
@@ -14,6 +15,8 @@ from .eight_bit import own_override_index, weights_keeping_32bit_states
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
+
+logger = logging.getLogger(__name__)
 
 
 def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -104,6 +107,45 @@ def poet_param_groups(
     return [g for g in groups if g["params"]]
 
 
+def adapter_rotation_rate(model: nn.Module) -> tuple[float, int | None, str] | None:
+    """The rotations' rate a POET adapter of ``model`` is built for: ``(rate, reference block, where it comes from)``.
+
+    The config's ``rotation_learning_rate`` (a `PoetConfig.for_finetuning` recipe's) with its
+    ``rotation_reference_block``; else the pretraining recipe of the POET paper's Tables 8–9: 1e-3 at a 256-block
+    side (``1e-3 · 256/b`` per side), or ``1e-3 · ½/budget`` for ``spo="full"`` with a fractional budget. ``None``
+    for a model without a POET adapter (OFT trains at the Trainer's ``learning_rate``, as PEFT's OFT does)."""
+    from ..tuners.poet import PoetConfig
+    from .presets import tied_poet_learning_rate
+
+    configs = getattr(model, "peft_config", None) or {}
+    config = next((c for c in configs.values() if isinstance(c, PoetConfig)), None)
+    if config is None:
+        return None
+    if config.rotation_learning_rate is not None:
+        return config.rotation_learning_rate, config.rotation_reference_block, "the adapter's rotation_learning_rate"
+    if config.spo == "full":
+        budget = config.budget if isinstance(config.budget, float) and config.budget <= 1 else 0.5
+        return tied_poet_learning_rate("poet-fs", budget), None, "the pretraining recipe's (1e-3 · ½/budget)"
+    return 1e-3, 256, "the pretraining recipe's (1e-3 at a 256-block side, POET Tables 8–9)"
+
+
+_LOGGED_RATES: set[tuple] = set()
+
+
+def _log_rotation_rate_once(rate: float, reference_block: int | None, source: str) -> None:
+    if (rate, reference_block, source) in _LOGGED_RATES:
+        return
+    _LOGGED_RATES.add((rate, reference_block, source))
+    per_side = f" at a {reference_block}-block side (scaled by {reference_block}/b per side)" if reference_block else ""
+    logger.warning(
+        "poet_learning_rate is not set: the rotations train at %g%s, %s. Set poet_learning_rate (and "
+        "poet_reference_block) to choose another.",
+        rate,
+        per_side,
+        source,
+    )
+
+
 def create_poet_optimizer(
     model: nn.Module,
     args: TrainingArguments,
@@ -128,10 +170,12 @@ def create_poet_optimizer(
         args: the training arguments (``TrainingArguments``, ``SFTConfig``, `PoetTrainingArguments`, …): ``optim``,
             ``learning_rate``, ``weight_decay``, and ``poet_learning_rate`` / ``poet_reference_block`` where they
             exist.
-        poet_learning_rate: the rotations' rate; default ``args.poet_learning_rate``, else ``args.learning_rate``.
+        poet_learning_rate: the rotations' rate; default ``args.poet_learning_rate``, else the rate the POET adapter
+            is built for (`adapter_rotation_rate`: a fine-tuning recipe's, else the pretraining recipe's; logged
+            once), else ``args.learning_rate`` (OFT).
         poet_reference_block: a side of block size ``b`` trains at ``poet_learning_rate · poet_reference_block / b``;
-            default ``args.poet_reference_block``, else one rate for every side. The fine-tuning recipe uses 32
-            (`POET_FINETUNE_RECIPES`).
+            default ``args.poet_reference_block``, else the adapter's with its rate, else one rate for every side.
+            The fine-tuning recipe uses 32 (`POET_FINETUNE_RECIPES`).
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
         fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once (the
@@ -159,6 +203,11 @@ def create_poet_optimizer(
         poet_learning_rate = getattr(args, "poet_learning_rate", None)
     if poet_reference_block is None:
         poet_reference_block = getattr(args, "poet_reference_block", None)
+    built_for = adapter_rotation_rate(model) if poet_learning_rate is None else None
+    if built_for is not None:
+        poet_learning_rate, reference, source = built_for
+        poet_reference_block = poet_reference_block if poet_reference_block is not None else reference
+        _log_rotation_rate_once(poet_learning_rate, poet_reference_block, source)
     groups = poet_param_groups(
         model,
         args.learning_rate,

@@ -15,10 +15,11 @@ from ..distributed import fsdp_requested, shard_model
 from ..export.source import RUN_INFO_NAME
 from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
+from ..tuners.residual_folder import set_residual_folder
 from ..tuners.rotation_layer import rotation_layers
 from .callback import MergeReinitCallback, unwrap
 from .fused_step import FusedStepOptimizer
-from .optimizer import create_poet_optimizer
+from .optimizer import adapter_rotation_rate, create_poet_optimizer
 
 
 def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
@@ -52,7 +53,8 @@ def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None,
 class PoetTrainer(CrashSafeTrainer):
     """A ``transformers.Trainer`` for POET and OFT models (any other model trains as with ``Trainer``).
 
-    - Optimizer: the skew parameters at ``args.poet_learning_rate`` without weight decay, the rest at
+    - Optimizer: the skew parameters at ``args.poet_learning_rate`` (unset: the rate the adapter is built for,
+      `adapter_rotation_rate`) without weight decay, the rest at
       ``args.learning_rate`` with Trainer's decay rules; the scheduler scales both.
     - Adds [`MergeReinitCallback`][poet_hf.training.MergeReinitCallback]: merge-then-reinitialize every
       ``merge_every`` steps (POET Algorithm 1, step 5), the optimizer-state reset and the post-merge clip ramp.
@@ -60,6 +62,8 @@ class PoetTrainer(CrashSafeTrainer):
     - Checkpoints also hold the base model's ``config.json`` and ``poet_run.json`` (so a model pretrained from scratch
       exports without a hub id), written atomically; ``train(resume_from_checkpoint="auto")`` resumes from the newest
       complete one (`CrashSafeTrainer`).
+    - Writes the merges' residual files (a 4-bit or 16-bit ``W0`` on the CPU) under ``args.residual_folder``, and
+      checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.residual_folder]).
     - Runs under DDP and FSDP2 ([`distributed`][poet_hf.distributed]); FSDP1 and DeepSpeed are refused.
     - Materializes a model built on the ``meta`` device
       ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``), under FSDP2 after
@@ -83,6 +87,8 @@ class PoetTrainer(CrashSafeTrainer):
     ) -> None:
         self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
+        if getattr(self.args, "residual_folder", None):
+            set_residual_folder(self.args.residual_folder)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:
@@ -115,8 +121,11 @@ class PoetTrainer(CrashSafeTrainer):
 
     @property
     def poet_learning_rate(self) -> float:
+        """The rotations' rate: ``args.poet_learning_rate``, else the adapter's (`adapter_rotation_rate`), else
+        ``args.learning_rate``."""
         value = getattr(self.args, "poet_learning_rate", None)
-        return self.args.learning_rate if value is None else value
+        built_for = adapter_rotation_rate(self._unwrapped_model()) if value is None else None
+        return value if value is not None else built_for[0] if built_for else self.args.learning_rate
 
     def _unwrapped_model(self) -> nn.Module:
         """The model under DDP / compile wrappers (``Trainer`` holds one from ``__init__`` on)."""

@@ -148,16 +148,25 @@ class BaseWeightMixin:
         ``nn.Module``'s loader would drop the statistics (4-bit quant state, int8 row scales). A 16-bit base gets
         room for its saved rounding residual."""
         if self.rotation_settings:
-            self._attach_residual_store(next(iter(self.rotation_settings)))
+            self.attach_residual_store(next(iter(self.rotation_settings)))
         if self.base_quantization is not None:
             bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
             return
         low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
 
-    def _attach_residual_store(self, adapter_name: str) -> None:
-        """Keep the base's error-feedback residual where ``residual_storage`` says (`residual_store`)."""
+    def attach_residual_store(self, adapter_name: str) -> None:
+        """Keep the base's error-feedback residual where ``residual_storage`` says (`residual_store`), and count what
+        it will take for the free-space check of the residual files."""
+        settings = self.rotation_settings[adapter_name]
         names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
-        residual_store.attach(self.get_base_layer(), self.rotation_settings[adapter_name].residual_storage, names)
+        expected = 0
+        if settings.requantize == "feedback":
+            entries = self.in_features * self.out_features
+            quantized = self.base_quantization is not None
+            expected = (
+                bnb.residual_bytes(entries) if quantized else low_precision.expected_residual_bytes(self.base_weight())
+            )
+        residual_store.attach(self.get_base_layer(), settings.residual_storage, names, expected)
 
     def _rounding_residual(self) -> torch.Tensor | None:
         """What the last fold's rounding of ``W0`` dropped (error feedback), as an out × in matrix, or ``None``."""
@@ -215,7 +224,7 @@ class BaseWeightMixin:
         A stochastic mode draws from a generator seeded by (seed, merge count, layer): the same on every rank."""
         settings = self.rotation_settings[adapter_name]
         generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
-        self._attach_residual_store(adapter_name)
+        self.attach_residual_store(adapter_name)
         self.set_weight_matrix(matrix, settings.requantize, generator)
 
     def warn_requantized(self, action: str, adapter_name: str) -> None:

@@ -17,6 +17,7 @@ met or asked for.
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any, cast
@@ -282,6 +283,12 @@ def encode_residual(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scales = padded.abs().amax(dim=1, keepdim=True) / 127
     codes = torch.round(padded / scales.clamp_min(torch.finfo(torch.float32).tiny)).clamp(-127, 127)
     return codes.to(torch.int8).reshape(-1)[: flat.numel()].reshape(residual.shape), scales.reshape(-1)
+
+
+def residual_bytes(entries: int) -> int:
+    """Bytes of the residual `encode_residual` keeps for a ``W0`` of ``entries``: an int8 code per entry and a
+    float32 scale per `RESIDUAL_BLOCK`."""
+    return entries + 4 * math.ceil(entries / RESIDUAL_BLOCK)
 
 
 def decode_residual(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

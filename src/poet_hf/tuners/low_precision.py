@@ -108,6 +108,12 @@ def load_residual(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix
         residual_store.load_from_state_dict(module, state_dict, prefix, (ROUNDING_RESIDUAL,))
 
 
+def expected_residual_bytes(weight: torch.Tensor) -> int:
+    """Bytes of the rounding residual error feedback keeps for ``weight``: an int8 code per entry of a 16-bit
+    weight, none for any other."""
+    return weight.numel() if weight.dtype in LOW_PRECISION_DTYPES else 0
+
+
 def residual_bytes(module: nn.Module) -> int:
     """Bytes of the rounding residual held on ``module`` itself (0 without one, or when kept off it)."""
     return residual_store.resident_bytes(module, (ROUNDING_RESIDUAL,))

@@ -7,8 +7,10 @@ a fold, once every ``merge_every`` steps, so it need not share the training step
 - ``"layer"``: buffers on the base layer, beside the weight (1.06 bytes per entry of a 4-bit ``W0``, 1 of a 16-bit
   one);
 - ``"cpu"``: host memory, for a ``W0`` on an accelerator (the accelerator holds only the codes);
-- ``"disk"``: one ``safetensors`` file per layer in a temporary folder, deleted with the layer; a fold reads one
-  layer's residual into memory and frees it, so the process holds at most one layer's residual at a time;
+- ``"disk"``: one ``safetensors`` file per layer in this process's residual folder (`residual_folder`: under the
+  system temp folder unless ``residual_folder`` names another), deleted with the layer; a fold reads one layer's
+  residual into memory and frees it, so the process holds at most one layer's residual at a time. Before the first
+  file is written, the disk's free space is checked against what every layer's file will take;
 - ``"auto"`` (the default): ``"cpu"`` for a ``W0`` on an accelerator, ``"disk"`` for one on the CPU.
 
 Wherever it lives, the residual is part of the layer's ``state_dict`` (read from its store when saved, put back
@@ -28,11 +30,15 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from torch import nn
 
+from . import residual_folder
+
 __all__ = [
     "RESIDUAL_STORAGES",
     "ResidualStore",
     "attach",
     "carry",
+    "check_disk_space",
+    "check_disk_space_once",
     "drop",
     "keep",
     "load_from_state_dict",
@@ -49,11 +55,27 @@ class ResidualStore:
 
     ``"auto"`` picks by the device of the residual it is given (`RESIDUAL_STORAGES`)."""
 
-    def __init__(self, storage: str) -> None:
+    def __init__(self, storage: str, expected_bytes: int = 0) -> None:
         self.storage = storage
+        self.expected_bytes = expected_bytes  # what the residual will take (the free-space check counts it)
+        self.module: weakref.ref[nn.Module] | None = None  # the base layer it serves (`_install`)
         self._tensors: dict[str, torch.Tensor] | None = None
         self._path: Path | None = None
         self._kept = False
+        _STORES.add(self)
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether its residual goes to a file: ``"disk"``, or ``"auto"`` for a layer whose weight is on the CPU."""
+        if self.storage != "auto":
+            return self.storage == "disk"
+        module = self.module() if self.module is not None else None
+        weight = getattr(module, "weight", None)
+        return not isinstance(weight, torch.Tensor) or weight.device.type in ("cpu", "meta")
+
+    def file_bytes(self) -> int:
+        """Bytes its file holds now (0 without one)."""
+        return self._path.stat().st_size if self._path is not None and self._path.exists() else 0
 
     def put(self, tensors: dict[str, torch.Tensor]) -> None:
         """Keep ``tensors`` (replacing what was kept)."""
@@ -67,6 +89,7 @@ class ResidualStore:
                 self._tensors = {name: t.pin_memory() for name, t in self._tensors.items()}
             return
         if self._path is None:
+            check_disk_space_once()
             handle, path = tempfile.mkstemp(prefix="residual-", suffix=".safetensors", dir=_folder())
             os.close(handle)
             self._path = Path(path)
@@ -87,10 +110,10 @@ class ResidualStore:
 
     def __getstate__(self) -> dict:
         """Pickled and deep-copied with the tensors it keeps: a copy gets a file of its own."""
-        return {"storage": self.storage, "tensors": self.get()}
+        return {"storage": self.storage, "expected_bytes": self.expected_bytes, "tensors": self.get()}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["storage"])  # type: ignore[misc]
+        self.__init__(state["storage"], state.get("expected_bytes", 0))  # type: ignore[misc]
         if state["tensors"] is not None:
             self.put(state["tensors"])
 
@@ -101,14 +124,43 @@ class ResidualStore:
             self._path.write_bytes(b"")
 
 
-_FOLDER: list[tempfile.TemporaryDirectory] = []
+_STORES: weakref.WeakSet[ResidualStore] = weakref.WeakSet()  # every live store, for the free-space check
+_CHECKED_PARENT: list[Path | None] = [None]  # the parent folder whose free space was checked
 
 
 def _folder() -> str:
-    """This process's folder for residual files (removed at exit)."""
-    if not _FOLDER:
-        _FOLDER.append(tempfile.TemporaryDirectory(prefix="poet-residuals-"))
-    return _FOLDER[0].name
+    """This process's folder for residual files (removed at exit; `residual_folder`)."""
+    return str(residual_folder.process_folder())
+
+
+def disk_bytes() -> tuple[int, int]:
+    """What the residual files of every live store bound for disk will take, and what their files hold now."""
+    stores = [store for store in list(_STORES) if store.on_disk]
+    return sum(store.expected_bytes for store in stores), sum(store.file_bytes() for store in stores)
+
+
+def check_disk_space() -> None:
+    """Check the residual folder's free space against what the residual files will take (`disk_bytes`).
+
+    Where any file is to be written, removes the folders of dead processes first
+    (`residual_folder.remove_stale_folders`). Runs before the first merge (and file), and whenever the folder
+    changes; ``PoetTrainer`` also runs it before training.
+
+    Raises:
+        residual_folder.ResidualSpaceError: the disk cannot hold them (the message names the folder and the bytes).
+    """
+    needed, written = disk_bytes()
+    if not needed:  # no residual file is to be written: nothing to check, nothing to clean
+        return
+    residual_folder.remove_stale_folders(residual_folder.residual_parent())  # their space is free again
+    residual_folder.check_free_space(needed, written)
+    _CHECKED_PARENT[0] = residual_folder.residual_parent()
+
+
+def check_disk_space_once() -> None:
+    """`check_disk_space`, unless it passed for the current residual folder already."""
+    if _CHECKED_PARENT[0] != residual_folder.residual_parent():
+        check_disk_space()
 
 
 def _store(module: nn.Module) -> ResidualStore | None:
@@ -124,26 +176,30 @@ def _add_to_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_m
 
 def _install(module: nn.Module, store: ResidualStore) -> None:
     setattr(module, STORE_ATTRIBUTE, store)
+    store.module = weakref.ref(module)
     if not getattr(module, "_poet_residual_hooked", False):
         module.register_state_dict_post_hook(_add_to_state_dict)
         setattr(module, "_poet_residual_hooked", True)  # noqa: B010  (an attribute, not a submodule)
 
 
-def attach(module: nn.Module, storage: str, names: tuple[str, ...]) -> None:
+def attach(module: nn.Module, storage: str, names: tuple[str, ...], expected_bytes: int = 0) -> None:
     """Keep ``module``'s residual (its tensors ``names``) in ``storage`` from now on.
 
-    ``storage`` is one of `RESIDUAL_STORAGES`; a residual the layer already holds moves there."""
+    ``storage`` is one of `RESIDUAL_STORAGES`; a residual the layer already holds moves there. ``expected_bytes``:
+    what the residual will take (0: none is expected), counted by the free-space check of the files."""
     if storage not in RESIDUAL_STORAGES:
         raise ValueError(f"`residual_storage` must be one of {RESIDUAL_STORAGES}, got {storage!r}")
     current = _store(module)
     if (current.storage if current is not None else "layer") == storage:
+        if current is not None:
+            current.expected_bytes = expected_bytes
         return
     held = read(module, names)
     if current is not None:
         current.clear()
         delattr(module, STORE_ATTRIBUTE)
     if storage != "layer":
-        _install(module, ResidualStore(storage))
+        _install(module, ResidualStore(storage, expected_bytes))
     if held is not None:
         keep(module, held)
 

@@ -414,7 +414,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         )
         count = int(self.merge_counts[adapter_name]) + 1
         if foldable_by_rows(self, adapter_name):  # a large 4-bit W0: a group of rows at a time
-            self._attach_residual_store(adapter_name)
+            self.attach_residual_store(adapter_name)
             self.requantization_error = fold_by_rows(self, adapter_name)
         else:
             self._fold_into_base(

@@ -9,6 +9,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from . import residual_store
 from .block_sizes import warn_adjusted_block_sizes
 from .bnb import adopt_base, drop_residual, quantization_of
 from .config_utils import holds_full_model
@@ -154,6 +155,22 @@ def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) ->
 
 
 @torch.no_grad()
+def prepare_residual_files(model: nn.Module, adapter_name: str = "default") -> None:
+    """Give every POET layer of ``model`` its residual store and check the residual folder's free space against what
+    their files will take (`residual_store.check_disk_space_once`); before training and before a merge.
+
+    Args:
+        model: the model with POET (or OFT) layers.
+        adapter_name: the adapter whose ``residual_storage`` and ``requantize`` decide.
+
+    Raises:
+        ResidualSpaceError: the residual files would not fit (`poet_hf.tuners.residual_folder`).
+    """
+    for _, layer in rotation_layers(model, adapter_name):
+        layer.attach_residual_store(adapter_name)
+    residual_store.check_disk_space_once()
+
+
 def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[str, Any]:
     """The POET merge-then-reinitialize step (Algorithm 1, step 5) over every POET layer of ``model``.
 
@@ -174,10 +191,13 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
 
     Raises:
         ValueError: no POET layer holds the adapter.
+        ResidualSpaceError: the residual files would not fit the residual folder's disk
+            (`poet_hf.tuners.residual_folder`); nothing is folded.
     """
     layers = rotation_layers(model, adapter_name)
     if not layers:
         raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
+    prepare_residual_files(model, adapter_name)  # a refusal before any layer folds leaves the model as it was
     stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
     summary = {
         "layers": len(layers),

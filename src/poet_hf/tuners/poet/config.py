@@ -124,6 +124,22 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         default=400,
         metadata={"help": "Optimizer steps between merge-then-reinitialize (the default is the paper's §5.2 value)."},
     )
+    rotation_learning_rate: float | None = field(
+        default=None,
+        metadata={
+            "help": "The rotations' learning rate this adapter is built for: what PoetTrainer and "
+            "create_poet_optimizer use when the training arguments give no poet_learning_rate (each side scaled by "
+            "rotation_reference_block / b). for_finetuning sets its recipe's; None: the pretraining recipe's, 1e-3 "
+            "at a 256-block side (the POET paper's Tables 8–9: 1e-3·256/b), 1e-3·½/budget for spo='full'."
+        },
+    )
+    rotation_reference_block: int | None = field(
+        default=None,
+        metadata={
+            "help": "With rotation_learning_rate: a side of block size b trains at rotation_learning_rate · "
+            "rotation_reference_block / b; None: one rate for every side."
+        },
+    )
     base_init: str | None = field(
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
@@ -178,6 +194,10 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
         check_choice("sides", self.sides, SIDES_CHOICES)
         check_neumann_terms(self.neumann_terms)
         check_positive_int("merge_every", self.merge_every)
+        if self.rotation_learning_rate is not None and not self.rotation_learning_rate > 0:
+            raise ValueError(f"`rotation_learning_rate` must be > 0 or None, got {self.rotation_learning_rate!r}")
+        if self.rotation_reference_block is not None:
+            check_positive_int("rotation_reference_block", self.rotation_reference_block, minimum=2)
         check_choice("base_init", self.base_init, (None, *BASE_INIT_SCHEMES))
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
@@ -192,11 +212,12 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     def for_finetuning(cls, recipe: str = "default", **overrides: Any) -> PoetConfig:
         """The config of a POET fine-tuning recipe (`POET_FINETUNE_RECIPES`), for a pretrained model.
 
-        ``"default"`` is contiguous 32-blocks on both sides; train its rotations at ``poet_learning_rate=5e-4`` (half
-        OFT's rate on each of its two sides) with ``poet_reference_block=32`` (`PoetTrainingArguments`, or
-        [`create_poet_optimizer`][poet_hf.training.create_poet_optimizer] for another Trainer), as
-        ``POET_FINETUNE_RECIPES[recipe]`` records. ``"paper"`` is the POET paper's Table 6 setting (fully stochastic,
-        budget ½).
+        ``"default"`` is contiguous 32-blocks on both sides, whose rotations train at 5e-4 (half OFT's rate on each of
+        its two sides) at a 32-block side, as ``POET_FINETUNE_RECIPES[recipe]`` records. ``"paper"`` is the POET
+        paper's Table 6 setting (fully stochastic, budget ½). The config carries the recipe's rate
+        (``rotation_learning_rate``, ``rotation_reference_block``): `PoetTrainer` and
+        [`create_poet_optimizer`][poet_hf.training.create_poet_optimizer] train at it unless the training arguments
+        set ``poet_learning_rate`` (and ``poet_reference_block``).
 
         Args:
             recipe: ``"default"`` or ``"paper"``.
@@ -209,7 +230,9 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             ValueError: an unknown recipe.
         """
         check_choice("recipe", recipe, tuple(POET_FINETUNE_RECIPES))
-        return cls(**{**POET_FINETUNE_RECIPES[recipe].config, **overrides})
+        chosen = POET_FINETUNE_RECIPES[recipe]
+        rates = {"rotation_learning_rate": chosen.learning_rate, "rotation_reference_block": chosen.reference_block}
+        return cls(**{**chosen.config, **rates, **overrides})
 
     @property
     def trains_other_params(self) -> bool:

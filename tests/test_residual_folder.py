@@ -1,0 +1,199 @@
+"""The residual files' folder (poet_hf.tuners.residual_folder): its free-space check, its tmpfs warning, and the
+folders of killed processes removed at the next start.
+
+References: the files the merges actually write (their sizes on disk), ``stat -f`` for a file system's type, and
+processes killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import bitsandbytes  # noqa: F401  (the `quant` extra, part of `dev`)
+import pytest
+import torch
+from peft import get_peft_model
+from torch import nn
+
+import poet_hf  # noqa: F401
+from poet_hf import PoetConfig, merge_and_reinit, plan_memory
+from poet_hf.tuners import residual_folder, residual_store
+from poet_hf.tuners.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"up": (128, 256), "down": (256, 128)}  # (in, out) of each target
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(*SHAPES["up"]), nn.Linear(*SHAPES["down"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+@pytest.fixture
+def parent(tmp_path):
+    """A parent folder of this test's own; the process-wide setting restored after it."""
+    folder = tmp_path / "residuals"
+    set_residual_folder(folder)
+    yield folder
+    set_residual_folder(None)
+
+
+def nf4_model() -> nn.Module:
+    torch.manual_seed(0)
+    config = PoetConfig(target_modules=list(SHAPES), block_size=32, base_quantization="nf4", residual_storage="disk")
+    return get_peft_model(TwoLayers(), config)
+
+
+def residual_files(parent: Path) -> list[Path]:
+    return [f for folder in parent.glob(f"{PREFIX}*") for f in folder.glob("residual-*.safetensors")]
+
+
+def test_the_free_space_check_refuses_before_any_file_and_names_the_folder_and_bytes(parent, monkeypatch):
+    """A disk with one byte less than the residual files need refuses the first merge before anything is folded or
+    written; the message names the folder and the bytes, which are the int8 codes and float32 scale per 64 entries of
+    every W0. With exactly enough the merge runs."""
+    gc.collect()  # the stores of earlier tests' models count while they live
+    model = nf4_model()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    needed = sum(i * o + 4 * math.ceil(i * o / 64) for i, o in SHAPES.values())
+    usage = shutil.disk_usage(parent.parent)
+    monkeypatch.setattr(
+        residual_folder.shutil, "disk_usage", lambda path: usage._replace(free=needed - 1)
+    )  # a size-limited disk
+    with pytest.raises(ResidualSpaceError) as refused:
+        merge_and_reinit(model)
+    assert str(parent) in str(refused.value)
+    assert f"{needed / 2**20:,.0f} MiB" in str(refused.value)
+    assert residual_files(parent) == []
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # nothing folded
+    monkeypatch.setattr(residual_folder.shutil, "disk_usage", lambda path: usage._replace(free=needed))
+    merge_and_reinit(model)  # exactly enough: it runs
+    assert len(residual_files(parent)) == len(SHAPES)
+
+
+def test_the_counted_bytes_are_what_the_files_take_and_what_plan_memory_reports(parent):
+    """After a merge, the residual files hold the counted bytes (plus one safetensors header each, under 1 KiB);
+    `plan_memory` reports the same count beside the memory for the tiny preset's nf4 run."""
+    gc.collect()
+    model = nf4_model()
+    merge_and_reinit(model)
+    files = residual_files(parent)
+    counted, written = residual_store.disk_bytes()
+    on_disk = sum(f.stat().st_size for f in files)
+    assert written == on_disk
+    assert 0 <= on_disk - counted < 1024 * len(files)
+    assert counted == sum(i * o + 4 * math.ceil(i * o / 64) for i, o in SHAPES.values())
+    # The tiny preset: 4 blocks, each q, k, v, o of 128 × 128 and gate, up, down of 128 × 256.
+    tiny = [128 * 128] * 16 + [128 * 256] * 12
+    plan = plan_memory("tiny", "poet-bs", block_size=32, base_quantization="nf4")
+    assert plan.residual_bytes == sum(n + 4 * math.ceil(n / 64) for n in tiny)
+    assert plan_memory("tiny", "poet-bs", block_size=32).residual_bytes == 0  # a float32 W0 keeps none
+    on_layer = plan_memory("tiny", "poet-bs", block_size=32, base_quantization="nf4", residual_storage="layer")
+    assert on_layer.residual_bytes == 0  # counted in W0 instead
+
+
+def filesystem_of(path: Path) -> str:
+    """The file system type of ``path`` as coreutils' ``stat -f`` names it."""
+    return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()
+
+
+def test_a_parent_on_tmpfs_warns_that_the_files_are_ram(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or filesystem_of(shm) != "tmpfs" or filesystem_of(tmp_path) == "tmpfs":
+        pytest.skip("needs /dev/shm on a tmpfs and a temp folder on a disk")
+    model = nf4_model()
+    try:
+        set_residual_folder(shm / f"poet-test-{os.getpid()}")
+        with pytest.warns(UserWarning, match="tmpfs"):
+            merge_and_reinit(model)
+        set_residual_folder(tmp_path)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            merge_and_reinit(nf4_model())  # on a disk: no warning
+    finally:
+        set_residual_folder(None)
+        shutil.rmtree(shm / f"poet-test-{os.getpid()}", ignore_errors=True)
+
+
+HOLDER = """
+import sys, time
+import torch
+from poet_hf.tuners.residual_folder import set_residual_folder, process_folder
+set_residual_folder(sys.argv[1])
+folder = process_folder()
+(folder / "residual-x.safetensors").write_bytes(b"0" * 1000)
+print(folder, flush=True)
+time.sleep(600)
+"""
+
+
+def test_only_the_folders_of_dead_processes_are_removed(parent):
+    """Of two processes that opened residual folders, the one killed with SIGKILL leaves its folder, which the next
+    start removes; the live one's folder stays, and so does a folder that is not one of ours."""
+    holders = [
+        subprocess.Popen([sys.executable, "-c", HOLDER, str(parent)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        dead, alive = (Path(h.stdout.readline().strip()) for h in holders)
+        holders[0].send_signal(signal.SIGKILL)
+        holders[0].wait()
+        foreign = parent / f"{PREFIX}not-ours"
+        foreign.mkdir()
+        assert dead.exists() and alive.exists()
+        residual_store.check_disk_space()  # what a start runs
+        assert not dead.exists()
+        assert alive.exists() and foreign.exists()
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+def _run_until_files_and_a_checkpoint(out: Path, parent: Path, resume: bool) -> subprocess.Popen:
+    args = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--base_quantization", "nf4", "--max_steps", "40"]
+    args += ["--merge_every", "2", "--save_steps", "2", "--output_dir", str(out), "--residual_folder", str(parent)]
+    args += ["--max_eval_sequences", "8", "--logging_steps", "1000"]
+    args += ["--resume_from_checkpoint", "auto"] if resume else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_a_run_killed_three_times_and_resumed_leaves_no_residual_folder_behind(tmp_path):
+    """``scripts/pretrain.py`` with an nf4 ``W0`` (residual files on disk) is SIGKILLed three times once it has written
+    residual files and a checkpoint, and restarted with ``--resume_from_checkpoint auto`` each time: each killed run
+    leaves its folder, the next start removes it, and once the last run ends no folder is left."""
+    parent, out = tmp_path / "residuals", tmp_path / "run"
+    for life in range(3):
+        run = _run_until_files_and_a_checkpoint(out, parent, resume=life > 0)
+        deadline = time.monotonic() + 300
+        mine = None
+        while time.monotonic() < deadline and run.poll() is None:
+            mine = next(iter(parent.glob(f"{PREFIX}{run.pid}-*")), None)
+            checkpoints = list(out.glob("checkpoint-*"))
+            if mine is not None and any(mine.glob("residual-*")) and checkpoints:
+                break
+            time.sleep(0.2)
+        assert run.poll() is None, "the run ended before it could be killed"
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        assert mine is not None and mine.exists()  # a killed process leaves its folder
+        assert len(list(parent.glob(f"{PREFIX}*"))) == 1  # the previous killed run's is gone
+    last = _run_until_files_and_a_checkpoint(out, parent, resume=True)
+    assert last.wait(timeout=600) == 0
+    assert list(parent.glob(f"{PREFIX}*")) == []
