@@ -250,7 +250,7 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
         ["--model", "x", "--method", "poet", "--block_size", "16", "--learning_rate", "3e-4"]
     )
     assert method_config(args, model).block_size == 16 and training.learning_rate == 3e-4
-    assert training.poet_reference_block == 32 and training.poet_learning_rate is None  # --learning_rate sets both
+    assert training.poet_reference_block == 32 and training.poet_learning_rate == 3e-4  # --learning_rate sets both
     assert parse_finetune_arguments(["--model", "x", "--method", "oft"])[1].poet_reference_block is None
 
 

@@ -202,8 +202,8 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
     if args.method == "poet":
         recipe = POET_FINETUNE_RECIPES[args.recipe]
         values["poet_reference_block"] = recipe.reference_block
-        if "learning_rate" not in given:  # --learning_rate alone sets every rate, as in any transformers script
-            values["poet_learning_rate"] = recipe.learning_rate
+        # --learning_rate alone sets every rate, as in any transformers script
+        values["poet_learning_rate"] = given.get("learning_rate", recipe.learning_rate)
     return run_defaults(given, **values)
 
 
@@ -349,7 +349,9 @@ def method_config(
     if merge_every is not None:
         chosen["merge_every"] = merge_every
     if args.method == "poet":
-        return PoetConfig(seed=seed, **chosen, **common)
+        recipe = POET_FINETUNE_RECIPES[args.recipe]
+        rates = {"rotation_learning_rate": recipe.learning_rate, "rotation_reference_block": recipe.reference_block}
+        return PoetConfig(seed=seed, **chosen, **rates, **common)
     if args.method == "oft":
         chosen.pop("budget", None)
         return OftConfig(seed=seed, **chosen, **common)

@@ -174,7 +174,7 @@ def create_poet_optimizer(
             is built for (`adapter_rotation_rate`: a fine-tuning recipe's, else the pretraining recipe's; logged
             once), else ``args.learning_rate`` (OFT).
         poet_reference_block: a side of block size ``b`` trains at ``poet_learning_rate · poet_reference_block / b``;
-            default ``args.poet_reference_block``, else the adapter's with its rate, else one rate for every side.
+            default ``args.poet_reference_block``; with the adapter's rate, the adapter's.
             The fine-tuning recipe uses 32 (`POET_FINETUNE_RECIPES`).
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
@@ -205,8 +205,7 @@ def create_poet_optimizer(
         poet_reference_block = getattr(args, "poet_reference_block", None)
     built_for = adapter_rotation_rate(model) if poet_learning_rate is None else None
     if built_for is not None:
-        poet_learning_rate, reference, source = built_for
-        poet_reference_block = poet_reference_block if poet_reference_block is not None else reference
+        poet_learning_rate, poet_reference_block, source = built_for  # a rate goes with its own reference block
         _log_rotation_rate_once(poet_learning_rate, poet_reference_block, source)
     groups = poet_param_groups(
         model,
