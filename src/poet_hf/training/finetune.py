@@ -350,8 +350,13 @@ def method_config(
         chosen["merge_every"] = merge_every
     if args.method == "poet":
         recipe = POET_FINETUNE_RECIPES[args.recipe]
-        rates = {"rotation_learning_rate": recipe.learning_rate, "rotation_reference_block": recipe.reference_block}
-        return PoetConfig(seed=seed, **chosen, **rates, **common)
+        return PoetConfig(
+            seed=seed,
+            rotation_learning_rate=recipe.learning_rate,
+            rotation_reference_block=recipe.reference_block,
+            **chosen,
+            **common,
+        )
     if args.method == "oft":
         chosen.pop("budget", None)
         return OftConfig(seed=seed, **chosen, **common)

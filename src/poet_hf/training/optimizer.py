@@ -126,7 +126,9 @@ def adapter_rotation_rate(model: nn.Module) -> tuple[float, int | None, str] | N
     if config.spo == "full":
         budget = config.budget if isinstance(config.budget, float) and config.budget <= 1 else 0.5
         return tied_poet_learning_rate("poet-fs", budget), None, "the pretraining recipe's (1e-3 · ½/budget)"
-    return 1e-3, 256, "the pretraining recipe's (1e-3 at a 256-block side, POET Tables 8–9)"
+    reference_block = 256
+    rate = tied_poet_learning_rate("poet-bs", reference_block)
+    return rate, reference_block, "the pretraining recipe's (1e-3 at a 256-block side, POET Tables 8–9)"
 
 
 _LOGGED_RATES: set[tuple] = set()

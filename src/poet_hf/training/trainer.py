@@ -87,8 +87,9 @@ class PoetTrainer(CrashSafeTrainer):
     ) -> None:
         self._pretrained_weights = pretrained_weights
         super().__init__(*args, **kwargs)
-        if getattr(self.args, "residual_folder", None):
-            set_residual_folder(self.args.residual_folder)
+        residual_folder = getattr(self.args, "residual_folder", None)
+        if residual_folder:
+            set_residual_folder(residual_folder)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:

@@ -161,10 +161,12 @@ class BaseWeightMixin:
         names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
         expected = 0
         if settings.requantize == "feedback":
-            entries = self.in_features * self.out_features
+            out_features, in_features = self.weight_shape
             quantized = self.base_quantization is not None
             expected = (
-                bnb.residual_bytes(entries) if quantized else low_precision.expected_residual_bytes(self.base_weight())
+                bnb.residual_bytes(out_features * in_features)
+                if quantized
+                else low_precision.expected_residual_bytes(self.base_weight())
             )
         residual_store.attach(self.get_base_layer(), settings.residual_storage, names, expected)
 
