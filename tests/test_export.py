@@ -351,7 +351,7 @@ def test_model_card_metadata_and_body(tmp_path, spo):
         assert float(row.group(4)) == pytest.approx(float(max(s.max() / s.min() for s in sigma)), rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["poet.md", "lipconvnet.md"])
+@pytest.mark.parametrize("name", ["poet.md", "lipconvnet.md", "adapter.md"])
 def test_card_templates_are_packaged_and_linked_from_model_cards(name):
     template = template_path(name)
     assert template.is_file() and template.parent.parent.name == "poet_hf"
@@ -360,7 +360,7 @@ def test_card_templates_are_packaged_and_linked_from_model_cards(name):
 
 
 def test_unknown_card_template_names_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"template must be one of \('poet.md', 'lipconvnet.md'\)"):
+    with pytest.raises(ValueError, match=r"template must be one of \('poet.md', 'lipconvnet.md', 'adapter.md'\)"):
         template_path("poet")
 
 

@@ -18,8 +18,9 @@ from peft.utils.integrations import dequantize_bnb_weight
 from tolerances import tiny_model_tolerance, unit_roundoff
 from transformers import AutoModelForCausalLM
 
-from poet_hf import PoetConfig, keep_quantized_layout
+from poet_hf import PoetConfig, keep_quantized_layout, merge_and_reinit
 from poet_hf.tuners import bnb as quant
+from poet_hf.tuners import dense_reload
 from poet_hf.tuners.rotation_layer import rotation_layers
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -117,3 +118,64 @@ def test_a_base_repacked_before_wrapping_warns_keeps_its_layout_and_reloads_exac
     reloaded = PeftModel.from_pretrained(load_nf4(checkpoint, double_quant), tmp_path / "adapter")
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=IDS).logits, logits)  # the W0 it trained on travels with it
+
+
+def load_int8(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant.bits_and_bytes_config("int8")).eval()
+
+
+def test_a_4bit_trained_adapter_without_merges_loads_onto_the_full_precision_base_as_qlora(checkpoint, tmp_path):
+    """The QLoRA habit: train on 4-bit, serve on full precision. The adapter saved the repacked 4-bit ``W0``; with no
+    merge folded in, the full-precision base keeps the checkpoint's ``W0`` and takes the trained rotations."""
+    model = load_nf4(checkpoint)
+    for module in model.modules():
+        if quant.is_bnb_module(module):
+            module.weight.data, module.weight.quant_state = _convert_weight_packed_for_cpu(
+                module.weight.data, module.weight.quant_state
+            )
+    with pytest.warns(quant.QuantizedBaseRepackedWarning):
+        wrapped = get_peft_model(model, PoetConfig(block_size=16))
+    train_a_little(wrapped)
+    wrapped.save_pretrained(tmp_path / "adapter")
+    trained = {k: v.detach().clone() for k, v in wrapped.named_parameters() if v.requires_grad}
+    assert any(float(v.abs().max()) > 0 for v in trained.values())
+    full = AutoModelForCausalLM.from_pretrained(checkpoint)
+    checkpoint_weights = {k: v.clone() for k, v in full.state_dict().items()}
+    with pytest.warns(dense_reload.QuantizedAdapterBaseWarning, match="base-agnostic"):
+        reloaded = PeftModel.from_pretrained(full, tmp_path / "adapter")
+    for name, layer in rotation_layers(reloaded):
+        key = name.removeprefix("base_model.model.") + ".weight"
+        assert torch.equal(layer.get_base_layer().weight, checkpoint_weights[key]), key  # the checkpoint's own W0
+    loaded = dict(reloaded.named_parameters())
+    for name, value in trained.items():
+        assert torch.equal(loaded[name], value), name  # the trained rotations, bit for bit
+
+
+@pytest.mark.parametrize("loader", [load_nf4, load_int8], ids=["nf4", "int8"])
+def test_a_quantized_adapter_with_merges_loads_its_own_w0_onto_the_full_precision_base(checkpoint, tmp_path, loader):
+    """With merges folded into the quantised ``W0``, the adapter's ``W0`` is part of the training: the full-precision
+    base takes it dequantised, and computes what the quantised model computed."""
+    wrapped = get_peft_model(loader(checkpoint), PoetConfig(block_size=16, merge_every=1))
+    train_a_little(wrapped)
+    merge_and_reinit(wrapped)
+    train_a_little(wrapped)
+    with torch.no_grad():
+        logits = wrapped(input_ids=IDS).logits
+    dequantized = {
+        name.removeprefix("base_model.model."): dequantize_bnb_weight(
+            (base := layer.get_base_layer()).weight, state=getattr(base.weight, "quant_state", None) or base.state
+        ).float()
+        for name, layer in rotation_layers(wrapped)
+    }
+    wrapped.save_pretrained(tmp_path / "adapter")
+    full = AutoModelForCausalLM.from_pretrained(checkpoint)
+    with pytest.warns(dense_reload.QuantizedAdapterBaseWarning, match="carries its own W0"):
+        reloaded = PeftModel.from_pretrained(full, tmp_path / "adapter")
+    for name, layer in rotation_layers(reloaded):
+        key = name.removeprefix("base_model.model.")
+        assert torch.equal(layer.get_base_layer().weight, dequantized[key]), key
+    with torch.no_grad():
+        got = reloaded(input_ids=IDS).logits
+    # The same W0 and rotations; the quantised forward dequantises in another order of the same products.
+    scale = float(logits.abs().max())
+    torch.testing.assert_close(got, logits, rtol=0, atol=tiny_model_tolerance(torch.float32) * scale)

@@ -29,6 +29,7 @@ _LAZY_EXPORTS = {
     "MergeReinitCallback": "poet_hf.training",
     "create_poet_optimizer": "poet_hf.training",
     "export_merged": "poet_hf.export",
+    "export_peft_adapter": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
     "plan_memory": "poet_hf.memory_plan",
     "keep_quantized_layout": "poet_hf.tuners.bnb",

@@ -12,6 +12,7 @@ from torch import nn
 from ..model_cards import render_card
 
 CARD_TEMPLATE = "poet.md"
+ADAPTER_CARD_TEMPLATE = "adapter.md"
 # Config fields that are PEFT bookkeeping, not method hyperparameters (left out of the model card's table).
 _BOOKKEEPING_FIELDS = frozenset(
     {
@@ -223,3 +224,48 @@ def _fmt(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
         return f"{value:,}"
     return str(value).replace("|", "\\|")
+
+
+def render_adapter_card(
+    model: nn.Module, peft_config: Any, *, model_id: str, native_peft: bool = False, base_written: bool = False
+) -> Any:
+    """A ``huggingface_hub.ModelCard`` for an adapter folder, from the ``model_cards/adapter.md`` template.
+
+    It says how to load the adapter: with ``pip install poet_hf`` and ``import poet_hf`` before PEFT for this
+    package's adapter types, with stock PEFT for one written in PEFT's own format (`export_peft_adapter`).
+
+    Args:
+        model: the base model the adapter applies to.
+        peft_config: the adapter's config (this package's, or PEFT's ``OFTConfig`` when ``native_peft``).
+        model_id: the name the card's loading snippet uses.
+        native_peft: the folder is in PEFT's own format.
+        base_written: the base the adapter applies to was written beside it (merges folded into ``W0``).
+
+    Returns:
+        The rendered ``huggingface_hub.ModelCard``.
+    """
+    from importlib.metadata import version
+
+    peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
+    title = _METHODS.get(_method_family(peft_type), (peft_type,))[0]
+    base_model = peft_config.base_model_name_or_path
+    data = {
+        "library_name": "peft",
+        "pipeline_tag": _pipeline_tag(model),
+        "tags": sorted(set(_tags(peft_type))),
+        "base_model": base_model if _is_hub_id(base_model) else None,
+    }
+    return render_card(
+        ADAPTER_CARD_TEMPLATE,
+        data,
+        model_name=model_id.rstrip("/").rsplit("/", 1)[-1],
+        model_id=model_id,
+        needs_poet_hf=not native_peft,
+        method_title=title,
+        peft_type=peft_type,
+        base_model_ref=base_model,
+        base_written=base_written,
+        auto_class=_auto_class_name(model),
+        peft_version=version("peft"),
+        poet_hf_version=version("poet_hf"),
+    )

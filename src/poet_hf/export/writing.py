@@ -107,7 +107,7 @@ def export_merged(
     output = Path(output_dir)
     export_dtype = None if dtype is None else parse_dtype(dtype)
     source_dir = Path(source) if isinstance(source, (str, os.PathLike)) else None
-    _check_output_dir(output, overwrite, source_dir)  # before the (possibly long) load
+    check_output_dir(output, overwrite, source_dir)  # before the (possibly long) load
     sharded = is_sharded_source(source)
     loaded = load_source(source, inplace=inplace)
     if loaded is None:  # a model FSDP2 shards, on a rank other than 0: rank 0 gathered it and writes once
@@ -124,13 +124,13 @@ def export_merged(
             tokenizer.save_pretrained(folder)
         card.save(folder / "README.md")
 
-    _write_atomically(output, write)
+    write_atomically(output, write)
     if sharded:
         barrier()
     return output
 
 
-def _check_output_dir(output: Path, overwrite: bool, source_dir: Path | None) -> None:
+def check_output_dir(output: Path, overwrite: bool, source_dir: Path | None) -> None:
     """Refuse a file, a non-empty directory (unless ``overwrite``), or a target that contains the source."""
     if source_dir is not None:
         src, out = source_dir.resolve(), output.resolve()
@@ -149,7 +149,7 @@ def _check_output_dir(output: Path, overwrite: bool, source_dir: Path | None) ->
         )
 
 
-def _write_atomically(output: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(output: Path, write: Callable[[Path], None]) -> None:
     """Run ``write`` into a temporary directory beside ``output``, then rename it into place.
 
     On any error, including KeyboardInterrupt, the temporary directory is removed and ``output`` is left as it

@@ -6,7 +6,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-TEMPLATES = ("poet.md", "lipconvnet.md")
+TEMPLATES = ("poet.md", "lipconvnet.md", "adapter.md")
 
 
 def template_path(name: str) -> Path:
@@ -19,9 +19,9 @@ def template_path(name: str) -> Path:
 def render_card(template: str, card_data: dict[str, Any], **variables: Any) -> Any:
     """A ``huggingface_hub.ModelCard`` from the packaged ``template``.
 
-    ``card_data`` becomes the YAML metadata (``library_name`` is ``transformers``); ``variables`` fill the Jinja
-    template."""
+    ``card_data`` becomes the YAML metadata (``library_name`` is ``transformers`` unless it says otherwise);
+    ``variables`` fill the Jinja template."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    data = ModelCardData(library_name="transformers", **card_data)
+    data = ModelCardData(**{"library_name": "transformers", **card_data})
     return ModelCard.from_template(data, template_path=str(template_path(template)), **variables)

@@ -12,7 +12,8 @@ from torch import nn
 from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
 from ..distributed import fsdp_requested, shard_model
-from ..export.source import RUN_INFO_NAME
+from ..export.card import render_adapter_card
+from ..export.source import RUN_INFO_NAME, active_config
 from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.peft_utils import base_model_of
 from ..tuners.residual_folder import set_residual_folder
@@ -211,10 +212,14 @@ class PoetTrainer(CrashSafeTrainer):
         output_dir = cast(str, output_dir or self.args.output_dir)
         if not self.args.should_save:
             return
-        base = self._unwrapped_model()
-        base = base_model_of(base)
+        model = self._unwrapped_model()
+        base = base_model_of(model)
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
+        config = active_config(model) if getattr(model, "peft_config", None) else None
+        if type(config).__module__.startswith("poet_hf."):  # PEFT's generic card would not say to import poet_hf
+            card = render_adapter_card(base, config, model_id=self.args.hub_model_id or output_dir)
+            card.save(os.path.join(output_dir, "README.md"))
         info = {
             **self.run_info,
             "merge_every": self.merge_every,

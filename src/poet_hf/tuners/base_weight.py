@@ -19,7 +19,7 @@ from torch import nn
 from ..orthogonal import spo_generator
 from ..orthogonal.base_ops import Conv2dOp, LinearOp
 from ..sharded import full_tensor, is_dtensor, write_full
-from . import bnb, low_precision, residual_store
+from . import bnb, dense_reload, low_precision, residual_store
 
 
 class QuantizedMergeWarning(UserWarning):
@@ -146,12 +146,15 @@ class BaseWeightMixin:
         """``load_state_dict`` pre-hook: install a quantised base's codes together with their statistics.
 
         ``nn.Module``'s loader would drop the statistics (4-bit quant state, int8 row scales). A 16-bit base gets
-        room for its saved rounding residual."""
+        room for its saved rounding residual; a full-precision base, what it can take of a saved quantised ``W0``
+        (`dense_reload`)."""
         if self.rotation_settings:
             self.attach_residual_store(next(iter(self.rotation_settings)))
         if self.base_quantization is not None:
             bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
             return
+        if dense_reload.holds_quantized_weight(state_dict, f"{prefix}base_layer."):
+            dense_reload.load_onto_dense_base(self.get_base_layer(), state_dict, prefix, f"{prefix}base_layer.")
         low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
 
     def attach_residual_store(self, adapter_name: str) -> None:
