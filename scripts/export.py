@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Export a POET / OFT model as a plain Hugging Face checkpoint, and optionally push it to the Hub.
 
-    python scripts/export.py SOURCE OUTPUT_DIR [--push_to_hub REPO_ID] [--hub_private] [--hub_token TOKEN]
-                             [--dtype bf16|fp16|fp32] [--overwrite]
+    python scripts/export.py SOURCE OUTPUT_DIR [--push_to_hub --hub_model_id REPO_ID] [--hub_private_repo]
+                             [--hub_token TOKEN] [--dtype bf16|fp16|fp32] [--overwrite]
 
 SOURCE is a directory written by ``save_pretrained`` or a ``PoetTrainer`` checkpoint (``checkpoint-N/``).
 The Hub token may also come from ``HF_TOKEN`` (or ``hf auth login``); the endpoint from ``HF_ENDPOINT``.
-Flags are spelled as transformers spells them (``--push_to_hub``); the hyphenated forms work too, as there.
+Flags are spelled and mean what they do in ``transformers.TrainingArguments`` (``--push_to_hub`` with
+``--hub_model_id``, ``--hub_private_repo``), as in the training scripts; the hyphenated forms work too, as there.
+The older ``--push_to_hub REPO_ID`` and ``--hub_private`` still work for a release, with a warning.
 Exit codes: 0 success; 1 export refused; 2 usage error or no Hub token (checked before exporting);
 3 export written, but the push failed (the export stays complete on disk).
 """
@@ -30,13 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dtype of the exported weights (folded in float32 first); default: the source's",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
-    parser.add_argument(
-        "--push_to_hub", "--push-to-hub", metavar="REPO_ID", default=None, help="push the export to this model repo"
-    )
-    parser.add_argument("--hub_private", "--hub-private", action="store_true", help="create the Hub repo as private")
-    parser.add_argument(
-        "--hub_token", "--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)"
-    )
+    add_hub_arguments(parser)
     from poet_hf.export import export_merged
 
     license_default = inspect.signature(export_merged).parameters["license"].default
@@ -50,8 +46,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Hub flags, spelled as ``TrainingArguments`` spells them (older spellings kept for a release)."""
+    parser.add_argument(
+        "--push_to_hub",
+        "--push-to-hub",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="REPO_ID",
+        help="push the export to the model repo --hub_model_id names (the REPO_ID argument is deprecated)",
+    )
+    parser.add_argument("--hub_model_id", "--hub-model-id", default=None, help="the model repo to push to")
+    parser.add_argument(
+        "--hub_private_repo",
+        "--hub-private-repo",
+        "--hub_private",
+        "--hub-private",
+        dest="hub_private_repo",
+        action="store_true",
+        help="create the Hub repo as private (--hub_private is deprecated)",
+    )
+    parser.add_argument(
+        "--hub_token", "--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)"
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The arguments, the deprecated spellings mapped onto TrainingArguments' (with a FutureWarning)."""
+    import warnings
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(map(str, argv))
+    if isinstance(args.push_to_hub, str):
+        warnings.warn(
+            "`--push_to_hub REPO_ID` is deprecated and will be removed in the next release; use `--push_to_hub "
+            "--hub_model_id REPO_ID`, as the training scripts and transformers spell it",
+            FutureWarning,
+            stacklevel=2,
+        )
+        args.hub_model_id = args.hub_model_id or args.push_to_hub
+        args.push_to_hub = True
+    if any(flag in given for flag in ("--hub_private", "--hub-private")):
+        warnings.warn(
+            "`--hub_private` is deprecated and will be removed in the next release; use `--hub_private_repo`",
+            FutureWarning,
+            stacklevel=2,
+        )
+    if args.push_to_hub and not args.hub_model_id:
+        parser.error("--push_to_hub needs --hub_model_id REPO_ID, the model repo to push to")
+    return args
 
 
 def hub_token(args: argparse.Namespace) -> str | None:
@@ -66,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     token = hub_token(args) if args.push_to_hub else None
     if args.push_to_hub and not token:  # fail before the (possibly long) export, touching nothing on disk
         print(
-            f"export.py: error: no Hugging Face token to push to '{args.push_to_hub}': pass --hub_token, set "
+            f"export.py: error: no Hugging Face token to push to '{args.hub_model_id}': pass --hub_token, set "
             "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.",
             file=sys.stderr,
         )
@@ -79,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             args.output_dir,
             dtype=args.dtype,
             overwrite=args.overwrite,
-            repo_id=args.push_to_hub,
+            repo_id=args.hub_model_id,
             license=args.license,
             datasets=args.dataset,
             spectrum=not args.no_spectrum,
@@ -96,12 +141,12 @@ def push(args: argparse.Namespace, path: str, token: str | None) -> int:
     from poet_hf.export import HubPushError, push_merged_to_hub
 
     try:
-        url = push_merged_to_hub(path, args.push_to_hub, private=args.hub_private, token=token)
+        url = push_merged_to_hub(path, args.hub_model_id, private=args.hub_private_repo, token=token)
     except HubPushError as error:
         print(
             f"export.py: error: push to the Hub failed: {error}\n"
             f"The export in {path} is complete and untouched; retry the upload with "
-            f"`hf upload {args.push_to_hub} {path} .` or rerun this command with --overwrite.",
+            f"`hf upload {args.hub_model_id} {path} .` or rerun this command with --overwrite.",
             file=sys.stderr,
         )
         return 3

@@ -46,7 +46,7 @@ def tiny_pretraining(tmp_path_factory):
                 output_dir=str(output_dir),
                 max_steps=30,
                 merge_every=7,
-                max_eval_sequences=32,
+                max_eval_samples=32,
                 base_quantization=base_quantization,
             )
             reports[base_quantization] = run_pretraining(*arguments)

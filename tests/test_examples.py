@@ -145,7 +145,7 @@ def pretrain_arguments(output_dir: Path) -> list[str]:
         "64",
         "--merge_every",
         "1",
-        "--max_eval_sequences",
+        "--max_eval_samples",
         "4",
         "--logging_steps",
         "1",

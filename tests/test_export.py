@@ -483,8 +483,9 @@ def test_cli_exports_and_pushes_through_huggingface_hub_to_a_stand_in(tmp_path, 
                 adapter_dir,
                 tmp_path / "export",
                 "--push-to-hub",
+                "--hub-model-id",
                 "someone/tiny-poet",
-                "--hub-private",
+                "--hub-private-repo",
                 "--dtype",
                 "fp32",
             ],
@@ -518,6 +519,8 @@ def test_cli_without_token_fails_before_exporting_and_touches_nothing(tmp_path, 
         )
     assert done.returncode == 2
     assert "no Hugging Face token" in done.stderr and "HF_TOKEN" in done.stderr
+    # The older spelling still works for a release, and says what replaces it.
+    assert "FutureWarning: `--push_to_hub REPO_ID` is deprecated" in done.stderr and "--hub_model_id" in done.stderr
     assert hub.calls == [] and folder_bytes(existing) == before
 
 
@@ -527,7 +530,7 @@ def test_cli_without_network_keeps_the_complete_export(tmp_path, adapter_dir):
     with socket.socket() as sock:  # a port with nothing listening: connection refused
         sock.bind(("127.0.0.1", 0))
         env = hub_env(tmp_path, f"http://127.0.0.1:{sock.getsockname()[1]}", token="hf_stand_in_token")
-        done = run_cli([adapter_dir, tmp_path / "export", "--push-to-hub", "someone/tiny-poet"], env)
+        done = run_cli([adapter_dir, tmp_path / "export", "--push_to_hub", "--hub_model_id", "someone/tiny-poet"], env)
     assert done.returncode == 3, done.stderr[-3000:]
     assert "could not reach the Hub" in done.stderr and "is complete and untouched" in done.stderr
     assert folder_bytes(tmp_path / "export") == folder_bytes(reference)  # the full export, byte for byte

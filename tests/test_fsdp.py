@@ -172,7 +172,7 @@ def test_accelerate_fsdp2_config_trains_pretrain_script_with_merges(tmp_path):
         "64",
         "--output_dir",
         str(tmp_path),
-        "--max_eval_sequences",
+        "--max_eval_samples",
         "8",
         "--export_dir",
         str(tmp_path / "export"),

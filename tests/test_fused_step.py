@@ -223,7 +223,7 @@ def test_the_pretraining_script_takes_fused_steps_and_names_what_it_needs(tmp_pa
 
     script = load_module(ROOT / "scripts" / "pretrain.py")
     small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64", "--max_steps", "2"]
-    argv = [*small, "--max_eval_sequences", "4", "--dataset", local_corpus, "--block_size", "32"]
+    argv = [*small, "--max_eval_samples", "4", "--dataset", local_corpus, "--block_size", "32"]
     argv += ["--output_dir", str(tmp_path), "--fused_optimizer_step"]
     results = script.main(argv)  # the recipe's clip stays on
     assert results["recipe"]["max_grad_norm"] == 1.0 and results["recipe"]["fused_optimizer_step"]

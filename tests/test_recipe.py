@@ -253,7 +253,7 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
             max_steps=3,
             per_device_train_batch_size=2,
             global_batch_size=2,
-            max_eval_sequences=2,
+            max_eval_samples=2,
             output_dir=str(tmp_path / "run"),
             logging_steps=1,
         )
@@ -344,4 +344,9 @@ def test_the_old_spellings_still_work_for_a_release_with_a_warning():
     with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
         recipe = print_recipe("--preset", "llama-60m", "--batch_size", "16", "--steps", "77", "--method", "poet")
     assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 32, 77)
-    assert recipe["method"] == "poet-bs"  # the fine-tuning script's name for POET
+    assert recipe["method"] == "poet-bs"
+    with pytest.warns(FutureWarning, match="use `--method poet-bs`"):
+        print_recipe("--preset", "llama-60m", "--method", "poet")
+    with pytest.warns(FutureWarning, match="use `--max_eval_samples`"):
+        args, _ = parse_pretrain_arguments(["--max_eval_sequences", "7", "--output_dir", "unused"])
+    assert args.max_eval_samples == 7

@@ -23,3 +23,33 @@ def test_help_runs_and_every_flag_is_explained(path):
         if not action.help and action.dest != "help"
     ]
     assert not bare, f"{path.name}: flags without a help text: {bare}"
+
+
+def option_defaults(name: str) -> dict[str, object]:
+    """Every option of a script's parser, by its name, with its default."""
+    parser = load_module(Path(SCRIPTS[0]).parent / name).build_parser()
+    return {action.option_strings[0]: action.default for action in parser._actions if action.option_strings}
+
+
+def test_the_training_scripts_share_their_common_options_names_and_defaults():
+    pretrain, finetune = option_defaults("pretrain.py"), option_defaults("finetune.py")
+    common = set(pretrain) & set(finetune)
+    # Each job's own method is its default: POET-BS for pretraining, OFT for fine-tuning (`--method` names the same
+    # SPO kinds in both, tests/test_recipe.py and tests/test_finetune.py).
+    differing = {name for name in common if pretrain[name] != finetune[name]} - {"--method"}
+    assert not differing, {name: (pretrain[name], finetune[name]) for name in differing}
+    for shared in ("--seq_len", "--lora_rank", "--max_eval_samples", "--dataset", "--export_dir"):
+        assert shared in common, shared
+
+
+def test_each_jobs_defaults_are_its_recipes():
+    from peft import LoraConfig
+
+    from poet_hf.training.finetune import parse_finetune_arguments
+    from poet_hf.training.pretrain import parse_pretrain_arguments
+
+    pretrain, _ = parse_pretrain_arguments(["--output_dir", "unused"])
+    finetune, _ = parse_finetune_arguments(["--model", "unused", "--output_dir", "unused"])
+    assert (pretrain.seq_len, pretrain.lora_rank, pretrain.max_eval_samples) == (256, 64, 128)
+    # Fine-tuning's LoRA is PEFT's LoraConfig as it comes.
+    assert (finetune.seq_len, finetune.lora_rank, finetune.max_eval_samples) == (128, LoraConfig.r, 256)

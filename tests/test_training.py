@@ -228,7 +228,7 @@ def small_args(tmp_path, method, corpus, **overrides):
         "global_batch_size": 2,
         "seq_len": 64,
         "merge_every": 2,
-        "max_eval_sequences": 8,
+        "max_eval_samples": 8,
         "logging_steps": 1,
         "output_dir": str(tmp_path / method),
         "block_size": 32,
@@ -336,7 +336,7 @@ def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flag
     (the non-POET Linear layers, e.g. lm_head, return bf16), never silently in float32, or, on a CPU without AVX-512
     (whose torch kernels cannot run it), is refused with a clear message before the run."""
     small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64"]
-    argv = [*small, "--max_steps", "2", "--max_eval_sequences", "4", "--dataset", local_corpus, "--block_size", "32"]
+    argv = [*small, "--max_steps", "2", "--max_eval_samples", "4", "--dataset", local_corpus, "--block_size", "32"]
     argv += ["--output_dir", str(tmp_path), "--logging_steps", "1", *flags]
     if flags == ["--bf16"] and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         with pytest.raises(ValueError, match="bfloat16 attention kernels for CPUs need AVX-512"):

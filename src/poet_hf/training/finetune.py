@@ -69,7 +69,12 @@ class FinetuneArguments(ScriptArguments):
 
     model: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
     method: str = field(
-        default="oft", metadata={"help": f"one of {', '.join(METHODS)} (also {', '.join(METHOD_ALIASES)})"}
+        default="oft",
+        metadata={
+            "help": "oft, lora, poet (POET with --recipe's settings; the default recipe is contiguous 32-blocks), "
+            "poet-bs (POET, block-stochastic: --recipe's with spo='block') or poet-fs (POET, fully stochastic: "
+            "the paper's recipe); poet-bs and poet-fs are the SPO kinds pretrain.py's names mean"
+        },
     )
     task: str = field(default="causal-lm", metadata={"help": f"one of {', '.join(TASKS)}"})
     dataset: str = field(
@@ -92,7 +97,6 @@ class FinetuneArguments(ScriptArguments):
             "double quantisation) or 'int8'; needs pip install 'poet_hf[quant]'"
         },
     )
-    seq_len: int = field(default=128, metadata={"help": "packed length (causal LM) / max length (classification)"})
     recipe: str = field(
         default="default",
         metadata={
@@ -130,9 +134,6 @@ class FinetuneArguments(ScriptArguments):
             f"fraction of the dimension (default: the recipe's, else PoetConfig's {PoetConfig.budget})"
         },
     )
-    lora_rank: int = field(
-        default=LoraConfig.r, metadata={"help": "LoRA rank r (--method lora); default: LoraConfig's"}
-    )
     lora_alpha: float | None = field(default=None, metadata={"help": "LoRA alpha; default: 2 × lora_rank"})
     target_modules: str | None = field(
         default=None,
@@ -141,7 +142,6 @@ class FinetuneArguments(ScriptArguments):
     max_train_samples: int | None = field(
         default=None, metadata={"help": "use at most this many training sequences / examples"}
     )
-    max_eval_samples: int = field(default=256, metadata={"help": "evaluate on at most this many"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -170,9 +170,7 @@ class FinetuneArguments(ScriptArguments):
                 "`dataset`='embedded' is an unlabelled corpus; sequence classification needs a "
                 "labelled dataset (an HF name or local files with text and label columns)"
             )
-        for name in ("seq_len", "lora_rank", "max_eval_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)!r}")
+        self.use_job_defaults("fine-tuning")
 
 
 def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:

@@ -10,25 +10,22 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from transformers import default_data_collator
 
-from ..cli import check_cpu_mixed_precision, deprecated_alias, flag_value, parse_arguments, run_defaults
-from ..data import EMBEDDED_CORPUS, load_corpus, load_tokenizer, pack_sequences, pad_documents
+from ..cli import check_cpu_mixed_precision, flag_value, parse_arguments, run_defaults
+from ..data import load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
 from ..orthogonal.cayley import paper_neumann_k
 from ..sharded import is_sharded
-from ..tuners.bnb import BASE_QUANTIZATIONS
-from ..tuners.config_utils import check_choice
 from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation_layer import rotation_layers
-from .arguments import PoetTrainingArguments, ScriptArguments
+from .arguments import PoetTrainingArguments
 from .presets import (  # noqa: F401 (public here too)
     PRESETS,
     Preset,
@@ -39,145 +36,14 @@ from .presets import (  # noqa: F401 (public here too)
     recipe_parameter_counts,
     tied_poet_learning_rate,
 )
+from .pretrain_arguments import (  # noqa: F401 (public here too)
+    CONFIG_FLAGS,
+    METHODS,
+    RECIPE_FLAGS,
+    RUN_FLAGS,
+    PretrainArguments,
+)
 from .trainer import PoetTrainer
-
-METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
-
-
-# The recipe values that are TrainingArguments flags: the recipe's key -> the flag.
-RECIPE_FLAGS = {
-    "steps": "max_steps",
-    "batch_size": "per_device_train_batch_size",
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "learning_rate": "learning_rate",
-    "poet_learning_rate": "poet_learning_rate",
-    "max_grad_norm": "max_grad_norm",
-    "weight_decay": "weight_decay",
-    "warmup_steps": "warmup_steps",
-}
-# Read from the command line into the recipe, which puts them in the adapter config (their home); the training
-# argument keeps only what the user set, as an override for the run.
-CONFIG_FLAGS = ("merge_every",)
-# Training flags the recipe reports as the run uses them (the optimizer and the schedule that actually run).
-RUN_FLAGS = ("optim", "lr_scheduler_type", "fused_optimizer_step")
-
-
-@dataclass
-class PretrainArguments(ScriptArguments):
-    """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments`.
-
-    Both are parsed by ``transformers.HfArgumentParser`` (`parse_pretrain_arguments`).
-
-    The preset decides the defaults of the training flags it has a value for (``--max_steps``,
-    ``--per_device_train_batch_size``, ``--gradient_accumulation_steps``, ``--learning_rate``,
-    ``--poet_learning_rate``, ``--merge_every``, ``--max_grad_norm``, ``--weight_decay``; `pretrain_defaults`): for the
-    paper's presets, the paper's run except its length (``--paper_steps`` for that too).
-    """
-
-    preset: str = field(
-        default="tiny",
-        metadata={
-            "help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
-            "trains on 2 CPU cores in minutes; llama-2-7b is Llama-2-7B's shape; the others are the paper's Table 7 "
-            "shapes)"
-        },
-    )
-    method: str = field(default="poet-bs", metadata={"help": f"one of {', '.join(METHODS)} ('poet' is 'poet-bs')"})
-    block_size: int | None = field(
-        default=None,
-        metadata={"help": f"POET-BS block size (default: the preset's, else PoetConfig's {PoetConfig.block_size})"},
-    )
-    block_size_input: int | None = field(default=None, metadata={"help": "POET-BS block size of R only"})
-    block_size_output: int | None = field(default=None, metadata={"help": "POET-BS block size of P only"})
-    budget: float | None = field(
-        default=None,
-        metadata={
-            "help": "POET-FS index-set size per side: a fraction of "
-            f"the dimension (<= 1, default PoetConfig's {PoetConfig.budget}) or an absolute size (> 1)"
-        },
-    )
-    budget_input: float | None = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
-    budget_output: float | None = field(default=None, metadata={"help": "POET-FS budget of P only"})
-    neumann_terms: int | None = field(
-        default=None,
-        metadata={
-            "help": "Cayley–Neumann terms n, PEFT's count "
-            f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
-            f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
-        },
-    )
-    base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
-    base_quantization: str | None = field(
-        default=None,
-        metadata={
-            "help": "POET: quantise every W0 with "
-            "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
-            "pip install 'poet_hf[quant]'"
-        },
-    )
-    cache_rotations: bool = field(
-        default=True,
-        metadata={
-            "help": "POET: build each rotation once per optimizer step "
-            "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
-            "meanwhile); --no_cache_rotations rebuilds it per micro-batch"
-        },
-    )
-    lora_rank: int = field(default=64, metadata={"help": "LoRA rank for --method lora"})
-    paper_steps: bool = field(
-        default=False,
-        metadata={"help": "train for Tables 8–9's step count (the paper's presets); --max_steps wins over it"},
-    )
-    global_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "sequences per optimizer step (the paper's 512), reached by gradient accumulation over processes; "
-            "ignored when --gradient_accumulation_steps is given"
-        },
-    )
-    seq_len: int = field(default=256, metadata={"help": "sequence length"})
-    packing: bool = field(
-        default=True,
-        metadata={
-            "help": "pack documents into seq_len-token rows (true) or truncate "
-            "/ pad each document to seq_len as GaLore and the paper do (false)"
-        },
-    )
-    min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
-    dataset: str = field(
-        default=EMBEDDED_CORPUS,
-        metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
-    )
-    streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
-    max_eval_sequences: int = field(default=128, metadata={"help": "validation sequences evaluated"})
-    print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
-    steps: str | None = field(
-        default=None, metadata={"help": "deprecated: use --max_steps N, or --paper_steps for 'paper'"}
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.method == "poet":
-            self.method = "poet-bs"
-        check_choice("preset", self.preset, tuple(PRESETS))
-        check_choice("method", self.method, (*METHODS, "poet"))
-        if self.steps is not None:
-            if str(self.steps) != "paper" and not str(self.steps).isdigit():
-                raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
-            deprecated_alias("steps", "max_steps", "paper_steps")
-            self.paper_steps = self.paper_steps or str(self.steps) == "paper"
-        for name in ("global_batch_size", "seq_len"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value!r}")
-        if self.base_quantization is not None and not self.method.startswith("poet"):
-            raise ValueError(
-                f"`base_quantization` quantises POET's frozen W0; --method {self.method} trains every "
-                "weight, so it has none (use --method poet-bs or poet-fs)"
-            )
-        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
-        if self.preset == "tiny" and self.paper_steps:
-            raise ValueError("`paper_steps` needs one of the paper's presets; 'tiny' is not in the paper")
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
@@ -382,8 +248,8 @@ def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, A
     train = prepare(corpus["train"], tokenizer, args.seq_len, args.text_column)
     validation = prepare(corpus["validation"], tokenizer, args.seq_len, args.text_column)
     if args.streaming:
-        return train, validation.take(args.max_eval_sequences)
-    return train, validation.select(range(min(args.max_eval_sequences, len(validation))))
+        return train, validation.take(args.max_eval_samples)
+    return train, validation.select(range(min(args.max_eval_samples, len(validation))))
 
 
 def _perplexity(loss: float) -> float:

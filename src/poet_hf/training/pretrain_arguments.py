@@ -1,0 +1,165 @@
+"""`PretrainArguments`: the options of ``scripts/pretrain.py`` beyond ``TrainingArguments``, and their checks."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+from ..cli import deprecated_alias
+from ..data import EMBEDDED_CORPUS
+from ..tuners.bnb import BASE_QUANTIZATIONS
+from ..tuners.config_utils import check_choice, check_positive_int
+from ..tuners.poet import PoetConfig
+from .arguments import ScriptArguments
+from .presets import PRESETS
+
+METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
+
+
+# The recipe values that are TrainingArguments flags: the recipe's key -> the flag.
+RECIPE_FLAGS = {
+    "steps": "max_steps",
+    "batch_size": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "learning_rate": "learning_rate",
+    "poet_learning_rate": "poet_learning_rate",
+    "max_grad_norm": "max_grad_norm",
+    "weight_decay": "weight_decay",
+    "warmup_steps": "warmup_steps",
+}
+# Read from the command line into the recipe, which puts them in the adapter config (their home); the training
+# argument keeps only what the user set, as an override for the run.
+CONFIG_FLAGS = ("merge_every",)
+# Training flags the recipe reports as the run uses them (the optimizer and the schedule that actually run).
+RUN_FLAGS = ("optim", "lr_scheduler_type", "fused_optimizer_step")
+
+
+@dataclass
+class PretrainArguments(ScriptArguments):
+    """The options of ``scripts/pretrain.py`` beside `PoetTrainingArguments`.
+
+    Both are parsed by ``transformers.HfArgumentParser`` (`parse_pretrain_arguments`).
+
+    The preset decides the defaults of the training flags it has a value for (``--max_steps``,
+    ``--per_device_train_batch_size``, ``--gradient_accumulation_steps``, ``--learning_rate``,
+    ``--poet_learning_rate``, ``--merge_every``, ``--max_grad_norm``, ``--weight_decay``; `pretrain_defaults`): for the
+    paper's presets, the paper's run except its length (``--paper_steps`` for that too).
+    """
+
+    preset: str = field(
+        default="tiny",
+        metadata={
+            "help": f"model size and recipe: {', '.join(PRESETS)} ('tiny' "
+            "trains on 2 CPU cores in minutes; llama-2-7b is Llama-2-7B's shape; the others are the paper's Table 7 "
+            "shapes)"
+        },
+    )
+    method: str = field(
+        default="poet-bs",
+        metadata={
+            "help": "poet-bs (POET, block-stochastic: the preset's block, Table 7's 256), poet-fs (POET, fully "
+            "stochastic: budget ½ per side), adamw, lora or galore; the names finetune.py takes mean the same "
+            "(`poet` alone is deprecated here: it is poet-bs)"
+        },
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": f"POET-BS block size (default: the preset's, else PoetConfig's {PoetConfig.block_size})"},
+    )
+    block_size_input: int | None = field(default=None, metadata={"help": "POET-BS block size of R only"})
+    block_size_output: int | None = field(default=None, metadata={"help": "POET-BS block size of P only"})
+    budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "POET-FS index-set size per side: a fraction of "
+            f"the dimension (<= 1, default PoetConfig's {PoetConfig.budget}) or an absolute size (> 1)"
+        },
+    )
+    budget_input: float | None = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
+    budget_output: float | None = field(default=None, metadata={"help": "POET-FS budget of P only"})
+    neumann_terms: int | None = field(
+        default=None,
+        metadata={
+            "help": "Cayley–Neumann terms n, PEFT's count "
+            f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
+            f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
+        },
+    )
+    base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
+    base_quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "POET: quantise every W0 with "
+            "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
+            "pip install 'poet_hf[quant]'"
+        },
+    )
+    cache_rotations: bool = field(
+        default=True,
+        metadata={
+            "help": "POET: build each rotation once per optimizer step "
+            "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
+            "meanwhile); --no_cache_rotations rebuilds it per micro-batch"
+        },
+    )
+    paper_steps: bool = field(
+        default=False,
+        metadata={"help": "train for Tables 8–9's step count (the paper's presets); --max_steps wins over it"},
+    )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "sequences per optimizer step (the paper's 512), reached by gradient accumulation over processes; "
+            "ignored when --gradient_accumulation_steps is given"
+        },
+    )
+    packing: bool = field(
+        default=True,
+        metadata={
+            "help": "pack documents into seq_len-token rows (true) or truncate "
+            "/ pad each document to seq_len as GaLore and the paper do (false)"
+        },
+    )
+    min_lr_ratio: float = field(default=0.01, metadata={"help": "cosine schedule floor, as a fraction of the peak"})
+    dataset: str = field(
+        default=EMBEDDED_CORPUS,
+        metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
+    )
+    streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
+    max_eval_sequences: int | None = field(default=None, metadata={"help": "deprecated: use --max_eval_samples"})
+    print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
+    steps: str | None = field(
+        default=None, metadata={"help": "deprecated: use --max_steps N, or --paper_steps for 'paper'"}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.method == "poet":
+            warnings.warn(
+                "`--method poet` is deprecated in pretrain.py and will be removed in the next release; use "
+                "`--method poet-bs` (what it meant here). In finetune.py `poet` is the fine-tuning recipe",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.method = "poet-bs"
+        if self.max_eval_sequences is not None:
+            deprecated_alias("max_eval_sequences", "max_eval_samples")
+            self.max_eval_samples = self.max_eval_samples or self.max_eval_sequences
+        self.use_job_defaults("pretraining")
+        check_choice("preset", self.preset, tuple(PRESETS))
+        check_choice("method", self.method, (*METHODS, "poet"))
+        if self.steps is not None:
+            if str(self.steps) != "paper" and not str(self.steps).isdigit():
+                raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
+            deprecated_alias("steps", "max_steps", "paper_steps")
+            self.paper_steps = self.paper_steps or str(self.steps) == "paper"
+        if self.global_batch_size is not None:
+            check_positive_int("global_batch_size", self.global_batch_size)
+        if self.base_quantization is not None and not self.method.startswith("poet"):
+            raise ValueError(
+                f"`base_quantization` quantises POET's frozen W0; --method {self.method} trains every "
+                "weight, so it has none (use --method poet-bs or poet-fs)"
+            )
+        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
+        if self.preset == "tiny" and self.paper_steps:
+            raise ValueError("`paper_steps` needs one of the paper's presets; 'tiny' is not in the paper")
