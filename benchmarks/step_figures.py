@@ -212,3 +212,43 @@ def planner_gap(load: Load) -> str:
         abs(r[f"{who} measured / planned"] - 1) for r in pretrain_step_rows(load, None) for who in ("AdamW", "POET")
     ]
     return f"{max(gaps) * 100:.0f} %"
+
+
+# Each figure of each step row of ``--suite training_modes``, as ``training_modes.<preset>.<method>.<mode>.<figure>``
+# with the mode's spaces and `` + `` as ``_`` (for example ``training_modes.60m.poet-bs.fused_step.memory``).
+MODE_FIGURES = {
+    "time": ("time vs eager", ratio),
+    "memory": ("memory vs eager", ratio),
+    "time_adamw": ("time vs AdamW", ratio),
+    "memory_adamw": ("memory vs AdamW", ratio),
+    "states": ("states MB", lambda value: f"{value:.1f} MB"),
+    "compile": ("compile s", lambda value: f"{value:.0f} s"),
+}
+MODES = ("eager", "compiled", "checkpointing", "8-bit states", "fused step", "checkpointing + fused step")
+
+
+def _mode_figure(preset: str, method: str, mode: str, key: str, show: Callable[[float], str]):
+    def figure(load: Load) -> str:
+        rows = load("training_modes")["rows"]
+        return show(
+            next(r for r in rows if (r.get("preset"), r.get("method"), r.get("mode")) == (preset, method, mode))[key]
+        )
+
+    return figure
+
+
+def _mode_key(preset: str, method: str, mode: str, name: str) -> str:
+    return (
+        f"training_modes.{preset.removeprefix('llama-')}.{method}.{mode.replace(' + ', '_').replace(' ', '_')}.{name}"
+    )
+
+
+STEP_FIGURES.update(
+    {
+        _mode_key(preset, method, mode, name): _mode_figure(preset, method, mode, key, show)
+        for preset, modes in (("tiny", MODES), ("llama-60m", ("eager", "checkpointing", "fused step", MODES[-1])))
+        for method in ("adamw", "poet-bs")
+        for mode in modes
+        for name, (key, show) in MODE_FIGURES.items()
+    }
+)
