@@ -78,9 +78,10 @@ def export_peft_adapter(
     _check_representable(model, config, adapter_name)
     output = Path(output_dir)
     check_output_dir(output, overwrite, None)
-    base_changed = bool(max_merge_count(model)) or _base_changed(model, adapter_name)
     peft_config = to_peft_oft_config(config)
     state = _adapter_state(model, adapter_name)
+    # The adapter saves W0 when merges or a repacking changed it (`RotationModel._get_adapter_state_dict`).
+    base_changed = bool(max_merge_count(model)) or any(".base_layer." in key for key in state)
     if base_changed:
         if base_output_dir is None:
             raise ExportError(
@@ -114,7 +115,7 @@ def to_peft_oft_config(config: OftConfig) -> Any:
         r=config.r,
         oft_block_size=0 if config.r else config.block_size,
         use_cayley_neumann=not exact,
-        num_cayley_neumann_terms=5 if exact else config.neumann_terms,
+        num_cayley_neumann_terms=5 if exact else config.neumann_terms,  # PEFT ignores it without the series
         inference_mode=True,
         **{name: getattr(config, name) for name in SAME_NAMED_FIELDS},
     )
@@ -170,10 +171,6 @@ def _adapter_state(model: Any, adapter_name: str) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, adapter_name=adapter_name)
-
-
-def _base_changed(model: Any, adapter_name: str) -> bool:
-    return any(".base_layer." in key for key in _adapter_state(model, adapter_name))
 
 
 def _write_base(model: Any, folder: Path, overwrite: bool) -> Path:
