@@ -151,14 +151,21 @@ def test_a_4bit_trained_adapter_without_merges_loads_onto_the_full_precision_bas
         assert torch.equal(loaded[name], value), name  # the trained rotations, bit for bit
 
 
-@pytest.mark.parametrize("loader", [load_nf4, load_int8], ids=["nf4", "int8"])
-def test_a_quantized_adapter_with_merges_loads_its_own_w0_onto_the_full_precision_base(checkpoint, tmp_path, loader):
-    """With merges folded into the quantised ``W0``, the adapter's ``W0`` is part of the training: the full-precision
-    base takes it dequantised, and computes what the quantised model computed."""
-    wrapped = get_peft_model(loader(checkpoint), PoetConfig(block_size=16, merge_every=1))
+@pytest.mark.parametrize(
+    "loader,fields",
+    [(load_nf4, {"merge_every": 1}), (load_int8, {"merge_every": 1}), (load_int8, {"base_init": "normalized"})],
+    ids=["nf4-merged", "int8-merged", "int8-base_init"],
+)
+def test_a_quantized_adapter_with_its_own_w0_loads_it_onto_the_full_precision_base(
+    checkpoint, tmp_path, loader, fields
+):
+    """With merges folded into the quantised ``W0``, or a ``W0`` POET re-initialised, the adapter's ``W0`` is part of
+    the training: the full-precision base takes it dequantised, and computes what the quantised model computed."""
+    wrapped = get_peft_model(loader(checkpoint), PoetConfig(block_size=16, **fields))
     train_a_little(wrapped)
-    merge_and_reinit(wrapped)
-    train_a_little(wrapped)
+    if "merge_every" in fields:
+        merge_and_reinit(wrapped)
+        train_a_little(wrapped)
     with torch.no_grad():
         logits = wrapped(input_ids=IDS).logits
     dequantized = {

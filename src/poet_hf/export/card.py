@@ -244,8 +244,6 @@ def render_adapter_card(
     Returns:
         The rendered ``huggingface_hub.ModelCard``.
     """
-    from importlib.metadata import version
-
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
     title = _METHODS.get(_method_family(peft_type), (peft_type,))[0]
     base_model = peft_config.base_model_name_or_path
@@ -266,6 +264,16 @@ def render_adapter_card(
         base_model_ref=base_model,
         base_written=base_written,
         auto_class=_auto_class_name(model),
-        peft_version=version("peft"),
-        poet_hf_version=version("poet_hf"),
+        peft_version=_installed_version("peft"),
+        poet_hf_version=_installed_version("poet_hf"),
     )
+
+
+def _installed_version(distribution: str) -> str:
+    """The installed version of ``distribution``, as the card's framework list gives it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:  # run from a source tree on the path
+        return "(not installed as a distribution)"

@@ -154,7 +154,10 @@ class BaseWeightMixin:
             bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
             return
         if dense_reload.holds_quantized_weight(state_dict, f"{prefix}base_layer."):
-            dense_reload.load_onto_dense_base(self.get_base_layer(), state_dict, prefix, f"{prefix}base_layer.")
+            base_init = any(settings.base_init for settings in self.rotation_settings.values())
+            dense_reload.load_onto_dense_base(
+                self.get_base_layer(), state_dict, prefix, f"{prefix}base_layer.", base_init
+            )
         low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
 
     def attach_residual_store(self, adapter_name: str) -> None:

@@ -1,13 +1,14 @@
 """An adapter trained on a 4-bit or 8-bit base, loaded onto the same checkpoint's full-precision base (the QLoRA habit).
 
 An adapter saves its ``W0`` when ``W0`` is no longer the checkpoint's: merge-then-reinitialize folded rotations into
-it, or bitsandbytes repacked a 4-bit base before it was wrapped (`bnb.QuantizedBaseRepackedWarning`). Such a ``W0`` is
-stored quantised (codes and statistics), which a full-precision ``nn.Linear`` cannot take. Loading it there:
+it, POET re-initialised it (``base_init``), or bitsandbytes repacked a 4-bit base before it was wrapped
+(`bnb.QuantizedBaseRepackedWarning`). Such a ``W0`` is stored quantised (codes and statistics), which a
+full-precision ``nn.Linear`` cannot take. Loading it there:
 
-- with no merge folded in, the saved ``W0`` is only the quantisation of the checkpoint's: the adapter is
-  base-agnostic, as a QLoRA adapter is, and the full-precision ``W0`` is kept;
-- with merges folded in, the saved ``W0`` carries part of the training: it is dequantised (what the quantised model
-  computed with) into the full-precision base, and a `QuantizedAdapterBaseWarning` says so.
+- with no merge folded in and no re-initialisation, the saved ``W0`` is only the quantisation of the checkpoint's:
+  the adapter is base-agnostic, as a QLoRA adapter is, and the full-precision ``W0`` is kept;
+- otherwise the saved ``W0`` carries part of the training: it is dequantised (what the quantised model computed
+  with) into the full-precision base, and a `QuantizedAdapterBaseWarning` says so.
 """
 
 from __future__ import annotations
@@ -45,18 +46,20 @@ def saved_merge_count(state_dict: dict[str, torch.Tensor], layer_prefix: str) ->
 
 
 def load_onto_dense_base(
-    base: nn.Module, state_dict: dict[str, torch.Tensor], layer_prefix: str, base_prefix: str
+    base: nn.Module, state_dict: dict[str, torch.Tensor], layer_prefix: str, base_prefix: str, base_init: bool = False
 ) -> None:
     """Replace the quantised ``W0`` saved under ``base_prefix`` by what a full-precision ``base`` can load.
 
     The saved codes, statistics and error-feedback residual are taken out of ``state_dict``; with merges folded in
-    (`saved_merge_count` > 0), the dequantised ``W0``, in ``base``'s dtype, goes in their place.
+    (`saved_merge_count` > 0) or a ``W0`` that POET re-initialised (``base_init``), the dequantised ``W0``, in
+    ``base``'s dtype, goes in their place.
 
     Args:
         base: the full-precision base layer (an ``nn.Linear``).
         state_dict: the state being loaded (changed in place).
         layer_prefix: the rotation layer's key prefix.
         base_prefix: its base layer's key prefix.
+        base_init: the adapter re-initialised ``W0`` (``PoetConfig.base_init``), so its ``W0`` is its own.
 
     Raises:
         ValueError: the base is not an ``nn.Linear``, or the saved ``W0`` has another shape.
@@ -68,7 +71,7 @@ def load_onto_dense_base(
         )
     saved = _saved_base_keys(state_dict, base_prefix)
     merges = saved_merge_count(state_dict, layer_prefix)
-    if not merges:
+    if not merges and not base_init:
         for key in saved:
             state_dict.pop(key)
         _warn(
@@ -83,7 +86,8 @@ def load_onto_dense_base(
     state_dict[f"{base_prefix}weight"] = dense.to(base.weight.dtype)
     _warn(
         "this adapter was trained on a quantised base and carries its own W0 (merge-then-reinitialize folded "
-        "training into it), so the full-precision base's W0 is replaced by the adapter's, dequantised: the model "
+        "training into it, or base_init re-initialised it), so the full-precision base's W0 is replaced by the "
+        "adapter's, dequantised: the model "
         "computes what the quantised model trained on; for the exact full-precision fold, export the merged model "
         "(poet_hf.export.export_merged) from the quantised model"
     )
