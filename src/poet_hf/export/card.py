@@ -244,6 +244,10 @@ def render_adapter_card(
     Returns:
         The rendered ``huggingface_hub.ModelCard``.
     """
+    import peft
+
+    from .. import __version__
+
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
     title = _METHODS.get(_method_family(peft_type), (peft_type,))[0]
     base_model = peft_config.base_model_name_or_path
@@ -264,16 +268,6 @@ def render_adapter_card(
         base_model_ref=base_model,
         base_written=base_written,
         auto_class=_auto_class_name(model),
-        peft_version=_installed_version("peft"),
-        poet_hf_version=_installed_version("poet_hf"),
+        peft_version=peft.__version__,
+        poet_hf_version=__version__,
     )
-
-
-def _installed_version(distribution: str) -> str:
-    """The installed version of ``distribution``, as the card's framework list gives it."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:  # run from a source tree on the path
-        return "(not installed as a distribution)"

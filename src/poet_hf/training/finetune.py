@@ -200,7 +200,6 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
     if args.method == "poet":
         recipe = POET_FINETUNE_RECIPES[args.recipe]
         values["poet_reference_block"] = recipe.reference_block
-        # --learning_rate alone sets every rate, as in any transformers script
         values["poet_learning_rate"] = given.get("learning_rate", recipe.learning_rate)
     return run_defaults(given, **values)
 
@@ -332,10 +331,9 @@ def method_config(
     records (``None``: the config's)."""
     from peft import TaskType
 
-    task_type = TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS
     common = {
         "target_modules": target_modules(args, model),
-        "task_type": task_type,
+        "task_type": TaskType.CAUSAL_LM if args.task == "causal-lm" else TaskType.SEQ_CLS,
         "modules_to_save": list(new_modules or []) or None,
     }
     # Only what the command line (or the POET recipe) set; everything else is the config class's default.
