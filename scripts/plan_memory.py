@@ -1,14 +1,20 @@
 #!/usr/bin/env python
 """Plan the per-process memory of a training run, part by part, before running it (poet_hf.plan_memory).
 
-    python scripts/plan_memory.py --model llama-130m --method poet-bs --block_size 256 --batch_size 4 --seq_len 256
-    python scripts/plan_memory.py --model meta-llama/Llama-3.1-8B --method poet-bs --dtype bfloat16 \\
-        --processes 8 --sharding fsdp2 --checkpointing --compare adamw,lora,galore
-    python scripts/plan_memory.py --model configs/models/llama-2-7b.json --method poet-bs --batch_size 1 \
-        --checkpointing --base_quantization nf4 --fused_step --optimizer_bits 8
+It takes ``scripts/pretrain.py``'s own flags and plans exactly that run (`poet_hf.run_plan.plan_pretraining`, what
+``scripts/pretrain.py --plan_only`` prints), plus --compare, --processes, --sharding, --dtype and --json:
+
+    python scripts/plan_memory.py --preset llama-130m --per_device_train_batch_size 4 --compare adamw,lora,galore
+    python scripts/plan_memory.py --config_name configs/models/llama-2-7b.json --per_device_train_batch_size 1 \
+        --gradient_accumulation_steps 1 --gradient_checkpointing --base_quantization nf4 --fused_optimizer_step \
+        --optim adamw_bnb_8bit
+    python scripts/plan_memory.py --config_name meta-llama/Llama-3.1-8B --dtype bfloat16 --processes 8 --sharding fsdp2
+
+The former spelling (``--model``, ``--batch_size``, ``--checkpointing``, ``--fused_step``, ``--optimizer_bits``,
+``--accumulation``) still plans, with a FutureWarning, for one release.
 
 The model is built on the meta device: no weights are read or allocated. The text output lists each part (MB per
-process), one column per method, and ends with the line ``total: N MB per process`` for --method.
+process), one column per method, and ends with the line ``total: N MB per process`` for the run's method.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import inspect
 import json
 import sys
+import warnings
 from typing import Any
 
 # The options passed through to poet_hf.plan_memory, with their help; defaults are read off its signature.
@@ -80,7 +87,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def plan_parser() -> argparse.ArgumentParser:
+    """The options of a plan beside the training script's flags."""
+    from poet_hf.memory_plan import DTYPES, METHODS, SHARDINGS
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=tuple(DTYPES),
+        help="weights' dtype: pretrain.py keeps float32 (--bf16 is autocast); bfloat16 plans a run that stores them so",
+    )
+    parser.add_argument("--compare", default="", help=f"methods to plan beside the run's (from {', '.join(METHODS)})")
+    parser.add_argument("--processes", type=int, default=None, help="data-parallel processes (default: the launcher's)")
+    parser.add_argument("--sharding", default="ddp", choices=SHARDINGS, help="ddp, or fsdp2 (fully_shard per block)")
+    parser.add_argument("--json", action="store_true", help=SWITCHES["json"])
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg == "--model" or arg.startswith("--model=") for arg in argv):
+        return main_former_spelling(argv)
+    from poet_hf.memory_plan import format_plans
+    from poet_hf.run_plan import parse_run, plan_pretraining
+
+    options, rest = plan_parser().parse_known_args(argv)
+    args, training = parse_run(rest, options.processes)
+    methods = tuple(m for m in options.compare.split(",") if m)
+    try:
+        plans = plan_pretraining(args, training, methods, options.processes, options.sharding, options.dtype)
+    except ValueError as error:
+        print(f"plan_memory.py: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps([plan.to_dict() for plan in plans], indent=2) if options.json else format_plans(plans))
+    return 0
+
+
+def main_former_spelling(argv: list[str]) -> int:
+    """The former options (``--model``, ``--batch_size``, ...), for one release."""
+    warnings.warn(
+        "plan_memory.py's own spellings (--model, --batch_size, --checkpointing, --fused_step, --optimizer_bits, "
+        "--accumulation) are deprecated and will be removed in the next release; pass scripts/pretrain.py's flags "
+        "(--preset or --config_name, --per_device_train_batch_size, --gradient_checkpointing, "
+        "--fused_optimizer_step, --optim adamw_bnb_8bit, --gradient_accumulation_steps)",
+        FutureWarning,
+        stacklevel=2,
+    )
     args = build_parser().parse_args(argv)
     from poet_hf.memory_plan import format_plans, plan_memory
 

@@ -7,6 +7,9 @@
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
         --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --paper_steps
     python scripts/pretrain.py --preset llama-130m --bf16 --gradient_checkpointing --torch_compile
+    python scripts/pretrain.py --config_name Qwen/Qwen2.5-0.5B --config_overrides num_hidden_layers=4  # any causal LM
+    python scripts/pretrain.py --model_name_or_path ./my-checkpoint        # continued pretraining: its weights are W0
+    python scripts/pretrain.py --preset llama-2-7b --base_quantization nf4 --plan_only   # the memory plan of a run
 
 Every TrainingArguments flag works (--bf16, --gradient_checkpointing, --torch_compile, --optim, --max_steps,
 --per_device_train_batch_size, --report_to, --push_to_hub, ...); a flag left out takes the preset's value.
@@ -20,7 +23,6 @@ import json
 from transformers import HfArgumentParser
 
 from poet_hf.cli import training_parser
-from poet_hf.data import load_tokenizer
 from poet_hf.distributed import end_distributed
 from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.pretrain import (
@@ -29,6 +31,7 @@ from poet_hf.training.pretrain import (
     recipe_flags,
     resolve_recipe,
     run_pretraining,
+    run_tokenizer,
 )
 
 
@@ -36,10 +39,22 @@ def build_parser() -> HfArgumentParser:
     return training_parser(PretrainArguments, PoetTrainingArguments)
 
 
+def print_plan(args, training) -> dict:
+    """``--plan_only``: the run's memory plan (`poet_hf.run_plan.plan_pretraining`), printed as plan_memory.py does."""
+    from poet_hf.memory_plan import format_plans
+    from poet_hf.run_plan import plan_pretraining
+
+    plan = plan_pretraining(args, training)[0]
+    print(format_plans([plan]))
+    return plan.to_dict()
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, training = parse_pretrain_arguments(argv)
+    if args.plan_only:
+        return print_plan(args, training)
     if args.print_recipe:
-        recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(load_tokenizer(args.tokenizer)))
+        recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(run_tokenizer(args)))
         print(json.dumps(recipe, indent=2))
         return recipe
     results = run_pretraining(args, training)

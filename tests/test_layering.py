@@ -43,6 +43,7 @@ ALLOWED = {
     },
     "activation_trace": set(),  # what one forward saves, traced on meta by shapes
     "memory_plan": {"activation_trace", "tuners", "distributed", "training"},  # plans a run: its presets on meta
+    "run_plan": {"cli", "memory_plan", "training"},  # plans a pretrain.py run from its own flags
 }
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal", "optim"}

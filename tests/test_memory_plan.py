@@ -156,8 +156,13 @@ def test_bad_arguments_name_the_field(argument, value):
 def test_command_line_prints_parts_and_ends_with_the_total(capsys):
     """scripts/plan_memory.py's main, in this process (a new interpreter would spend its time importing)."""
     script = load_module(ROOT / "scripts" / "plan_memory.py")
-    assert script.main(["--model", "llama-60m", "--method", "poet-bs", "--compare", "adamw"]) == 0
+    flags = ["--preset", "llama-60m", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1"]
+    assert script.main([*flags, "--compare", "adamw"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    plan = plan_memory("llama-60m", "poet-bs")
+    from poet_hf.data import load_tokenizer
+    from poet_hf.training.presets import PRESETS, preset_config
+
+    run_model = preset_config(PRESETS["llama-60m"], "poet-bs", len(load_tokenizer()), 256)  # the embedded tokenizer's
+    plan = plan_memory(run_model, "poet-bs", batch_size=4)
     assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"
     assert lines[0].split()[-2:] == ["poet-bs", "adamw"]

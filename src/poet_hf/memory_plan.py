@@ -26,10 +26,8 @@ table leaves out, are a separate part here).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,22 +108,16 @@ def _resolve_model_config(model: Any) -> Any:
 
     A preset name (`PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its folder), or a Hub id (its config is
     read through ``huggingface_hub``'s cache)."""
-    from transformers import AutoConfig, PretrainedConfig
+    from transformers import PretrainedConfig
 
     if isinstance(model, PretrainedConfig):
         return model
+    from .training.model_source import read_config
     from .training.presets import PRESETS
 
     if isinstance(model, str) and model in PRESETS:
         return model
-    path = Path(str(model))
-    if path.is_file():
-        return (
-            AutoConfig.from_pretrained(str(path.parent))
-            if path.name == "config.json"
-            else AutoConfig.for_model(**json.loads(path.read_text()))
-        )
-    return AutoConfig.from_pretrained(str(model))
+    return read_config(str(model))
 
 
 def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> Any:

@@ -103,7 +103,12 @@ class ScriptArguments:
     dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name, e.g. 'en' for C4"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     tokenizer: str | None = field(
-        default=None, metadata={"help": "AutoTokenizer name or path; default: the model's (pretraining: embedded)"}
+        default=None,
+        metadata={
+            "help": "AutoTokenizer name or path (--tokenizer_name, as run_clm.py, is the same flag); default: the "
+            "model's (pretraining: embedded, or the --model_name_or_path checkpoint's)",
+            "aliases": ["--tokenizer_name"],
+        },
     )
     export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
     # None until the script's __post_init__ sets its job's value (`use_job_defaults`): one name, one default.

@@ -8,12 +8,14 @@ them here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import PeftConfig
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from ..initialization import materialize_model
 from ..tuners.constants import DEFAULT_TARGET_MODULES
@@ -26,7 +28,10 @@ __all__ = [
     "build_llama",
     "count_trainable",
     "intermediate_size",
+    "non_target_modules",
+    "preset_config",
     "recipe_parameter_counts",
+    "targets_for",
     "tied_poet_learning_rate",
 ]
 
@@ -109,6 +114,20 @@ def intermediate_size(preset: Preset, method: str) -> int:
     return {"poet-bs": preset.intermediate_bs, "poet-fs": preset.intermediate_fs}.get(method, preset.intermediate)
 
 
+def preset_config(preset: Preset, method: str, vocab_size: int, seq_len: int) -> LlamaConfig:
+    """The LLaMA config of a preset: Table 7's shape, with the FFN size of ``method``'s column (`intermediate_size`)."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        num_hidden_layers=preset.layers,
+        intermediate_size=intermediate_size(preset, method),
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.heads,
+        max_position_embeddings=seq_len,
+        tie_word_embeddings=False,
+    )
+
+
 def build_llama(
     preset: Preset, method: str, vocab_size: int, seq_len: int, seed: int, device: str = "cpu"
 ) -> LlamaForCausalLM:
@@ -130,28 +149,55 @@ def build_llama(
     Returns:
         The ``LlamaForCausalLM``.
     """
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=preset.hidden,
-        num_hidden_layers=preset.layers,
-        intermediate_size=intermediate_size(preset, method),
-        num_attention_heads=preset.heads,
-        num_key_value_heads=preset.heads,
-        max_position_embeddings=seq_len,
-        tie_word_embeddings=False,
-    )
+    config = preset_config(preset, method, vocab_size, seq_len)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     return model if device == "meta" else materialize_model(model, seed=seed, device=device)
 
 
+def targets_for(config: PretrainedConfig) -> list[str] | str:
+    """The block linears POET, OFT, LoRA and GaLore train for ``config``'s family (`DEFAULT_TARGET_MODULES`).
+
+    Raises:
+        ValueError: the family is not one POET knows (the message lists those it does).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in DEFAULT_TARGET_MODULES:
+        raise ValueError(
+            f"`model_type`={model_type!r} has no default target modules; pretraining supports "
+            f"{', '.join(sorted(DEFAULT_TARGET_MODULES))}"
+        )
+    return DEFAULT_TARGET_MODULES[model_type]
+
+
+def non_target_modules(model: nn.Module, targets: list[str] | str) -> list[str]:
+    """The last name of every module outside the targets that holds parameters of its own (embeddings, norms, head).
+
+    What POET's ``train_other_params`` trains in full beside the rotations, and LoRA's ``modules_to_save``."""
+
+    def is_target(name: str) -> bool:
+        if isinstance(targets, str):
+            return re.fullmatch(targets, name) is not None
+        return name.rsplit(".", 1)[-1] in targets
+
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if name and not is_target(name) and any(True for _ in module.parameters(recurse=False))
+    }
+    return sorted(names)
+
+
 def apply_recipe(
-    model: LlamaForCausalLM, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
+    model: torch.nn.Module, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
 ) -> torch.nn.Module:
     """Wrap the model for the recipe's method: POET via `PoetConfig`, LoRA via PEFT, AdamW and GaLore unchanged.
 
+    The targets are the family's block linears (`targets_for`); LoRA trains the other modules with parameters in full
+    (`non_target_modules`: embeddings, norms, head), as the paper's LoRA baseline does.
+
     Args:
-        model: the LLaMA to wrap.
+        model: the causal LM to wrap.
         recipe: a resolved recipe (``method`` and the method's settings).
         base_init: POET's ``W0`` initialisation; ``"recipe"``: the recipe's.
         seed: the adapter's seed.
@@ -164,7 +210,7 @@ def apply_recipe(
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = DEFAULT_TARGET_MODULES["llama"]
+    targets = targets_for(cast(PretrainedConfig, model.config))
     method = recipe["method"]
     if method in ("poet-bs", "poet-fs"):
         rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
@@ -181,12 +227,11 @@ def apply_recipe(
         )
         return get_peft_model(model, config)
     if method == "lora":
-        # The paper's LoRA baseline trains embeddings, norms and lm_head fully beside the adapters.
         config = LoraConfig(
             r=recipe["lora_rank"],
             lora_alpha=recipe["lora_rank"],
             target_modules=targets,
-            modules_to_save=["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm", "lm_head"],
+            modules_to_save=non_target_modules(model, targets),
         )
         return get_peft_model(model, config)
     if method == "galore":
@@ -197,7 +242,7 @@ def apply_recipe(
     return model
 
 
-def count_trainable(model: torch.nn.Module) -> dict[str, int]:
+def count_trainable(model: nn.Module) -> dict[str, int]:
     """Trainable parameters in total and inside the transformer blocks (the paper's Table 2 convention).
 
     Args:
@@ -207,24 +252,54 @@ def count_trainable(model: torch.nn.Module) -> dict[str, int]:
         ``{"trainable_params", "trainable_block_params"}``.
     """
     trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    in_block = re.compile(r"\.\d+\.(?!.*(norm|ln_))")  # inside a numbered block, not one of its norms
     return {
         "trainable_params": sum(n for _, n in trainable),
-        "trainable_block_params": sum(n for name, n in trainable if ".layers." in name and "norm" not in name),
+        "trainable_block_params": sum(n for name, n in trainable if in_block.search(name)),
     }
 
 
-def recipe_parameter_counts(recipe: dict[str, Any], vocab_size: int) -> dict[str, int]:
-    """Trainable parameters of a recipe's method (`count_trainable`), counted on a model built on the ``meta`` device.
+def recipe_parameter_counts(
+    recipe: dict[str, Any], vocab_size: int, config: PretrainedConfig | None = None
+) -> dict[str, Any]:
+    """What a recipe's method trains, counted on a model built on the ``meta`` device.
 
     Args:
         recipe: a resolved recipe (``preset``, ``method``, ``model.seq_len`` and the method's settings).
-        vocab_size: the vocabulary size.
+        vocab_size: the vocabulary size (of a preset's model).
+        config: the model's config; ``None``: the preset's LLaMA.
 
     Returns:
-        ``{"trainable_params", "trainable_block_params"}``.
+        `count_trainable`'s counts; ``targets`` (the block linears the method adapts); ``trained_in_full`` (the last
+        names of the other modules whose weights train, e.g. embeddings, norms, head); for POET-BS
+        ``block_sizes``, each target's ``{"input": b, "output": b}`` by its name inside a block (``self_attn.q_proj``)
+        as the layers resolved them (a size that does not
+        divide a side becomes its nearest divisor).
     """
+    from ..tuners.rotation_layer import rotation_layers
+
     preset = PRESETS[recipe["preset"]]
+    config = config or preset_config(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"])
     with torch.device("meta"):
-        base = build_llama(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"], 0, device="meta")
-        model = apply_recipe(base, {**recipe, "base_quantization": None}, base_init=None)
-    return count_trainable(model)
+        model = apply_recipe(AutoModelForCausalLM.from_config(config), {**recipe, "base_quantization": None}, None)
+    targets = targets_for(config)
+    report: dict[str, Any] = {**count_trainable(model), "targets": targets}
+    report["trained_in_full"] = sorted(
+        {_module_of(name) for name, p in model.named_parameters() if p.requires_grad and not _in_adapter(name)}
+    )
+    if recipe.get("spo") == "block":
+        report["block_sizes"] = {
+            re.split(r"\.\d+\.", name)[-1]: {side: spec.block for side, spec in layer.sides("default").items()}
+            for name, layer in rotation_layers(model)
+        }
+    return report
+
+
+def _module_of(parameter_name: str) -> str:
+    """The last module name of a parameter's (``model.layers.0.input_layernorm.weight`` → ``input_layernorm``)."""
+    parts = [p for p in parameter_name.split(".")[:-1] if p not in ("modules_to_save", "default", "original_module")]
+    return parts[-1]
+
+
+def _in_adapter(parameter_name: str) -> bool:
+    return any(key in parameter_name for key in ("lora_", "poet_", "skew"))

@@ -22,10 +22,10 @@ from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, sp
 from ..initialization import materialize_model
 from ..orthogonal.cayley import paper_neumann_k
 from ..sharded import is_sharded
-from ..tuners.constants import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation_layer import rotation_layers
 from .arguments import PoetTrainingArguments
+from .model_source import build_model, load_model_config, model_summary
 from .presets import (  # noqa: F401 (public here too)
     PRESETS,
     Preset,
@@ -34,6 +34,7 @@ from .presets import (  # noqa: F401 (public here too)
     count_trainable,
     intermediate_size,
     recipe_parameter_counts,
+    targets_for,
     tied_poet_learning_rate,
 )
 from .pretrain_arguments import (  # noqa: F401 (public here too)
@@ -72,7 +73,7 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
         dataloader_drop_last=True,
     )
     if args.method == "galore":
-        values.update(optim="galore_adamw", optim_target_modules=DEFAULT_TARGET_MODULES["llama"])
+        values.update(optim="galore_adamw", optim_target_modules=targets_for(model_config(args)))
     return run_defaults(given, **values)
 
 
@@ -137,17 +138,14 @@ def resolve_recipe(
     preset = PRESETS[args.preset]
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     steps, micro, accumulation, global_batch = _batch_plan(args, given, preset, world)
+    config = model_config(args, vocab_size)
+    model = model_summary(config, args.seq_len, args.model_name_or_path or args.config_name or args.preset)
+    if not (args.model_name_or_path or args.config_name):
+        model["vocab"] = vocab_size  # a preset's vocabulary is the tokenizer's
     recipe: dict[str, Any] = {
         "preset": args.preset,
         "method": args.method,
-        "model": {
-            "hidden": preset.hidden,
-            "intermediate": intermediate_size(preset, args.method),
-            "heads": preset.heads,
-            "layers": preset.layers,
-            "seq_len": args.seq_len,
-            "vocab": vocab_size,
-        },
+        "model": model,
         "learning_rate": given.get("learning_rate", preset.learning_rate),
         "max_grad_norm": given.get("max_grad_norm", preset.max_grad_norm),
         "weight_decay": given.get("weight_decay", preset.weight_decay),
@@ -166,12 +164,26 @@ def resolve_recipe(
         "total_tokens": global_batch * args.seq_len * steps,
     }
     if args.method.startswith("poet"):
-        recipe.update(_rotation_recipe(args, given, preset))
+        recipe.update(_rotation_recipe(args, given, preset, config.hidden_size))
     elif args.method == "lora":
         recipe["lora_rank"] = args.lora_rank
     if vocab_size is not None:
-        recipe.update(recipe_parameter_counts(recipe, vocab_size))
+        recipe.update(recipe_parameter_counts(recipe, vocab_size, config))
     return recipe
+
+
+def model_config(args: PretrainArguments, vocab_size: int | None = None) -> Any:
+    """The config of the model the run trains (`load_model_config`): the checkpoint's, ``--config_name``'s or the
+    preset's, with ``--config_overrides``."""
+    return load_model_config(
+        args.preset,
+        args.method,
+        vocab_size,
+        args.seq_len,
+        args.config_name,
+        args.config_overrides,
+        args.model_name_or_path,
+    )
 
 
 def _batch_plan(
@@ -198,9 +210,13 @@ def _batch_plan(
     return steps, micro, global_batch // (micro * world), global_batch
 
 
-def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset) -> dict[str, Any]:
-    """POET's part of the recipe: the SPO sides, Cayley–Neumann terms, merge interval and rotation learning rate."""
-    block = args.block_size or preset.block_size
+def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset, hidden: int) -> dict[str, Any]:
+    """POET's part of the recipe: the SPO sides, Cayley–Neumann terms, merge interval and rotation learning rate.
+
+    A preset's shape takes its block size; a config's or a checkpoint's takes `PoetConfig`'s, which each layer fits to
+    its widths (the nearest divisor where it does not divide one)."""
+    own_shape = args.config_name or args.model_name_or_path
+    block = args.block_size or (PoetConfig.block_size if own_shape else preset.block_size)
     budget = _budget(args.budget) if args.budget is not None else preset.budget
     terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
     sides: dict[str, dict[str, Any]] = {
@@ -213,7 +229,7 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
     rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
     mean_size = sum(rotation.values()) / 2
     if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
-        mean_size = mean_size / preset.hidden
+        mean_size = mean_size / hidden
     return {
         "spo": "block" if args.method == "poet-bs" else "full",
         **(
@@ -237,6 +253,15 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
 
 def _collapse(per_side: dict[str, Any]) -> Any:
     return per_side["input"] if per_side["input"] == per_side["output"] else per_side
+
+
+def run_tokenizer(args: PretrainArguments) -> Any:
+    """The run's tokenizer: ``--tokenizer``, else the ``--model_name_or_path`` checkpoint's where it has one, else
+    the embedded BPE (`load_tokenizer`)."""
+    checkpoint = args.model_name_or_path
+    if args.tokenizer is None and checkpoint and Path(checkpoint, "tokenizer_config.json").is_file():
+        return load_tokenizer(checkpoint)
+    return load_tokenizer(args.tokenizer)
 
 
 def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
@@ -323,7 +348,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     if training is None:
         training = PoetTrainingArguments(**pretrain_defaults(args, {}))
     check_cpu_mixed_precision(training)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = run_tokenizer(args)
     recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
     seed = training.seed
     train, validation = load_data(args, tokenizer, seed)
@@ -332,14 +357,16 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
             f"the validation set has {len(validation)} sequences, fewer than one batch "
             f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch"
         )
-    # Built on the meta device; PoetTrainer materializes it (under FSDP2 each process its own shards only; a quantised
-    # W0 one layer at a time). LoRA's adapters are added to materialized weights.
-    base = build_llama(PRESETS[args.preset], args.method, len(tokenizer), args.seq_len, seed, device="meta")
-    if args.method == "lora":
+    # Built on the meta device (a checkpoint is read); PoetTrainer materializes it (under FSDP2 each process its own
+    # shards only; a quantised W0 one layer at a time). LoRA's adapters are added to materialized weights.
+    config = model_config(args, len(tokenizer))
+    base = build_model(config, seed, args.model_name_or_path)
+    if args.method == "lora" and not args.model_name_or_path:
         materialize_model(base, seed=seed)
     model = apply_recipe(base, recipe, seed=seed)
     trainer = _trainer(args, training, recipe, model, tokenizer, train, validation)
-    targets = cast(list[str], DEFAULT_TARGET_MODULES["llama"])  # a list of suffixes for llama
+    family_targets = targets_for(config)
+    targets = family_targets if isinstance(family_targets, list) else None  # a regex: the rotated layers' own
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)

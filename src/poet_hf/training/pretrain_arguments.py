@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..cli import deprecated_alias
 from ..data import EMBEDDED_CORPUS
+from ..orthogonal.base_init import BASE_INIT_SCHEMES
 from ..tuners.bnb import BASE_QUANTIZATIONS
 from ..tuners.config_utils import check_choice, check_positive_int
 from ..tuners.poet import PoetConfig
@@ -54,6 +55,29 @@ class PretrainArguments(ScriptArguments):
             "shapes)"
         },
     )
+    config_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "train this model's shape instead of the preset's (a config.json, its folder or a Hub id; any "
+            "causal LM whose block linears POET knows: LLaMA, Mistral, Qwen2, Gemma, GPT-2, ...); the preset "
+            "still gives the recipe"
+        },
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={"help": "override config settings, as run_clm.py: 'num_hidden_layers=2,hidden_size=256'"},
+    )
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "continued pretraining: a checkpoint (folder or Hub id) whose weights become POET's W0 (kept: "
+            "--base_init defaults to none) and whose other weights train on"
+        },
+    )
+    plan_only: bool = field(
+        default=False,
+        metadata={"help": "print the run's memory plan (poet_hf.plan_memory, per process) and exit"},
+    )
     method: str = field(
         default="poet-bs",
         metadata={
@@ -85,7 +109,13 @@ class PretrainArguments(ScriptArguments):
             f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
         },
     )
-    base_init: str = field(default="normalized", metadata={"help": "W0 initialisation for POET (Table 3)"})
+    base_init: str | None = field(
+        default=None,
+        metadata={
+            "help": "W0 initialisation for POET (Table 3): normalized (the default from scratch), xavier, standard, "
+            "uniform_spectrum, or none (keep the weights: the default with --model_name_or_path)"
+        },
+    )
     base_quantization: str | None = field(
         default=None,
         metadata={
@@ -147,6 +177,14 @@ class PretrainArguments(ScriptArguments):
             self.max_eval_samples = self.max_eval_samples or self.max_eval_sequences
         self.use_job_defaults("pretraining")
         check_choice("preset", self.preset, tuple(PRESETS))
+        if self.base_init in (None, "none"):
+            self.base_init = None if self.model_name_or_path or self.base_init == "none" else "normalized"
+        check_choice("base_init", self.base_init, (None, *BASE_INIT_SCHEMES))
+        if self.config_name and self.model_name_or_path:
+            raise ValueError(
+                "`config_name` and `model_name_or_path` both name the model; give --model_name_or_path alone "
+                "(with --config_overrides to change its config)"
+            )
         check_choice("method", self.method, (*METHODS, "poet"))
         if self.steps is not None:
             if str(self.steps) != "paper" and not str(self.steps).isdigit():

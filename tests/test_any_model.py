@@ -1,0 +1,250 @@
+"""``scripts/pretrain.py`` on any causal LM: ``--config_name``/``--config_overrides`` for LLaMA, Mistral, Qwen2, Gemma
+and GPT-2 (``Conv1D``), ``--model_name_or_path`` for continued pretraining, and one flag list for a run and its plan.
+
+References: each layer's widths with the divisor rule worked out here (every divisor of a width, the nearest to 256),
+a plain ``transformers`` model's loss in float64 on the same rows, and `plan_memory` called with its own keywords.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from script_modules import load_module
+from tolerances import gamma
+from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from poet_hf import plan_memory
+from poet_hf.training.pretrain import (
+    load_data,
+    parse_pretrain_arguments,
+    run_pretraining,
+    run_tokenizer,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+# Widths where the rule has work to do: 256 divides 512 and neither 384 nor 1152 (GPT-2's fused q, k, v).
+LLAMA_LIKE = (
+    "hidden_size=384,num_hidden_layers=2,intermediate_size=512,num_attention_heads=6,num_key_value_heads=2,"
+    "vocab_size=4096"
+)
+HEADS_64 = LLAMA_LIKE + ",head_dim=64"  # where the config writes its head width (128 or 256) into its JSON
+FAMILIES = {
+    "llama": (LlamaConfig, HEADS_64),
+    "mistral": (MistralConfig, HEADS_64),
+    "qwen2": (Qwen2Config, LLAMA_LIKE),
+    "gemma": (GemmaConfig, HEADS_64),
+    "gpt2": (GPT2Config, "n_embd=384,n_layer=2,n_head=6,n_inner=512,vocab_size=4096"),
+}
+SHORT_RUN = ["--max_steps", "2", "--seq_len", "32", "--per_device_train_batch_size", "2"]
+SHORT_RUN += ["--gradient_accumulation_steps", "1", "--max_eval_samples", "4", "--logging_steps", "1000"]
+
+
+def nearest_divisor_by_hand(width: int, wanted: int = 256) -> int:
+    """Of every divisor of ``width``, the one nearest to ``wanted`` (larger on a tie)."""
+    divisors = [d for d in range(1, width + 1) if width % d == 0]
+    return min(divisors, key=lambda d: (abs(d - wanted), -d))
+
+
+def write_config(folder: Path, family: str) -> Path:
+    path = folder / f"{family}.json"
+    FAMILIES[family][0]().to_json_file(str(path))  # the family's default shape; the overrides make it tiny
+    return path
+
+
+def print_recipe(capsys, argv: list[str]) -> dict:
+    script = load_module(ROOT / "scripts" / "pretrain.py")
+    recipe = script.main([*argv, "--print_recipe"])
+    capsys.readouterr()
+    return recipe
+
+
+def target_widths(family: str, config_path: Path) -> dict[str, tuple[int, int]]:
+    """(in, out) of every target inside a block, from the model transformers builds (no poet_hf involved)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    values = json.loads(config_path.read_text())
+    values.pop("layer_types", None)  # derived from the number of layers, which the overrides change
+    values.update({key: int(value) for key, value in (entry.split("=") for entry in FAMILIES[family][1].split(","))})
+    config = AutoConfig.for_model(**values)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    widths = {}
+    for name, module in model.named_modules():
+        inside = re.split(r"\.\d+\.", name)[-1]
+        if ".0." in name and isinstance(module, torch.nn.Linear):
+            widths[inside] = (module.in_features, module.out_features)
+        elif ".0." in name and isinstance(module, Conv1D):
+            widths[inside] = tuple(module.weight.shape)  # Conv1D stores in × out
+    return widths
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_recipe_shows_each_targets_block_sizes_by_the_divisor_rule(family, tmp_path, capsys):
+    config = write_config(tmp_path, family)
+    recipe = print_recipe(capsys, ["--config_name", str(config), "--config_overrides", FAMILIES[family][1]])
+    widths = target_widths(family, config)
+    targets = recipe["targets"]
+    expected = {
+        name: {"input": nearest_divisor_by_hand(i), "output": nearest_divisor_by_hand(o)}
+        for name, (i, o) in widths.items()
+        if name.rsplit(".", 1)[-1] in targets
+    }
+    assert recipe["block_sizes"] == expected
+    assert recipe["model"]["model_type"] == family and recipe["model"]["hidden"] == 384
+    assert any(side["input"] == 192 for side in expected.values())  # 384: the rule's work, not the request
+    if family == "gpt2":
+        assert expected["attn.c_attn"]["output"] == 288  # 1152 = 4.5 × 256
+        assert recipe["trained_in_full"] == ["ln_1", "ln_2", "ln_f", "wpe", "wte"]  # the head is tied to wte
+    else:
+        assert {"embed_tokens", "norm"} <= set(recipe["trained_in_full"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_pretrains_two_steps_from_a_config_of_each_family(family, tmp_path):
+    config = write_config(tmp_path, family)
+    args, training = parse_pretrain_arguments(
+        ["--config_name", str(config), "--config_overrides", FAMILIES[family][1], *SHORT_RUN]
+        + ["--output_dir", str(tmp_path / "run")]
+    )
+    results = run_pretraining(args, training)
+    assert results["steps"] == 2 and results["recipe"]["model"]["model_type"] == family
+    assert math.isfinite(results["val_loss"]) and results["val_loss"] < results["initial_val_loss"]
+
+
+def _checkpoint(folder: Path) -> Path:
+    torch.manual_seed(0)
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=2
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def plain_loss_in_float64(checkpoint: Path, rows) -> float:
+    """The checkpoint's mean next-token loss on ``rows`` in float64, by transformers alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64).eval()
+    ids = torch.tensor([row["input_ids"] for row in rows])
+    with torch.no_grad():
+        return float(model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.mark.slow
+def test_continued_pretraining_starts_from_the_checkpoints_loss_and_trains(tmp_path):
+    """With ``--model_name_or_path`` the checkpoint's weights are ``W0`` (kept, not re-initialised) and the rotations
+    start at the identity, so the first evaluation is the checkpoint's own loss; two steps then lower it."""
+    checkpoint = _checkpoint(tmp_path / "checkpoint")
+    args, training = parse_pretrain_arguments(
+        ["--model_name_or_path", str(checkpoint), *SHORT_RUN, "--output_dir", str(tmp_path / "run")]
+    )
+    assert args.base_init is None  # the checkpoint's weights stay
+    results = run_pretraining(args, training)
+    _, validation = load_data(args, run_tokenizer(args), training.seed)
+    reference = plain_loss_in_float64(checkpoint, validation)
+    # The identity rotations multiply exactly, so the run's float32 forward is the plain one up to rounding: per block
+    # the projections (64), scores and values (32 tokens each), the output (64) and the MLP (64 + 128); then the head
+    # (64), the softmax over 4096 entries and the mean over 4 × 31 targets.
+    terms = 2 * (64 + 32 + 32 + 64 + 64 + 128) + 64 + 4096 + 4 * 31
+    assert abs(results["initial_val_loss"] - reference) <= 2 * gamma(terms, torch.float32) * reference
+    assert results["val_loss"] < results["initial_val_loss"]
+    assert results["recipe"]["base_init"] is None
+
+
+PLAN_FLAGS = [
+    "--config_name",
+    str(ROOT / "configs" / "models" / "llama-2-7b.json"),
+    "--per_device_train_batch_size",
+    "1",
+    "--gradient_accumulation_steps",
+    "1",
+    "--gradient_checkpointing",
+    "--base_quantization",
+    "nf4",
+    "--fused_optimizer_step",
+    "--optim",
+    "adamw_bnb_8bit",
+]
+
+
+def test_a_plan_and_a_run_take_one_flag_list(capsys):
+    """The same flags parse as a run (``pretrain.py``) and plan (``plan_memory.py``, ``pretrain.py --plan_only``):
+    the plan is `plan_memory` called with that run's settings spelled as its own keywords."""
+    args, training = parse_pretrain_arguments(PLAN_FLAGS)  # a run's parse of them
+    assert training.fused_optimizer_step and args.base_quantization == "nf4"
+    planner = load_module(ROOT / "scripts" / "plan_memory.py")
+    assert planner.main([*PLAN_FLAGS, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)[0]
+    pretrain = load_module(ROOT / "scripts" / "pretrain.py")
+    assert pretrain.main([*PLAN_FLAGS, "--plan_only"])["total_mb"] == planned["total_mb"]
+    capsys.readouterr()
+    by_keywords = plan_memory(
+        str(ROOT / "configs" / "models" / "llama-2-7b.json"),
+        "poet-bs",
+        block_size=256,
+        batch_size=1,
+        seq_len=256,
+        checkpointing=True,
+        accumulation=1,
+        base_quantization="nf4",
+        fused_step=True,
+        optimizer_bits=8,
+    )
+    assert planned["total_mb"] == by_keywords.total_bytes / 2**20
+
+
+def test_the_former_plan_spelling_warns_and_plans_the_same(capsys):
+    planner = load_module(ROOT / "scripts" / "plan_memory.py")
+    former = ["--model", str(ROOT / "configs" / "models" / "llama-2-7b.json"), "--batch_size", "1", "--checkpointing"]
+    former += ["--base_quantization", "nf4", "--fused_step", "--optimizer_bits", "8", "--json"]
+    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
+        assert planner.main(former) == 0
+    old = json.loads(capsys.readouterr().out)[0]
+    assert planner.main([*PLAN_FLAGS, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["total_mb"] == old["total_mb"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--config_overrides", "hidden_sise=64"], "`config_overrides` entry 'hidden_sise=64'"),
+        (["--seq_len", "100000"], "`seq_len`=100000 is longer than the model's `max_position_embeddings`"),
+        (["--model_name_or_path", "x", "--config_name", "y"], "`config_name` and `model_name_or_path`"),
+    ],
+)
+def test_bad_model_flags_name_the_field(flags, message, tmp_path, capsys):
+    config = write_config(tmp_path, "llama")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        print_recipe(capsys, ["--config_name", str(config), *flags] if "--config_name" not in flags else flags)
+
+
+def test_a_family_without_default_targets_is_refused_naming_the_supported_ones(tmp_path, capsys):
+    from transformers import OPTConfig
+
+    path = tmp_path / "opt.json"
+    OPTConfig().to_json_file(str(path))
+    with pytest.raises(ValueError, match=r"`model_type`='opt' has no default target modules; .*gpt2.*llama"):
+        print_recipe(capsys, ["--config_name", str(path)])
+
+
+def test_a_plan_for_several_processes_takes_the_accumulation_their_launch_would(capsys):
+    """The tiny recipe's 8 sequences per step over 2 processes are micro-batches of 4 without accumulation."""
+    from poet_hf.data import load_tokenizer
+    from poet_hf.training.presets import PRESETS, preset_config
+
+    planner = load_module(ROOT / "scripts" / "plan_memory.py")
+    assert planner.main(["--preset", "tiny", "--processes", "2", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)[0]
+    assert (planned["settings"]["batch_size"], planned["settings"]["accumulation"]) == (4, 1)
+    model = preset_config(PRESETS["tiny"], "poet-bs", len(load_tokenizer()), 256)
+    reference = plan_memory(model, "poet-bs", block_size=32, batch_size=4, processes=2)
+    assert planned["total_mb"] == reference.total_bytes / 2**20
