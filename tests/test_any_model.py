@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from script_modules import load_module
-from tolerances import gamma
+from tolerances import gamma, unit_roundoff
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from poet_hf import plan_memory
@@ -248,3 +248,29 @@ def test_a_plan_for_several_processes_takes_the_accumulation_their_launch_would(
     model = preset_config(PRESETS["tiny"], "poet-bs", len(load_tokenizer()), 256)
     reference = plan_memory(model, "poet-bs", block_size=32, batch_size=4, processes=2)
     assert planned["total_mb"] == reference.total_bytes / 2**20
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_conv1d_targets_weight_is_the_out_by_in_matrix_its_forward_applies(lora):
+    """GPT-2 stores ``Conv1D`` weights in × out; the diagnostics read them as out × in, with a LoRA delta folded in:
+    ``x Wᵀ + b`` must be what the module computes (float64)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2LMHeadModel
+
+    from poet_hf.diagnostics import target_weight_matrices
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_inner=48, vocab_size=64)).double()
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_fc"], fan_in_fan_out=True))
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter)  # a delta that is not zero
+    ((name, matrix),) = target_weight_matrices(model, ["mlp.c_fc"]).items()
+    module = model.get_submodule(name)
+    bias = (module.get_base_layer() if lora else module).bias
+    x = torch.randn(5, 32, dtype=torch.float64)
+    assert matrix.shape == (48, 32)
+    # The matrix is read in float32: each entry within u of the module's, so each output within u·(|x| |W|ᵀ).
+    bound = (x.abs() @ matrix.double().abs().T) * unit_roundoff(torch.float32) * 2
+    assert ((x @ matrix.double().T + bias - module(x)).abs() <= bound).all()

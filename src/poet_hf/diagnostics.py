@@ -21,8 +21,8 @@ PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge 
 def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Effective out × in weights of every POET layer, or of a baseline's modules named in ``names``.
 
-    For a baseline, the modules whose names end with one of ``names``: a plain Linear's weight, or a PEFT layer's base
-    weight plus its delta (LoRA, for example).
+    For a baseline, the modules whose names end with one of ``names``: a plain Linear's weight (a ``Conv1D``'s,
+    GPT-2's in × out layout, transposed), or a PEFT layer's base weight plus its delta (LoRA, for example).
 
     Args:
         model: the model.
@@ -34,17 +34,21 @@ def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> 
     layers = rotation_layers(model)
     if layers:
         return {name: layer.effective_weight_matrix(dtype=torch.float32).detach() for name, layer in layers}
+    from transformers.pytorch_utils import Conv1D
+
     weights = {}
     for name, module in model.named_modules():
         if not any(name.endswith(n) for n in names or []):
             continue
         if isinstance(module, BaseTunerLayer):
-            weight = full_tensor(cast(torch.Tensor, module.get_base_layer().weight)).detach().float()
+            base = module.get_base_layer()
+            weight = full_tensor(cast(torch.Tensor, base.weight)).detach().float()
             for adapter in module.active_adapters:
                 weight = weight + module.get_delta_weight(adapter).detach().float()  # type: ignore[attr-defined]  # every PEFT layer has it
-            weights[name] = weight
-        elif isinstance(module, nn.Linear):
-            weights[name] = full_tensor(module.weight).detach().float()  # gathered when FSDP2 shards it
+            weights[name] = weight.T if isinstance(base, Conv1D) else weight
+        elif isinstance(module, (nn.Linear, Conv1D)):
+            weight = full_tensor(module.weight).detach().float()  # gathered when FSDP2 shards it
+            weights[name] = weight.T if isinstance(module, Conv1D) else weight
     return weights
 
 
