@@ -302,4 +302,4 @@ def _module_of(parameter_name: str) -> str:
 
 
 def _in_adapter(parameter_name: str) -> bool:
-    return any(key in parameter_name for key in ("lora_", "poet_", "skew"))
+    return any(key in parameter_name for key in ("lora_", "poet_"))
