@@ -45,9 +45,9 @@ SHORT_RUN += ["--gradient_accumulation_steps", "1", "--max_eval_samples", "4", "
 
 
 def nearest_divisor_by_hand(width: int, wanted: int = 256) -> int:
-    """Of every divisor of ``width``, the one nearest to ``wanted`` (larger on a tie)."""
-    divisors = [d for d in range(1, width + 1) if width % d == 0]
-    return min(divisors, key=lambda d: (abs(d - wanted), -d))
+    """Of every divisor of ``width`` but 1, the one nearest to ``wanted`` (the smaller on a tie, as documented)."""
+    divisors = [d for d in range(2, width + 1) if width % d == 0]
+    return min(divisors, key=lambda d: (abs(d - wanted), d))
 
 
 def write_config(folder: Path, family: str) -> Path:
@@ -274,3 +274,31 @@ def test_a_conv1d_targets_weight_is_the_out_by_in_matrix_its_forward_applies(lor
     # The matrix is read in float32: each entry within u of the module's, so each output within u·(|x| |W|ᵀ).
     bound = (x.abs() @ matrix.double().abs().T) * unit_roundoff(torch.float32) * 2
     assert ((x @ matrix.double().T + bias - module(x)).abs() <= bound).all()
+
+
+def test_block_weights_that_are_not_linears_are_named_in_a_warning(tmp_path, capsys):
+    """Mixtral's experts are one fused 3-D parameter in transformers 5: POET rotates the attention only and the
+    experts train in full, which the run says; LLaMA's blocks, all linears, give no warning."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
+
+    from poet_hf.training.presets import UntargetedWeightsWarning
+
+    path = tmp_path / "mixtral.json"
+    MixtralConfig().to_json_file(str(path))
+    overrides = HEADS_64
+    with pytest.warns(UntargetedWeightsWarning, match=r"experts \(") as caught:
+        recipe = print_recipe(capsys, ["--config_name", str(path), "--config_overrides", overrides])
+    assert "experts" in recipe["trained_in_full"]
+    values = {**json.loads(path.read_text()), **{k: int(v) for k, v in (e.split("=") for e in overrides.split(","))}}
+    values.pop("layer_types", None)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**values))
+    experts = sum(p.numel() for name, p in plain.named_parameters() if ".experts." in name or ".gate." in name)
+    messages = [str(w.message) for w in caught if w.category is UntargetedWeightsWarning]
+    assert f"trains {experts / 1e6:.1f}M in full" in messages[0]
+    llama = write_config(tmp_path, "llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntargetedWeightsWarning)
+        print_recipe(capsys, ["--config_name", str(llama), "--config_overrides", HEADS_64])

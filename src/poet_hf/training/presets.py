@@ -33,6 +33,7 @@ __all__ = [
     "recipe_parameter_counts",
     "targets_for",
     "tied_poet_learning_rate",
+    "warn_weights_outside_targets",
 ]
 
 
@@ -225,7 +226,9 @@ def apply_recipe(
             cache_rotations=recipe.get("cache_rotations", True),
             train_other_params=True,
         )
-        return get_peft_model(model, config)
+        wrapped = get_peft_model(model, config)
+        warn_weights_outside_targets(wrapped)
+        return wrapped
     if method == "lora":
         config = LoraConfig(
             r=recipe["lora_rank"],
@@ -240,6 +243,36 @@ def apply_recipe(
         except ImportError as error:
             raise SystemExit("--method galore needs the `galore-torch` package: pip install galore-torch") from error
     return model
+
+
+class UntargetedWeightsWarning(UserWarning):
+    """POET trains more block weights in full than it rotates (block weights that are not linears)."""
+
+
+def warn_weights_outside_targets(model: nn.Module) -> None:
+    """Warn where the weights trained in full, embeddings, head and norms aside, outnumber those POET rotates.
+
+    So it is for a family whose block weights are not ``nn.Linear`` modules, e.g. Mixtral's experts, one fused 3-D
+    parameter in transformers 5: they train as under AdamW, with its memory."""
+    from ..tuners.rotation_layer import rotation_layers
+
+    rotated = sum(layer.in_features * layer.out_features for _, layer in rotation_layers(model))
+    embeddings = [getattr(model, name)() for name in ("get_input_embeddings", "get_output_embeddings")]
+    skip = {id(p) for module in embeddings if module is not None for p in module.parameters()}
+    full: dict[str, int] = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and parameter.dim() >= 2 and id(parameter) not in skip and not _in_adapter(name):
+            full[_module_of(name)] = full.get(_module_of(name), 0) + parameter.numel()
+    if sum(full.values()) > rotated:
+        import warnings
+
+        names = ", ".join(f"{name} ({count / 1e6:.1f}M)" for name, count in sorted(full.items()))
+        warnings.warn(
+            f"POET rotates {rotated / 1e6:.1f}M block weights and trains {sum(full.values()) / 1e6:.1f}M in full "
+            f"as under AdamW: {names}; these are not nn.Linear targets (check --print_recipe's trained_in_full)",
+            UntargetedWeightsWarning,
+            stacklevel=2,
+        )
 
 
 def count_trainable(model: nn.Module) -> dict[str, int]:
