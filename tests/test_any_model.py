@@ -148,7 +148,8 @@ def test_continued_pretraining_starts_from_the_checkpoints_loss_and_trains(tmp_p
         ["--model_name_or_path", str(checkpoint), *SHORT_RUN, "--output_dir", str(tmp_path / "run")]
     )
     assert args.base_init is None  # the checkpoint's weights stay
-    results = run_pretraining(args, training)
+    with pytest.warns(UserWarning, match="holds no tokenizer"):  # saved without one: the embedded BPE, said so
+        results = run_pretraining(args, training)
     _, validation = load_data(args, run_tokenizer(args), training.seed)
     reference = plain_loss_in_float64(checkpoint, validation)
     # The identity rotations multiply exactly, so the run's float32 forward is the plain one up to rounding: per block
@@ -158,6 +159,21 @@ def test_continued_pretraining_starts_from_the_checkpoints_loss_and_trains(tmp_p
     assert abs(results["initial_val_loss"] - reference) <= 2 * gamma(terms, torch.float32) * reference
     assert results["val_loss"] < results["initial_val_loss"]
     assert results["recipe"]["base_init"] is None
+
+
+def test_a_checkpoint_folder_with_a_tokenizer_gives_the_runs_tokenizer(tmp_path):
+    import warnings
+
+    from poet_hf.data import load_tokenizer
+
+    checkpoint = _checkpoint(tmp_path / "checkpoint")
+    saved = load_tokenizer()
+    saved.add_tokens(["<added-by-this-checkpoint>"])  # tells its tokenizer from the embedded one
+    saved.save_pretrained(checkpoint)
+    args, _ = parse_pretrain_arguments(["--model_name_or_path", str(checkpoint)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(run_tokenizer(args)) == len(load_tokenizer()) + 1
 
 
 PLAN_FLAGS = [

@@ -106,7 +106,7 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "AutoTokenizer name or path (--tokenizer_name, as run_clm.py, is the same flag); default: the "
-            "model's (pretraining: embedded, or the --model_name_or_path checkpoint's)",
+            "model's (pretraining: the --model_name_or_path checkpoint's, else the embedded BPE)",
             "aliases": ["--tokenizer_name"],
         },
     )

@@ -256,12 +256,23 @@ def _collapse(per_side: dict[str, Any]) -> Any:
 
 
 def run_tokenizer(args: PretrainArguments) -> Any:
-    """The run's tokenizer: ``--tokenizer``, else the ``--model_name_or_path`` checkpoint's where it has one, else
-    the embedded BPE (`load_tokenizer`)."""
+    """The run's tokenizer (`load_tokenizer`): ``--tokenizer``; else the ``--model_name_or_path`` checkpoint's (a Hub
+    id, or a folder that holds one); else the embedded BPE, with a warning where a checkpoint folder has none (its
+    token ids may mean other text)."""
     checkpoint = args.model_name_or_path
-    if args.tokenizer is None and checkpoint and Path(checkpoint, "tokenizer_config.json").is_file():
+    if args.tokenizer is not None or checkpoint is None:
+        return load_tokenizer(args.tokenizer)
+    if not Path(checkpoint).is_dir() or Path(checkpoint, "tokenizer_config.json").is_file():
         return load_tokenizer(checkpoint)
-    return load_tokenizer(args.tokenizer)
+    import warnings
+
+    warnings.warn(
+        f"the checkpoint folder {checkpoint!r} holds no tokenizer; the run tokenizes with the embedded BPE, whose ids "
+        "the checkpoint was not trained on unless it was trained with it: pass --tokenizer_name",
+        UserWarning,
+        stacklevel=2,
+    )
+    return load_tokenizer(None)
 
 
 def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
