@@ -36,6 +36,10 @@ def seven_b(load: Load) -> dict[str, Any]:
     return load("pretrain_7b")["rows"][0]
 
 
+def eight_b(load: Load) -> dict[str, Any]:
+    return load("pretrain_8b")["rows"][0]
+
+
 def quality(load: Load) -> list[dict[str, Any]]:
     return load("savings_quality")["rows"]
 
@@ -63,7 +67,32 @@ def quality_gaps(load: Load, run: str = "everything on") -> str:
     return " / ".join(f"{percent(row['vs plain'])} (seed {row['seed']})" for row in gaps)
 
 
+BFLOAT16_RUN = "everything on, bfloat16 head and embeddings"
+
+
+def bfloat16_vocab_gaps(load: Load) -> str:
+    """Per seed: the bfloat16 head and embeddings against the same savings in float32."""
+    rows = {(row["run"], row["seed"]): row["val perplexity"] for row in quality(load)}
+    seeds = sorted({seed for run, seed in rows if run == BFLOAT16_RUN})
+    gaps = (rows[(BFLOAT16_RUN, seed)] / rows[("everything on", seed)] - 1 for seed in seeds)
+    return " / ".join(f"{percent(gap)} (seed {seed})" for gap, seed in zip(gaps, seeds, strict=True))
+
+
 # --- the tables ---------------------------------------------------------------------------------------------------
+def eight_b_headline(load: Load) -> list[str]:
+    """The README's row for Llama-3-8B's shape."""
+    big = eight_b(load)
+    return [
+        "Llama-3-8B's shape (128k vocabulary), the same savings and the head and embeddings stored in bfloat16 "
+        f"(`--vocab_weights_dtype bfloat16`), {big['batch']} × {big['seq']}: the whole process's peak RSS",
+        f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
+        f"{gib_and_si(big['merge_whole_peak_mb'])} in a merge",
+        f"`plan_memory` {ratio(big['planned_vs_measured'])} above the imports; with the head and embeddings in "
+        f"float32 it plans {gib_and_si(big['planned_float32_vocab_mb'] + big['imports_rss_mb'])}; "
+        "[the 8B section](docs/pretraining-7b.md#llama-3-8bs-shape-a-128k-vocabulary)",
+    ]
+
+
 def headline_table(load: Load) -> str:
     """The README's headline table."""
     step130, step350 = pretrain_step_row(load, "llama-130m", "4x256"), pretrain_step_row(load, "llama-350m", "2x256")
@@ -98,6 +127,7 @@ def headline_table(load: Load) -> str:
             f"above the imports {mib(big['steps_peak_mb'])}, `plan_memory` {mib(big['planned_mb'])} "
             f"({ratio(big['planned_vs_measured'])}); [the recipe](docs/pretraining-7b.md)",
         ],
+        eight_b_headline(load),
         [
             "the README's main job with every saving on (nf4 `W0`, 8-bit states, fused steps, checkpointing), "
             "validation perplexity against the plain job",
@@ -283,6 +313,19 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "savings_quality.mean_gap": lambda load: mean_gap(load),
     "savings_quality.range": lambda load: gap_range(load),
     "savings_quality.source": lambda load: provenance(load("savings_quality")),
+    "savings_quality.bfloat16_gaps": lambda load: quality_gaps(load, BFLOAT16_RUN),
+    "savings_quality.bfloat16_vs_float32": bfloat16_vocab_gaps,
+    "pretrain_8b.steps_whole_peak": lambda load: gib_and_si(eight_b(load)["steps_whole_peak_mb"]),
+    "pretrain_8b.whole_peak": lambda load: gib_and_si(eight_b(load)["whole_peak_mb"]),
+    "pretrain_8b.merge_whole_peak": lambda load: gib_and_si(eight_b(load)["merge_whole_peak_mb"]),
+    "pretrain_8b.steps_peak": lambda load: mib(eight_b(load)["steps_peak_mb"]),
+    "pretrain_8b.planned": lambda load: mib(eight_b(load)["planned_mb"]),
+    "pretrain_8b.planned_ratio": lambda load: ratio(eight_b(load)["planned_vs_measured"]),
+    "pretrain_8b.planned_float32": lambda load: gib_and_si(
+        eight_b(load)["planned_float32_vocab_mb"] + eight_b(load)["imports_rss_mb"]
+    ),
+    "pretrain_8b.step_time": lambda load: f"{eight_b(load)['after_merge_s']:.0f} s",
+    "pretrain_8b.source": lambda load: provenance(load("pretrain_8b")),
     "main_job.perplexity": lambda load: (
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
     ),

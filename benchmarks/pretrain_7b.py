@@ -41,10 +41,17 @@ BLOCK_SIZE = 256
 
 
 def measure(
-    steps: int = 2, batch: int = 1, seq: int = 256, layers: int | None = None, max_grad_norm: float = 1.0
+    steps: int = 2,
+    batch: int = 1,
+    seq: int = 256,
+    layers: int | None = None,
+    max_grad_norm: float = 1.0,
+    config: str = str(CONFIG),
+    vocab_weights_dtype: str = "float32",
 ) -> dict[str, Any]:
     """In the child process: build, train ``steps`` steps, merge, train one more; each phase's peak and time.
-    ``layers``: fewer blocks than the shape's 32 (a smoke run)."""
+    ``layers``: fewer blocks than the shape's (a smoke run); ``config``: the shape's ``config.json``;
+    ``vocab_weights_dtype``: the head's and embeddings' storage (`FusedStepOptimizer`)."""
     import bitsandbytes
     from peft import get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,7 +66,8 @@ def measure(
 
     after_imports = status_mb("VmRSS")
     imports_peak = status_mb("VmHWM")
-    config = LlamaConfig.from_json_file(str(CONFIG))
+    shape = config
+    config = LlamaConfig.from_json_file(shape)
     config.num_hidden_layers = layers or config.num_hidden_layers
     config.max_position_embeddings = seq
     torch.manual_seed(0)
@@ -68,6 +76,8 @@ def measure(
     poet = PoetConfig(block_size=BLOCK_SIZE, base_init="normalized", base_quantization="nf4", train_other_params=True)
     model = get_peft_model(model, poet)
     report: dict[str, Any] = {
+        "shape": Path(shape).stem,
+        "vocab_weights_dtype": vocab_weights_dtype,
         "layers": config.num_hidden_layers,
         "batch": batch,
         "seq": seq,
@@ -90,7 +100,13 @@ def measure(
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before the head is chunked
     keep_32bit_states(model, bitsandbytes.optim.AdamW8bit, {"optim_bits": 8})  # as create_poet_optimizer does
-    optimizer = FusedStepOptimizer(groups, bitsandbytes.optim.AdamW8bit, max_grad_norm=max_grad_norm, model=model)
+    optimizer = FusedStepOptimizer(
+        groups,
+        bitsandbytes.optim.AdamW8bit,
+        max_grad_norm=max_grad_norm,
+        model=model,
+        vocab_weights_dtype=None if vocab_weights_dtype == "float32" else getattr(torch, vocab_weights_dtype),
+    )
     ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     losses: list[float] = []
 
@@ -144,26 +160,32 @@ def residual_file_mb() -> float:
 
 
 @functools.cache  # the planner builds the model on meta: once per settings
-def plan(batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs") -> Any:
+def plan(
+    batch: int,
+    seq: int,
+    dtype: str = "float32",
+    layers: int | None = None,
+    method: str = "poet-bs",
+    config: str = str(CONFIG),
+    vocab_weights_dtype: str = "float32",
+) -> Any:
     """`poet_hf.plan_memory`'s plan for the run `measure` makes (or for ``dtype``, or ``method`` with the same
     savings: AdamW with 8-bit states and fused steps, checkpointed)."""
     from transformers import LlamaConfig
 
     from poet_hf import plan_memory
 
-    config = LlamaConfig.from_json_file(str(CONFIG))
-    config.num_hidden_layers = layers or config.num_hidden_layers
-    savings = dict(PLAN_EVERYTHING_ON)
+    shape = LlamaConfig.from_json_file(config)
+    shape.num_hidden_layers = layers or shape.num_hidden_layers
+    savings = dict(PLAN_EVERYTHING_ON, vocab_weights_dtype=vocab_weights_dtype)
     if method != "poet-bs":
         savings.pop("base_quantization")
-    return plan_memory(config, method, block_size=BLOCK_SIZE, dtype=dtype, batch_size=batch, seq_len=seq, **savings)
+    return plan_memory(shape, method, block_size=BLOCK_SIZE, dtype=dtype, batch_size=batch, seq_len=seq, **savings)
 
 
-def planned_mb(
-    batch: int, seq: int, dtype: str = "float32", layers: int | None = None, method: str = "poet-bs"
-) -> float:
+def planned_mb(batch: int, seq: int, dtype: str = "float32", layers: int | None = None, **shape: Any) -> float:
     """The per-process total of `plan`, in MB (above the imports, as the planner counts)."""
-    return plan(batch, seq, dtype, layers, method).total_bytes / 2**20
+    return plan(batch, seq, dtype, layers, **shape).total_bytes / 2**20
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -7,6 +7,9 @@ recipe's clip at 1.0), then the same command with ``--base_quantization nf4 --op
 against their running global-norm estimate (`poet_hf.training.FusedStepOptimizer`). Each run in its own process, as a
 user types it.
 
+The same again with the head and the input embeddings stored in bfloat16 (``--vocab_weights_dtype bfloat16``,
+stochastic rounding: `poet_hf.training.bf16_storage`), the saving that changes the arithmetic at large vocabularies.
+
 Beside them, the plain job again with ``--optim adamw_torch``, torch's for-each AdamW in place of its fused one
 (transformers' default): the same update rounded differently in the last bits, which shows how far 200 steps with
 four merges carry such differences.
@@ -18,7 +21,12 @@ from benchmarks.common import readme_job_results
 
 EVERYTHING_ON = ["--base_quantization", "nf4", "--optim", "adamw_bnb_8bit", "--fused_optimizer_step"]
 EVERYTHING_ON += ["--gradient_checkpointing"]
-VARIANTS = {"plain": [], "plain, other rounding": ["--optim", "adamw_torch"], "everything on": EVERYTHING_ON}
+VARIANTS = {
+    "plain": [],
+    "plain, other rounding": ["--optim", "adamw_torch"],
+    "everything on": EVERYTHING_ON,
+    "everything on, bfloat16 head and embeddings": [*EVERYTHING_ON, "--vocab_weights_dtype", "bfloat16"],
+}
 SEEDS = (0, 1, 2, 3)
 
 

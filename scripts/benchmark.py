@@ -43,6 +43,7 @@ SUITES = (
     "training_modes",
     "memory_peers",
     "pretrain_7b",
+    "pretrain_8b",
     "savings_quality",
     "svd_network",
 )

@@ -57,6 +57,7 @@ PARTS = (
     "rotation caches",
     "activations",
     "loss working set",
+    "bfloat16 steps",
     "gathered layers",
 )
 BASE_LAYER = ".base_layer."  # in the name of a wrapped layer's base weight (PEFT's convention)
@@ -218,6 +219,7 @@ def plan_memory(
     residual_storage: str = "auto",
     fused_step: bool = False,
     optimizer_bits: int = 32,
+    vocab_weights_dtype: str = "float32",
 ) -> MemoryPlan:
     """Plan one process's memory for training ``model`` with ``method`` (see the module docstring for the model).
 
@@ -248,6 +250,8 @@ def plan_memory(
         optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
             2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more; embeddings, and a head whose
             rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
+        vocab_weights_dtype: ``"bfloat16"`` (with ``fused_step``): the untied head and input embeddings stored in
+            bfloat16, their 32-bit states too (`poet_hf.training.bf16_storage`), stepped a float32 row chunk at a time.
 
     Returns:
         A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state
@@ -307,6 +311,11 @@ def _check_settings(settings: dict[str, Any]) -> None:
     check_choice("base_quantization", settings["base_quantization"], (None, *BASE_QUANTIZATIONS))
     check_choice("residual_storage", settings["residual_storage"], RESIDUAL_STORAGES)
     check_choice("optimizer_bits", settings["optimizer_bits"], (32, 8))
+    check_choice("vocab_weights_dtype", settings["vocab_weights_dtype"], ("float32", "bfloat16"))
+    if settings["vocab_weights_dtype"] != "float32" and not settings["fused_step"]:
+        raise ValueError(
+            "`vocab_weights_dtype='bfloat16'` needs `fused_step=True` (its row chunks step in the backward)"
+        )
 
 
 def _parameter_bytes(
@@ -321,6 +330,9 @@ def _parameter_bytes(
     from .training.row_gradients import largest_chunk_entries, row_chunked_modules
 
     chunked = {id(m.weight) for m in row_chunked_modules(built)} if settings["fused_step"] else set()
+    narrow = settings["vocab_weights_dtype"] == "bfloat16"
+    bfloat16 = {id(m.weight) for m in row_chunked_modules(built, any_size=True)} if narrow else set()
+    chunked |= bfloat16
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
     thirty_two_bit = {id(w) for w in weights_keeping_32bit_states(built)}
     galore = _galore_targets(built) if method == "galore" else set()
@@ -330,7 +342,7 @@ def _parameter_bytes(
     entry_bytes = {}
     for name, parameter in built.named_parameters():
         adapter = any(marker in name for marker in ADAPTER_MARKERS)
-        size = entry_bytes[id(parameter)] = 4 if adapter else value_size
+        size = entry_bytes[id(parameter)] = 2 if id(parameter) in bfloat16 else 4 if adapter else value_size
         local = _shard(parameter.shape, shards) * size
         if not parameter.requires_grad:
             kind = "W0" if BASE_LAYER in name else "other frozen"
@@ -357,6 +369,8 @@ def _parameter_bytes(
         bits = 32 if id(parameter) in thirty_two_bit else settings["optimizer_bits"]
         parts["optimizer states"] += _state_bytes(local_states, size, bits)
         largest["gradient"] = max(largest["gradient"], gradient)
+        if id(parameter) in bfloat16:  # float32 weight, gradient, two moments; the rounding's noise and sum
+            parts["bfloat16 steps"] = max(parts["bfloat16 steps"], 6 * 4 * largest_chunk_entries(*parameter.shape))
     return parts, counts, largest, entry_bytes
 
 

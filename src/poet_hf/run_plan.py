@@ -64,6 +64,7 @@ def plan_settings(
         "cache_rotations": args.cache_rotations,
         "base_quantization": args.base_quantization,
         "fused_step": bool(training.fused_optimizer_step),
+        "vocab_weights_dtype": training.vocab_weights_dtype,
         "optimizer_bits": 8 if "8bit" in str(getattr(training.optim, "value", training.optim)) else 32,
     }
     if args.method == "lora":

@@ -9,6 +9,8 @@ from transformers import TrainingArguments
 from ..cli import deprecated_alias
 from ..tuners.config_utils import check_positive_int
 
+VOCAB_WEIGHTS_DTYPES = ("float32", "bfloat16")  # PoetTrainingArguments.vocab_weights_dtype
+
 
 @dataclass
 class PoetTrainingArguments(TrainingArguments):
@@ -61,8 +63,26 @@ class PoetTrainingArguments(TrainingArguments):
         },
     )
 
+    vocab_weights_dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "Storage of the output head and the input embeddings, which POET trains in full: float32, or "
+            "bfloat16 (2 B per entry, and 2 B for each 32-bit optimizer moment of them; stepped in float32 and "
+            "written back with stochastic rounding). Needs fused_optimizer_step and an untied head.",
+            "choices": list(VOCAB_WEIGHTS_DTYPES),
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.vocab_weights_dtype not in VOCAB_WEIGHTS_DTYPES:
+            allowed = ", ".join(VOCAB_WEIGHTS_DTYPES)
+            raise ValueError(f"`vocab_weights_dtype` must be one of {allowed}, got {self.vocab_weights_dtype!r}")
+        if self.vocab_weights_dtype != "float32" and not self.fused_optimizer_step:
+            raise ValueError(
+                f"`vocab_weights_dtype={self.vocab_weights_dtype!r}` steps the head and embeddings by row chunks "
+                "inside the backward: set fused_optimizer_step=True too"
+            )
         if self.merge_every is not None:
             check_positive_int("merge_every", self.merge_every)
         if self.poet_learning_rate is not None and self.poet_learning_rate < 0:

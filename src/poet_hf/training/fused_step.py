@@ -31,6 +31,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..allocator import bound_allocator_slack
+from .bf16_storage import BFloat16Step
 from .eight_bit import own_override_index, share_overrides
 from .row_gradients import RowGradients, steps_by_entry
 
@@ -52,7 +53,13 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         model: the model the groups come from: its output head and input embeddings then train as row chunks, so
             neither one's gradient is ever whole (`poet_hf.training.row_gradients`), where ``optimizer_cls`` updates
             entry by entry (`steps_by_entry`: Adam-type, not Adafactor); ``None``: every parameter as it is.
+        vocab_weights_dtype: ``torch.bfloat16`` stores the head and the input embeddings (``model``'s, untied) in
+            bfloat16 and steps them with stochastic rounding (`poet_hf.training.bf16_storage`); ``None``: their own.
         **kwargs: ``optimizer_cls``'s keyword arguments (the defaults of every group).
+
+    Raises:
+        ValueError: ``vocab_weights_dtype`` without a model, with an optimizer that does not update entry by entry,
+            or where the model has no untied, trainable head or input embedding (`check_vocab_weights`).
     """
 
     def __init__(
@@ -62,16 +69,24 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         *,
         max_grad_norm: float | Callable[[], float | None] | None = None,
         model: torch.nn.Module | None = None,
+        vocab_weights_dtype: torch.dtype | None = None,
         **kwargs: Any,
     ):
         bound_allocator_slack()  # freed gradients and update chunks must leave the resident set
         groups = list(groups)
         chunkable = model is not None and steps_by_entry(optimizer_cls, kwargs)
-        self.row_gradients = RowGradients(cast(torch.nn.Module, model)) if chunkable else None
+        if vocab_weights_dtype is not None:
+            check_vocab_weights(model, optimizer_cls, chunkable)
+        self.row_gradients = (
+            RowGradients(cast(torch.nn.Module, model), dtype=vocab_weights_dtype) if chunkable else None
+        )
+        narrow: set[torch.Tensor] = set()
         if self.row_gradients is not None:
             groups = self.row_gradients.replace_in(groups)
             for chunked in self.row_gradients.chunked:
                 share_overrides(chunked.weight, chunked.chunks)  # a weight's 32-bit states (keep_32bit_states)
+                if chunked.weight.dtype != chunked.dtype:
+                    narrow.update(chunked.chunks)
         self.max_grad_norm = max_grad_norm
         self._norms_sq: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's latest squared gradient norm
         self._reached: set[torch.Tensor] = set()  # the parameters that stepped in this step's backward
@@ -82,8 +97,11 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._handles = []
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
-                inner = optimizer_cls([param], **kwargs)
-                own_override_index(inner)
+                if param in narrow:
+                    inner = cast(torch.optim.Optimizer, BFloat16Step(param, optimizer_cls, **kwargs))
+                else:
+                    inner = optimizer_cls([param], **kwargs)
+                    own_override_index(inner)
                 self._inner.append(inner)
                 self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index, inner)))
         self._share_state()
@@ -157,8 +175,9 @@ class FusedStepOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim.Optimizer.load_state_dict``, then the per-parameter optimizers read the loaded state."""
         super().load_state_dict(state_dict)
-        self._share_state()
         params = [p for group in self.param_groups for p in group["params"]]
+        _keep_saved_dtypes(self.state, params, state_dict["state"])
+        self._share_state()
         norms = state_dict.get("grad_norms_sq") or [None] * len(params)
         self._norms_sq = {
             p: torch.tensor(n, dtype=torch.float64, device=p.device)
@@ -189,6 +208,43 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         if self.row_gradients is not None:
             self.row_gradients.remove()
+
+
+def _keep_saved_dtypes(state: Any, params: list[torch.Tensor], saved: dict[int, dict[str, Any]]) -> None:
+    """Undo torch's cast of every loaded floating-point parameter's state to the parameter's dtype where the state is
+    not a moment shaped like the parameter: bitsandbytes' uint8 codes and float32 block scales and code maps keep
+    their saved dtype, as bitsandbytes' own ``load_state_dict`` keeps them."""
+    for index, param in enumerate(params):
+        for key, value in saved.get(index, {}).items() if param in state else ():
+            loaded = state[param].get(key)
+            moment = value.is_floating_point() and value.shape == param.shape if torch.is_tensor(value) else True
+            if not moment and torch.is_tensor(loaded) and loaded.dtype != value.dtype:
+                state[param][key] = value.to(device=param.device, copy=True)
+
+
+def check_vocab_weights(model: torch.nn.Module | None, optimizer_cls: type, chunkable: bool) -> None:
+    """Refuse bfloat16 vocabulary weights where the head and embeddings cannot train as row chunks, naming why.
+
+    Args:
+        model: the model given to `FusedStepOptimizer`.
+        optimizer_cls: its optimizer class.
+        chunkable: whether the head and embeddings can train as row chunks (a model and `steps_by_entry`).
+
+    Raises:
+        ValueError: not ``chunkable``, or no untied, trainable head or input embedding.
+    """
+    if not chunkable:
+        raise ValueError(
+            f"`vocab_weights_dtype` needs the model and an optimizer that updates entry by entry (AdamW, Adam, Lion, "
+            f"SGD, …; torch's or bitsandbytes'), got {getattr(optimizer_cls, '__name__', optimizer_cls)}"
+        )
+    from .row_gradients import row_chunked_modules
+
+    if not row_chunked_modules(cast(torch.nn.Module, model), any_size=True):
+        raise ValueError(
+            "`vocab_weights_dtype` found no untied, trainable output head or input embedding to store in bfloat16 "
+            "(a head tied to its embeddings stays float32: use vocab_weights_dtype='float32')"
+        )
 
 
 NORM_CHUNK = 1 << 16  # entries per float32 partial norm: its error stays near float32 rounding; 256 KB temporaries

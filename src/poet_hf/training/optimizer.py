@@ -181,8 +181,8 @@ def create_poet_optimizer(
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
         fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once (the
-            head and input embeddings a row chunk at a time), and clip by ``args.max_grad_norm`` as it goes; default
-            ``args.fused_optimizer_step`` where it exists, else off.
+            head and input embeddings a row chunk at a time, stored as ``args.vocab_weights_dtype`` says), and clip by
+            ``args.max_grad_norm`` as it goes; default ``args.fused_optimizer_step`` where it exists, else off.
 
     Returns:
         The optimizer.
@@ -223,8 +223,14 @@ def create_poet_optimizer(
 
         check_fused_step(args)
         # Read at every step: MergeReinitCallback ramps args.max_grad_norm after each merge.
+        vocab_dtype = getattr(args, "vocab_weights_dtype", "float32")
         return FusedStepOptimizer(
-            groups, optimizer_cls, max_grad_norm=lambda: args.max_grad_norm, model=model, **kwargs
+            groups,
+            optimizer_cls,
+            max_grad_norm=lambda: args.max_grad_norm,
+            model=model,
+            vocab_weights_dtype=None if vocab_dtype == "float32" else getattr(torch, vocab_dtype),
+            **kwargs,
         )
     optimizer = optimizer_cls(groups, **kwargs)
     own_override_index(optimizer)

@@ -151,6 +151,7 @@ def resolve_recipe(
         "weight_decay": given.get("weight_decay", preset.weight_decay),
         "optimizer": flag_value(given, "optim", "galore_adamw" if args.method == "galore" else None),
         "fused_optimizer_step": bool(given.get("fused_optimizer_step", False)),
+        "vocab_weights_dtype": given.get("vocab_weights_dtype", "float32"),
         "schedule": flag_value(given, "lr_scheduler_type", "cosine_with_min_lr"),
         "min_lr_ratio": args.min_lr_ratio,
         "warmup_steps": given.get("warmup_steps", 0),

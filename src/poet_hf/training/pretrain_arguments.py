@@ -32,7 +32,7 @@ RECIPE_FLAGS = {
 # argument keeps only what the user set, as an override for the run.
 CONFIG_FLAGS = ("merge_every",)
 # Training flags the recipe reports as the run uses them (the optimizer and the schedule that actually run).
-RUN_FLAGS = ("optim", "lr_scheduler_type", "fused_optimizer_step")
+RUN_FLAGS = ("optim", "lr_scheduler_type", "fused_optimizer_step", "vocab_weights_dtype")
 
 
 @dataclass

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .bf16_storage import UpcastEmbedding, UpcastLinear
 from .eight_bit import CHUNK_ENTRIES, STATE_BLOCK
 
 __all__ = [
@@ -47,10 +48,15 @@ class RowChunked:
     Args:
         module: the layer; its weight must be contiguous.
         chunk_entries: entries per chunk, rounded up to whole rows and to whole 256-entry state blocks.
+        dtype: the weight's storage while chunked (``torch.bfloat16``: `poet_hf.training.bf16_storage`, read in
+            float32); default the weight's own.
     """
 
-    def __init__(self, module: nn.Linear | nn.Embedding, chunk_entries: int) -> None:
+    def __init__(self, module: nn.Linear | nn.Embedding, chunk_entries: int, dtype: torch.dtype | None = None) -> None:
         weight = module.weight
+        self.dtype = weight.dtype
+        if dtype is not None and dtype != weight.dtype:
+            weight.data = weight.data.to(dtype)  # the same parameter (the optimizer's groups name it), stored anew
         rows, cols = weight.shape
         self.module, self.weight = module, weight
         self.starts = chunk_starts(rows, cols, chunk_entries)
@@ -62,7 +68,10 @@ class RowChunked:
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ (+ b)``, one row chunk of ``W`` at a time."""
-        out = torch.cat([F.linear(x, chunk) for chunk in self.chunks], dim=-1)
+        if self.weight.dtype == self.dtype:
+            out = torch.cat([F.linear(x, chunk) for chunk in self.chunks], dim=-1)
+        else:
+            out = torch.cat([UpcastLinear.apply(x, chunk) for chunk in self.chunks], dim=-1)
         bias = cast(nn.Linear, self.module).bias
         return out if bias is None else out + bias
 
@@ -74,14 +83,18 @@ class RowChunked:
         for start, chunk in zip(self.starts, self.chunks, strict=True):
             where = ((flat >= start) & (flat < start + chunk.shape[0])).nonzero().squeeze(-1)
             pad = padding - start if padding is not None and 0 <= padding - start < chunk.shape[0] else None
-            pieces.append(F.embedding(flat[where] - start, chunk, padding_idx=pad))
+            if chunk.dtype == self.dtype:
+                pieces.append(F.embedding(flat[where] - start, chunk, padding_idx=pad))
+            else:
+                pieces.append(UpcastEmbedding.apply(flat[where] - start, chunk, pad))
             positions.append(where)
         order = torch.cat(positions).argsort()
         return torch.cat(pieces)[order].reshape(*ids.shape, -1)
 
     def remove(self) -> None:
-        """Train the weight whole again."""
+        """Train the weight whole again, in its own dtype."""
         del self.module.forward
+        self.weight.data = self.weight.data.to(self.dtype)
         self.weight.requires_grad_(True)
 
 
@@ -91,11 +104,14 @@ class RowGradients:
     Args:
         model: the model (its ``get_output_embeddings()`` and its ``nn.Embedding`` modules with trainable weights).
         chunk_entries: entries per chunk; a weight no larger stays whole. Default `ROW_CHUNK_ENTRIES`.
+        dtype: the storage of the chunked weights (``torch.bfloat16``: `poet_hf.training.bf16_storage`, where a
+            weight no larger than a chunk is one chunk); default their own.
     """
 
-    def __init__(self, model: nn.Module, chunk_entries: int | None = None) -> None:
+    def __init__(self, model: nn.Module, chunk_entries: int | None = None, dtype: torch.dtype | None = None) -> None:
         chunk_entries = chunk_entries or ROW_CHUNK_ENTRIES
-        self.chunked = [RowChunked(m, chunk_entries) for m in row_chunked_modules(model, chunk_entries)]
+        modules = row_chunked_modules(model, chunk_entries, any_size=dtype is not None)
+        self.chunked = [RowChunked(m, chunk_entries, dtype) for m in modules]
 
     def replace_in(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``groups`` with each chunked weight replaced by its chunks (in the weight's group)."""
@@ -122,15 +138,18 @@ def steps_by_entry(optimizer_cls: type, kwargs: dict[str, Any]) -> bool:
     return bool(ELEMENTWISE.fullmatch(optimizer_cls.__name__)) and not whole_tensor_terms
 
 
-def row_chunked_modules(model: nn.Module, chunk_entries: int | None = None) -> list[nn.Linear | nn.Embedding]:
+def row_chunked_modules(
+    model: nn.Module, chunk_entries: int | None = None, any_size: bool = False
+) -> list[nn.Linear | nn.Embedding]:
     """The output head (an ``nn.Linear``) and the ``nn.Embedding`` modules that `RowGradients` chunks: trainable,
-    contiguous, larger than ``chunk_entries`` (default `ROW_CHUNK_ENTRIES`), plain lookups, tied to nothing."""
+    contiguous, larger than ``chunk_entries`` (default `ROW_CHUNK_ENTRIES`; any size with ``any_size``), plain
+    lookups, tied to nothing."""
     head = getattr(model, "get_output_embeddings", lambda: None)()
     candidates = [m for m in model.modules() if type(m) is nn.Embedding] + ([head] if type(head) is nn.Linear else [])
     counts: dict[int, int] = {}
     for module in candidates:
         counts[id(module.weight)] = counts.get(id(module.weight), 0) + 1
-    entries = chunk_entries or ROW_CHUNK_ENTRIES
+    entries = 0 if any_size else chunk_entries or ROW_CHUNK_ENTRIES
     return [m for m in candidates if counts[id(m.weight)] == 1 and _chunkable(m, entries)]  # tied weights stay whole
 
 
