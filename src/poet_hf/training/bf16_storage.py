@@ -2,7 +2,7 @@
 
 POET trains the vocabulary-sized weights in full. At Llama 3's 128,256-token vocabulary each is 525 M entries: in
 float32, with the input embeddings' two 32-bit AdamW moments (bitsandbytes' and transformers' rule,
-`poet_hf.training.eight_bit`), they hold 12.6 GB, more than the 4-bit ``W0`` of every other weight. Stored in
+`poet_hf.training.eight_bit`), they hold 8.4 GB, more than the 4-bit ``W0`` of every other weight. Stored in
 bfloat16 (``vocab_weights_dtype="bfloat16"``), the weights take 2 B per entry and every 32-bit moment of them 2 B;
 bitsandbytes' 8-bit moments (the head's) stay 8-bit.
 
