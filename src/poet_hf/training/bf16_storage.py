@@ -26,7 +26,7 @@ from torch import nn
 
 from .eight_bit import own_override_index, share_overrides
 
-__all__ = ["BFloat16Step", "UpcastEmbedding", "UpcastLinear", "stochastic_round"]
+__all__ = ["BFloat16Step", "UpcastEmbedding", "UpcastLinear", "is_moment", "stochastic_round"]
 
 LOW_BITS = 1 << 16  # the float32 bits that bfloat16 drops
 
@@ -131,14 +131,14 @@ class BFloat16Step:
             shadow.data, shadow.grad = torch.empty(0, device=param.device), None
 
 
-def _is_moment(value: Any, param: torch.Tensor) -> bool:
+def is_moment(value: Any, param: torch.Tensor) -> bool:
     """A floating state shaped like ``param`` (torch's ``exp_avg``, bitsandbytes' 32-bit ``state1``): a moment."""
     return type(value) is torch.Tensor and value.is_floating_point() and value.shape == param.shape
 
 
 def _widened(value: Any, param: torch.Tensor) -> Any:
-    return value.float() if _is_moment(value, param) else value
+    return value.float() if is_moment(value, param) else value
 
 
 def _narrowed(value: Any, param: torch.Tensor) -> Any:
-    return stochastic_round(value) if _is_moment(value, param) and value.dtype == torch.float32 else value
+    return stochastic_round(value) if is_moment(value, param) and value.dtype == torch.float32 else value

@@ -31,7 +31,7 @@ import torch
 from transformers import TrainingArguments
 
 from ..allocator import bound_allocator_slack
-from .bf16_storage import BFloat16Step
+from .bf16_storage import BFloat16Step, is_moment
 from .eight_bit import own_override_index, share_overrides
 from .row_gradients import RowGradients, steps_by_entry
 
@@ -217,8 +217,7 @@ def _keep_saved_dtypes(state: Any, params: list[torch.Tensor], saved: dict[int, 
     for index, param in enumerate(params):
         for key, value in saved.get(index, {}).items() if param in state else ():
             loaded = state[param].get(key)
-            moment = value.is_floating_point() and value.shape == param.shape if torch.is_tensor(value) else True
-            if not moment and torch.is_tensor(loaded) and loaded.dtype != value.dtype:
+            if torch.is_tensor(loaded) and not is_moment(value, param) and loaded.dtype != value.dtype:
                 state[param][key] = value.to(device=param.device, copy=True)
 
 
