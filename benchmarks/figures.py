@@ -83,8 +83,8 @@ def eight_b_headline(load: Load) -> list[str]:
     """The README's row for Llama-3-8B's shape."""
     big = eight_b(load)
     return [
-        "Llama-3-8B's shape (128k vocabulary), the same savings and the head and embeddings stored in bfloat16 "
-        f"(`--vocab_weights_dtype bfloat16`), {big['batch']} × {big['seq']}: the whole process's peak RSS",
+        "Llama-3-8B's shape (128k vocabulary), the same savings (the head and embeddings stored in bfloat16: "
+        f"`--vocab_weights_dtype bfloat16`), {big['batch']} × {big['seq']}: the whole process's peak RSS",
         f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
         f"{gib_and_si(big['merge_whole_peak_mb'])} in a merge",
         f"`plan_memory` {ratio(big['planned_vs_measured'])} above the imports; with the head and embeddings in "
@@ -120,7 +120,8 @@ def headline_table(load: Load) -> str:
         ],
         [
             "Llama-2-7B's shape, POET training steps (nf4 `W0`, 8-bit states with 32-bit ones for the embeddings, "
-            f"fused steps with the clip, checkpointing), {big['batch']} × {big['seq']}: the whole process's peak RSS",
+            "fused steps with the clip, checkpointing, the head and embeddings stored in bfloat16), "
+            f"{big['batch']} × {big['seq']}: the whole process's peak RSS",
             f"**{gib_and_si(big['steps_whole_peak_mb'])}** in the steps; "
             f"{gib_and_si(big['merge_whole_peak_mb'])} in a merge",
             f"imports ({mib(big['imports_rss_mb'])}) included, started as a user starts it (no allocator variable); "
@@ -164,7 +165,7 @@ def held_7b(load: Load) -> float:
     from benchmarks.pretrain_7b import plan
 
     big = seven_b(load)
-    parts = plan(big["batch"], big["seq"]).parts
+    parts = plan(big["batch"], big["seq"], vocab_weights_dtype=big["vocab_weights_dtype"]).parts
     return (
         sum(parts[name] for name in ("W0", "other frozen weights", "trainable parameters", "optimizer states")) / 2**20
     )
@@ -232,7 +233,10 @@ def plan_7b_table(load: Load) -> str:
     from benchmarks.pretrain_7b import plan
 
     big = seven_b(load)
-    plans = [plan(big["batch"], big["seq"]), plan(big["batch"], big["seq"], method="adamw")]
+    plans = [
+        plan(big["batch"], big["seq"], method=method, vocab_weights_dtype=big["vocab_weights_dtype"])
+        for method in ("poet-bs", "adamw")
+    ]
     rows = [
         [part, *(f"{p.parts[part] / 2**20:.0f}" for p in plans)]
         for part in plans[0].parts
@@ -297,6 +301,9 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_7b.imports": lambda load: mib(seven_b(load)["imports_rss_mb"]),
     "pretrain_7b.planned": lambda load: mib(seven_b(load)["planned_mb"]),
     "pretrain_7b.planned_ratio": lambda load: ratio(seven_b(load)["planned_vs_measured"]),
+    "pretrain_7b.planned_float32_whole": lambda load: gib_and_si(
+        seven_b(load)["planned_float32_vocab_mb"] + seven_b(load)["imports_rss_mb"]
+    ),
     "pretrain_7b.planned_adamw": lambda load: gib(seven_b(load)["planned_adamw_same_savings_mb"]),
     "pretrain_7b.planned_gpu": lambda load: gib(seven_b(load)["planned_gpu_bf16_1x2048_mb"]),
     "pretrain_7b.states": lambda load: gib(seven_b(load)["states_mb"]),

@@ -9,6 +9,8 @@ and quantises it before the next one gets storage. The run then trains with ever
 - optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`);
 - bitsandbytes' 8-bit AdamW states for the skews and ``lm_head``, 32-bit ones for the input embeddings (as
   `create_poet_optimizer` keeps them, `poet_hf.training.optimizer.keep_32bit_states`);
+- the head and the input embeddings, and their 32-bit moments, stored in bfloat16 with stochastic rounding
+  (``vocab_weights_dtype``, `poet_hf.training.bf16_storage`);
 - activation checkpointing per block (non-reentrant).
 
 The fused steps keep the clip (``max_grad_norm`` 1.0, against the running global-norm estimate of
@@ -20,8 +22,8 @@ own (Linux's ``clear_refs`` resets the high-water mark): the build, the training
 of every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.row_fold`, its residual read and
 written a layer at a time) and a step after it; each as the whole process's peak
 RSS (imports included) and as the peak above the RSS after the imports. Beside the measured step peak,
-`poet_hf.plan_memory`'s figure for the same run (above the imports, as the planner counts), and its figure for
-``1 × 2048`` in bfloat16 on a GPU; and the size of the residual files and the folder they went to.
+`poet_hf.plan_memory`'s figure for the same run (above the imports, as the planner counts), for ``1 × 2048`` in
+bfloat16 on a GPU, and for the head and embeddings in float32; and the size of the residual files and their folder.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from benchmarks.common import PLAN_EVERYTHING_ON, measure_as_a_user, reset_peak_
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "models" / "llama-2-7b.json"
 BLOCK_SIZE = 256
+RECIPE = {"vocab_weights_dtype": "bfloat16"}  # what the measured run adds to `measure`'s defaults
 
 
 def measure(
@@ -191,9 +194,10 @@ def planned_mb(batch: int, seq: int, dtype: str = "float32", layers: int | None 
 def run(quick: bool = False) -> list[dict]:
     """One row: the measured phases of a 7B step (``quick``: two blocks of the shape) and the planner's figures."""
     layers = 2 if quick else None
-    row = measure_as_a_user("pretrain_7b", steps=2, batch=1, seq=256, layers=layers)
-    row["planned_mb"] = planned_mb(1, 256, layers=layers)
+    row = measure_as_a_user("pretrain_7b", steps=2, batch=1, seq=256, layers=layers, **RECIPE)
+    row["planned_mb"] = planned_mb(1, 256, layers=layers, **RECIPE)
     row["planned_vs_measured"] = row["planned_mb"] / row["steps_peak_mb"]  # both above the imports
-    row["planned_gpu_bf16_1x2048_mb"] = planned_mb(1, 2048, "bfloat16", layers=layers)
-    row["planned_adamw_same_savings_mb"] = planned_mb(1, 256, layers=layers, method="adamw")
+    row["planned_gpu_bf16_1x2048_mb"] = planned_mb(1, 2048, "bfloat16", layers=layers, **RECIPE)
+    row["planned_adamw_same_savings_mb"] = planned_mb(1, 256, layers=layers, method="adamw", **RECIPE)
+    row["planned_float32_vocab_mb"] = planned_mb(1, 256, layers=layers)
     return [row]
