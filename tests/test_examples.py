@@ -122,13 +122,17 @@ def test_each_accelerate_config_is_one_pretrain_py_accepts(name):
 
     config = ClusterConfig.from_yaml_file(str(CLUSTER / name))
     raw = launch_config(name)
-    assert config.distributed_type in ("NO", "MULTI_GPU", "FSDP")
+    assert config.distributed_type in ("NO", "MULTI_GPU", "FSDP", "DEEPSPEED")
     fsdp = config.distributed_type == "FSDP"
-    check_sharding(fsdp, deepspeed=False, fsdp_version=raw.get("fsdp_config", {}).get("fsdp_version"))
+    check_sharding(fsdp, fsdp_version=raw.get("fsdp_config", {}).get("fsdp_version"))
     if fsdp:
         options = raw["fsdp_config"]
         assert options["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"  # pretrain.py's model
         assert options["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and not options["fsdp_cpu_ram_efficient_loading"]
+    if config.distributed_type == "DEEPSPEED":  # trained in 2 CPU processes by tests/test_deepspeed.py
+        options = raw["deepspeed_config"]
+        assert "deepspeed_config_file" not in options  # the trainer's optimizer and schedule, POET's two rates
+        assert options["zero_stage"] in (2, 3) and options.get("zero3_save_16bit_model", True)
     assert config.num_processes % config.num_machines == 0
     assert config.use_cpu == name.startswith("cpu")
 

@@ -106,12 +106,20 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
 
 
 @pytest.mark.parametrize(
-    "engine, refusal", [("deepspeed", "shard with FSDP2"), ("fsdp1", "fsdp_version: 2"), ("fsdp2", None)]
+    "engine, refusal, settings",
+    [
+        ("fsdp1", "fsdp_version: 2", {}),
+        ("fsdp2", None, {}),
+        ("deepspeed", "`fused_optimizer_step` is not supported under DeepSpeed ZeRO", {"fused_optimizer_step": True}),
+    ],
 )
-def test_poet_trainer_takes_fsdp2_and_refuses_deepspeed_and_fsdp1(monkeypatch, tmp_path, engine, refusal):
-    """PoetTrainer decides from what Accelerate reports about the engine it set up. Neither engine can start on a
-    CPU, so Trainer's own report (``is_deepspeed_enabled``, ``is_fsdp_enabled``, the FSDP plugin's version) is set
-    as Accelerate sets it on an accelerator, and the real constructor runs on it."""
+def test_poet_trainer_takes_fsdp2_and_refuses_fsdp1_and_what_zero_cannot_take(
+    monkeypatch, tmp_path, engine, refusal, settings
+):
+    """PoetTrainer decides from what Accelerate reports about the engine it set up. FSDP cannot start on a CPU, so
+    Trainer's own report (``is_deepspeed_enabled``, ``is_fsdp_enabled``, the FSDP plugin's version) is set as
+    Accelerate sets it on an accelerator, and the real constructor runs on it. DeepSpeed with a supported run is
+    trained for real in tests/test_deepspeed.py."""
     import transformers
     from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
 
@@ -132,7 +140,7 @@ def test_poet_trainer_takes_fsdp2_and_refuses_deepspeed_and_fsdp1(monkeypatch, t
         assert tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset).has_poet
         return
     with pytest.raises(ValueError, match=refusal):
-        tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset)
+        tiny_trainer(tmp_path, tiny_poet_model(len(tokenizer)), dataset, **settings)
 
 
 def test_poet_trainer_refuses_an_fsdp_request_accelerate_cannot_honour_on_a_cpu(monkeypatch, tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import cast
 
@@ -58,7 +60,11 @@ def _svdvals(weight: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def singular_values(model: nn.Module, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+def singular_values(
+    model: nn.Module,
+    names: list[str] | None = None,
+    layer_context: Callable[[RotationLayer], AbstractContextManager] | None = None,
+) -> dict[str, torch.Tensor]:
     """Singular values (descending, float64) of every target weight.
 
     See [`target_weight_matrices`][poet_hf.diagnostics.target_weight_matrices].
@@ -66,11 +72,19 @@ def singular_values(model: nn.Module, names: list[str] | None = None) -> dict[st
     Args:
         model: the model.
         names: for a baseline, the module-name endings to read.
+        layer_context: a context each POET layer is read inside (DeepSpeed ZeRO-3's gather of its parameters,
+            `poet_hf.training.zero.gathered_layer`); none by default.
 
     Returns:
         ``{module name: singular values}``.
     """
-    return {name: _svdvals(w) for name, w in target_weight_matrices(model, names).items()}
+    if layer_context is None or not rotation_layers(model):
+        return {name: _svdvals(w) for name, w in target_weight_matrices(model, names).items()}
+    values = {}
+    for name, layer in rotation_layers(model):
+        with layer_context(layer):
+            values[name] = _svdvals(layer.effective_weight_matrix(dtype=torch.float32).detach())
+    return values
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit
 from ..tuners.rotation_layer import rotation_layers
 from ..tuners.rotation_model import prepare_residual_files
 from .optimizer import poet_parameters, reset_optimizer_state
+from .zero import gathered_layer, gathered_rotations, reset_rotation_partitions, set_clip_threshold, zero_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             saved = saved[0] if isinstance(saved, list) else saved
             self.history = [m for m in saved.get("attributes", {}).get("history", []) if m["step"] <= state.global_step]
 
-    def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+    def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
         interval = self.interval(args, model)
         if interval and self.base_max_grad_norm and self.base_max_grad_norm > 0:
             args.max_grad_norm = clip_threshold(
@@ -161,6 +162,7 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
                 getattr(args, "post_merge_clip_steps", 10),
                 getattr(args, "post_merge_clip_factor", 0.1),
             )
+            set_clip_threshold(optimizer, args.max_grad_norm)  # DeepSpeed ZeRO clips inside its own step
 
     def on_step_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
         if state.global_step <= FINETUNE_WARN_STEPS and state.global_step % 5 == 0:
@@ -170,18 +172,24 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             return
         model = unwrap(model)
         if control.should_log:  # DefaultFlowCallback, which runs first, decided this step logs
-            self.statistics_before_merge = (state.global_step, poet_statistics(model, self.adapter_name))
-        self.history.append({**merge_and_reinit(model, self.adapter_name), "step": state.global_step})
-        if optimizer is not None:
+            with gathered_rotations(model, self.adapter_name):
+                self.statistics_before_merge = (state.global_step, poet_statistics(model, self.adapter_name))
+        zero = zero_optimizer(optimizer)  # DeepSpeed ZeRO: gather each layer, reset the master partitions
+        summary = merge_and_reinit(model, self.adapter_name, gathered_layer if zero is not None else None)
+        self.history.append({**summary, "step": state.global_step})
+        if zero is not None:
+            reset_rotation_partitions(zero)
+        elif optimizer is not None:
             reset_optimizer_state(optimizer, poet_parameters(model))
 
     def _check_early_angle(self, model: nn.Module, step: int, args: TrainingArguments) -> None:
         if getattr(self, "_angle_warned", False) or not starts_from_pretrained(model, self.adapter_name):
             return
-        angle = max(
-            (rotation_angle(layer, self.adapter_name) for _, layer in rotation_layers(model, self.adapter_name)),
-            default=0.0,
-        )
+        with gathered_rotations(model, self.adapter_name):
+            angle = max(
+                (rotation_angle(layer, self.adapter_name) for _, layer in rotation_layers(model, self.adapter_name)),
+                default=0.0,
+            )
         if angle > FINETUNE_WARN_ANGLE:
             self._angle_warned = True
             rate = getattr(args, "poet_learning_rate", None) or args.learning_rate

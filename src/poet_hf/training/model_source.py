@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from ..initialization import materialize_model
-from .presets import PRESETS, preset_config
+from .presets import PRESETS, meta_model, preset_config, without_zero3_init
 
 __all__ = ["apply_overrides", "build_model", "load_model_config", "model_summary", "read_config"]
 
@@ -127,13 +127,13 @@ def build_model(
             shard under FSDP2); another device materializes it there (`materialize_model`).
     """
     if model_name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32)
+        with without_zero3_init():
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config, dtype=torch.float32)
         if model.get_input_embeddings().num_embeddings < config.vocab_size:
             model.resize_token_embeddings(config.vocab_size)
         return model
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return model if device == "meta" else materialize_model(model, seed=seed, device=device)
+    built = meta_model(config)
+    return built if device == "meta" else materialize_model(built, seed=seed, device=device)
 
 
 def model_summary(config: PretrainedConfig, seq_len: int, source: str) -> dict[str, Any]:

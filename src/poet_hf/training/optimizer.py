@@ -268,7 +268,7 @@ def keep_32bit_states(model: nn.Module, optimizer_cls: type, kwargs: dict[str, A
 
 
 @torch.no_grad()
-def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> int:
+def reset_optimizer_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> int:
     """Reset the state (moments, step count) of ``params`` to a fresh one, in place, as POET does after a merge.
 
     Zeroed rather than dropped, so the state keeps one layout and a checkpoint taken right after a merge resumes

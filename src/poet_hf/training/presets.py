@@ -8,6 +8,7 @@ them here.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import Any, cast
@@ -313,8 +314,7 @@ def recipe_parameter_counts(
 
     preset = PRESETS[recipe["preset"]]
     config = config or preset_config(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"])
-    with torch.device("meta"):
-        model = apply_recipe(AutoModelForCausalLM.from_config(config), {**recipe, "base_quantization": None}, None)
+    model = apply_recipe(meta_model(config), {**recipe, "base_quantization": None}, None)
     targets = targets_for(config)
     report: dict[str, Any] = {**count_trainable(model), "targets": targets}
     report["trained_in_full"] = sorted(
@@ -336,3 +336,19 @@ def _module_of(parameter_name: str) -> str:
 
 def _in_adapter(parameter_name: str) -> bool:
     return any(key in parameter_name for key in ("lora_", "poet_"))
+
+
+def without_zero3_init() -> contextlib.AbstractContextManager:
+    """transformers' own switch that skips ``deepspeed.zero.Init`` while a model is built or loaded.
+
+    Under DeepSpeed ZeRO-3 transformers partitions each model it builds; the scripts build POET's models whole (on
+    ``meta``, then materialized, or loaded), and DeepSpeed partitions them when its engine wraps them."""
+    from transformers.modeling_utils import set_zero3_state
+
+    return set_zero3_state()
+
+
+def meta_model(config: PretrainedConfig) -> nn.Module:
+    """The causal LM of ``config`` on the ``meta`` device: no memory, nothing initialised (`without_zero3_init`)."""
+    with torch.device("meta"), without_zero3_init():
+        return AutoModelForCausalLM.from_config(config)

@@ -45,6 +45,7 @@ from .pretrain_arguments import (  # noqa: F401 (public here too)
     PretrainArguments,
 )
 from .trainer import PoetTrainer
+from .zero import gathered_layer, gathered_rotations
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
@@ -331,13 +332,20 @@ def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dic
         from ..export import export_merged
 
         evaluation = {"eval_loss": results["val_loss"], "eval_perplexity": results["val_perplexity"]}
+        source = output if trainer.is_deepspeed_enabled else trainer  # ZeRO: the whole state the save gathered
         results["export_dir"] = str(
-            export_merged(trainer, args.export_dir, overwrite=True, run_info={"eval": evaluation})
+            export_merged(source, args.export_dir, overwrite=True, run_info={"eval": evaluation})
         )
     if trainer.is_world_process_zero():
         output.mkdir(parents=True, exist_ok=True)
         plot_spectra(plots[0], plots[1], output / "spectra.png", f"{args.method} on {args.preset}")
         (output / "results.json").write_text(json.dumps(results, indent=2))
+
+
+def drift_bound(model: torch.nn.Module, trainer: PoetTrainer) -> float | None:
+    """`neumann_drift_bound` of the run's merges and live rotations (under ZeRO-3 with the skews gathered)."""
+    with gathered_rotations(model):
+        return neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else [])
 
 
 def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, Any]:
@@ -383,7 +391,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     final_loss = trainer.evaluate()["eval_loss"]
-    spectra_after = singular_values(model, targets)
+    spectra_after = singular_values(model, targets, gathered_layer if trainer.is_deepspeed_enabled else None)
     results = {
         **trainer.run_info,
         "recipe": recipe,
@@ -397,7 +405,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         "wall_time_s": time.time() - started,
         "merges": max((int(layer.merge_counts["default"]) for _, layer in rotation_layers(model)), default=0),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
-        "spectrum_bound": neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else []),
+        "spectrum_bound": drift_bound(model, trainer),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
     }
     _save_and_export(args, trainer, results, plots=(spectra_before, spectra_after))

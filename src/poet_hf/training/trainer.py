@@ -21,22 +21,17 @@ from ..tuners.rotation_layer import rotation_layers
 from .callback import MergeReinitCallback, unwrap
 from .fused_step import FusedStepOptimizer
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
+from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, mark_leaf_layers, whole_state_dict
 
 
-def check_sharding(fsdp: bool, deepspeed: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
-    """Which sharded engines a POET model trains under: FSDP2, not FSDP1 nor DeepSpeed, and never a silent fallback.
+def check_sharding(fsdp: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
+    """Which FSDP a POET model trains under: FSDP2, not FSDP1, and never a silent fallback.
 
     FSDP2 shards parameters as ``DTensor``s, which merge-then-reinitialize gathers one layer at a time; FSDP1 flattens
-    them into ``FlatParameter``s and DeepSpeed ZeRO partitions them its own way, which a merge cannot fold. Accelerate
-    enables FSDP only on accelerators: on a CPU, ``--use_fsdp`` quietly becomes plain data parallelism (or
-    independent single-process runs), with every process holding the whole model.
+    them into ``FlatParameter``s, which a merge cannot fold. Accelerate enables FSDP only on accelerators: on a CPU,
+    ``--use_fsdp`` quietly becomes plain data parallelism (or independent single-process runs), with every process
+    holding the whole model. DeepSpeed ZeRO is checked by `poet_hf.training.zero.check_zero_run`.
     """
-    if deepspeed:
-        raise ValueError(
-            "POET merge-then-reinitialize cannot fold weights DeepSpeed partitions; shard with FSDP2 "
-            "instead (an Accelerate config with `distributed_type: FSDP` and `fsdp_version: 2`, see "
-            "`examples/cluster/fsdp2.yaml`), or use DDP"
-        )
     if fsdp and fsdp_version != 2:
         raise ValueError(
             f"POET needs FSDP2 (`fsdp_version: 2`), got FSDP version {fsdp_version}: FSDP1's flat "
@@ -65,7 +60,9 @@ class PoetTrainer(CrashSafeTrainer):
       complete one (`CrashSafeTrainer`).
     - Writes the merges' residual files (a 4-bit or 16-bit ``W0`` on the CPU) under ``args.residual_folder``, and
       checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.residual_folder]).
-    - Runs under DDP and FSDP2 ([`distributed`][poet_hf.distributed]); FSDP1 and DeepSpeed are refused.
+    - Runs under DDP, FSDP2 ([`distributed`][poet_hf.distributed]) and DeepSpeed ZeRO stages 1–3
+      ([`zero`][poet_hf.training.zero]: merges gather what they fold and reset ZeRO's master partitions); FSDP1 is
+      refused.
     - Materializes a model built on the ``meta`` device
       ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``), under FSDP2 after
       [`shard_model`][poet_hf.distributed.shard_model] with the plugin's settings, so no process holds the whole
@@ -79,8 +76,8 @@ class PoetTrainer(CrashSafeTrainer):
         **kwargs: as ``transformers.Trainer``.
 
     Raises:
-        ValueError: the model has POET layers and Accelerate runs DeepSpeed or FSDP1, or FSDP was requested where
-            Accelerate does not enable it.
+        ValueError: the model has POET layers and Accelerate runs FSDP1, or FSDP was requested where Accelerate does
+            not enable it, or DeepSpeed runs with a setting it cannot take (`check_zero_run`).
     """
 
     def __init__(
@@ -95,12 +92,11 @@ class PoetTrainer(CrashSafeTrainer):
         self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-            check_sharding(
-                self.is_fsdp_enabled,
-                self.is_deepspeed_enabled,
-                getattr(plugin, "fsdp_version", None),
-                fsdp_requested(),
-            )
+            check_sharding(self.is_fsdp_enabled, getattr(plugin, "fsdp_version", None), fsdp_requested())
+            if self.is_deepspeed_enabled:
+                stage = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", None)
+                check_zero_run(self.args, self._unwrapped_model(), stage)
+                mark_leaf_layers(self._unwrapped_model())
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
 
@@ -195,7 +191,8 @@ class PoetTrainer(CrashSafeTrainer):
                     default=0,
                 )
                 return {**statistics, "poet/merge_count": merge_count}
-        return poet_statistics(self._unwrapped_model())
+        with gathered_rotations(self._unwrapped_model()):
+            return poet_statistics(self._unwrapped_model())
 
     @property
     def merge_callback(self) -> MergeReinitCallback | None:
@@ -206,6 +203,36 @@ class PoetTrainer(CrashSafeTrainer):
         """The run's merge interval ([`merge_interval`][poet_hf.training.callback.merge_interval]); ``None``: none."""
         callback = self.merge_callback
         return callback.interval(self.args, cast(nn.Module, self.model)) if callback else None
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Trainer's evaluation; under DeepSpeed before training starts, of the model as it is (whole, unwrapped).
+
+        There Trainer would wrap the model in an inference engine that ``train`` then never prepares for training;
+        the scripts report the loss before training."""
+        if not (self.is_deepspeed_enabled and self.deepspeed is None):
+            return super().evaluate(*args, **kwargs)
+        self.is_deepspeed_enabled = False
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            self.is_deepspeed_enabled = True
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Trainer's save; under DeepSpeed ZeRO-3 with the frozen parameters gathered too (each ``W0`` as merged),
+        where Trainer gathers a PEFT model's trainable ones only."""
+        engine = cast(Any, self.deepspeed)  # None before training
+        if not (self.has_poet and engine is not None and engine.zero_optimization_partition_weights()):
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir or self.args.output_dir, state_dict=whole_state_dict(engine))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Trainer's resume; under DeepSpeed also each merged ``W0``, which DeepSpeed's checkpoint of a PEFT model
+        leaves out (`frozen_weights_of_checkpoint`)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None and self.has_poet and self.is_deepspeed_enabled:
+            frozen_weights_of_checkpoint(self._unwrapped_model(), checkpoint)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
@@ -171,7 +173,11 @@ def prepare_residual_files(model: nn.Module, adapter_name: str = "default") -> N
     residual_store.check_disk_space_once()
 
 
-def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[str, Any]:
+def merge_and_reinit(
+    model: nn.Module,
+    adapter_name: str = "default",
+    layer_context: Callable[[RotationLayer], AbstractContextManager] | None = None,
+) -> dict[str, Any]:
     """The POET merge-then-reinitialize step (Algorithm 1, step 5) over every POET layer of ``model``.
 
     Folds ``R`` and ``P`` into ``W0``, zeroes the skew parameters and draws fresh permutations / index sets from
@@ -185,6 +191,8 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
     Args:
         model: the model with POET (or OFT) layers.
         adapter_name: the adapter to merge.
+        layer_context: a context each layer folds inside (DeepSpeed ZeRO-3's gather of its parameters,
+            `poet_hf.training.zero.gathered_layer`); none by default.
 
     Returns:
         The statistics described above.
@@ -198,7 +206,10 @@ def merge_and_reinit(model: nn.Module, adapter_name: str = "default") -> dict[st
     if not layers:
         raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
     prepare_residual_files(model, adapter_name)  # a refusal before any layer folds leaves the model as it was
-    stats = [layer.merge_and_reinit(adapter_name) for _, layer in layers]
+    stats = []
+    for _, layer in layers:
+        with layer_context(layer) if layer_context else nullcontext():
+            stats.append(layer.merge_and_reinit(adapter_name))
     summary = {
         "layers": len(layers),
         "merge_count": int(layers[0][1].merge_counts[adapter_name]),

@@ -1,0 +1,199 @@
+"""POET and OFT under DeepSpeed ZeRO (stages 1–3, through Accelerate): merges that gather, partitions they reset.
+
+ZeRO keeps each process's share of the trainable parameters as a float32 master partition inside its optimizer, and
+copies it into the model's parameters after every step. A merge (POET Algorithm 1, step 5) zeroes the skews in the
+model; unless the master partition and its Adam state are zeroed too, the next step writes the old skews back. Under
+ZeRO-3 the model's parameters themselves are partitioned: a merge gathers one layer's ``W0`` and skews
+(``deepspeed.zero.GatheredParameters``), folds them on every process (the same arithmetic, the same seeded draws) and
+partitions rank 0's result again; statistics gather the skews read-only. Each rotation layer is a ZeRO-3 leaf module,
+so its forward and backward find every parameter it reads (its ``W0`` included) gathered.
+
+The POET groups of `create_poet_optimizer` hold skews only, so their master partitions are all skew: zeroing them
+whole, with the step count of their state, is the per-parameter reset `reset_optimizer_state` makes elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from ..tuners.oft import OftConfig
+from ..tuners.rotation_layer import RotationLayer, rotation_layers
+from .optimizer import reset_optimizer_state
+
+UNSUPPORTED_WITH_ZERO = {
+    "fused_optimizer_step": "DeepSpeed owns the optimizer step, which fused steps would take inside the backward",
+    "base_quantization": "ZeRO partitions and casts every parameter, which a bitsandbytes W0 cannot follow",
+}
+
+
+def zero_optimizer(optimizer: Any) -> Any | None:
+    """The ZeRO optimizer under Accelerate's and Trainer's wrappers, if ``optimizer`` is one.
+
+    Args:
+        optimizer: the optimizer a callback or the trainer holds.
+
+    Returns:
+        DeepSpeed's ``DeepSpeedZeroOptimizer`` (stages 1, 2) or ``DeepSpeedZeroOptimizer_Stage3``; ``None`` otherwise.
+    """
+    seen = 0
+    while optimizer is not None and seen < 4:
+        if hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "fp32_partitioned_groups_flat"):
+            return optimizer
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return None
+
+
+def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
+    """Refuse the settings a POET or OFT run cannot take under DeepSpeed ZeRO, naming each.
+
+    Args:
+        args: the run's training arguments (`PoetTrainingArguments` or ``transformers.TrainingArguments``).
+        model: the model to train (unwrapped).
+        stage: the ZeRO stage.
+
+    Raises:
+        ValueError: a setting of `UNSUPPORTED_WITH_ZERO` is on, or an OFT adapter runs under ZeRO-3.
+    """
+    quantized = any(layer.base_quantization for _, layer in rotation_layers(model))
+    settings = {"fused_optimizer_step": getattr(args, "fused_optimizer_step", False), "base_quantization": quantized}
+    for field, why in UNSUPPORTED_WITH_ZERO.items():
+        if settings[field]:
+            raise ValueError(
+                f"`{field}` is not supported under DeepSpeed ZeRO: {why}; unset it, or train with DDP or FSDP2"
+            )
+    if stage == 3 and any(isinstance(c, OftConfig) for c in getattr(model, "peft_config", {}).values()):
+        raise ValueError(
+            "OFT is not supported under DeepSpeed ZeRO-3 (its backward reads the rotation's skew vector after ZeRO-3 "
+            "has partitioned it again); train OFT with ZeRO-2, FSDP2 or DDP"
+        )
+
+
+def mark_leaf_layers(model: nn.Module) -> int:
+    """Make every rotation layer a ZeRO-3 leaf module, before DeepSpeed wraps the model.
+
+    A layer's forward reads its base layer's ``W0`` without calling the base layer, so ZeRO-3's per-module hooks
+    would leave it partitioned; as a leaf the layer gathers all its parameters on entry.
+
+    Args:
+        model: the model, not yet wrapped.
+
+    Returns:
+        How many layers were marked.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    if not any(isinstance(module, RotationLayer) for module in model.modules()):
+        return 0
+    return len(set_z3_leaf_modules(model, [RotationLayer]))
+
+
+def gathered(parameters: Iterable[nn.Parameter], modify: bool) -> contextlib.AbstractContextManager:
+    """ZeRO-3's gather of ``parameters`` for the block inside it; nothing to do for unpartitioned ones.
+
+    Args:
+        parameters: the parameters to gather.
+        modify: whether the block changes them (rank 0's values are partitioned again on exit).
+    """
+    partitioned = [p for p in parameters if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0 if modify else None)
+
+
+def gathered_layer(layer: RotationLayer) -> contextlib.AbstractContextManager:
+    """One layer's parameters gathered for a merge that folds and zeroes them (`gathered`)."""
+    return gathered(cast(nn.Module, layer).parameters(), modify=True)
+
+
+@contextlib.contextmanager
+def gathered_rotations(model: nn.Module, adapter: str = "default") -> Iterator[None]:
+    """Every rotation layer's skews gathered read-only, for statistics taken outside a forward."""
+    skews = [p for _, layer in rotation_layers(model, adapter) for p in layer.skew_parameters()]
+    with gathered(skews, modify=False):
+        yield
+
+
+def master_partitions(zero: Any, group_index: int) -> list[torch.Tensor]:
+    """The float32 master partitions that one parameter group of ``zero`` steps (ZeRO-3: one per sub-group)."""
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        owners = zero.sub_group_to_group_id
+        return [flat for sub, flat in enumerate(zero.fp32_partitioned_groups_flat) if owners[sub] == group_index]
+    return [zero.single_partition_of_fp32_groups[group_index]]
+
+
+@torch.no_grad()
+def reset_rotation_partitions(optimizer: Any) -> int:
+    """After a merge: zero the master partitions of the POET groups and their optimizer state, step count included.
+
+    Args:
+        optimizer: the run's optimizer (a ZeRO optimizer under any wrapper).
+
+    Returns:
+        How many partitions had a state that was reset.
+
+    Raises:
+        ValueError: ``optimizer`` is not a ZeRO optimizer.
+    """
+    zero = zero_optimizer(optimizer)
+    if zero is None:
+        raise ValueError(f"not a DeepSpeed ZeRO optimizer: {type(optimizer).__name__}")
+    inner = zero.optimizer
+    poet_groups = [index for index, group in enumerate(inner.param_groups) if group.get("poet")]
+    partitions = [flat for index in poet_groups for flat in master_partitions(zero, index)]
+    for flat in partitions:
+        flat.zero_()
+    return reset_optimizer_state(inner, partitions)
+
+
+def set_clip_threshold(optimizer: Any, threshold: float) -> bool:
+    """Set the clip threshold the ZeRO optimizer applies in its next step (POET's post-merge ramp).
+
+    Returns:
+        Whether ``optimizer`` was a ZeRO optimizer."""
+    zero = zero_optimizer(optimizer)
+    if zero is not None:
+        zero.clip_grad = threshold
+    return zero is not None
+
+
+def frozen_weights_of_checkpoint(model: nn.Module, folder: str) -> int:
+    """Load the frozen parameters a checkpoint's saved model holds (each POET ``W0`` as merged) into ``model``.
+
+    Trainer saves DeepSpeed's checkpoint of a PEFT model without its frozen parameters, and resumes from that alone;
+    POET's merges change ``W0``, which the saved model (``adapter_model.safetensors``, or the whole model) holds.
+    Under ZeRO-3 each parameter is gathered, written and partitioned again.
+
+    Args:
+        model: the model being trained (unwrapped).
+        folder: the checkpoint folder.
+
+    Returns:
+        How many parameters were loaded.
+    """
+    from safetensors import safe_open
+
+    frozen = {name: p for name, p in model.named_parameters() if not p.requires_grad}
+    loaded = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as saved:
+            for key in saved.keys():
+                if key in frozen:
+                    with gathered([frozen[key]], modify=True), torch.no_grad():
+                        frozen[key].copy_(saved.get_tensor(key))
+                    loaded += 1
+    return loaded
+
+
+def whole_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+    """ZeRO-3's gathered state dict with the frozen parameters (a collective: every rank calls it; rank 0 gets it).
+
+    Trainer gathers a PEFT model's trainable parameters only; POET's merges change the frozen ``W0`` too."""
+    return engine._zero3_consolidated_16bit_state_dict()
