@@ -21,6 +21,7 @@ from typing import Any
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
+from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
 from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row
 from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
 
@@ -288,6 +289,7 @@ TABLES: dict[str, Callable[[Load], str]] = {
     "state_step": state_step_table,
     "savings_quality": savings_quality_table,
     **LAYER_TABLES,
+    **SHARDING_TABLES,
     **STEP_TABLES,
     **QUANTIZED_TABLES,
 }
@@ -341,6 +343,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "memory_peers.time_350m": lambda load: poet_time_ratio(load, "llama-350m"),
     "memory_peers.planner_gap": planner_gap,
     **LAYER_FIGURES,
+    **SHARDING_FIGURES,
     **STEP_FIGURES,
     **QUANTIZED_FIGURES,
 }

@@ -34,6 +34,7 @@ SUITES = (
     "finetune_rates",
     "oft_layer",
     "fsdp",
+    "sharding",
     "eco",
     "reflection",
     "import_time",

@@ -1,0 +1,157 @@
+"""The per-process memory tables of docs/distributed.md, rendered from ``benchmarks/results/sharding.json`` and
+``benchmarks/results/pretrain_step.json`` by `benchmarks.figures`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.table_format import markdown_table, provenance, ratio
+
+Load = Callable[[str], dict[str, Any]]
+ENGINES = {
+    "none": "one process",
+    "ddp": "DDP",
+    "fsdp2": "FSDP2",
+    "zero2": "DeepSpeed ZeRO-2",
+    "zero3": "DeepSpeed ZeRO-3",
+}
+PLANNER_PRESETS = ("llama-60m", "llama-130m")
+
+
+def sharding_table(load: Load) -> str:
+    """One process, DDP, FSDP2, ZeRO-2 and ZeRO-3 at the same shape and batch per process."""
+    rows = []
+    for row in load("sharding")["rows"]:
+        planned = row.get("planned MB / process")
+        rows.append(
+            [
+                row["preset"],
+                row["batch / process"].replace("x", " × "),
+                str(row["processes"]),
+                ENGINES[row["sharding"]],
+                f"{row['steady-state peak MB / process']:.0f}",
+                ratio(row["steady / 1-process steady"]),
+                f"{planned:.0f} ({row['steady / planned']:.2f})" if planned else "–",
+                f"{row['step s']:.2f}",
+                f"{row['merge s']:.2f}",
+            ]
+        )
+    header = ["model", "micro-batch / process", "processes", "engine", "steady-state peak MB / process"]
+    header += ["vs one process", "planned MB (measured / planned)", "step s", "merge s"]
+    return markdown_table(header, rows)
+
+
+def sharding_detail_table(load: Load) -> str:
+    """Every measurement of the suite's rows: construction, full copies, merge costs (docs/benchmarks.md)."""
+
+    def number(row: dict[str, Any], key: str, digits: int = 0) -> str:
+        return f"{row[key]:.{digits}f}" if key in row else "–"
+
+    rows = []
+    for row in load("sharding")["rows"]:
+        copies = "–"
+        if "one full copy: parameters MB" in row:
+            copies = f"{row['one full copy: parameters MB']:.0f} / {row['one full copy: training state MB']:.0f}"
+        rows.append(
+            [
+                row["preset"],
+                str(row["processes"]),
+                ENGINES[row["sharding"]],
+                number(row, "steady-state peak MB / process"),
+                number(row, "from-start peak MB / process"),
+                number(row, "construction peak MB / process"),
+                copies,
+                number(row, "planned MB / process"),
+                ratio(row["steady / 1-process steady"]),
+                number(row, "step s", 1),
+                number(row, "merge s", 1),
+                number(row, "merge extra RSS MB"),
+                number(row, "merge gathered MB (peak alive)", 1),
+            ]
+        )
+    header = ["model", "processes", "engine", "steady-state peak MB / process", "from-start peak MB / process"]
+    header += ["construction peak MB / process", "one full copy: parameters / training state MB", "planned MB"]
+    header += ["vs 1 process", "step (s)", "one `merge_and_reinit` (s)", "RSS a merge adds (MB)"]
+    header += ["most gathered at once (MB)"]
+    return markdown_table(header, rows)
+
+
+def sharding_row(load: Load, preset: str, sharding: str) -> dict[str, Any]:
+    return next(r for r in load("sharding")["rows"] if r["preset"] == preset and r["sharding"] == sharding)
+
+
+def planner_rows(load: Load) -> list[dict[str, Any]]:
+    """`pretrain_step`'s one-process rows at 4 × 256 without accumulation, at the planner's validation shapes."""
+    return [
+        row
+        for row in load("pretrain_step")["rows"]
+        if row["preset"] in PLANNER_PRESETS and row["batch"] == "4x256" and row["accumulation"] == 1
+    ]
+
+
+def planner_table(load: Load) -> str:
+    """Measured peak against `plan_memory` for AdamW, POET-BS and POET-FS in one process, glibc's own allocator."""
+    rows, seen = [], set()
+    for row in planner_rows(load):
+        if row["preset"] not in seen:  # AdamW once per shape
+            seen.add(row["preset"])
+            rows.append(_planner_row(row, "AdamW", "AdamW"))
+        rows.append(_planner_row(row, "POET", {"poet-bs": "POET-BS", "poet-fs": "POET-FS ½"}[row["method"]]))
+    header = ["model", "micro-batch", "method", "measured peak MB", "planned MB", "measured / planned"]
+    return markdown_table(header, rows)
+
+
+def _planner_row(row: dict[str, Any], side: str, name: str) -> list[str]:
+    measured, planned = row[f"{side} peak MB"], row[f"{side} planned MB"]
+    return [row["preset"], "4 × 256", name, f"{measured:.0f}", f"{planned:.0f}", f"{measured / planned:.2f}"]
+
+
+def sharding_planner_gap(load: Load) -> str:
+    """The largest gap between a measured steady state and its plan, over the rows with a plan."""
+    gaps = [abs(row["steady / planned"] - 1) for row in load("sharding")["rows"] if row.get("planned MB / process")]
+    return f"{max(gaps) * 100:.0f} %"
+
+
+def default_allocator_excess(load: Load) -> str:
+    """How far above its plan a one-process run peaks under glibc's own allocator: the range over the rows."""
+    sides = ("AdamW", "POET")
+    excess = [row[f"{side} peak MB"] / row[f"{side} planned MB"] - 1 for row in planner_rows(load) for side in sides]
+    return f"{min(excess) * 100:.0f} to {max(excess) * 100:.0f} %"
+
+
+def zero_against_fsdp2(load: Load) -> str:
+    """ZeRO-3's steady-state peak per process against FSDP2's, per shape."""
+    rows = load("sharding")["rows"]
+    by_engine = {(row["preset"], row["sharding"]): row["steady-state peak MB / process"] for row in rows}
+    presets = list(dict.fromkeys(preset for preset, _ in by_engine))  # in the suite's order
+    return " and ".join(f"{ratio(by_engine[(p, 'zero3')] / by_engine[(p, 'fsdp2')])} at {p}" for p in presets)
+
+
+SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
+    "sharding": sharding_table,
+    "sharding_detail": sharding_detail_table,
+    "planner_one_process": planner_table,
+}
+SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
+    "sharding.source": lambda load: provenance(load("sharding")),
+    "sharding.planner_gap": sharding_planner_gap,
+    "sharding.zero3_vs_fsdp2": zero_against_fsdp2,
+    "pretrain_step.default_allocator_excess": default_allocator_excess,
+    "sharding.fsdp2_construction_130m": lambda load: (
+        f"{sharding_row(load, 'llama-130m', 'fsdp2')['construction peak MB / process']:.0f} MB"
+    ),
+    "sharding.parameters_130m": lambda load: (
+        f"{sharding_row(load, 'llama-130m', 'fsdp2')['one full copy: parameters MB']:.0f} MB"
+    ),
+    "sharding.whole_construction_130m": lambda load: (
+        f"{sharding_row(load, 'llama-130m', 'none')['construction peak MB / process']:.0f} MB"
+    ),
+    "sharding.ddp_construction_130m": lambda load: (
+        f"{sharding_row(load, 'llama-130m', 'ddp')['construction peak MB / process']:.0f} MB"
+    ),
+    "sharding.fsdp2_steady_vs_state_130m": lambda load: (
+        f"{sharding_row(load, 'llama-130m', 'fsdp2')['from-start peak MB / process']:.0f} against "
+        f"{sharding_row(load, 'llama-130m', 'fsdp2')['one full copy: training state MB']:.0f} MB"
+    ),
+}
