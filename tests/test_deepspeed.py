@@ -118,6 +118,9 @@ def test_oft_under_zero3_is_refused_by_name():
     from poet_hf.training.zero import check_zero_run
 
     model = get_peft_model(tiny_llama(0), OftConfig(block_size=8))
-    check_zero_run(TrainingArguments(output_dir="unused", report_to="none"), model, 2)
+    args = TrainingArguments(output_dir="unused", report_to="none")
+    check_zero_run(args, model, 2)
     with pytest.raises(ValueError, match="OFT is not supported under DeepSpeed ZeRO-3"):
-        check_zero_run(TrainingArguments(output_dir="unused", report_to="none"), model, 3)
+        check_zero_run(args, model, 3)
+    with pytest.raises(ValueError, match="ZeRO stage 1 is not supported"):  # its bfloat16 optimizer is another
+        check_zero_run(args, model, 1)

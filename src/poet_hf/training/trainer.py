@@ -60,7 +60,7 @@ class PoetTrainer(CrashSafeTrainer):
       complete one (`CrashSafeTrainer`).
     - Writes the merges' residual files (a 4-bit or 16-bit ``W0`` on the CPU) under ``args.residual_folder``, and
       checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.residual_folder]).
-    - Runs under DDP, FSDP2 ([`distributed`][poet_hf.distributed]) and DeepSpeed ZeRO stages 1–3
+    - Runs under DDP, FSDP2 ([`distributed`][poet_hf.distributed]) and DeepSpeed ZeRO-2 and ZeRO-3
       ([`zero`][poet_hf.training.zero]: merges gather what they fold and reset ZeRO's master partitions); FSDP1 is
       refused.
     - Materializes a model built on the ``meta`` device

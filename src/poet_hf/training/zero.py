@@ -1,4 +1,4 @@
-"""POET and OFT under DeepSpeed ZeRO (stages 1–3, through Accelerate): merges that gather, partitions they reset.
+"""POET and OFT under DeepSpeed ZeRO-2 and ZeRO-3 (through Accelerate): merges that gather, partitions they reset.
 
 ZeRO keeps each process's share of the trainable parameters as a float32 master partition inside its optimizer, and
 copies it into the model's parameters after every step. A merge (POET Algorithm 1, step 5) zeroes the skews in the
@@ -58,8 +58,13 @@ def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
         stage: the ZeRO stage.
 
     Raises:
-        ValueError: a setting of `UNSUPPORTED_WITH_ZERO` is on, or an OFT adapter runs under ZeRO-3.
+        ValueError: a stage other than 2 or 3, a setting of `UNSUPPORTED_WITH_ZERO`, or an OFT adapter under ZeRO-3.
     """
+    if stage is not None and stage not in (2, 3):
+        raise ValueError(
+            f"DeepSpeed ZeRO stage {stage} is not supported for POET and OFT (merges reset ZeRO-2's and ZeRO-3's "
+            "master partitions; stage 1 in bfloat16 runs another optimizer); set `zero_stage` to 2 or 3"
+        )
     quantized = any(layer.base_quantization for _, layer in rotation_layers(model))
     settings = {"fused_optimizer_step": getattr(args, "fused_optimizer_step", False), "base_quantization": quantized}
     for field, why in UNSUPPORTED_WITH_ZERO.items():
