@@ -294,26 +294,34 @@ TABLES: dict[str, Callable[[Load], str]] = {
     **QUANTIZED_TABLES,
 }
 
+
 # --- the figures in prose -----------------------------------------------------------------------------------------
+def shape_figures(suite: str, row_of: Callable[[Load], dict[str, Any]]) -> dict[str, Callable[[Load], str]]:
+    """The figures every large-shape suite (`pretrain_7b`, `pretrain_8b`) gives of its row ``row_of(load)``."""
+    return {
+        f"{suite}.whole_peak": lambda load: gib_and_si(row_of(load)["whole_peak_mb"]),
+        f"{suite}.steps_whole_peak": lambda load: gib_and_si(row_of(load)["steps_whole_peak_mb"]),
+        f"{suite}.merge_whole_peak": lambda load: gib_and_si(row_of(load)["merge_whole_peak_mb"]),
+        f"{suite}.steps_peak": lambda load: mib(row_of(load)["steps_peak_mb"]),
+        f"{suite}.planned": lambda load: mib(row_of(load)["planned_mb"]),
+        f"{suite}.planned_ratio": lambda load: ratio(row_of(load)["planned_vs_measured"]),
+        f"{suite}.planned_float32_whole": lambda load: gib_and_si(
+            row_of(load)["planned_float32_vocab_mb"] + row_of(load)["imports_rss_mb"]
+        ),
+        f"{suite}.source": lambda load: provenance(load(suite)),
+    }
+
+
 FIGURES: dict[str, Callable[[Load], str]] = {
-    "pretrain_7b.whole_peak": lambda load: gib_and_si(seven_b(load)["whole_peak_mb"]),
-    "pretrain_7b.steps_whole_peak": lambda load: gib_and_si(seven_b(load)["steps_whole_peak_mb"]),
+    **shape_figures("pretrain_7b", seven_b),
     "pretrain_7b.whole_peak_mib": lambda load: mib(seven_b(load)["whole_peak_mb"]),
-    "pretrain_7b.steps_peak": lambda load: mib(seven_b(load)["steps_peak_mb"]),
     "pretrain_7b.imports": lambda load: mib(seven_b(load)["imports_rss_mb"]),
-    "pretrain_7b.planned": lambda load: mib(seven_b(load)["planned_mb"]),
-    "pretrain_7b.planned_ratio": lambda load: ratio(seven_b(load)["planned_vs_measured"]),
-    "pretrain_7b.planned_float32_whole": lambda load: gib_and_si(
-        seven_b(load)["planned_float32_vocab_mb"] + seven_b(load)["imports_rss_mb"]
-    ),
     "pretrain_7b.planned_adamw": lambda load: gib(seven_b(load)["planned_adamw_same_savings_mb"]),
     "pretrain_7b.planned_gpu": lambda load: gib(seven_b(load)["planned_gpu_bf16_1x2048_mb"]),
     "pretrain_7b.states": lambda load: gib(seven_b(load)["states_mb"]),
     "pretrain_7b.residual_files": lambda load: gib(seven_b(load)["residual_file_mb"]),
-    "pretrain_7b.merge_whole_peak": lambda load: gib_and_si(seven_b(load)["merge_whole_peak_mb"]),
     "pretrain_7b.merge_working": lambda load: mib(seven_b(load)["merge_peak_mb"] - held_7b(load)),
     "pretrain_7b.merge_time": lambda load: f"{seven_b(load)['merge_s']:.0f} s",
-    "pretrain_7b.source": lambda load: provenance(load("pretrain_7b")),
     "pretrain_7b.held": lambda load: mib(held_7b(load)),
     "pretrain_7b.held_whole": lambda load: gib_and_si(held_7b(load) + seven_b(load)["imports_rss_mb"]),
     "pretrain_7b.working": lambda load: mib(seven_b(load)["steps_peak_mb"] - held_7b(load)),
@@ -324,17 +332,8 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "savings_quality.source": lambda load: provenance(load("savings_quality")),
     "savings_quality.bfloat16_gaps": lambda load: quality_gaps(load, BFLOAT16_RUN),
     "savings_quality.bfloat16_vs_float32": bfloat16_vocab_gaps,
-    "pretrain_8b.steps_whole_peak": lambda load: gib_and_si(eight_b(load)["steps_whole_peak_mb"]),
-    "pretrain_8b.whole_peak": lambda load: gib_and_si(eight_b(load)["whole_peak_mb"]),
-    "pretrain_8b.merge_whole_peak": lambda load: gib_and_si(eight_b(load)["merge_whole_peak_mb"]),
-    "pretrain_8b.steps_peak": lambda load: mib(eight_b(load)["steps_peak_mb"]),
-    "pretrain_8b.planned": lambda load: mib(eight_b(load)["planned_mb"]),
-    "pretrain_8b.planned_ratio": lambda load: ratio(eight_b(load)["planned_vs_measured"]),
-    "pretrain_8b.planned_float32": lambda load: gib_and_si(
-        eight_b(load)["planned_float32_vocab_mb"] + eight_b(load)["imports_rss_mb"]
-    ),
+    **shape_figures("pretrain_8b", eight_b),
     "pretrain_8b.step_time": lambda load: f"{eight_b(load)['after_merge_s']:.0f} s",
-    "pretrain_8b.source": lambda load: provenance(load("pretrain_8b")),
     "main_job.perplexity": lambda load: (
         f"{next(r for r in quality(load) if r['run'] == 'plain')['val perplexity']:.2f}"
     ),
