@@ -222,7 +222,7 @@ def run_parallel(jobs: dict[Any, Callable[[], list[str]]], workers: int = 2) -> 
 
 
 def quality_row(task: str, method: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:
-    """`metric_row` without the time columns (quality runs share the machine), with the method's name."""
+    """`metric_row` without the time columns: quality runs share the machine (`run_parallel`)."""
     row = metric_row(task, method, result, oft)
     for timed in ("step s", "time / OFT"):
         row.pop(timed)

@@ -182,11 +182,15 @@ def finetune_accumulation_table(load: Load) -> str:
     return markdown_table(header, rows)
 
 
+def finetune_step_row(load: Load, method: str, accumulated: bool = False) -> dict[str, Any]:
+    """``method``'s `finetune_step` row, without accumulation or with the suite's."""
+    accumulation = max(r["accumulation"] for r in load("finetune_step")["rows"]) if accumulated else 1
+    return next(r for r in finetune_rows(load, accumulation) if r["method"] == method)
+
+
 def finetune_ratio(load: Load, method: str, key: str, accumulated: bool = False) -> str:
     """``method``'s ``key`` ratio to OFT, without accumulation or with the suite's."""
-    accumulation = max(r["accumulation"] for r in load("finetune_step")["rows"]) if accumulated else 1
-    row = next(r for r in finetune_rows(load, accumulation) if r["method"] == method)
-    return ratio(row[key])
+    return ratio(finetune_step_row(load, method, accumulated)[key])
 
 
 SVD_METHODS = {
@@ -245,14 +249,10 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "finetune_step.poet_memory": lambda load: finetune_ratio(load, "poet", "memory / OFT"),
     "finetune_step.lora_memory": lambda load: finetune_ratio(load, "lora", "memory / OFT"),
     "finetune_step.lora_time": lambda load: finetune_ratio(load, "lora", "time / OFT"),
-    "finetune_step.oft_vs_lora_time": lambda load: ratio(
-        1 / next(r["time / OFT"] for r in finetune_rows(load, 1) if r["method"] == "lora")
-    ),
+    "finetune_step.oft_vs_lora_time": lambda load: ratio(1 / finetune_step_row(load, "lora")["time / OFT"]),
     **{
         f"finetune_step.{method}_trainable": (
-            lambda load, m=method: (
-                f"{next(r for r in finetune_rows(load, 1) if r['method'] == m)['trainable (M)']:.2f}M"
-            )
+            lambda load, m=method: f"{finetune_step_row(load, m)['trainable (M)']:.2f}M"
         )
         for method in ("lora", "oft", "poet")
     },

