@@ -23,8 +23,8 @@ from .finetune_quality import TASKS, quality_row, run_parallel, task_argv
 
 CHOOSING_TASKS = ("lm-256x4", "lm-128x12", "classification")
 RATES = {
-    "lora": (2e-4, 5e-4, 1e-3, 2e-3, 4e-3),
-    "oft": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3),
+    "lora": (2e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
+    "oft": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2),
     "poet": (1.25e-4, 2.5e-4, 5e-4, 1e-3, 2e-3),
 }
 SETTINGS = {"tasks": CHOOSING_TASKS, "rates": RATES, "seed": 0, "shapes": {t: TASKS[t] for t in CHOOSING_TASKS}}
