@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ def report_table(load: Load) -> str:
     """Each method at its default and at its best rate of the choosing sweep on the reporting set, over the seeds."""
     rows = []
     for row in load("finetune_report")["rows"]:
-        metric = "accuracy" if "accuracy after" in row else "perplexity"
+        metric = row["metric"]
         digits = ".3f" if metric == "accuracy" else ".1f"
         rows.append(
             [
@@ -100,13 +101,28 @@ def testbed_table(load: Load) -> str:
     return markdown_table([*header, "kept: validation loss (perplexity)"], rows)
 
 
+def _report_rows(load: Load, method: str, setting: str) -> list[dict[str, Any]]:
+    """``method``'s reporting rows at its ``"default"`` or ``"best"`` rate, in the suite's task order."""
+    rows = load("finetune_report")["rows"]
+    return [r for r in rows if r["method"] == method and setting in r["setting"].split(" = ")]
+
+
 def report_gains(load: Load, method: str, setting: str) -> str:
     """``method``'s mean loss gain over OFT's default on each reporting task, at its ``"default"`` or ``"best"``
-    rate, in the suite's task order."""
-    rows = [
-        r for r in load("finetune_report")["rows"] if r["method"] == method and setting in r["setting"].split(" = ")
-    ]
-    return ", ".join(f"{r[GAIN]:.2f}" for r in rows)
+    rate."""
+    return ", ".join(f"{r[GAIN]:.2f}" for r in _report_rows(load, method, setting))
+
+
+def report_mean(load: Load, method: str, setting: str) -> float:
+    """``method``'s loss gain over OFT's default at its ``"default"`` or ``"best"`` rate, the mean over the
+    reporting tasks and seeds."""
+    return statistics.mean(r[GAIN] for r in _report_rows(load, method, setting))
+
+
+def choice_mean(load: Load, method: str, setting: str) -> float:
+    """``method``'s loss gain over OFT's default at its ``"default"`` or ``"best"`` rate, the mean over the
+    choosing tasks."""
+    return statistics.mean(r[GAIN] for r in load("finetune_choice")["rows"] if r["method"] == method and r[setting])
 
 
 def best_rate(load: Load, method: str) -> str:
@@ -127,4 +143,12 @@ FINETUNE_FIGURES: dict[str, Callable[[Load], str]] = {
         for setting in ("default", "best")
     },
     **{f"finetune_choice.{method}_best": (lambda load, m=method: best_rate(load, m)) for method in METHOD_NAMES},
+    **{
+        f"finetune_{suite}.{method}_{setting}_mean": (
+            lambda load, mean=mean, m=method, s=setting: f"{mean(load, m, s):.2f}"
+        )
+        for suite, mean in (("choice", choice_mean), ("report", report_mean))
+        for method in METHOD_NAMES
+        for setting in ("default", "best")
+    },
 }

@@ -157,6 +157,7 @@ def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any
     return {
         "task": task,
         "method": label,
+        "metric": metric,
         f"{metric} before": result["before"][metric],
         f"{metric} after": result["after"][metric],
         "loss before": result["before"]["loss"],

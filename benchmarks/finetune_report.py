@@ -77,7 +77,7 @@ def seed_summary(per_seed: list[dict[str, Any]], rate: float, chosen: dict[str, 
         if isinstance(value, float) and key != "trainable (M)":
             row[key] = statistics.mean(r[key] for r in per_seed)
     gains = [r["loss gain / OFT's"] for r in per_seed]
-    metric = "accuracy after" if "accuracy after" in row else "perplexity after"
+    metric = f"{row['metric']} after"
     return {
         **row,
         "rate": rate,

@@ -78,10 +78,10 @@ def test_a_method_takes_its_rate_from_its_own_flag():
 
 def test_the_seed_summary_is_the_mean_and_range_over_the_seeds():
     per_seed = [
-        {"task": "t", "method": "oft", "loss after": 4.0, "perplexity after": 54.6, "loss gain / OFT's": 0.9,
-         "trainable (M)": 0.21},
-        {"task": "t", "method": "oft", "loss after": 4.3, "perplexity after": 73.7, "loss gain / OFT's": 1.2,
-         "trainable (M)": 0.21},
+        {"task": "t", "method": "oft", "metric": "perplexity", "loss after": 4.0, "perplexity after": 54.6,
+         "loss gain / OFT's": 0.9, "trainable (M)": 0.21},
+        {"task": "t", "method": "oft", "metric": "perplexity", "loss after": 4.3, "perplexity after": 73.7,
+         "loss gain / OFT's": 1.2, "trainable (M)": 0.21},
     ]  # fmt: skip
     row = seed_summary(per_seed, 2e-3, {"default": 1e-3, "best": 2e-3})
     assert row["loss after"] == pytest.approx(4.15) and row["perplexity after"] == pytest.approx(64.15)
