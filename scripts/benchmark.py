@@ -31,7 +31,6 @@ SUITES = (
     "finetune_step",
     "finetune_quality",
     "finetune_sweep",
-    "finetune_rates",
     "finetune_choice",
     "finetune_report",
     "oft_layer",
