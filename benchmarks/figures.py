@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES
+from benchmarks.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES, finetune_headline
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
@@ -139,6 +139,7 @@ def headline_table(load: Load) -> str:
             f"the plain job with another AdamW kernel (the same update, other last bits): "
             f"{quality_gaps(load, 'plain, other rounding')}",
         ],
+        finetune_headline(load),
     ]
     return markdown_table(["what", "figure", "note"], rows)
 

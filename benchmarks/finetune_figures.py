@@ -119,14 +119,50 @@ def report_mean(load: Load, method: str, setting: str) -> float:
     return statistics.mean(r[GAIN] for r in _report_rows(load, method, setting))
 
 
+def report_min(load: Load, method: str, setting: str) -> float:
+    """``method``'s smallest loss gain over OFT's default at its ``"default"`` or ``"best"`` rate, over the reporting
+    tasks and seeds."""
+    return min(r[GAIN + " min"] for r in _report_rows(load, method, setting))
+
+
+def report_memory(load: Load, method: str) -> str:
+    """``method``'s peak memory over OFT's on each reporting task, at its default rate."""
+    return ", ".join(f"{r['memory / OFT']:.2f}" for r in _report_rows(load, method, "default"))
+
+
 def choice_mean(load: Load, method: str, setting: str) -> float:
     """``method``'s loss gain over OFT's default at its ``"default"`` or ``"best"`` rate, the mean over the
     choosing tasks."""
     return statistics.mean(r[GAIN] for r in load("finetune_choice")["rows"] if r["method"] == method and r[setting])
 
 
+def usual_lora_mean(load: Load) -> str:
+    """LoRA's mean loss gain over OFT's default on the choosing tasks at the usual LoRA rate, 2e-4."""
+    rows = [r for r in load("finetune_choice")["rows"] if r["method"] == "lora" and math.isclose(r["rate"], 2e-4)]
+    return f"{statistics.mean(r[GAIN] for r in rows):.2f}"
+
+
 def best_rate(load: Load, method: str) -> str:
     return next(f"{r['rate']:g}" for r in load("finetune_choice")["rows"] if r["method"] == method and r["best"])
+
+
+def finetune_headline(load: Load) -> list[str]:
+    """The README's row: each method's mean gain on the reporting set, at its best rate and at its default."""
+    names = {"lora": "LoRA", "oft": "OFT", "poet": "POET"}
+
+    def gains(setting: str) -> str:
+        return " / ".join(f"{names[m]} {report_mean(load, m, setting):.2f}" for m in names)
+
+    settings = load("finetune_report")["settings"]
+    tasks = "; ".join(TASK_NAMES[t] for t in settings["tasks"])
+    return [
+        f"fine-tuning three models no rate was chosen on ({tasks}), {len(settings['seeds'])} seeds: loss gain / "
+        "OFT's at its default rate, each method at its best rate of the choosing sweep",
+        f"**{gains('best')}**",
+        f"at each one's default rate: {gains('default')}; per task, with the seeds' range: "
+        "[Fine-tuning](docs/finetuning.md#the-reporting-set); which to pick: "
+        "[Choosing a method](docs/choosing-a-method.md)",
+    ]
 
 
 FINETUNE_TABLES: dict[str, Callable[[Load], str]] = {
@@ -142,6 +178,13 @@ FINETUNE_FIGURES: dict[str, Callable[[Load], str]] = {
         for method in METHOD_NAMES
         for setting in ("default", "best")
     },
+    **{
+        f"finetune_report.{method}_{setting}_min": (lambda load, m=method, s=setting: f"{report_min(load, m, s):.2f}")
+        for method in METHOD_NAMES
+        for setting in ("default", "best")
+    },
+    **{f"finetune_report.{method}_memory": (lambda load, m=method: report_memory(load, m)) for method in METHOD_NAMES},
+    "finetune_choice.lora_usual_mean": usual_lora_mean,
     **{f"finetune_choice.{method}_best": (lambda load, m=method: best_rate(load, m)) for method in METHOD_NAMES},
     **{
         f"finetune_{suite}.{method}_{setting}_mean": (
