@@ -20,6 +20,7 @@ from typing import Any
 
 from benchmarks.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES, finetune_headline
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
+from benchmarks.pretrain_quality_figures import PRETRAIN_QUALITY_FIGURES, PRETRAIN_QUALITY_TABLES
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
 from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
@@ -292,6 +293,7 @@ TABLES: dict[str, Callable[[Load], str]] = {
     "savings_quality": savings_quality_table,
     **LAYER_TABLES,
     **FINETUNE_TABLES,
+    **PRETRAIN_QUALITY_TABLES,
     **SHARDING_TABLES,
     **STEP_TABLES,
     **QUANTIZED_TABLES,
@@ -346,6 +348,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     "memory_peers.planner_gap": planner_gap,
     **LAYER_FIGURES,
     **FINETUNE_FIGURES,
+    **PRETRAIN_QUALITY_FIGURES,
     **SHARDING_FIGURES,
     **STEP_FIGURES,
     **QUANTIZED_FIGURES,

@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -209,46 +210,15 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 RUN_CACHE = ROOT / ".cache" / "finetune_runs"
 
 
-def code_version() -> str:
-    """A hash of the code a fine-tuning run executes: the package, the script, and this module and the testbed."""
-    import hashlib
-
-    files = sorted((ROOT / "src" / "poet_hf").rglob("*.py"))
-    files += [ROOT / "scripts" / "finetune.py", Path(__file__), ROOT / "benchmarks" / "testbed.py"]
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 def run_parallel(jobs: dict[Any, Callable[[], list[str]]], workers: int = 2) -> dict[Any, dict[str, Any]]:
-    """Each job (a key → a function giving its ``scripts/finetune.py`` arguments, called when a worker takes it, so a
-    job whose model is still being built waits alone) in its own process, ``workers`` at a time with one torch thread
-    each: for quality and memory, which do not depend on what else runs; time per step does, so it is not read from
-    these runs (`benchmarks.finetune_step` times the step alone). A finished run's record is kept in `RUN_CACHE`,
-    keyed by its arguments and `code_version`, so an interrupted suite resumes where it stopped."""
-    import hashlib
-    import tempfile
-    from concurrent.futures import ThreadPoolExecutor
+    """Each job (a key → a function giving its ``scripts/finetune.py`` arguments) in its own process, ``workers`` at a
+    time with one torch thread each, every finished run kept in `RUN_CACHE` (`benchmarks.run_cache.run_parallel`):
+    for quality and memory; time per step is not read from these runs (`benchmarks.finetune_step` times it alone)."""
+    from benchmarks.run_cache import code_version
+    from benchmarks.run_cache import run_parallel as run_kept
 
-    version = code_version()
-
-    def cached_run(argv: list[str], scratch: Path) -> dict[str, Any]:
-        key = hashlib.sha256(json.dumps([version, argv]).encode()).hexdigest()[:24]
-        path = RUN_CACHE / f"{key}.json"
-        if path.exists():
-            return json.loads(path.read_text())
-        record = run_child(argv, scratch, 1)
-        RUN_CACHE.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
-        return record
-
-    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(workers) as pool:
-        futures = {
-            key: pool.submit(lambda argv, index: cached_run(argv(), Path(scratch) / str(index)), argv, index)
-            for index, (key, argv) in enumerate(jobs.items())
-        }
-        return {key: future.result() for key, future in futures.items()}
+    version = code_version([ROOT / "scripts" / "finetune.py", Path(__file__), ROOT / "benchmarks" / "testbed.py"])
+    return run_kept(jobs, partial(run_child, threads=1), RUN_CACHE, version, workers)
 
 
 def quality_row(task: str, method: str, result: dict[str, Any], oft: dict[str, Any]) -> dict[str, Any]:

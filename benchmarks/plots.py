@@ -1,11 +1,13 @@
-"""Figures of ``--suite pretrain_step`` rows (what ``scripts/benchmark.py --out`` writes): each measured ratio beside
-the floor that bounds it, and how both move with the model size and the batch.
+"""Figures of a suite's results file (`PLOTTERS`): for ``pretrain_step``, each measured ratio beside the floor that
+bounds it and how both move with the model size and the batch; for ``pretrain_quality``, validation perplexity
+against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own; any can be redrawn:
 
     python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json --plot_dir docs/figures
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 METHODS = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½"}
@@ -93,3 +95,51 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
     figure.savefig(paths[1], dpi=110)
     plt.close(figure)
     return paths
+
+
+def plot_pretrain_quality(rows: list[dict], out_dir: str | Path, machine: str = "") -> list[Path]:
+    """Write ``pretrain_quality_memory.png`` (each method's validation perplexity at its best rate against the whole
+    process's peak memory) and ``pretrain_quality_curves.png`` (the validation curves at the best rates); returns the
+    paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    best = [r for r in rows if r["best"]]
+    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    for row in best:
+        axis.scatter(row["peak MB"], row["val perplexity"], s=50, zorder=3, label=f"{row['method']} ({row['rate']:g})")
+    axis.legend(fontsize=8)
+    axis.set_xlabel("peak memory of the whole process (MB, lower is better)")
+    axis.set_ylabel("validation perplexity (lower is better)")
+    axis.grid(alpha=0.3)
+    axis.set_title(
+        f"Pretraining to a flat validation loss, each method at its best rate\n{machine}; each run one torch thread",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    paths = [out / "pretrain_quality_memory.png"]
+    figure.savefig(paths[0], dpi=110)
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(7.5, 4.8))
+    for row in best:
+        steps, losses = zip(*row["validation losses"], strict=True)
+        axis.plot(steps, [math.exp(loss) for loss in losses], label=f"{row['method']} ({row['rate']:g})")
+    axis.set_yscale("log")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("validation perplexity")
+    axis.grid(alpha=0.3, which="both")
+    axis.legend(fontsize=8)
+    axis.set_title(f"Validation curves at each method's best rate\n{machine}; each run one torch thread", fontsize=9)
+    figure.tight_layout()
+    paths.append(out / "pretrain_quality_curves.png")
+    figure.savefig(paths[1], dpi=110)
+    plt.close(figure)
+    return paths
+
+
+PLOTTERS = {"pretrain_step": plot_pretrain_step, "pretrain_quality": plot_pretrain_quality}

@@ -4,12 +4,13 @@
     python scripts/benchmark.py --suite all --out bench.json
     python scripts/benchmark.py --render_figures            # the README's and docs' figures from the results files
     python scripts/benchmark.py --check_figures             # exit 1, naming page and figure, where one differs
-    python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json   # figures of the pretrain_step rows
+    python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json   # redraw a suite's PNGs
 
 Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script dispatches,
 prints a Markdown table per suite and writes each suite's results file (``benchmarks/results/<suite>.json``, with the
 machine, date and commit; not for ``--quick``, whose rows are a smoke run's), from which the README's and the docs'
-figures are rendered (`benchmarks.figures`).
+figures are rendered (`benchmarks.figures`). A suite with figures (`benchmarks.plots.PLOTTERS`) also draws its PNGs
+into ``--plot_dir``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SUITES = (
     "pretrain_7b",
     "pretrain_8b",
     "savings_quality",
+    "pretrain_quality",
     "svd_network",
 )
 
@@ -78,10 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         type=Path,
         metavar="JSON",
-        help="instead of running: draw the figures of a JSON "
-        "file written by --out (its pretrain_step rows) into --plot_dir",
+        help="instead of running: draw the figures of a suite's results file (pretrain_step, pretrain_quality) into "
+        "--plot_dir",
     )
-    parser.add_argument("--plot_dir", type=Path, default=Path("docs/figures"), help="where --plot writes its PNGs")
+    parser.add_argument(
+        "--plot_dir", type=Path, default=Path("docs/figures"), help="where the suites' PNGs go (default: docs/figures)"
+    )
     parser.add_argument(
         "--render_figures", action="store_true", help="instead of running: rewrite the figures of the README and docs/"
     )
@@ -102,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return figures_command(ROOT, render=args.render_figures)
     if args.plot:
-        from benchmarks.plots import plot_pretrain_step
+        from benchmarks.plots import PLOTTERS
 
         data = json.loads(args.plot.read_text())
-        rows = data.get("rows", data.get("pretrain_step"))
-        for path in plot_pretrain_step(rows, args.plot_dir, data.get("machine", "")):
+        plot = PLOTTERS[data.get("suite", "pretrain_step")]
+        for path in plot(data.get("rows", data.get("pretrain_step")), args.plot_dir, data.get("machine", "")):
             print(path)
         return 0
     results = run_suites(args, "python scripts/benchmark.py " + " ".join(sys.argv[1:] if argv is None else argv))
@@ -117,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_suites(args: argparse.Namespace, command: str) -> dict:
     """Run the suites asked for, print each as a table and write its results file (not for ``--quick``)."""
+    import tempfile
+
     from benchmarks.common import to_markdown
+    from benchmarks.plots import PLOTTERS
     from benchmarks.results import save_results
 
     results = {"machine": machine_description()}
@@ -129,6 +136,10 @@ def run_suites(args: argparse.Namespace, command: str) -> dict:
         print(f"\n## {suite}\n\n{to_markdown(rows)}")
         if not args.quick:
             print(save_results(suite, rows, results["machine"], command, getattr(module, "SETTINGS", None)))
+        if suite in PLOTTERS:  # a quick run's figures go to a scratch folder, not over the docs' own
+            plot_dir = args.plot_dir if not args.quick else Path(tempfile.mkdtemp())
+            for path in PLOTTERS[suite](rows, plot_dir, results["machine"]):
+                print(path)
     return results
 
 

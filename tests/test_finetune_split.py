@@ -88,18 +88,3 @@ def test_the_seed_summary_is_the_mean_and_range_over_the_seeds():
     assert (row["loss gain / OFT's min"], row["loss gain / OFT's max"]) == (0.9, 1.2)
     assert row["loss gain / OFT's"] == pytest.approx(1.05) and row["setting"] == "best" and row["seeds"] == 2
     assert row["loss after per seed"] == [4.0, 4.3] and row["trainable (M)"] == 0.21
-
-
-def test_an_interrupted_suite_resumes_from_the_runs_it_finished(tmp_path, monkeypatch):
-    from benchmarks import finetune_quality
-
-    calls = []
-    monkeypatch.setattr(finetune_quality, "RUN_CACHE", tmp_path)
-    monkeypatch.setattr(finetune_quality, "run_child", lambda argv, out, threads: calls.append(argv) or {"a": argv})
-    first = finetune_quality.run_parallel({"x": lambda: ["--seed", "0"], "y": lambda: ["--seed", "1"]}, workers=1)
-    again = finetune_quality.run_parallel({"x": lambda: ["--seed", "0"], "z": lambda: ["--seed", "2"]}, workers=1)
-    assert calls == [["--seed", "0"], ["--seed", "1"], ["--seed", "2"]]  # "x" ran once, from the cache the second time
-    assert again["x"] == first["x"] == {"a": ["--seed", "0"]}
-    monkeypatch.setattr(finetune_quality, "code_version", lambda: "changed")
-    finetune_quality.run_parallel({"x": lambda: ["--seed", "0"]}, workers=1)
-    assert calls[-1] == ["--seed", "0"] and len(calls) == 4  # a change of the code runs it again

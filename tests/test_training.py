@@ -249,6 +249,10 @@ def test_each_method_runs_and_reports(tmp_path, method, local_corpus):
     assert saved["merges"] == (2 if method.startswith("poet") else 0)
     assert saved["trainable_params"] > 0 and saved["wall_time_s"] > 0
     assert all(torch.isfinite(torch.tensor(saved["train_losses"])))
+    # the validation curve runs from the evaluation before training to the one after it
+    (first_step, first_loss), (last_step, last_loss) = saved["validation_losses"][0], saved["validation_losses"][-1]
+    assert (first_step, last_step) == (0, saved["steps"])
+    assert (first_loss, last_loss) == (saved["initial_val_loss"], saved["val_loss"])
     if export:  # --export-dir leaves a plain model that stock transformers loads, with a model card
         from transformers import AutoModelForCausalLM
 

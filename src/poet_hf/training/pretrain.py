@@ -348,6 +348,13 @@ def drift_bound(model: torch.nn.Module, trainer: PoetTrainer) -> float | None:
         return neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else [])
 
 
+def validation_curve(initial_loss: float, log_history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    """``(step, validation loss)`` from the evaluation before training (step 0) through every one in the Trainer's
+    log (``--eval_strategy steps`` adds those between), in step order, the last at a step kept."""
+    curve = {0: initial_loss, **{log["step"]: log["eval_loss"] for log in log_history if "eval_loss" in log}}
+    return sorted(curve.items())
+
+
 def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, Any]:
     """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``training.output_dir``.
 
@@ -358,7 +365,8 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
 
     Returns:
         The report written to ``results.json``: the resolved recipe, validation loss and perplexity (initial and final),
-            tokens seen, trainable parameters, merges, spectrum drift and its Cayley–Neumann bound, the training losses.
+            tokens seen, trainable parameters, merges, spectrum drift and its Cayley–Neumann bound, the training losses
+            and the validation curve (`validation_curve`).
 
     Raises:
         ValueError: the validation set holds fewer sequences than one batch (and, from the arguments, any invalid
@@ -407,6 +415,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
         "spectrum_bound": drift_bound(model, trainer),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
+        "validation_losses": validation_curve(initial_loss, trainer.state.log_history),
     }
     _save_and_export(args, trainer, results, plots=(spectra_before, spectra_after))
     return results

@@ -1,0 +1,76 @@
+"""The pretraining quality table of docs/benchmarks.md and the README's row, rendered from
+``benchmarks/results/pretrain_quality.json`` by `benchmarks.figures`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.table_format import markdown_table, provenance
+
+Load = Callable[[str], dict[str, Any]]
+
+
+def _best(load: Load) -> dict[str, dict[str, Any]]:
+    return {row["method"]: row for row in load("pretrain_quality")["rows"] if row["best"]}
+
+
+def quality_table(load: Load) -> str:
+    """Every method at every rate: validation perplexity, the last evaluations (flat, or not), the whole process's
+    peak, its peak above the imports, and its whole peak against AdamW's at AdamW's best rate."""
+    adamw = _best(load)["AdamW"]["peak MB"]
+    rows = []
+    for row in load("pretrain_quality")["rows"]:
+        perplexity = f"{row['val perplexity']:.1f}"
+        rows.append(
+            [
+                row["method"],
+                f"{row['rate']:g}" + (" (best)" if row["best"] else ""),
+                f"**{perplexity}**" if row["best"] else perplexity,
+                ", ".join(f"{loss:.3f}" for _, loss in row["validation losses"][-3:]),
+                f"{row['peak MB']:.0f} MB",
+                f"{row['above imports MB']:.0f} MB",
+                f"{row['peak MB'] / adamw:.2f}",
+                f"{row['trainable (M)']:.2f}M",
+            ]
+        )
+    header = ["method", "rate", "validation perplexity", "last three validation losses", "peak, whole process"]
+    header += ["peak above the imports", "peak / AdamW's"]
+    return markdown_table([*header, "trainable"], rows)
+
+
+def method_figure(load: Load, method: str) -> str:
+    """``method``'s validation perplexity at its best rate and its peak memory against AdamW's."""
+    best = _best(load)
+    row = best[method]
+    return f"{row['val perplexity']:.1f} at {row['peak MB'] / best['AdamW']['peak MB']:.2f}× AdamW's memory"
+
+
+def quality_headline(load: Load) -> list[str]:
+    """The README's row: POET-BS and every peer at its best rate, validation perplexity and memory / AdamW's."""
+    best = _best(load)
+    settings = load("pretrain_quality")["settings"]
+    figures = "; ".join(f"{method} {method_figure(load, method)}" for method in best)
+    return [
+        f"pretraining the {settings['preset']} preset to a flat validation loss ({settings['steps']} steps), each "
+        "method at its best of three rates: validation perplexity, the whole process's peak memory / AdamW's",
+        f"**POET-BS {method_figure(load, 'POET-BS')}**",
+        f"{figures}; [the picture](docs/benchmarks.md#pretraining-quality-against-memory)",
+    ]
+
+
+PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {"pretrain_quality": quality_table}
+PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
+    "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
+    **{
+        f"pretrain_quality.{key}": (lambda load, m=method: method_figure(load, m))
+        for key, method in (
+            ("poet_bs", "POET-BS"),
+            ("poet_fs", "POET-FS"),
+            ("adamw_8bit", "AdamW 8-bit"),
+            ("galore", "GaLore 8-bit, layer-wise"),
+            ("apollo", "APOLLO-Mini, layer-wise"),
+            ("savings", "POET-BS, every saving on"),
+        )
+    },
+}
