@@ -53,6 +53,16 @@ def _scaling(axis, rows: list[dict], x_of, xlabel: str) -> None:
     axis.legend(fontsize=7)
 
 
+def _save(figure, path: Path) -> Path:
+    """Lay ``figure`` out, write it to ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
 def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "") -> list[Path]:
     """Write ``pretrain_step_floors.png`` (memory and time ratios against AdamW with their floors) and
     ``pretrain_step_scaling.png`` (the ratios against model size at the suite's smallest batch, and against the
@@ -69,10 +79,7 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
     _bars(memory, rows, "memory ratio", "analytic floor ratio", "peak memory / AdamW's (lower is better)", 1.0)
     _bars(time, rows, "time ratio", "flop floor", "step time / AdamW's (lower is better)", 1.0)
     figure.suptitle(f"One pretraining step against AdamW, with the floor each ratio can reach\n{machine}", fontsize=9)
-    figure.tight_layout()
-    paths = [out / "pretrain_step_floors.png"]
-    figure.savefig(paths[0], dpi=110)
-    plt.close(figure)
+    paths = [_save(figure, out / "pretrain_step_floors.png")]
 
     figure, (by_size, by_batch) = plt.subplots(1, 2, figsize=(11, 4))
     smallest = {}
@@ -90,11 +97,7 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
         "micro-batch (sequences of 256 tokens), llama-130m",
     )
     figure.suptitle(f"How the ratios move with model size and batch\n{machine}", fontsize=9)
-    figure.tight_layout()
-    paths.append(out / "pretrain_step_scaling.png")
-    figure.savefig(paths[1], dpi=110)
-    plt.close(figure)
-    return paths
+    return [*paths, _save(figure, out / "pretrain_step_scaling.png")]
 
 
 def plot_pretrain_quality(rows: list[dict], out_dir: str | Path, machine: str = "") -> list[Path]:
@@ -120,10 +123,7 @@ def plot_pretrain_quality(rows: list[dict], out_dir: str | Path, machine: str = 
         f"Pretraining to a flat validation loss, each method at its best rate\n{machine}; each run one torch thread",
         fontsize=9,
     )
-    figure.tight_layout()
-    paths = [out / "pretrain_quality_memory.png"]
-    figure.savefig(paths[0], dpi=110)
-    plt.close(figure)
+    paths = [_save(figure, out / "pretrain_quality_memory.png")]
 
     figure, axis = plt.subplots(figsize=(7.5, 4.8))
     for row in best:
@@ -135,11 +135,7 @@ def plot_pretrain_quality(rows: list[dict], out_dir: str | Path, machine: str = 
     axis.grid(alpha=0.3, which="both")
     axis.legend(fontsize=8)
     axis.set_title(f"Validation curves at each method's best rate\n{machine}; each run one torch thread", fontsize=9)
-    figure.tight_layout()
-    paths.append(out / "pretrain_quality_curves.png")
-    figure.savefig(paths[1], dpi=110)
-    plt.close(figure)
-    return paths
+    return [*paths, _save(figure, out / "pretrain_quality_curves.png")]
 
 
 PLOTTERS = {"pretrain_step": plot_pretrain_step, "pretrain_quality": plot_pretrain_quality}
