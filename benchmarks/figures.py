@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES, finetune_headline
 from benchmarks.layer_figures import LAYER_FIGURES, LAYER_TABLES
-from benchmarks.pretrain_quality_figures import PRETRAIN_QUALITY_FIGURES, PRETRAIN_QUALITY_TABLES
+from benchmarks.pretrain_quality_figures import PRETRAIN_QUALITY_FIGURES, PRETRAIN_QUALITY_TABLES, quality_headline
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
 from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
@@ -140,6 +140,7 @@ def headline_table(load: Load) -> str:
             f"the plain job with another AdamW kernel (the same update, other last bits): "
             f"{quality_gaps(load, 'plain, other rounding')}",
         ],
+        quality_headline(load),
         finetune_headline(load),
     ]
     return markdown_table(["what", "figure", "note"], rows)

@@ -46,27 +46,53 @@ def method_figure(load: Load, method: str) -> str:
     return f"{row['val perplexity']:.1f} at {row['peak MB'] / best['AdamW']['peak MB']:.2f}× AdamW's memory"
 
 
+def savings_gap(load: Load) -> str:
+    """Validation perplexity of POET-BS with every saving on against POET-BS, each at its best rate."""
+    best = _best(load)
+    return f"{best['POET-BS, every saving on']['val perplexity'] / best['POET-BS']['val perplexity'] - 1:+.1%}"
+
+
+def edge_bests(load: Load) -> str:
+    """The methods whose best rate is the smallest or the largest of their three, with that rate."""
+    rows = load("pretrain_quality")["rows"]
+    edges = []
+    for method, row in _best(load).items():
+        rates = sorted(r["rate"] for r in rows if r["method"] == method)
+        if row["rate"] in (rates[0], rates[-1]):
+            edges.append(f"{method} ({row['rate']:g}, the {'smallest' if row['rate'] == rates[0] else 'largest'})")
+
+    return ", ".join(edges) or "none"
+
+
 def quality_headline(load: Load) -> list[str]:
-    """The README's row: POET-BS and every peer at its best rate, validation perplexity and memory / AdamW's."""
+    """The README's row: POET-BS and every other method at its best rate, validation perplexity and memory / AdamW's."""
     best = _best(load)
     settings = load("pretrain_quality")["settings"]
-    figures = "; ".join(f"{method} {method_figure(load, method)}" for method in best)
+    adamw = best["AdamW"]["peak MB"]
+    others = "; ".join(
+        f"{method} {row['val perplexity']:.1f} ({row['peak MB'] / adamw:.2f}×)"
+        for method, row in best.items()
+        if method != "POET-BS"
+    )
     return [
-        f"pretraining the {settings['preset']} preset to a flat validation loss ({settings['steps']} steps), each "
-        "method at its best of three rates: validation perplexity, the whole process's peak memory / AdamW's",
+        f"pretraining the {settings['preset']} preset until the validation loss is flat ({settings['steps']} steps), "
+        "each method at its best of three rates: validation perplexity, the whole process's peak memory / AdamW's",
         f"**POET-BS {method_figure(load, 'POET-BS')}**",
-        f"{figures}; [the picture](docs/benchmarks.md#pretraining-quality-against-memory)",
+        f"{others}; [the picture](docs/benchmarks.md#pretraining-quality-against-memory)",
     ]
 
 
 PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {"pretrain_quality": quality_table}
 PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
+    "pretrain_quality.savings_gap": savings_gap,
+    "pretrain_quality.edge_bests": edge_bests,
     **{
         f"pretrain_quality.{key}": (lambda load, m=method: method_figure(load, m))
         for key, method in (
             ("poet_bs", "POET-BS"),
             ("poet_fs", "POET-FS"),
+            ("adamw", "AdamW"),
             ("adamw_8bit", "AdamW 8-bit"),
             ("galore", "GaLore 8-bit, layer-wise"),
             ("apollo", "APOLLO-Mini, layer-wise"),
