@@ -46,11 +46,6 @@ ENCODER_TASKS = ("classification", "genre")
 TRAINED_TASKS = ("lm-256x4", "lm-128x12", "classification")
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096 / 2**20
-
-
 def task_argv(task: str, steps: int | None = None, seed: int = 0) -> list[str]:
     """The model, data, run length and ``seed`` of ``task``, as ``scripts/finetune.py`` arguments (builds the
     testbed if needed)."""
@@ -88,9 +83,10 @@ def task_argv(task: str, steps: int | None = None, seed: int = 0) -> list[str]:
 
 def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
     """In the child process: one fine-tuning run of ``scripts/finetune.py`` with ``argv``; its report and costs."""
+    from benchmarks.common import status_mb
     from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
 
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     args, training = parse_finetune_arguments([*argv, "--output_dir", output_dir])
     record: dict[str, Any] = {}
     results = run_finetuning(args, training, callbacks=[_Probe(record)])

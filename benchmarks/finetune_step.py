@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from benchmarks.common import device, optimizer_step, timed_seconds
+from benchmarks.common import device, optimizer_step, status_mb, timed_seconds
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -30,11 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("oft", "poet", "lora")
 ACCUMULATION, ACCUMULATED_METHODS = 4, ("oft", "poet")  # rows per optimizer step of 4 micro-batches
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096 / 2**20
 
 
 def smollm_shape(layers: int) -> LlamaConfig:
@@ -97,7 +92,7 @@ def measure(
     layers, batch, seq = (4, 2, 64) if quick else (30, 8, 128)
     if quantization:
         quantized_checkpoint(layers, quantization)  # written once, before the baseline RSS is read
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     torch.manual_seed(0)
     model = quantized_checkpoint(layers, quantization) if quantization else LlamaForCausalLM(smollm_shape(layers))
     adapter = {

@@ -46,21 +46,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import FIXED_MMAP
+from benchmarks.common import FIXED_MMAP, status_mb
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ, VOCAB = 256, 32000
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096 / 2**20
-
-
 class _RssSampler(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak, self.running = _rss_mb(), True
+        self.peak, self.running = status_mb("VmRSS"), True
 
     def stop(self) -> float:
         self.running = False
@@ -69,7 +64,7 @@ class _RssSampler(threading.Thread):
 
     def run(self) -> None:
         while self.running:
-            self.peak = max(self.peak, _rss_mb())
+            self.peak = max(self.peak, status_mb("VmRSS"))
             time.sleep(0.001)
 
 
@@ -116,7 +111,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
     from poet_hf import merge_and_reinit
     from poet_hf.training.presets import PRESETS
 
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     preset = PRESETS[preset_name]
     model, trained = _build(preset, sharding)
     construction_peak = _peak_rss_mb() - after_imports
@@ -148,7 +143,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
         return result
 
     rotation_layer.full_tensor = tracked
-    steady = _rss_mb()
+    steady = status_mb("VmRSS")
     sampler = _RssSampler()
     sampler.start()
     start = time.perf_counter()
@@ -184,7 +179,7 @@ def load_worker(out: str, preset_name: str, checkpoint: str, loading: str) -> No
     from poet_hf.training.presets import PRESETS, build_llama
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     block_size = PRESETS[preset_name].block_size
     start = time.perf_counter()
     if loading == "whole":

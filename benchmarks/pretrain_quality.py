@@ -1,5 +1,5 @@
 """Pretraining quality against memory: POET and the low-memory optimizers, each trained until its validation loss is
-flat, each at the best of three rates.
+flat, each at its best rate.
 
 The README's main job made long: `scripts/pretrain.py` on the tiny preset (4 blocks of width 128, vocabulary 4096)
 and the embedded corpus, `STEPS` steps of 8 × 256 tokens, evaluated every `EVAL_STEPS` steps on 128 validation
@@ -19,7 +19,8 @@ in its own process, two at a time with one torch thread each (`benchmarks.run_ca
   checkpointing (`benchmarks.savings_quality.EVERYTHING_ON`).
 
 Each method's rate runs at the preset's value, half and twice (`POET_RATES`: the rotations' ``--poet_learning_rate``;
-`ADAMW_RATES`: ``--learning_rate``); the best has the lowest final validation loss. Memory is the whole process's
+`ADAMW_RATES`: ``--learning_rate``) and, where the best sat at an edge, at further doublings past it until it sits
+inside (`PAST_THE_EDGE`); the best has the lowest final validation loss. Memory is the whole process's
 peak RSS, imports included, under glibc's default allocator, as the user's run sees it.
 """
 
@@ -35,6 +36,8 @@ from typing import Any
 
 from benchmarks.run_cache import ROOT, code_version, run_parallel
 from benchmarks.savings_quality import EVERYTHING_ON
+from poet_hf.training.arguments import JOB_DEFAULTS
+from poet_hf.training.presets import PRESETS
 
 STEPS = 1200
 EVAL_STEPS = 100
@@ -53,8 +56,14 @@ METHODS: dict[str, list[str]] = {
 }
 POET_RATES = (2e-3, 4e-3, 8e-3)  # the tiny preset's rotation rate 4e-3, half and twice (`--poet_learning_rate`)
 ADAMW_RATES = (2.5e-3, 5e-3, 1e-2)  # the tiny preset's 5e-3, half and twice (`--learning_rate`)
+# The doublings past the edge at which each method's best sat, one at a time until the best is inside the grid.
+SMALLER = (1.25e-3, 6.25e-4)
+PAST_THE_EDGE = {"POET-BS": (1.6e-2,), SAVINGS: (1.6e-2,), "GaLore 8-bit, layer-wise": (2e-2,)}
+PAST_THE_EDGE |= {"AdamW": SMALLER, "AdamW 8-bit": SMALLER, "APOLLO-Mini, layer-wise": SMALLER[:1]}
 SLOWEST_FIRST = ("POET-FS", SAVINGS, "POET-BS")  # the order the runs start in, so that none is left to run alone
-SETTINGS: dict[str, Any] = {"preset": "tiny", "steps": STEPS, "eval_steps": EVAL_STEPS, "batch": "8x256"}
+TINY_BATCH = f"{PRESETS['tiny'].batch_size}x{JOB_DEFAULTS['pretraining']['seq_len']}"  # sequences × tokens
+SETTINGS: dict[str, Any] = {"preset": "tiny", "steps": STEPS, "eval_steps": EVAL_STEPS, "batch": TINY_BATCH}
+SETTINGS["preset rates"] = {"POET": POET_RATES[1], "others": ADAMW_RATES[1]}
 CACHE = ROOT / ".cache" / "pretrain_runs"
 
 
@@ -81,8 +90,8 @@ def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
     script = str(ROOT / "scripts" / "pretrain.py")
     code = (
         "import resource, runpy, sys, torch, transformers, poet_hf.training.pretrain\n"
-        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20\n"
-        f"{patch}imports = rss(); sys.argv = [{script!r}, *{argv!r}, '--output_dir', {str(output_dir)!r}]\n"
+        f"from benchmarks.common import status_mb\n{patch}imports = status_mb('VmRSS')\n"
+        f"sys.argv = [{script!r}, *{argv!r}, '--output_dir', {str(output_dir)!r}]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"
         "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, imports)\n"
     )
@@ -97,14 +106,20 @@ def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
     return {**{key: results[key] for key in keep}, "recipe": results["recipe"], "peak_mb": peak, "imports_mb": imports}
 
 
-def rates(method: str) -> tuple[float, ...]:
+def preset_rates(method: str) -> tuple[float, float, float]:
+    """``method``'s preset rate, half and twice."""
     return POET_RATES if method.startswith("POET") else ADAMW_RATES
+
+
+def rates(method: str) -> tuple[float, ...]:
+    """Every rate ``method`` runs at, smallest first."""
+    return tuple(sorted((*preset_rates(method), *PAST_THE_EDGE.get(method, ()))))
 
 
 def run(quick: bool = False, workers: int = 2) -> list[dict[str, Any]]:
     """One row per method and rate (`METHODS` order), each method's best rate marked."""
     version = code_version([ROOT / "scripts" / "pretrain.py", Path(__file__)])
-    swept = {method: rates(method)[1:2] if quick else rates(method) for method in METHODS}
+    swept = {method: preset_rates(method)[1:2] if quick else rates(method) for method in METHODS}
     order = sorted(METHODS, key=lambda m: SLOWEST_FIRST.index(m) if m in SLOWEST_FIRST else len(SLOWEST_FIRST))
     jobs = {(m, r): partial(job_argv, m, r, quick) for m in order for r in swept[m]}
     results = run_parallel(jobs, run_child, CACHE, version, workers)

@@ -53,7 +53,7 @@ def savings_gap(load: Load) -> str:
 
 
 def edge_bests(load: Load) -> str:
-    """The methods whose best rate is the smallest or the largest of their three, with that rate."""
+    """The methods whose best rate is the smallest or the largest they ran at, with that rate."""
     rows = load("pretrain_quality")["rows"]
     edges = []
     for method, row in _best(load).items():
@@ -62,6 +62,25 @@ def edge_bests(load: Load) -> str:
             edges.append(f"{method} ({row['rate']:g}, the {'smallest' if row['rate'] == rates[0] else 'largest'})")
 
     return ", ".join(edges) or "none"
+
+
+def preset_against_best(load: Load, method: str) -> str:
+    """``method``'s validation perplexity at the tiny preset's rate and at its best rate, with both rates."""
+    record = load("pretrain_quality")
+    rows = [row for row in record["rows"] if row["method"] == method]
+    rate = record["settings"]["preset rates"]["POET" if method.startswith("POET") else "others"]
+    preset = next(row for row in rows if row["rate"] == rate)
+    best = next(row for row in rows if row["best"])
+    return (
+        f"{preset['val perplexity']:.1f} at the preset's {preset['rate']:g}, "
+        f"{best['val perplexity']:.1f} at {best['rate']:g}"
+    )
+
+
+def lead_over(load: Load, method: str) -> str:
+    """POET-BS's validation perplexity against ``method``'s, each at its best rate."""
+    best = _best(load)
+    return f"{best['POET-BS']['val perplexity'] / best[method]['val perplexity'] - 1:+.1%}"
 
 
 def quality_headline(load: Load) -> list[str]:
@@ -76,7 +95,7 @@ def quality_headline(load: Load) -> list[str]:
     )
     return [
         f"pretraining the {settings['preset']} preset until the validation loss is flat ({settings['steps']} steps), "
-        "each method at its best of three rates: validation perplexity, the whole process's peak memory / AdamW's",
+        "each method at its best rate: validation perplexity, the whole process's peak memory / AdamW's",
         f"**POET-BS {method_figure(load, 'POET-BS')}**",
         f"{others}; [the picture](docs/benchmarks.md#pretraining-quality-against-memory)",
     ]
@@ -87,6 +106,10 @@ PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
     "pretrain_quality.savings_gap": savings_gap,
     "pretrain_quality.edge_bests": edge_bests,
+    "pretrain_quality.adamw_rates": lambda load: preset_against_best(load, "AdamW"),
+    "pretrain_quality.poet_bs_rates": lambda load: preset_against_best(load, "POET-BS"),
+    "pretrain_quality.lead_over_adamw": lambda load: lead_over(load, "AdamW"),
+    "pretrain_quality.lead_over_adamw_8bit": lambda load: lead_over(load, "AdamW 8-bit"),
     **{
         f"pretrain_quality.{key}": (lambda load, m=method: method_figure(load, m))
         for key, method in (

@@ -58,11 +58,6 @@ QUICK_CONFIGS = [("tiny", 4, 2, 1), ("tiny", 4, 2, 4)]
 METHODS = ("adamw", "poet-bs", "poet-fs")
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * 4096 / 2**20
-
-
 def measure(
     method: str,
     preset_name: str,
@@ -99,7 +94,7 @@ def measure(
     from poet_hf.training.presets import PRESETS, build_llama
     from poet_hf.tuners.rotation_layer import rotation_layers
 
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     preset = PRESETS[preset_name]
     on_meta = peak_after_build and quantization is not None

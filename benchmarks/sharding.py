@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.fsdp import SEQ, VOCAB, _build, _rss_mb, _RssSampler, _torchrun, training_rows
+from benchmarks.common import status_mb
+from benchmarks.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, training_rows
 
 ENGINES = {"zero2": 2, "zero3": 3}
 
@@ -37,7 +38,7 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int) 
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    after_imports = _rss_mb()
+    after_imports = status_mb("VmRSS")
     model, _ = _build(PRESETS[preset_name], "none")
     mark_leaf_layers(model)
     optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))

@@ -4,6 +4,7 @@ reads it."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,15 @@ def test_each_method_runs_what_it_names_at_the_swept_rate(tmp_path: Path, method
         assert recipe["learning_rate"] == 5e-3
     assert recipe["steps"] == pretrain_quality.STEPS and training.eval_steps == pretrain_quality.EVAL_STEPS
     assert recipe["fused_optimizer_step"] is (method == pretrain_quality.SAVINGS)
+
+
+@pytest.mark.parametrize("method", list(EXPECTED))
+def test_each_grid_doubles_from_the_presets_rate_and_steps_once_past_an_edge(method: str) -> None:
+    preset = 4e-3 if method.startswith("POET") else 5e-3  # the tiny preset's rotation rate and learning rate
+    grid = pretrain_quality.rates(method)
+    assert set(grid) >= {preset / 2, preset, preset * 2}
+    past = sorted(set(grid) - {preset / 2, preset, preset * 2}, key=lambda rate: abs(math.log2(rate / preset)))
+    assert len(past) == len(pretrain_quality.PAST_THE_EDGE.get(method, ()))
+    for doublings, rate in enumerate(past, start=2):  # each one doubling further past the same edge
+        assert math.isclose(rate, preset * 2.0 ** (doublings * math.copysign(1, math.log2(past[0] / preset))))
+    assert pretrain_quality.preset_rates(method)[1] == preset  # what --quick runs
