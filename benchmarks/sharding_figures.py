@@ -1,5 +1,6 @@
 """The per-process memory tables of docs/distributed.md, rendered from ``benchmarks/results/sharding.json`` and
-``benchmarks/results/pretrain_step.json`` by `benchmarks.figures`."""
+``benchmarks/results/pretrain_step.json`` (measured) and ``benchmarks/results/fsdp_plan.json`` (planned) by
+`benchmarks.figures`."""
 
 from __future__ import annotations
 
@@ -128,13 +129,36 @@ def zero_against_fsdp2(load: Load) -> str:
     return " and ".join(f"{ratio(by_engine[(p, 'zero3')] / by_engine[(p, 'fsdp2')])} at {p}" for p in presets)
 
 
+def fsdp_plan_table(load: Load) -> str:
+    """`benchmarks.fsdp_plan`'s rows: each part the plan holds in any row and the total, GiB per process."""
+    record = load("fsdp_plan")
+    rows = record["rows"]
+    parts = [key for key in rows[0] if key.endswith(" MiB") and key != "total MiB" and any(r[key] for r in rows)]
+    device = record["settings"]["device GiB"]
+    body = [
+        [
+            row["model"],
+            row["method"],
+            str(row["accumulation"]),
+            *(f"{row[part] / 1024:.2f}" for part in parts),
+            f"**{row['total MiB'] / 1024:.2f}**",
+            "yes" if row["total MiB"] / 1024 <= device else "no",
+        ]
+        for row in rows
+    ]
+    header = ["model", "method", "accumulation", *(part.removesuffix(" MiB") for part in parts), "total"]
+    return markdown_table([*header, f"fits {device} GiB"], body)
+
+
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
     "sharding": sharding_table,
     "sharding_detail": sharding_detail_table,
     "planner_one_process": planner_table,
+    "fsdp_plan": fsdp_plan_table,
 }
 SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "sharding.source": lambda load: provenance(load("sharding")),
+    "fsdp_plan.source": lambda load: provenance(load("fsdp_plan")),
     "sharding.planner_gap": sharding_planner_gap,
     "sharding.zero3_vs_fsdp2": zero_against_fsdp2,
     "pretrain_step.default_allocator_excess": default_allocator_excess,

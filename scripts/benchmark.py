@@ -36,6 +36,7 @@ SUITES = (
     "finetune_report",
     "oft_layer",
     "fsdp",
+    "fsdp_plan",
     "sharding",
     "eco",
     "reflection",
