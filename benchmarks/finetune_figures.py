@@ -54,6 +54,21 @@ def choice_table(load: Load) -> str:
     return markdown_table(["method", "rate", *(TASK_NAMES[t] for t in tasks), "mean"], rows)
 
 
+def sweep_table(load: Load) -> str:
+    """POET with one choice of its default recipe changed: its loss gain over OFT's default on each choosing task
+    (the largest angle a layer turned by at step 5), and the mean over the tasks."""
+    record = load("finetune_sweep")
+    tasks = list(record["settings"]["tasks"])
+    cells: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in record["rows"]:
+        cells.setdefault(row["variant"], {})[row["task"]] = row
+    rows = []
+    for variant, by_task in cells.items():
+        mean = sum(by_task[t][GAIN] for t in tasks) / len(tasks)
+        rows.append([variant, *(_gain_and_angle(by_task[t]) for t in tasks), f"{mean:.2f}"])
+    return markdown_table(["variant", *(TASK_NAMES[t] for t in tasks), "mean"], rows)
+
+
 def report_table(load: Load) -> str:
     """Each method at its default and at its best rate of the choosing sweep on the reporting set, over the seeds."""
     rows = []
@@ -168,11 +183,13 @@ def finetune_headline(load: Load) -> list[str]:
 FINETUNE_TABLES: dict[str, Callable[[Load], str]] = {
     "finetune_choice": choice_table,
     "finetune_report": report_table,
+    "finetune_sweep": sweep_table,
     "finetune_testbed": testbed_table,
 }
 FINETUNE_FIGURES: dict[str, Callable[[Load], str]] = {
     "finetune_choice.source": lambda load: provenance(load("finetune_choice")),
     "finetune_report.source": lambda load: provenance(load("finetune_report")),
+    "finetune_sweep.source": lambda load: provenance(load("finetune_sweep")),
     **{
         f"finetune_report.{method}_{setting}": (lambda load, m=method, s=setting: report_gains(load, m, s))
         for method in METHOD_NAMES

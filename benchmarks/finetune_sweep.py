@@ -1,44 +1,48 @@
-"""The sweep POET's fine-tuning defaults were chosen from (``scripts/finetune.py --recipe default``).
+"""POET's fine-tuning choices besides the rate, swept on the choosing set (`benchmarks.finetune_choice`).
 
-On both testbed tasks (``benchmarks/finetune_quality.py``), one run each: OFT and LoRA at their defaults, then POET
-over its block layout (contiguous or permuted), learning rate, block size (each side at ``lr·32/b``), the paper's fully
-stochastic recipe, merge interval and Cayley–Neumann terms. Rows carry the evaluation loss after 5 steps (``loss @5``:
-no damage if below ``loss before``) and the largest angle a layer's rotations turn it by at step 5 (``angle @5``,
+On each choosing task, OFT at its defaults and POET at its default rate with one choice of ``--recipe default``
+changed: the block layout (OFT's contiguous blocks or permuted ones, ``--spo block``), the block size (each side at
+``lr·32/b``), the merge interval, the Cayley–Neumann terms, and the paper's fully stochastic recipe (``--recipe
+paper``) with and without the rate scaled to each side's size (``--poet_reference_block 0``: one rate for every side,
+the fine-tuning default before it). Seed 0, one process each (`benchmarks.finetune_quality.run_parallel`). Rows carry
+the evaluation-loss gain over OFT's on the same task and the largest angle a layer turned by at step 5 (``angle @5``,
 degrees).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-from .finetune_quality import run as run_variants
+from .finetune_choice import CHOOSING_TASKS
+from .finetune_quality import TASKS, quality_row, run_parallel, task_argv
 
-BS = ["--method", "poet", "--spo", "block"]  # the rate, size, merge and Neumann rows vary permuted 32-blocks
+POET = ["--method", "poet"]
+PERMUTED = [*POET, "--spo", "block"]
 VARIANTS = {
-    "oft": ["--method", "oft"],
-    "lora": ["--method", "lora"],
-    "poet (default: contiguous 32, lr 1e-3)": ["--method", "poet"],
-    "poet BS 32 (permuted blocks)": BS,
-    "poet BS 32, lr 3e-4": [*BS, "--poet_learning_rate", "3e-4"],
-    "poet BS 32, lr 2e-3": [*BS, "--poet_learning_rate", "2e-3"],
-    "poet BS 16": [*BS, "--block_size", "16"],
-    "poet BS 64": [*BS, "--block_size", "64"],
-    "poet BS 32, merge every 20": [*BS, "--merge_every", "20"],
-    "poet BS 32, 5 Neumann terms": [*BS, "--neumann_terms", "5"],
-    "poet --recipe paper (FS 1/2)": ["--method", "poet", "--recipe", "paper"],
-    "poet --recipe paper, lr 3e-3": ["--method", "poet", "--recipe", "paper", "--poet_learning_rate", "3e-3"],
-    "poet FS 1/2, one rate 2e-4 (before)": [
-        "--method",
-        "poet",
-        "--recipe",
-        "paper",
-        "--poet_learning_rate",
-        "2e-4",
-        "--poet_reference_block",
-        "0",
-    ],
+    "OFT (block 32)": ["--method", "oft"],
+    "POET (`--recipe default`: contiguous 32-blocks)": POET,
+    "permuted 32-blocks (`--spo block`)": PERMUTED,
+    "permuted 16-blocks (each side at lr·32/16)": [*PERMUTED, "--block_size", "16"],
+    "permuted 64-blocks (each side at lr·32/64)": [*PERMUTED, "--block_size", "64"],
+    "a merge every 20 steps": [*POET, "--merge_every", "20"],
+    "5 Cayley–Neumann terms": [*POET, "--neumann_terms", "5"],
+    "`--recipe paper` (fully stochastic, budget ½)": [*POET, "--recipe", "paper"],
+    "`--recipe paper`, one rate for every side": [*POET, "--recipe", "paper", "--poet_reference_block", "0"],
 }
+OFT = "OFT (block 32)"
+SETTINGS = {"tasks": CHOOSING_TASKS, "variants": VARIANTS, "seed": 0, "shapes": {t: TASKS[t] for t in CHOOSING_TASKS}}
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
-    return run_variants(quick=quick, repeats=1, tasks=("causal-lm", "classification"), variants=VARIANTS)
+def run(quick: bool = False, workers: int = 2) -> list[dict[str, Any]]:
+    jobs = {
+        (task, variant): partial(lambda t, flags: [*task_argv(t, 6 if quick else None), *flags], task, flags)
+        for task in CHOOSING_TASKS
+        for variant, flags in VARIANTS.items()
+    }
+    results = run_parallel(jobs, workers)
+    rows = []
+    for (task, variant), result in results.items():
+        method = "oft" if variant == OFT else "poet"
+        rows.append({**quality_row(task, method, result, results[(task, OFT)]), "variant": variant})
+    return rows
