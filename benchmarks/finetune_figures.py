@@ -34,14 +34,20 @@ def _gain_and_angle(row: dict[str, Any]) -> str:
     return f"{row[GAIN]:.2f}{angle}"
 
 
+def _rows_by_task(rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[str, Any]]:
+    """``rows`` grouped by ``key`` (a row → its table row), each group keyed by task."""
+    groups: dict[Any, dict[str, Any]] = {}
+    for row in rows:
+        groups.setdefault(key(row), {})[row["task"]] = row
+    return groups
+
+
 def choice_table(load: Load) -> str:
     """Every method at every rate of the sweep: its loss gain over OFT's default on each choosing task (the largest
     angle a layer turned by at step 5), and the mean over the tasks."""
     record = load("finetune_choice")
     tasks = list(record["settings"]["tasks"])
-    cells: dict[tuple[str, float], dict[str, Any]] = {}
-    for row in record["rows"]:
-        cells.setdefault((row["method"], row["rate"]), {})[row["task"]] = row
+    cells = _rows_by_task(record["rows"], lambda row: (row["method"], row["rate"]))
     rows = []
     for (method, _), by_task in sorted(
         cells.items(), key=lambda item: (list(METHOD_NAMES).index(item[0][0]), item[0][1])
@@ -59,11 +65,8 @@ def sweep_table(load: Load) -> str:
     (the largest angle a layer turned by at step 5), and the mean over the tasks."""
     record = load("finetune_sweep")
     tasks = list(record["settings"]["tasks"])
-    cells: dict[str, dict[str, dict[str, Any]]] = {}
-    for row in record["rows"]:
-        cells.setdefault(row["variant"], {})[row["task"]] = row
     rows = []
-    for variant, by_task in cells.items():
+    for variant, by_task in _rows_by_task(record["rows"], lambda row: row["variant"]).items():
         mean = sum(by_task[t][GAIN] for t in tasks) / len(tasks)
         rows.append([variant, *(_gain_and_angle(by_task[t]) for t in tasks), f"{mean:.2f}"])
     return markdown_table(["variant", *(TASK_NAMES[t] for t in tasks), "mean"], rows)

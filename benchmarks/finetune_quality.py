@@ -170,28 +170,20 @@ def metric_row(task: str, label: str, result: dict[str, Any], oft: dict[str, Any
     }
 
 
-def run(
-    quick: bool = False,
-    repeats: int = 3,
-    tasks: tuple[str, ...] = TRAINED_TASKS,
-    variants: dict[str, list[str]] | None = None,
-) -> list[dict[str, Any]]:
-    """Every method at its defaults, or the ``variants`` (a row label → extra ``scripts/finetune.py`` arguments,
-    the method included), each in its own process, repeats interleaved; time and memory are medians."""
+def run(quick: bool = False, repeats: int = 3, tasks: tuple[str, ...] = TRAINED_TASKS) -> list[dict[str, Any]]:
+    """Every method at its defaults, each in its own process, repeats interleaved; time and memory are medians."""
     import tempfile
 
-    variants = variants or {method: ["--method", method] for method in METHODS}
     rows = []
     for task in tasks:
         argv = task_argv(task, 6 if quick else None)
-        runs: dict[str, list[dict]] = {label: [] for label in variants}
+        runs: dict[str, list[dict]] = {method: [] for method in METHODS}
         with tempfile.TemporaryDirectory() as scratch:
             for _ in range(1 if quick else repeats):  # interleaved: noise hits every method alike
-                for label, extra in variants.items():
-                    runs[label].append(run_child([*argv, *extra], Path(scratch) / label))
-        result = {label: _median(rs) for label, rs in runs.items()}
-        oft = result.get("oft") or next(iter(result.values()))
-        rows += [metric_row(task, label, r, oft) for label, r in result.items()]
+                for method in METHODS:
+                    runs[method].append(run_child([*argv, "--method", method], Path(scratch) / method))
+        result = {method: _median(rs) for method, rs in runs.items()}
+        rows += [metric_row(task, method, r, result["oft"]) for method, r in result.items()]
     return rows
 
 

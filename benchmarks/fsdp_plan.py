@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.run_cache import ROOT
+
+CONFIGS = ROOT / "configs" / "models"
 MODELS = {
     "llama-1.3b (paper preset)": ["--preset", "llama-1.3b"],
-    "Llama-3.2-1B": ["--config_name", "configs/models/llama-3.2-1b.json"],
-    "Llama-2-7B": ["--config_name", "configs/models/llama-2-7b.json"],
-    "Llama-3.1-8B": ["--config_name", "configs/models/llama-3.1-8b.json"],
+    "Llama-3.2-1B": ["--config_name", str(CONFIGS / "llama-3.2-1b.json")],
+    "Llama-2-7B": ["--config_name", str(CONFIGS / "llama-2-7b.json")],
+    "Llama-3.1-8B": ["--config_name", str(CONFIGS / "llama-3.1-8b.json")],
 }
 METHODS = ("poet-bs", "poet-fs", "adamw", "galore", "lora")
 RUN_FLAGS = ["--per_device_train_batch_size", "1", "--seq_len", "4096", "--gradient_checkpointing"]
@@ -27,14 +30,12 @@ SETTINGS = {"processes": PROCESSES, "sharding": SHARDING, "dtype": DTYPE, "flags
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """One row per model and method: the plan's accumulation, its parts and its total (MiB per process)."""
-    from benchmarks.run_cache import ROOT
     from poet_hf.run_plan import parse_run, plan_pretraining
 
     models = dict(list(MODELS.items())[:1]) if quick else MODELS
     rows = []
     for model, flags in models.items():
-        argv = [arg.replace("configs/", f"{ROOT}/configs/") for arg in [*flags, *RUN_FLAGS, "--method", METHODS[0]]]
-        args, training = parse_run(argv, PROCESSES)
+        args, training = parse_run([*flags, *RUN_FLAGS, "--method", METHODS[0]], PROCESSES)
         for plan in plan_pretraining(args, training, METHODS[1:], PROCESSES, SHARDING, DTYPE):
             plan_dict = plan.to_dict()
             rows.append(

@@ -46,10 +46,10 @@ def method_figure(load: Load, method: str) -> str:
     return f"{row['val perplexity']:.1f} at {row['peak MB'] / best['AdamW']['peak MB']:.2f}× AdamW's memory"
 
 
-def savings_gap(load: Load) -> str:
-    """Validation perplexity of POET-BS with every saving on against POET-BS, each at its best rate."""
+def perplexity_gap(load: Load, method: str, reference: str) -> str:
+    """``method``'s validation perplexity against ``reference``'s, each at its best rate."""
     best = _best(load)
-    return f"{best['POET-BS, every saving on']['val perplexity'] / best['POET-BS']['val perplexity'] - 1:+.1%}"
+    return f"{best[method]['val perplexity'] / best[reference]['val perplexity'] - 1:+.1%}"
 
 
 def edge_bests(load: Load) -> str:
@@ -60,27 +60,19 @@ def edge_bests(load: Load) -> str:
         rates = sorted(r["rate"] for r in rows if r["method"] == method)
         if row["rate"] in (rates[0], rates[-1]):
             edges.append(f"{method} ({row['rate']:g}, the {'smallest' if row['rate'] == rates[0] else 'largest'})")
-
     return ", ".join(edges) or "none"
 
 
 def preset_against_best(load: Load, method: str) -> str:
     """``method``'s validation perplexity at the tiny preset's rate and at its best rate, with both rates."""
     record = load("pretrain_quality")
-    rows = [row for row in record["rows"] if row["method"] == method]
     rate = record["settings"]["preset rates"]["POET" if method.startswith("POET") else "others"]
-    preset = next(row for row in rows if row["rate"] == rate)
-    best = next(row for row in rows if row["best"])
+    preset = next(row for row in record["rows"] if row["method"] == method and row["rate"] == rate)
+    best = _best(load)[method]
     return (
         f"{preset['val perplexity']:.1f} at the preset's {preset['rate']:g}, "
         f"{best['val perplexity']:.1f} at {best['rate']:g}"
     )
-
-
-def lead_over(load: Load, method: str) -> str:
-    """POET-BS's validation perplexity against ``method``'s, each at its best rate."""
-    best = _best(load)
-    return f"{best['POET-BS']['val perplexity'] / best[method]['val perplexity'] - 1:+.1%}"
 
 
 def quality_headline(load: Load) -> list[str]:
@@ -104,12 +96,12 @@ def quality_headline(load: Load) -> list[str]:
 PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {"pretrain_quality": quality_table}
 PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
-    "pretrain_quality.savings_gap": savings_gap,
+    "pretrain_quality.savings_gap": lambda load: perplexity_gap(load, "POET-BS, every saving on", "POET-BS"),
     "pretrain_quality.edge_bests": edge_bests,
     "pretrain_quality.adamw_rates": lambda load: preset_against_best(load, "AdamW"),
     "pretrain_quality.poet_bs_rates": lambda load: preset_against_best(load, "POET-BS"),
-    "pretrain_quality.lead_over_adamw": lambda load: lead_over(load, "AdamW"),
-    "pretrain_quality.lead_over_adamw_8bit": lambda load: lead_over(load, "AdamW 8-bit"),
+    "pretrain_quality.lead_over_adamw": lambda load: perplexity_gap(load, "POET-BS", "AdamW"),
+    "pretrain_quality.lead_over_adamw_8bit": lambda load: perplexity_gap(load, "POET-BS", "AdamW 8-bit"),
     **{
         f"pretrain_quality.{key}": (lambda load, m=method: method_figure(load, m))
         for key, method in (
