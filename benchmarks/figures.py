@@ -26,6 +26,7 @@ from benchmarks.results import load_results
 from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
 from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row
 from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
+from benchmarks.vision_figures import VISION_FIGURES, VISION_TABLES
 
 TABLE = re.compile(r"(?P<open><!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close>\n?<!-- /table -->)", re.S)
 FIGURE = re.compile(r"(?P<open><!-- figure: (?P<name>[\w.-]+) -->)(?P<body>.*?)(?P<close><!-- /figure -->)", re.S)
@@ -298,6 +299,7 @@ TABLES: dict[str, Callable[[Load], str]] = {
     **SHARDING_TABLES,
     **STEP_TABLES,
     **QUANTIZED_TABLES,
+    **VISION_TABLES,
 }
 
 
@@ -353,6 +355,7 @@ FIGURES: dict[str, Callable[[Load], str]] = {
     **SHARDING_FIGURES,
     **STEP_FIGURES,
     **QUANTIZED_FIGURES,
+    **VISION_FIGURES,
 }
 
 

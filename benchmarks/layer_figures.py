@@ -193,29 +193,6 @@ def finetune_ratio(load: Load, method: str, key: str, accumulated: bool = False)
     return ratio(finetune_step_row(load, method, accumulated)[key])
 
 
-SVD_METHODS = {
-    "auxiliary": "auxiliary reflection",
-    "householder": "Householder, {features} sequential reflections",
-    "householder_wy": "Householder, compact WY",
-    "matrix_exp": "`matrix_exp`",
-    "cayley": "Cayley",
-}
-
-
-def svd_network_table(load: Load) -> str:
-    """The SVD network on the digits, per orthogonal map (docs/vision.md)."""
-    rows = [
-        [
-            SVD_METHODS[r["method"]].format(features=r["features"]),
-            f"{r['final_val_error'] * 100:.2f} %",
-            f"{r['seconds_per_epoch']:.2g}",
-            f"{r['time_vs_auxiliary']:.1f}",
-        ]
-        for r in load("svd_network")["rows"]
-    ]
-    return markdown_table(["method", "final validation error", "s / epoch", "time / auxiliary"], rows)
-
-
 LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "fold": fold_table,
     "eco": eco_table,
@@ -225,12 +202,10 @@ LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "import_time": import_time_table,
     "finetune_step": finetune_step_table,
     "finetune_accumulation": finetune_accumulation_table,
-    "svd_network": svd_network_table,
 }
 
 LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "fold.source": lambda load: provenance(load("fold")),
-    "svd_network.source": lambda load: provenance(load("svd_network")),
     "eco.source": lambda load: provenance(load("eco")),
     "eco.soc_span": lambda load: span([r["ratio_vs_eco_baked"] for r in eco_rows(load, "soc")], 0),
     "eco.plain_span": lambda load: span([1 / r["ratio_vs_eco_baked"] for r in eco_rows(load, "plain_dilated")], 2),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from benchmarks import lipconvnet, svd_network, svd_network_mnist
+
 METHODS = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½"}
 SIZE = {"llama-60m": 60, "llama-130m": 130, "llama-350m": 350, "llama-1.3b": 1300}
 
@@ -138,4 +140,10 @@ def plot_pretrain_quality(rows: list[dict], out_dir: str | Path, machine: str = 
     return [*paths, _save(figure, out / "pretrain_quality_curves.png")]
 
 
-PLOTTERS = {"pretrain_step": plot_pretrain_step, "pretrain_quality": plot_pretrain_quality}
+PLOTTERS = {
+    "pretrain_step": plot_pretrain_step,
+    "pretrain_quality": plot_pretrain_quality,
+    "svd_network": svd_network.plot,
+    "svd_network_mnist": svd_network_mnist.plot,
+    "lipconvnet": lipconvnet.plot,
+}

@@ -1,12 +1,13 @@
-"""The pretraining quality table of docs/benchmarks.md and the README's row, rendered from
-``benchmarks/results/pretrain_quality.json`` by `benchmarks.figures`."""
+"""The pretraining quality table of docs/benchmarks.md and the README's row, and POET-FS's choices on
+docs/pretraining.md, rendered from ``benchmarks/results/pretrain_quality.json`` and ``pretrain_choices.json`` by
+`benchmarks.figures`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.table_format import markdown_table, provenance
+from benchmarks.table_format import markdown_table, percent, provenance
 
 Load = Callable[[str], dict[str, Any]]
 
@@ -93,9 +94,68 @@ def quality_headline(load: Load) -> list[str]:
     ]
 
 
-PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {"pretrain_quality": quality_table}
+def _split(budget: float | dict[str, float]) -> str:
+    """A POET-FS budget as R : P (``input`` : ``output``)."""
+    sides = budget if isinstance(budget, dict) else {"input": budget, "output": budget}
+    return f"{sides['input']:g} : {sides['output']:g}"
+
+
+def choices_table(load: Load) -> str:
+    """POET-FS with one choice changed per run (`benchmarks.pretrain_choices`), the reference first."""
+    rows = [
+        [
+            row["run"],
+            f"{row['neumann_terms']} (k = {row['paper k']})",
+            str(row["merge_every"]),
+            _split(row["budget"]),
+            str(row["merges"]),
+            f"{row['rotation params']:,}",
+            f"{row['val perplexity']:.1f}",
+            f"{row['max spectrum drift'] * 100:.1f} %",
+        ]
+        for row in load("pretrain_choices")["rows"]
+    ]
+    header = ["run", "`neumann_terms` n (paper k)", "`T_m`", "R : P budget", "merges", "rotation parameters"]
+    return markdown_table([*header, "val. perplexity", "largest spectrum drift"], rows)
+
+
+def _choice(load: Load, run: str) -> dict[str, Any]:
+    rows = load("pretrain_choices")["rows"]
+    return next(row for row in rows if row["run"].startswith(run))
+
+
+def choice_gap(load: Load, run: str) -> str:
+    """The validation perplexity of the choice whose name starts with ``run``, and its gap to the reference's."""
+    row, reference = _choice(load, run), load("pretrain_choices")["rows"][0]
+    return f"{row['val perplexity']:.1f} ({percent(row['val perplexity'] / reference['val perplexity'] - 1)})"
+
+
+def drift_against_reference(load: Load, run: str) -> str:
+    """How many times the reference's largest spectrum drift the choice ``run`` drifts."""
+    reference = load("pretrain_choices")["rows"][0]["max spectrum drift"]
+    return f"{_choice(load, run)['max spectrum drift'] / reference:.1f}×"
+
+
+def choices_initial(load: Load) -> str:
+    """The validation perplexity the choices' runs start from."""
+    return f"{load('pretrain_choices')['rows'][0]['initial val perplexity']:.0f}"
+
+
+PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {
+    "pretrain_quality": quality_table,
+    "pretrain_choices": choices_table,
+}
 PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
+    "pretrain_choices.source": lambda load: provenance(load("pretrain_choices")),
+    "pretrain_choices.initial": choices_initial,
+    "pretrain_choices.reference": lambda load: f"{load('pretrain_choices')['rows'][0]['val perplexity']:.1f}",
+    "pretrain_choices.n5_drift": lambda load: drift_against_reference(load, "n = 5"),
+    **{
+        f"pretrain_choices.{key}": (lambda load, run=run: choice_gap(load, run))
+        for key, run in (("n5", "n = 5"), ("tm50", "T_m = 50"), ("tm400", "T_m = 400"))
+        + (("r_heavy", "R-heavy"), ("p_heavy", "P-heavy"))
+    },
     "pretrain_quality.savings_gap": lambda load: perplexity_gap(load, "POET-BS, every saving on", "POET-BS"),
     "pretrain_quality.edge_bests": edge_bests,
     "pretrain_quality.adamw_rates": lambda load: preset_against_best(load, "AdamW"),

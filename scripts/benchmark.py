@@ -50,7 +50,10 @@ SUITES = (
     "pretrain_8b",
     "savings_quality",
     "pretrain_quality",
+    "pretrain_choices",
     "svd_network",
+    "svd_network_mnist",
+    "lipconvnet",
 )
 
 
