@@ -55,7 +55,7 @@ def optimizer_step(
     import contextlib
 
     from poet_hf import defer_rotation_grads
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     cache_mb = 0.0
     for i in range(accumulation):

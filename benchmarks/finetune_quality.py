@@ -116,7 +116,7 @@ class _Probe:
         from transformers import TrainerCallback
 
         from poet_hf.diagnostics import rotation_angle
-        from poet_hf.tuners.rotation_layer import rotation_layers
+        from poet_hf.tuners.rotation.layer import rotation_layers
 
         class Probe(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):

@@ -1,8 +1,9 @@
 """Merge-then-reinitialize into one nf4 ``W0`` of Llama-2-7B's MLP shape (11008 × 4096): whole against by rows.
 
-``by rows`` is the library's path (`poet_hf.tuners.row_fold`: groups of whole output blocks, about
+``by rows`` is the library's path (`poet_hf.tuners.rotation.row_fold`: groups of whole output blocks, about
 ``ROW_BLOCK_ENTRIES`` entries each, rotated twice); ``whole`` is the fold the library did before it (dequantise,
-rotate and requantise the whole matrix, `RotationLayer.rotate_weight` and `poet_hf.tuners.bnb.requantize`), reached by
+rotate and requantise the whole matrix, `RotationLayer.rotate_weight` and
+`poet_hf.tuners.rotation.quantization.requantize`), reached by
 turning the row path off. POET-BS 256 on both sides, error feedback with the residual in a file (the default on a
 CPU), rotations of the size seen in training. Each way runs in its own process started as a user starts one; the
 third of three folds is measured (the residual then exists and is read back): its peak RSS above the RSS before it
@@ -35,8 +36,8 @@ def measure(way: str, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
     from benchmarks.common import reset_peak_rss, status_mb
     from poet_hf import PoetConfig
     from poet_hf.initialization import materialize_model
-    from poet_hf.tuners import rotation_layer
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation import layer as rotation_layer
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     if way == "whole":
         rotation_layer.foldable_by_rows = lambda layer, adapter: False  # the fold before the row path
@@ -71,7 +72,7 @@ def measure(way: str, shape: tuple[int, int] = SHAPE) -> dict[str, Any]:
 
 def layer_group_entries(layer: Any) -> int:
     """Entries of one group of rows of the library's row path."""
-    from poet_hf.tuners.bnb_rows import rows_per_block
+    from poet_hf.tuners.rotation.quantized_rows import rows_per_block
 
     base = layer.get_base_layer()
     block = layer.sides("default")["output"].block

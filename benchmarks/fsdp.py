@@ -107,7 +107,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    import poet_hf.tuners.rotation_layer as rotation_layer
+    import poet_hf.tuners.rotation.layer as rotation_layer
     from poet_hf import merge_and_reinit
     from poet_hf.training.presets import PRESETS
 

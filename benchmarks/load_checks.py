@@ -1,4 +1,4 @@
-"""What the load-time adapter checks cost (``poet_hf.tuners.state_checks``), on llama-130m POET adapters.
+"""What the load-time adapter checks cost (``poet_hf.tuners.rotation.state_checks``), on llama-130m POET adapters.
 
 A llama-130m (the paper's Table 7 shape, random weights) gets a POET-BS 256 and a POET-FS ½ adapter, saved with
 ``save_pretrained``; ``PeftModel.from_pretrained`` reloads each onto a fresh base model, alternately with the checks
@@ -27,8 +27,8 @@ ADAPTERS = {"POET-BS 256": {"spo": "block", "block_size": 256}, "POET-FS ½": {"
 @contextmanager
 def _checks_off() -> Iterator[None]:
     import poet_hf.tuners.config_utils as config_utils
-    import poet_hf.tuners.rotation_layer as rotation_layer
-    import poet_hf.tuners.rotation_model as rotation_model
+    import poet_hf.tuners.rotation.layer as rotation_layer
+    import poet_hf.tuners.rotation.model as rotation_model
 
     saved = (
         rotation_layer.check_loaded_state,
@@ -51,9 +51,9 @@ def _checks_off() -> Iterator[None]:
 def _checks_alone(model, folder: str) -> float:
     """Seconds of every check on ``model``'s own state dict (already in memory)."""
     from poet_hf.tuners.config_utils import check_safetensors_file
-    from poet_hf.tuners.rotation_layer import rotation_layers
-    from poet_hf.tuners.rotation_model import check_merge_counts_agree
-    from poet_hf.tuners.state_checks import check_loaded_state
+    from poet_hf.tuners.rotation.layer import rotation_layers
+    from poet_hf.tuners.rotation.model import check_merge_counts_agree
+    from poet_hf.tuners.rotation.state_checks import check_loaded_state
 
     state = model.state_dict()
     start = time.perf_counter()

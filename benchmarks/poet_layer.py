@@ -16,7 +16,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401  (registers the tuner)
 from poet_hf import PoetConfig
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 from .common import device, time_call
 

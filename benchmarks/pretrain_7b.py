@@ -19,7 +19,8 @@ The fused steps keep the clip (``max_grad_norm`` 1.0, against the running global
 Measured in its own process, started as a user starts one: no allocator variable in its environment (the package
 fixes glibc's mmap threshold itself where the savings run, `poet_hf.allocator`). Each phase's peak is measured on its
 own (Linux's ``clear_refs`` resets the high-water mark): the build, the training steps, a merge (``merge_and_reinit``
-of every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.row_fold`, its residual read and
+of every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.rotation.row_fold`, its residual
+read and
 written a layer at a time) and a step after it; each as the whole process's peak
 RSS (imports included) and as the peak above the RSS after the imports. Beside the measured step peak,
 `poet_hf.plan_memory`'s figure for the same run (above the imports, as the planner counts), for ``1 × 2048`` in
@@ -65,7 +66,7 @@ def measure(
     from poet_hf.initialization import materialize_model
     from poet_hf.training import FusedStepOptimizer, poet_param_groups, poet_parameters, reset_optimizer_state
     from poet_hf.training.optimizer import keep_32bit_states
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     after_imports = status_mb("VmRSS")
     imports_peak = status_mb("VmHWM")
@@ -149,8 +150,8 @@ def measure(
 
 
 def residual_folder() -> str | None:
-    """The folder of this process's residual files (`poet_hf.tuners.residual_folder`), if any were written."""
-    from poet_hf.tuners.residual_folder import current_folder
+    """The folder of this process's residual files (`poet_hf.tuners.rotation.residual_folder`), if any were written."""
+    from poet_hf.tuners.rotation.residual_folder import current_folder
 
     folder = current_folder()
     return str(folder) if folder is not None else None

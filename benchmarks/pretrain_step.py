@@ -92,7 +92,7 @@ def measure(
     from poet_hf import PoetConfig, merge_and_reinit
     from poet_hf.training import poet_param_groups
     from poet_hf.training.presets import PRESETS, build_llama
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     after_imports = status_mb("VmRSS")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from benchmarks.common import readme_job_rows
-from poet_hf.tuners.low_precision import LOW_PRECISION_DTYPES
+from poet_hf.tuners.rotation.low_precision import LOW_PRECISION_DTYPES
 
 # Rotation sizes: the median largest ||Q||_2 per layer and side at a merge of the README's tiny pretraining run
 # (block 32, 50 steps between merges; measured 0.17), and a tenth of it (shorter intervals or lower rates).
@@ -102,7 +102,7 @@ def _holder(dim: int) -> torch.nn.Module:
 
 def drift_rows(q_norms: tuple = (TRAINING_Q_NORM, TRAINING_Q_NORM / 10)) -> list[dict]:
     """The drift table: one row per (rotation size, quantisation, rounding), a column per ``K``."""
-    from poet_hf.tuners.bnb import REQUANTIZE_MODES
+    from poet_hf.tuners.rotation.quantization import REQUANTIZE_MODES
 
     rows = []
     bases = [(None, torch.float32), *((None, dtype) for dtype in LOW_PRECISION_DTYPES)]

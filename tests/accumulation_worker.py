@@ -54,7 +54,7 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
 def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
     """One process, plain autograd: every process's micro-batch ``i`` then (for ``merge``) the merge."""
     from poet_hf import merge_and_reinit
-    from poet_hf.tuners.fused_forward import plain_autograd
+    from poet_hf.tuners.rotation.forward import plain_autograd
 
     model, batches = build(), micro_batches(k, world)
     with plain_autograd():
@@ -70,7 +70,7 @@ def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
 def distributed_step(engine: str, k: int, merge: bool) -> tuple[dict[str, torch.Tensor], int]:
     from poet_hf import defer_rotation_grads, merge_and_reinit
     from poet_hf.distributed import shard_model
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, batches = build(), micro_batches(k, world)

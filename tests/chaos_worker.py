@@ -40,7 +40,7 @@ def install_kill_point(point: str) -> None:
     from transformers import Trainer
 
     import poet_hf.checkpoints as checkpoints
-    from poet_hf.tuners.rotation_layer import RotationLayer
+    from poet_hf.tuners.rotation.layer import RotationLayer
 
     if point == "staging":
         save_rng = Trainer._save_rng_state

@@ -32,7 +32,7 @@ def buffer_hash(model) -> str:
 
 def track_gathers():
     """Record the most gathered-weight bytes alive at once while merges run (weakrefs, no copies kept)."""
-    import poet_hf.tuners.rotation_layer as rotation_layer
+    import poet_hf.tuners.rotation.layer as rotation_layer
 
     record = {"alive": 0, "peak": 0}
     original = rotation_layer.full_tensor

@@ -16,8 +16,8 @@ from transformers import AutoModel, LlamaForCausalLM
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import OftConfig, PoetConfig
 from poet_hf.orthogonal.spo import nearest_divisor
-from poet_hf.tuners.block_sizes import BlockSizeAdjustedWarning
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.block_sizes import BlockSizeAdjustedWarning
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 
 def brute_force_nearest_divisor(dim: int, size: int) -> int:

@@ -1,4 +1,4 @@
-"""Crash-safe checkpoints (poet_hf.checkpoints) and checked loads (poet_hf.tuners.state_checks).
+"""Crash-safe checkpoints (poet_hf.checkpoints) and checked loads (poet_hf.tuners.rotation.state_checks).
 
 - A fresh process draws the same SPO permutations from the same seed, which is what lets a restarted run redraw them.
 - A run SIGKILLed at random moments and at named points (inside a checkpoint write, just before its publication,
@@ -32,7 +32,7 @@ from poet_hf.checkpoints import (
     resolve_resume_checkpoint,
 )
 from poet_hf.orthogonal import sample_permutation, spo_generator
-from poet_hf.tuners.state_checks import AdapterStateError
+from poet_hf.tuners.rotation.state_checks import AdapterStateError
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "chaos_worker.py"

@@ -13,7 +13,7 @@ from peft import get_peft_model
 import poet_hf
 from poet_hf import PoetConfig
 from poet_hf.diagnostics import paper_metrics, rotation_angle, rotation_stats
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 
 @pytest.fixture
@@ -75,3 +75,12 @@ def test_the_merge_interval_comes_from_the_config_unless_the_run_overrides_it():
     override = poet_hf.PoetTrainingArguments(output_dir="unused", report_to="none", use_cpu=True, merge_every=7)
     assert merge_interval(model, plain) == 30 and merge_interval(model, override) == 7
     assert merge_interval(torch.nn.Linear(2, 2), plain) is None  # no rotation layers: no merges
+
+
+@pytest.mark.parametrize("old, new", sorted(poet_hf.tuners.MOVED_MODULES.items()))
+def test_a_module_that_moved_still_imports_under_its_old_name(old: str, new: str):
+    old_name, new_name = f"poet_hf.tuners.{old}", f"poet_hf.tuners.{new}"
+    sys.modules.pop(old_name, None)
+    with pytest.warns(FutureWarning, match=new_name.replace(".", r"\.")):
+        module = importlib.import_module(old_name)
+    assert module is importlib.import_module(new_name)

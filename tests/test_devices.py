@@ -14,7 +14,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 

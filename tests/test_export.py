@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, ViTConfig, ViTForImageClassificat
 from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.export import ExportError, HubPushError, export_merged, push_merged_to_hub
 from poet_hf.model_cards import template_path
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 REPO = Path(__file__).resolve().parents[1]
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))

@@ -16,7 +16,7 @@ import poet_hf  # noqa: F401
 from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
 from poet_hf.diagnostics import rotation_angle
 from poet_hf.training.finetune import FinetuneArguments
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,8 +21,8 @@ from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.orthogonal.strategy_costs import strategy_costs
-from poet_hf.tuners.fused_forward import plain_autograd
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.forward import plain_autograd
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 

@@ -20,7 +20,11 @@ ALLOWED = {
     "tuners": {"orthogonal", "sharded"},
     "data": set(),
     "initialization": {"allocator", "orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
-    "distributed": {"tuners", "initialization", "sharded"},  # refuses to shard quantised bases (tuners/bnb.py)
+    "distributed": {
+        "tuners",
+        "initialization",
+        "sharded",
+    },  # refuses to shard quantised bases (quantization.py)
     "checkpoints": {"tuners"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners", "sharded"},
@@ -113,7 +117,7 @@ def test_no_module_imports_a_layer_above_its_own(path):
     "source, module, expected",
     [
         ("from ...training import PoetTrainer", "poet_hf.tuners.poet.layer", "imports poet_hf.training"),
-        ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation_layer", "imports poet_hf.export"),
+        ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation.layer", "imports poet_hf.export"),
         ("import poet_hf.vision.lipconvnet", "poet_hf.export", "imports poet_hf.vision"),
         ("from transformers import PreTrainedModel", "poet_hf.orthogonal.eco", "is pure PyTorch"),
         ("from ..tuners import poet", "poet_hf.orthogonal.cayley", "imports poet_hf.tuners"),

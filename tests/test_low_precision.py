@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import random_skew_params
-from poet_hf.tuners import residual_store
-from poet_hf.tuners.low_precision import ROUNDING_RESIDUAL
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation import residual_store
+from poet_hf.tuners.rotation.layer import rotation_layers
+from poet_hf.tuners.rotation.low_precision import ROUNDING_RESIDUAL
 
 HALF_DTYPES = [torch.bfloat16, torch.float16]
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Llam
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.initialization import has_meta_tensors, materialize_model
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 # One xdist worker runs every test here (pyproject: --dist loadgroup), so the module's 2-rank run happens once.
 pytestmark = pytest.mark.xdist_group("materialize")

@@ -12,7 +12,7 @@ from poet_hf import PoetConfig
 from poet_hf.memory_plan import plan_memory
 from poet_hf.training.optimizer import keep_32bit_states
 from poet_hf.training.presets import PRESETS, build_llama
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = PRESETS["tiny"]  # hidden 128, FFN 256, 4 layers: every targeted weight is 128 × 128, 128 × 256 or 256 × 128

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import MergeReinitCallback, PoetConfig, PoetTrainer, PoetTrainingArguments, create_poet_optimizer
 from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 RECIPE = POET_FINETUNE_RECIPES["default"]
 

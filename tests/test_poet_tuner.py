@@ -15,7 +15,7 @@ from tolerances import gamma, tiny_model_tolerance
 from poet_hf import PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import neumann_error_bound, skew_from_vector
 from poet_hf.tuners.poet import PoetLayer
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 IMAGES = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
@@ -175,7 +175,7 @@ def test_merge_permutations_reproduce_in_a_fresh_process(tmp_path):
         import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
         from peft import get_peft_model
         from poet_hf import PoetConfig, merge_and_reinit
-        from poet_hf.tuners.rotation_layer import rotation_layers
+        from poet_hf.tuners.rotation.layer import rotation_layers
         from models import tiny_llama
         model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, seed=11))
         merge_and_reinit(model); merge_and_reinit(model)

@@ -26,10 +26,10 @@ import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.tuners import bnb as quant
-from poet_hf.tuners import bnb_rows
-from poet_hf.tuners import rotation_layer as rotation_layer_module
-from poet_hf.tuners.rotation_layer import QuantizedMergeWarning, rotation_layers
+from poet_hf.tuners.rotation import layer as rotation_layer_module
+from poet_hf.tuners.rotation import quantization as quant
+from poet_hf.tuners.rotation import quantized_rows as bnb_rows
+from poet_hf.tuners.rotation.layer import QuantizedMergeWarning, rotation_layers
 
 QUANTIZATIONS = ["nf4", "fp4", "int8"]
 TARGETS = ["up", "down"]
@@ -96,8 +96,8 @@ def two_layer_rounding_bound(base: TwoLayers, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=["whole", "by rows"])
 def fold_by(request, monkeypatch):
-    """Merge-then-reinitialize into a 4-bit ``W0`` whole, or by groups of ~2048 entries (`poet_hf.tuners.row_fold`,
-    which such a test then must have used)."""
+    """Merge-then-reinitialize into a 4-bit ``W0`` whole, or by groups of ~2048 entries
+    (`poet_hf.tuners.rotation.row_fold`, which such a test then must have used)."""
     calls = []
     if request.param == "by rows":
         monkeypatch.setattr(bnb_rows, "ROW_BLOCK_ENTRIES", 2048)

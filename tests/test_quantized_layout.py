@@ -19,9 +19,9 @@ from tolerances import tiny_model_tolerance, unit_roundoff
 from transformers import AutoModelForCausalLM
 
 from poet_hf import PoetConfig, keep_quantized_layout, merge_and_reinit
-from poet_hf.tuners import bnb as quant
-from poet_hf.tuners import dense_reload
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation import dense_reload
+from poet_hf.tuners.rotation import quantization as quant
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 

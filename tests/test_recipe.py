@@ -22,7 +22,7 @@ from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_
 from poet_hf.orthogonal.cayley import paper_neumann_k
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.training.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""The residual files' folder (poet_hf.tuners.residual_folder): its free-space check, its tmpfs warning, and the
-folders of killed processes removed at the next start.
+"""The residual files' folder (poet_hf.tuners.rotation.residual_folder): its free-space check, its tmpfs warning, and
+the folders of killed processes removed at the next start.
 
 References: the files the merges actually write (their sizes on disk), ``stat -f`` for a file system's type, and
 processes killed with SIGKILL.
@@ -26,7 +26,7 @@ from torch import nn
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig, merge_and_reinit, plan_memory
 from poet_hf.tuners import residual_folder, residual_store
-from poet_hf.tuners.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
+from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"up": (128, 256), "down": (256, 128)}  # (in, out) of each target
@@ -132,7 +132,7 @@ def test_a_parent_on_tmpfs_warns_that_the_files_are_ram(tmp_path):
 HOLDER = """
 import sys, time
 import torch
-from poet_hf.tuners.residual_folder import set_residual_folder, process_folder
+from poet_hf.tuners.rotation.residual_folder import set_residual_folder, process_folder
 set_residual_folder(sys.argv[1])
 folder = process_folder()
 (folder / "residual-x.safetensors").write_bytes(b"0" * 1000)

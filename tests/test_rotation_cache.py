@@ -1,4 +1,4 @@
-"""Rotations built once per optimizer step across micro-batches (``poet_hf.tuners.rotation_cache``).
+"""Rotations built once per optimizer step across micro-batches (``poet_hf.tuners.rotation.caches``).
 
 Gradients of ``k`` accumulated micro-batches, every one but the last deferring its rotation gradients, are checked
 against the plain-autograd float64 reference (explicit Cayley–Neumann powers, autograd through them); the cache's
@@ -21,8 +21,8 @@ from tolerances import gamma, tiny_model_tolerance
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation
-from poet_hf.tuners.fused_forward import plain_autograd
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.forward import plain_autograd
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 HERE = Path(__file__).resolve().parent
 
@@ -186,7 +186,7 @@ def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_grad
     assert cache_bytes(model) > 0
     seen = {}
     optimizer.register_step_pre_hook(lambda *args: seen.update(grads_of(model)))
-    with caplog.at_level(logging.WARNING, logger="poet_hf.tuners.rotation_cache"):
+    with caplog.at_level(logging.WARNING, logger="poet_hf.tuners.rotation.caches"):
         optimizer.step()
     assert cache_bytes(model) == 0
     assert_grads_equal(seen, reference_grads(build, [lambda m: backward(m, first)]), 1)
@@ -253,7 +253,7 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
     from training_utils import tiny_dataset, tiny_poet_model, tiny_trainer
     from transformers import TrainerCallback
 
-    from poet_hf.tuners import rotation_cache
+    from poet_hf.tuners.rotation import caches as rotation_cache
 
     dataset, tokenizer = tiny_dataset()
 

@@ -1,6 +1,6 @@
-"""A frozen ``W0`` read a block of rows at a time (`poet_hf.tuners.bnb_rows`, the activation strategies): the blocks
-of a 4-bit ``W0`` are bitsandbytes' own whole dequantisation, bit for bit, and a layer that reads ``W0`` by blocks
-computes the dense function and its gradients (float64 reference, gradcheck)."""
+"""A frozen ``W0`` read a block of rows at a time (`poet_hf.tuners.rotation.quantized_rows`, the activation strategies):
+the blocks of a 4-bit ``W0`` are bitsandbytes' own whole dequantisation, bit for bit, and a layer that reads ``W0`` by
+blocks computes the dense function and its gradients (float64 reference, gradcheck)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.tuners import bnb as quant
-from poet_hf.tuners import bnb_rows
+from poet_hf.tuners.rotation import quantization as quant
+from poet_hf.tuners.rotation import quantized_rows as bnb_rows
 
 
 class RowBlockWeight:

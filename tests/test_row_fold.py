@@ -1,7 +1,7 @@
-"""Merge-then-reinitialize into a 4-bit ``W0`` a group of rows at a time (`poet_hf.tuners.row_fold`): rows quantised
-alone are bitsandbytes' whole quantisation bit for bit, the groups apply the dense output side, and a fold keeps the
-error-feedback contract against the float64 fold (``dequant(W_new) + E_new = Pᵀ (W0 + E) Rᵀ`` to the residual's
-own rounding) without ever holding the dense ``W0``."""
+"""Merge-then-reinitialize into a 4-bit ``W0`` a group of rows at a time (`poet_hf.tuners.rotation.row_fold`): rows
+quantised alone are bitsandbytes' whole quantisation bit for bit, the groups apply the dense output side, and a fold
+keeps the error-feedback contract against the float64 fold (``dequant(W_new) + E_new = Pᵀ (W0 + E) Rᵀ`` to the
+residual's own rounding) without ever holding the dense ``W0``."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from torch import nn
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.tuners import bnb as quant
 from poet_hf.tuners import bnb_rows, residual_store, row_fold
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation import quantization as quant
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROW_ENTRIES = 2048  # a group of about 2048 entries: 8 rows of the 256-wide layers below
 

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from poet_hf import MergeReinitCallback
 from poet_hf.training import clip_threshold, poet_parameters
 from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
-from poet_hf.tuners.rotation_layer import rotation_layers
+from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
 

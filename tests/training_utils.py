@@ -85,7 +85,7 @@ def randomize_rotations(model: torch.nn.Module, round_: int) -> None:
     """Random skew vectors (operator norm about 0.3) in every POET layer, keyed by the round and the layer's name, so
     that every process and every build draws the same ones."""
     from poet_hf.orthogonal import spo_generator
-    from poet_hf.tuners.rotation_layer import rotation_layers
+    from poet_hf.tuners.rotation.layer import rotation_layers
 
     for name, layer in rotation_layers(model):
         layer.randomize_skew("default", spo_generator(11, round_, name, "test"), op_norm=0.3)

@@ -18,8 +18,8 @@ register_tuners()
 from .tuners.oft import OftConfig  # noqa: E402
 from .tuners.orthogonal_layers import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
-from .tuners.rotation_cache import defer_rotation_grads  # noqa: E402
-from .tuners.rotation_layer import flush_rotation_caches  # noqa: E402
+from .tuners.rotation.caches import defer_rotation_grads  # noqa: E402
+from .tuners.rotation.layer import flush_rotation_caches  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -32,7 +32,7 @@ _LAZY_EXPORTS = {
     "export_peft_adapter": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
     "plan_memory": "poet_hf.memory_plan",
-    "keep_quantized_layout": "poet_hf.tuners.bnb",
+    "keep_quantized_layout": "poet_hf.tuners.rotation.quantization",
 }
 
 __all__ = [

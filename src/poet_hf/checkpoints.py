@@ -32,7 +32,7 @@ from typing import Any, cast
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
-from .tuners.state_checks import AdapterStateError, check_safetensors_file
+from .tuners.rotation.state_checks import AdapterStateError, check_safetensors_file
 
 __all__ = [
     "CrashSafeTrainer",

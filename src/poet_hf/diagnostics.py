@@ -15,7 +15,7 @@ from torch import nn
 from .orthogonal import spo_generator
 from .orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
 from .sharded import full_tensor
-from .tuners.rotation_layer import RotationLayer, SideRotations, rotation_layers
+from .tuners.rotation.layer import RotationLayer, SideRotations, rotation_layers
 
 PROBE_MERGE_COUNT = -1  # the probe vectors are drawn from a generator no merge uses
 

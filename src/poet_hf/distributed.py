@@ -29,7 +29,7 @@ from .sharded import (
     save_pretrained_unsharded,
     unsharded_replica,
 )
-from .tuners.peft_utils import base_model_of
+from .tuners.tuner_base import base_model_of
 
 __all__ = [
     "shard_model",
@@ -69,7 +69,7 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 def refuse_quantized_bases(model: nn.Module) -> None:
     """Raise a ``ValueError`` if ``model`` holds a bitsandbytes layer, which FSDP2 cannot shard (see the message)."""
-    from .tuners.bnb import is_bnb_module
+    from .tuners.rotation.quantization import is_bnb_module
 
     quantized = next((name for name, m in model.named_modules() if is_bnb_module(m)), None)
     if quantized is not None:

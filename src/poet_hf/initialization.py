@@ -37,8 +37,8 @@ from torch import nn
 from .allocator import bound_allocator_slack
 from .orthogonal import spo_generator
 from .sharded import write_full
-from .tuners.peft_utils import base_model_of
-from .tuners.rotation_layer import RotationLayer, rotation_layers
+from .tuners.rotation.layer import RotationLayer, rotation_layers
+from .tuners.tuner_base import base_model_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -429,7 +429,7 @@ def _checkpoint_names(
 
 
 def _refuse_foreign(name: str, module: nn.Module) -> None:
-    from .tuners.bnb import is_bnb_module
+    from .tuners.rotation.quantization import is_bnb_module
 
     if isinstance(module, BaseTunerLayer) and not isinstance(module, RotationLayer) and has_meta_tensors(module):
         raise ValueError(

@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from .activation_trace import trace_activations
-from .tuners.bnb import BASE_QUANTIZATIONS, residual_bytes
-from .tuners.bnb_rows import ROW_BLOCK_ENTRIES
-from .tuners.peft_utils import base_model_of
-from .tuners.residual_store import RESIDUAL_STORAGES
+from .tuners.rotation.quantization import BASE_QUANTIZATIONS, residual_bytes
+from .tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
+from .tuners.rotation.residual_store import RESIDUAL_STORAGES
+from .tuners.tuner_base import base_model_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +75,7 @@ class MemoryPlan:
         counts: tensor entries read off the model (``W0``, trainable, optimizer states).
         residual_bytes: the merges' error-feedback residual kept off the steps' memory (``residual_storage`` other
             than ``"layer"``): files under the residual folder on a CPU run, host memory for a ``W0`` on an
-            accelerator (`poet_hf.tuners.residual_store`). Not part of `total_bytes`.
+            accelerator (`poet_hf.tuners.rotation.residual_store`). Not part of `total_bytes`.
     """
 
     method: str
@@ -148,7 +148,7 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
     and GaLore train the plain model."""
     from peft import LoraConfig, get_peft_model
 
-    from .tuners.constants import DEFAULT_TARGET_MODULES
+    from .tuners.config_utils import DEFAULT_TARGET_MODULES
     from .tuners.oft.config import OftConfig
     from .tuners.poet.config import PoetConfig
 
@@ -170,7 +170,7 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
 
 
 def _galore_targets(model: PreTrainedModel) -> set[str]:
-    from .tuners.constants import DEFAULT_TARGET_MODULES
+    from .tuners.config_utils import DEFAULT_TARGET_MODULES
 
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
     return {
@@ -379,7 +379,7 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
     method, batch, seq_len = settings["method"], settings["batch_size"], settings["seq_len"]
     working = {}
     if method.startswith("poet") and settings["accumulation"] > 1 and settings["cache_rotations"]:
-        from .tuners.rotation_layer import rotation_layers
+        from .tuners.rotation.layer import rotation_layers
 
         working["rotation caches"] = sum(
             2 * spec.num_blocks * spec.block**2 * 4
@@ -393,7 +393,10 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
     checkpointed = outside + block_count * block_input + largest_block
     working["activations"] = checkpointed if settings["checkpointing"] else everything
     if settings["base_quantization"] is not None and method.startswith("poet"):  # one layer's W0, dequantised
-        if settings["base_quantization"] in ("nf4", "fp4"):  # a block of its rows at a time (tuners/bnb_rows.py)
+        if settings["base_quantization"] in (
+            "nf4",
+            "fp4",
+        ):  # a block of its rows at a time (quantized_rows.py)
             largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary = built.get_output_embeddings().weight.shape[0]

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..tuners.bnb import dequantize_modules
-from ..tuners.rotation_layer import RotationLayer
+from ..tuners.rotation.layer import RotationLayer
+from ..tuners.rotation.quantization import dequantize_modules
 from .source import ExportError
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..tuners.oft import OftConfig, our_oft_state_dict_to_peft
-from ..tuners.rotation_layer import rotation_layers
+from ..tuners.rotation.layer import rotation_layers
 from .card import render_adapter_card
 from .folding import max_merge_count
 from .source import ExportError

@@ -12,8 +12,8 @@ from transformers.trainer_callback import ExportableState
 
 from ..diagnostics import poet_statistics, rotation_angle
 from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit
-from ..tuners.rotation_layer import rotation_layers
-from ..tuners.rotation_model import prepare_residual_files
+from ..tuners.rotation.layer import rotation_layers
+from ..tuners.rotation.model import prepare_residual_files
 from .optimizer import poet_parameters, reset_optimizer_state
 from .zero import gathered_layer, gathered_rotations, reset_rotation_partitions, set_clip_threshold, zero_optimizer
 

@@ -36,11 +36,10 @@ from ..cli import check_cpu_mixed_precision, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
 from ..distributed import fsdp_requested
 from ..initialization import has_meta_tensors
-from ..tuners.bnb import BASE_QUANTIZATIONS, bits_and_bytes_config
-from ..tuners.config_utils import check_choice
-from ..tuners.constants import DEFAULT_TARGET_MODULES
+from ..tuners.config_utils import DEFAULT_TARGET_MODULES, check_choice
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
+from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, bits_and_bytes_config
 from .arguments import PoetTrainingArguments, ScriptArguments
 from .trainer import PoetTrainer
 

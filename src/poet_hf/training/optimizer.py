@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..tuners.rotation_layer import RotationLayer
+from ..tuners.rotation.layer import RotationLayer
 from .eight_bit import own_override_index, weights_keeping_32bit_states
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from ..initialization import materialize_model
-from ..tuners.constants import DEFAULT_TARGET_MODULES
+from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
 
 __all__ = [
@@ -255,7 +255,7 @@ def warn_weights_outside_targets(model: nn.Module) -> None:
 
     So it is for a family whose block weights are not ``nn.Linear`` modules, e.g. Mixtral's experts, one fused 3-D
     parameter in transformers 5: they train as under AdamW, with its memory."""
-    from ..tuners.rotation_layer import rotation_layers
+    from ..tuners.rotation.layer import rotation_layers
 
     rotated = sum(layer.in_features * layer.out_features for _, layer in rotation_layers(model))
     embeddings = [getattr(model, name)() for name in ("get_input_embeddings", "get_output_embeddings")]
@@ -310,7 +310,7 @@ def recipe_parameter_counts(
         as the layers resolved them (a size that does not
         divide a side becomes its nearest divisor).
     """
-    from ..tuners.rotation_layer import rotation_layers
+    from ..tuners.rotation.layer import rotation_layers
 
     preset = PRESETS[recipe["preset"]]
     config = config or preset_config(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"])

@@ -23,7 +23,7 @@ from ..initialization import materialize_model
 from ..orthogonal.cayley import paper_neumann_k
 from ..sharded import is_sharded
 from ..tuners.poet import PoetConfig
-from ..tuners.rotation_layer import rotation_layers
+from ..tuners.rotation.layer import rotation_layers
 from .arguments import PoetTrainingArguments
 from .model_source import build_model, load_model_config, model_summary
 from .presets import (  # noqa: F401 (public here too)

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from ..cli import deprecated_alias
 from ..data import EMBEDDED_CORPUS
 from ..orthogonal.base_init import BASE_INIT_SCHEMES
-from ..tuners.bnb import BASE_QUANTIZATIONS
 from ..tuners.config_utils import check_choice, check_positive_int
 from ..tuners.poet import PoetConfig
+from ..tuners.rotation.quantization import BASE_QUANTIZATIONS
 from .arguments import ScriptArguments
 from .presets import PRESETS
 

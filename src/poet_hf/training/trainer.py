@@ -15,9 +15,9 @@ from ..distributed import fsdp_requested, shard_model
 from ..export.card import render_adapter_card
 from ..export.source import RUN_INFO_NAME, active_config
 from ..initialization import has_meta_tensors, materialize_model
-from ..tuners.peft_utils import base_model_of
-from ..tuners.residual_folder import set_residual_folder
-from ..tuners.rotation_layer import rotation_layers
+from ..tuners.rotation.layer import rotation_layers
+from ..tuners.rotation.residual_folder import set_residual_folder
+from ..tuners.tuner_base import base_model_of
 from .callback import MergeReinitCallback, unwrap
 from .fused_step import FusedStepOptimizer
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
@@ -59,7 +59,7 @@ class PoetTrainer(CrashSafeTrainer):
       exports without a hub id), written atomically; ``train(resume_from_checkpoint="auto")`` resumes from the newest
       complete one (`CrashSafeTrainer`).
     - Writes the merges' residual files (a 4-bit or 16-bit ``W0`` on the CPU) under ``args.residual_folder``, and
-      checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.residual_folder]).
+      checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.rotation.residual_folder]).
     - Runs under DDP, FSDP2 ([`distributed`][poet_hf.distributed]) and DeepSpeed ZeRO-2 and ZeRO-3
       ([`zero`][poet_hf.training.zero]: merges gather what they fold and reset ZeRO's master partitions); FSDP1 is
       refused.

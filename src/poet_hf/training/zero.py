@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..tuners.oft import OftConfig
-from ..tuners.rotation_layer import RotationLayer, rotation_layers
+from ..tuners.rotation.layer import RotationLayer, rotation_layers
 from .optimizer import reset_optimizer_state
 
 UNSUPPORTED_WITH_ZERO = {

@@ -1,4 +1,5 @@
-"""Validation shared by the tuner configs: errors name the field and the allowed values."""
+"""What the tuner configs share: their choices, the default target modules, and validation whose errors name the
+field and the allowed values."""
 
 from __future__ import annotations
 
@@ -6,9 +7,47 @@ import os
 from dataclasses import field
 from typing import Any
 
-from .state_checks import check_safetensors_file
+from .rotation.state_checks import check_safetensors_file
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
+
+SIDE_INPUT = "input"  # R, acts on the in dimension
+SIDE_OUTPUT = "output"  # P, acts on the out dimension
+SIDES = (SIDE_INPUT, SIDE_OUTPUT)
+
+SPO_CHOICES = ("block", "full", "contiguous")
+SIDES_CHOICES = ("both", "input", "output")
+FORWARD_CHOICES = ("auto", "weight", "activation")
+BIAS_CHOICES = {name: ("none", "all", f"{name}_only") for name in ("poet", "oft", "orthogonal")}
+
+_LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# BERT-like encoders name their block linears `dense` too, like the pooler and heads outside the blocks,
+# so they are matched by a regex anchored in `encoder.layer.<i>`.
+_ENCODER_BLOCKS = (
+    r".*encoder\.layer\.\d+\."
+    r"(attention\.(self|attention)\.(query|key|value)|attention\.output\.dense|intermediate\.dense|output\.dense)"
+)
+# ViT in transformers 5 names its block linears like LLaMA's attention plus fc1/fc2; the pooler is outside.
+_VIT_BLOCKS = r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))"
+
+# Every Linear inside the transformer blocks, never embeddings or lm_head (POET §3.3).
+DEFAULT_TARGET_MODULES: dict[str, list[str] | str] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "mixtral": ["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3"],
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gemma": _LLAMA_LIKE,
+    "gemma2": _LLAMA_LIKE,
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "bert": _ENCODER_BLOCKS,
+    "roberta": _ENCODER_BLOCKS,
+    "vit": _VIT_BLOCKS,
+    "bart": ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+    "t5": ["q", "k", "v", "o", "wi", "wo", "wi_0", "wi_1"],
+}
 
 
 def check_choice(field_name: str, value: object, choices: tuple) -> None:
@@ -44,7 +83,7 @@ def check_bool(field_name: str, value: object) -> None:
 def requantize_field() -> Any:
     """The ``requantize`` field of the rotation configs: how a fold into a quantised or 16-bit ``W0`` rounds.
 
-    See `poet_hf.tuners.bnb.requantize` and `poet_hf.tuners.low_precision.store`."""
+    See `poet_hf.tuners.rotation.quantization.requantize` and `poet_hf.tuners.rotation.low_precision.store`."""
     return field(
         default="feedback",
         metadata={
@@ -61,7 +100,7 @@ def requantize_field() -> Any:
 def residual_storage_field() -> Any:
     """The ``residual_storage`` field of the rotation configs: where error feedback keeps its residual.
 
-    See `poet_hf.tuners.residual_store`."""
+    See `poet_hf.tuners.rotation.residual_store`."""
     return field(
         default="auto",
         metadata={
@@ -117,7 +156,7 @@ def block_size_pattern_field() -> Any:
 
 
 def cache_rotations_field() -> Any:
-    """The ``cache_rotations`` field of the rotation configs (`rotation_cache`)."""
+    """The ``cache_rotations`` field of the rotation configs (`poet_hf.tuners.rotation.caches`)."""
     return field(
         default=True,
         metadata={

@@ -1,12 +1,49 @@
-"""`LayerReplacingTuner`, the PEFT tuner base of the POET, OFT and orthogonal-layer tuners."""
+"""What the POET, OFT and orthogonal-layer tuners share with PEFT: `LayerReplacingTuner`, their tuner base;
+`ModuleMixin`, PEFT's layer mixins as the type checker should see them; `base_model_of`, the model under PEFT."""
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTuner
 from torch import nn
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from torch.utils.hooks import RemovableHandle
+    from typing_extensions import Self
+
+    class ModuleMixin:
+        """PEFT builds a tuner layer as ``class Linear(nn.Module, XLayer)``: the mixin ``XLayer`` calls ``nn.Module``'s
+        methods but does not derive from it. To the type checker `ModuleMixin` carries those methods (``nn.Module``'s
+        own, so the concrete layers see no conflict between their bases); at run time it is an empty class, so no
+        layer's method resolution order changes."""
+
+        training: bool
+
+        def named_children(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+        def register_load_state_dict_pre_hook(self, hook: Callable[..., None]) -> RemovableHandle: ...
+
+        def train(self, mode: bool = True) -> Self: ...
+
+        def requires_grad_(self, requires_grad: bool = True) -> Self: ...
+
+else:
+
+    class ModuleMixin:
+        pass
+
+
+def base_model_of(model: nn.Module) -> Any:
+    """The model under PEFT: ``model.get_base_model()`` for a ``PeftModel``, else ``model`` itself.
+
+    Typed as ``Any``: usually a ``transformers`` model (``get_input_embeddings``, ``config``…), but any module works.
+    """
+    get_base_model = getattr(model, "get_base_model", None)
+    return model if get_base_model is None else get_base_model()
 
 
 class LayerReplacingTuner(BaseTuner):

@@ -9,9 +9,9 @@ from peft.config import PeftConfig
 
 from ...orthogonal import check_neumann_terms
 from ...orthogonal.spo import nearest_divisor
-from ..block_sizes import check_block_size_pattern, resolve_block_size
-from ..bnb import REQUANTIZE_MODES
 from ..config_utils import (
+    BIAS_CHOICES,
+    FORWARD_CHOICES,
     CheckedLoadConfig,
     block_size_pattern_field,
     cache_rotations_field,
@@ -24,9 +24,10 @@ from ..config_utils import (
     residual_storage_field,
     strict_block_size_field,
 )
-from ..constants import BIAS_CHOICES, FORWARD_CHOICES
 from ..registry import peft_type_member
-from ..residual_store import RESIDUAL_STORAGES
+from ..rotation.block_sizes import check_block_size_pattern, resolve_block_size
+from ..rotation.quantization import REQUANTIZE_MODES
+from ..rotation.residual_store import RESIDUAL_STORAGES
 
 if TYPE_CHECKING:
     from peft import OFTConfig

@@ -17,8 +17,8 @@ from peft.tuners._buffer_dict import BufferDict
 from torch import nn
 
 from ...orthogonal.spo import make_side_spec
-from ..constants import SIDE_INPUT
-from ..rotation_layer import RotationLayer, RotationSettings
+from ..config_utils import SIDE_INPUT
+from ..rotation.layer import RotationLayer, RotationSettings
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..constants import DEFAULT_TARGET_MODULES
-from ..rotation_model import RotationModel
+from ..config_utils import DEFAULT_TARGET_MODULES
+from ..rotation.model import RotationModel
 from .layer import Conv1D, Conv2d, Linear, OftLayer
 
 

@@ -8,8 +8,7 @@ from typing import Literal
 from peft.config import PeftConfig
 
 from ...orthogonal import check_neumann_terms
-from ..config_utils import check_choice, check_positive_int, normalize_peft_target_fields, peft_field
-from ..constants import BIAS_CHOICES
+from ..config_utils import BIAS_CHOICES, check_choice, check_positive_int, normalize_peft_target_fields, peft_field
 from ..registry import peft_type_member
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"

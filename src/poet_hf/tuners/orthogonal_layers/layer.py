@@ -29,7 +29,7 @@ from ...orthogonal import (
     skew_from_vector,
     spo_generator,
 )
-from ..module_mixin import ModuleMixin
+from ..tuner_base import ModuleMixin
 
 if TYPE_CHECKING:
     from ...orthogonal.eco import EcoConv2d

@@ -8,8 +8,8 @@ from typing import Any, cast
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..bnb import is_bnb_module
-from ..constants import DEFAULT_TARGET_MODULES
+from ..config_utils import DEFAULT_TARGET_MODULES
+from ..rotation.quantization import is_bnb_module
 from ..tuner_base import LayerReplacingTuner
 from .layer import Conv2d, Linear, OrthogonalLayer
 

@@ -8,9 +8,11 @@ from typing import Any, Literal
 from peft.config import PeftConfig
 
 from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
-from ..block_sizes import check_block_size_pattern
-from ..bnb import BASE_QUANTIZATIONS, REQUANTIZE_MODES
 from ..config_utils import (
+    BIAS_CHOICES,
+    FORWARD_CHOICES,
+    SIDES_CHOICES,
+    SPO_CHOICES,
     CheckedLoadConfig,
     block_size_pattern_field,
     cache_rotations_field,
@@ -25,9 +27,10 @@ from ..config_utils import (
     residual_storage_field,
     strict_block_size_field,
 )
-from ..constants import BIAS_CHOICES, FORWARD_CHOICES, SIDES_CHOICES, SPO_CHOICES
 from ..registry import peft_type_member
-from ..residual_store import RESIDUAL_STORAGES
+from ..rotation.block_sizes import check_block_size_pattern
+from ..rotation.quantization import BASE_QUANTIZATIONS, REQUANTIZE_MODES
+from ..rotation.residual_store import RESIDUAL_STORAGES
 
 POET_PEFT_TYPE = "POET"
 

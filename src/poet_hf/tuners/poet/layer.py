@@ -14,9 +14,9 @@ from torch import nn
 
 from ...orthogonal import init_base_weight, spo_generator, subset_size
 from ...orthogonal.spo import make_side_spec
-from ..block_sizes import resolve_block_size
-from ..constants import SIDE_INPUT, SIDE_OUTPUT
-from ..rotation_layer import RotationLayer, RotationSettings
+from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
+from ..rotation.block_sizes import resolve_block_size
+from ..rotation.layer import RotationLayer, RotationSettings
 
 
 def side_values(config: Any, field_name: str) -> dict[str, Any]:

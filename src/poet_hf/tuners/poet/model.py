@@ -6,9 +6,9 @@ import warnings
 
 from torch import nn
 
-from ..constants import DEFAULT_TARGET_MODULES
-from ..rotation_layer import RotationLayer, rotation_layers
-from ..rotation_model import RotationModel, merge_and_reinit
+from ..config_utils import DEFAULT_TARGET_MODULES
+from ..rotation.layer import RotationLayer, rotation_layers
+from ..rotation.model import RotationModel, merge_and_reinit
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
 __all__ = ["PoetModel", "merge_and_reinit", "poet_layers"]
@@ -29,12 +29,12 @@ class PoetModel(RotationModel):
 
 
 def poet_layers(model: nn.Module, adapter_name: str | None = None) -> list[tuple[str, RotationLayer]]:
-    """Deprecated alias of [`rotation_layers`][poet_hf.tuners.rotation_layer.rotation_layers].
+    """Deprecated alias of [`rotation_layers`][poet_hf.tuners.rotation.layer.rotation_layers].
 
     It always returned OFT's layers too."""
     warnings.warn(
         "`poet_layers` is deprecated and will be removed in the next release; use "
-        "`poet_hf.tuners.rotation_layer.rotation_layers`, which it always returned",
+        "`poet_hf.tuners.rotation.layer.rotation_layers`, which it always returned",
         FutureWarning,
         stacklevel=2,
     )

@@ -1,20 +1,20 @@
 """Merge-then-reinitialize into a 4-bit ``W0`` a group of rows at a time, never holding the dense ``W0`` whole.
 
-A fold computes ``Pᵀ (W0 + E) Rᵀ`` (``E``: the error-feedback residual of the last fold) and requantises it. Done
-whole (`RotationLayer.rotate_weight`, `poet_hf.tuners.bnb.requantize`), it holds several dense float32 copies of
-``W0`` at once: the dequantised ``W0``, the residual, the rotated products, the requantisation's round trip and the
-new residual.
+A fold computes ``Pᵀ (W0 + E) Rᵀ`` (``E``: the error-feedback residual of the last fold) and requantises it. Done whole
+(`RotationLayer.rotate_weight`, `poet_hf.tuners.rotation.quantization.requantize`), it holds several dense float32
+copies of ``W0`` at once: the dequantised ``W0``, the residual, the rotated products, the requantisation's round trip
+and the new residual.
 
 The output side ``P`` mixes rows only within its blocks (rows ``perm[k·b:(k+1)·b]``; fully stochastic: its subset,
 one group however large), and the input side ``R`` mixes entries within each row, so a set of whole output blocks is
 folded from its own rows.
 Rows that are whole quantisation blocks quantise alone to the codes and scales the whole matrix would get
-(`poet_hf.tuners.bnb_rows.RequantizedRows`); only the double quantisation of the scales needs every row.
+(`poet_hf.tuners.rotation.quantized_rows.RequantizedRows`); only the double quantisation of the scales needs every row.
 
-Two passes over groups of about `poet_hf.tuners.bnb_rows.ROW_BLOCK_ENTRIES` entries: the first rotates each group
-and quantises it; the second rotates it again and measures it against the new weight (its double-quantised scales
-known only now), which gives the new residual and the requantisation error. The old codes and residual are read by
-both passes and replaced at the end.
+Two passes over groups of about `poet_hf.tuners.rotation.quantized_rows.ROW_BLOCK_ENTRIES` entries: the first rotates
+each group and quantises it; the second rotates it again and measures it against the new weight (its double-quantised
+scales known only now), which gives the new residual and the requantisation error. The old codes and residual are read
+by both passes and replaced at the end.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from typing import Any, cast
 
 import torch
 
-from ..orthogonal.spo import BLOCK, FULL, SideSpec
-from . import bnb, residual_store
-from .bnb_rows import RequantizedRows, dequantize_rows, dequantized_scales, rows_per_block
-from .constants import SIDE_INPUT, SIDE_OUTPUT
+from ...orthogonal.spo import BLOCK, FULL, SideSpec
+from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
+from . import quantization, residual_store
+from .quantized_rows import RequantizedRows, dequantize_rows, dequantized_scales, rows_per_block
 
 __all__ = ["RowGroup", "fold_by_rows", "foldable_by_rows", "output_row_groups"]
 
@@ -95,10 +95,10 @@ def foldable_by_rows(layer: Any, adapter_name: str) -> bool:
     if layer.rotation_settings[adapter_name].requantize not in ROW_FOLD_MODES:
         return False
     module = layer.get_base_layer()
-    bnb.adopt_base(module)  # a repacked weight back in the standard layout first
+    quantization.adopt_base(module)  # a repacked weight back in the standard layout first
     weight, cols = module.weight, module.in_features
     state = weight.quant_state
-    whole_rows = cols % math.lcm(state.blocksize, bnb.RESIDUAL_BLOCK, 2) == 0
+    whole_rows = cols % math.lcm(state.blocksize, quantization.RESIDUAL_BLOCK, 2) == 0
     return whole_rows and weight.quant_storage == torch.uint8 and rows_per_block(module) is not None
 
 
@@ -106,9 +106,9 @@ def foldable_by_rows(layer: Any, adapter_name: str) -> bool:
 def fold_by_rows(layer: Any, adapter_name: str) -> float:
     """Fold ``adapter_name``'s rotations into ``layer``'s 4-bit ``W0`` group by group (the module's two passes).
 
-    The result is `poet_hf.tuners.bnb.requantize`'s for the whole matrix: the same codes and scales for the same
-    rotated values, the residual ``M − dequant(Q(M))`` kept in the layer's residual store under ``"feedback"``.
-    The caller checks `foldable_by_rows`.
+    The result is `poet_hf.tuners.rotation.quantization.requantize`'s for the whole matrix: the same codes and scales
+    for the same rotated values, the residual ``M − dequant(Q(M))`` kept in the layer's residual store under
+    ``"feedback"``. The caller checks `foldable_by_rows`.
 
     Returns:
         The requantisation's relative error ``‖dequant(Q(M)) − M‖_F / ‖M‖_F``.
@@ -118,7 +118,7 @@ def fold_by_rows(layer: Any, adapter_name: str) -> float:
     dtype = torch.promote_types(module.weight.quant_state.dtype, torch.float32)
     source = _RotatedRows(layer, adapter_name, dtype, feedback)
     groups = list(source.groups(cast(int, rows_per_block(module))))
-    new = RequantizedRows(source.state, source.shape, bnb.compute_dtype(module))
+    new = RequantizedRows(source.state, source.shape, quantization.compute_dtype(module))
     for group in groups:
         new.write(group.rows, source.rotated(group))
     new_state = new.finish()
@@ -140,7 +140,7 @@ def _measure(
     scales = dequantized_scales(state).view(out, -1)
     device = codes.device
     residual_codes = torch.empty((out, cols) if feedback else (0, 0), dtype=torch.int8, device=device)
-    residual_scales = torch.empty(out if feedback else 0, cols // bnb.RESIDUAL_BLOCK, device=device)
+    residual_scales = torch.empty(out if feedback else 0, cols // quantization.RESIDUAL_BLOCK, device=device)
     error, norm = 0.0, 0.0  # squared Frobenius norms, summed over the groups
     for group in groups:
         matrix = source.rotated(group)
@@ -148,12 +148,15 @@ def _measure(
         error += float(difference.norm()) ** 2
         norm += float(matrix.norm()) ** 2
         if feedback:
-            residual_codes[group.rows], group_scales = bnb.encode_residual(difference)
+            residual_codes[group.rows], group_scales = quantization.encode_residual(difference)
             residual_scales[group.rows] = group_scales.view(group.rows.numel(), -1)
     relative = math.sqrt(error) / max(math.sqrt(norm), torch.finfo(source.dtype).tiny)
     if not feedback:
         return relative, None
-    return relative, {bnb.RESIDUAL_CODES: residual_codes, bnb.RESIDUAL_SCALES: residual_scales.view(-1)}
+    return relative, {
+        quantization.RESIDUAL_CODES: residual_codes,
+        quantization.RESIDUAL_SCALES: residual_scales.view(-1),
+    }
 
 
 class _RotatedRows:
@@ -167,8 +170,10 @@ class _RotatedRows:
         self.codes = weight.data.view(self.shape[0], -1)
         self.scales = dequantized_scales(self.state).view(self.shape[0], -1)
         self.dtype = dtype
-        kept = residual_store.read(module, bnb.RESIDUAL_NAMES) if feedback else None
-        self.residual = None if kept is None else (kept[bnb.RESIDUAL_CODES], kept[bnb.RESIDUAL_SCALES])
+        kept = residual_store.read(module, quantization.RESIDUAL_NAMES) if feedback else None
+        self.residual = (
+            None if kept is None else (kept[quantization.RESIDUAL_CODES], kept[quantization.RESIDUAL_SCALES])
+        )
         self.sides: dict[str, tuple[SideSpec, torch.Tensor, torch.Tensor]] = {
             side: (
                 spec,
@@ -186,7 +191,9 @@ class _RotatedRows:
         matrix = dequantize_rows(self.codes, self.scales, group.rows, self.state).to(self.dtype)
         if self.residual is not None:  # rows of whole residual blocks: their codes and their blocks' scales
             codes, scales = self.residual
-            kept = bnb.decode_residual(codes[group.rows], scales.view(self.shape[0], -1)[group.rows].reshape(-1))
+            kept = quantization.decode_residual(
+                codes[group.rows], scales.view(self.shape[0], -1)[group.rows].reshape(-1)
+            )
             matrix = matrix + kept.to(self.dtype)
         for side, (spec, index, blocks) in self.sides.items():
             if side == SIDE_INPUT:

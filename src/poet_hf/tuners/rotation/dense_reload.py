@@ -2,7 +2,7 @@
 
 An adapter saves its ``W0`` when ``W0`` is no longer the checkpoint's: merge-then-reinitialize folded rotations into
 it, POET re-initialised it (``base_init``), or bitsandbytes repacked a 4-bit base before it was wrapped
-(`bnb.QuantizedBaseRepackedWarning`). Such a ``W0`` is stored quantised (codes and statistics), which a
+(`quantization.QuantizedBaseRepackedWarning`). Such a ``W0`` is stored quantised (codes and statistics), which a
 full-precision ``nn.Linear`` cannot take. Loading it there:
 
 - with no merge folded in and no re-initialisation, the saved ``W0`` is only the quantisation of the checkpoint's:
@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import bnb
+from . import quantization
 
 
 class QuantizedAdapterBaseWarning(UserWarning):
@@ -95,13 +95,13 @@ def load_onto_dense_base(
 
 def _saved_base_keys(state_dict: dict[str, torch.Tensor], base_prefix: str) -> list[str]:
     weight_key = f"{base_prefix}weight"
-    extra = {f"{base_prefix}SCB", *(f"{base_prefix}{name}" for name in bnb.RESIDUAL_NAMES)}
+    extra = {f"{base_prefix}SCB", *(f"{base_prefix}{name}" for name in quantization.RESIDUAL_NAMES)}
     return [key for key in state_dict if key == weight_key or key.startswith(f"{weight_key}.") or key in extra]
 
 
 def _dequantize_saved(state_dict: dict[str, torch.Tensor], base_prefix: str, base: nn.Linear) -> torch.Tensor:
     """The out × in matrix the saved quantised ``W0`` stands for, dequantised by bitsandbytes."""
-    library = bnb.import_bitsandbytes()
+    library = quantization.import_bitsandbytes()
     saved = {key: value for key, value in state_dict.items() if key.startswith(base_prefix)}
     if f"{base_prefix}SCB" in saved:
         layer = library.nn.Linear8bitLt(
@@ -110,8 +110,8 @@ def _dequantize_saved(state_dict: dict[str, torch.Tensor], base_prefix: str, bas
     else:
         layer = library.nn.Linear4bit(base.in_features, base.out_features, bias=False, device="meta")
     layer.weight = nn.Parameter(torch.empty(0, device=base.weight.device), requires_grad=False)  # where to load
-    bnb.load_quantized_state(layer, saved, base_prefix)
-    matrix = bnb.dequantize(layer).float()
+    quantization.load_quantized_state(layer, saved, base_prefix)
+    matrix = quantization.dequantize(layer).float()
     if matrix.shape != base.weight.shape:
         raise ValueError(
             f"'{base_prefix}weight' was saved as a {tuple(matrix.shape)} matrix, but this base is "

@@ -1,11 +1,11 @@
 """Checks of loaded adapter state: what the math needs of every tensor, before it is used.
 
 A POET or OFT adapter is only a rotation if each side's index tensor is a permutation (block-stochastic) or a valid
-sorted index subset (fully stochastic) of the right size, its skew parameter has the shape its block size implies,
-and its merge count is a non-negative integer that agrees across the adapter's layers (they merge together). A file
-that breaks any of these would otherwise load silently and compute a wrong, non-orthogonal function, or fail at the
-first forward with a bare ``IndexError``. [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] names the
-file, the tensor and what is wrong.
+sorted index subset (fully stochastic) of the right size, its skew parameter has the shape its block size implies, and
+its merge count is a non-negative integer that agrees across the adapter's layers (they merge together). A file that
+breaks any of these would otherwise load silently and compute a wrong, non-orthogonal function, or fail at the first
+forward with a bare ``IndexError``. [`AdapterStateError`][poet_hf.tuners.rotation.state_checks.AdapterStateError] names
+the file, the tensor and what is wrong.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..orthogonal.spo import BLOCK, FULL, SideSpec
+from ...orthogonal.spo import BLOCK, FULL, SideSpec
 
 __all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew_problem", "merge_count_problem"]
 
@@ -123,7 +123,7 @@ def check_loaded_state(layer: Any, state_dict: dict[str, torch.Tensor], prefix: 
     """A rotation layer's ``load_state_dict`` pre-hook: each incoming tensor must be what the math needs.
 
     Index, skew and merge-count tensors are checked; raises
-    [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming the first that is not."""
+    [`AdapterStateError`][poet_hf.tuners.rotation.state_checks.AdapterStateError] naming the first that is not."""
     names = {id(child): name for name, child in layer.named_children()}
     for adapter_name, specs in layer.rotation_specs.items():
         checks: list[tuple[nn.Module, Callable[[torch.Tensor], str | None]]] = [

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..orthogonal.spo import nearest_divisor
+from ...orthogonal.spo import nearest_divisor
 
 PATTERN_FIELD = "block_size_pattern"
 

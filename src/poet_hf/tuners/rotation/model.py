@@ -11,14 +11,14 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ..config_utils import holds_full_model
+from ..tuner_base import LayerReplacingTuner
 from . import residual_store
 from .block_sizes import warn_adjusted_block_sizes
-from .bnb import adopt_base, drop_residual, quantization_of
-from .config_utils import holds_full_model
+from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
-from .rotation_layer import RotationLayer, rotation_layers
+from .quantization import adopt_base, drop_residual, quantization_of
 from .state_checks import AdapterStateError
-from .tuner_base import LayerReplacingTuner
 
 
 def create_tuner_module(
@@ -29,7 +29,7 @@ def create_tuner_module(
     Raises a ``ValueError`` naming any other type.
 
     bitsandbytes ``Linear4bit`` / ``Linear8bitLt`` targets are dispatched first (as PEFT dispatches LoRA's): they
-    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through `bnb`
+    subclass ``nn.Linear`` but store packed codes, so the Linear layer reads them through `quantization`
     (`quantization_of` raises for any other bitsandbytes module)."""
     from transformers.pytorch_utils import Conv1D as HFConv1D
 
@@ -111,7 +111,7 @@ class RotationModel(LayerReplacingTuner):
         include_base = (
             getattr(config, "base_init", None) is not None
             or any(int(m.merge_counts[adapter_name]) > 0 for m in layers)
-            or any(getattr(m.get_base_layer(), "poet_base_changed", False) for m in layers)  # bnb.adopt_base
+            or any(getattr(m.get_base_layer(), "poet_base_changed", False) for m in layers)  # quantization.adopt_base
         )
         if include_base:
             to_return.update({k: v for k, v in state_dict.items() if ".base_layer." in k})
@@ -139,7 +139,7 @@ class RotationModel(LayerReplacingTuner):
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
     """``load_state_dict`` post-hook: the layers of one adapter merge together, so their merge counts must agree.
 
-    Raises [`AdapterStateError`][poet_hf.tuners.state_checks.AdapterStateError] naming two that disagree."""
+    Raises [`AdapterStateError`][poet_hf.tuners.rotation.state_checks.AdapterStateError] naming two that disagree."""
     for adapter_name in getattr(tuner, "peft_config", {}):
         layers = rotation_layers(tuner, adapter_name)
         counts = {name: int(layer.merge_counts[adapter_name]) for name, layer in layers}
@@ -166,7 +166,7 @@ def prepare_residual_files(model: nn.Module, adapter_name: str = "default") -> N
         adapter_name: the adapter whose ``residual_storage`` and ``requantize`` decide.
 
     Raises:
-        ResidualSpaceError: the residual files would not fit (`poet_hf.tuners.residual_folder`).
+        ResidualSpaceError: the residual files would not fit (`poet_hf.tuners.rotation.residual_folder`).
     """
     for _, layer in rotation_layers(model, adapter_name):
         layer.attach_residual_store(adapter_name)
@@ -200,7 +200,7 @@ def merge_and_reinit(
     Raises:
         ValueError: no POET layer holds the adapter.
         ResidualSpaceError: the residual files would not fit the residual folder's disk
-            (`poet_hf.tuners.residual_folder`); nothing is folded.
+            (`poet_hf.tuners.rotation.residual_folder`); nothing is folded.
     """
     layers = rotation_layers(model, adapter_name)
     if not layers:

@@ -4,7 +4,7 @@ Every merge writes ``R·W0·P`` back into ``W0``; in a 16-bit dtype that rounds 
 significant bits, float16 11). With nearest rounding the errors of successive merges add up, and a rotation step
 smaller than half a rounding step of an entry is lost altogether. Error feedback keeps what the rounding dropped,
 ``r = M − round(M)``, and adds it back at the next fold, so the stored weight stays within one rounding step of the
-exact path however many merges there are (the scheme of the quantised bases, `poet_hf.tuners.bnb`).
+exact path however many merges there are (the scheme of the quantised bases, `poet_hf.tuners.rotation.quantization`).
 
 The residual of an entry is at most half its rounding step ``ulp(round(M))``, so it is stored as an int8 fraction of
 that step, ``round(254·r / ulp)``: one byte per entry, read back within ``ulp / 508``.

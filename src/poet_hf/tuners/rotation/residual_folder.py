@@ -1,5 +1,5 @@
-"""The folder of the residual files (`poet_hf.tuners.residual_store`): where it is, what it may hold, and cleaning up
-after killed processes.
+"""The folder of the residual files (`poet_hf.tuners.rotation.residual_store`): where it is, what it may hold, and
+cleaning up after killed processes.
 
 Each process writes its files into a folder of its own, ``poet-residuals-<pid>-*``, under the *parent folder*: the
 system temp folder (``tempfile.gettempdir()``: ``$TMPDIR``, else ``/tmp``) unless `set_residual_folder` (or the

@@ -1,8 +1,8 @@
 """Where error feedback keeps a fold's rounding residual between merges: on the layer, in host memory, or in a file.
 
 Error feedback (``requantize="feedback"``) keeps what a fold's rounding of ``W0`` dropped and adds it back at the next
-fold (`poet_hf.tuners.bnb.requantize`, `poet_hf.tuners.low_precision.store`). The residual is read and written only at
-a fold, once every ``merge_every`` steps, so it need not share the training steps' memory:
+fold (`poet_hf.tuners.rotation.quantization.requantize`, `poet_hf.tuners.rotation.low_precision.store`). The residual
+is read and written only at a fold, once every ``merge_every`` steps, so it need not share the training steps' memory:
 
 - ``"layer"``: buffers on the base layer, beside the weight (1.06 bytes per entry of a 4-bit ``W0``, 1 of a 16-bit
   one);

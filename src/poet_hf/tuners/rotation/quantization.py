@@ -184,8 +184,8 @@ class QuantizedWeight:
 
     def row_blocks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """``(start, stop, W0[start:stop])`` for consecutive blocks of rows, each dequantised alone
-        (`poet_hf.tuners.bnb_rows`)."""
-        from .bnb_rows import dequantized_row_blocks
+        (`poet_hf.tuners.rotation.quantized_rows`)."""
+        from .quantized_rows import dequantized_row_blocks
 
         _restore_packed(self.module)
         return dequantized_row_blocks(self.module, self.dtype, self)

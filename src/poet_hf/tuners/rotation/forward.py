@@ -3,7 +3,7 @@
 `FusedForward` runs ``base(x, Pᵀ W0 Rᵀ)`` (POET eq. 3) through the fused functions of
 `poet_hf.orthogonal.rotated_linear`, choosing a strategy per call, and keeps per adapter and side the
 [`RotationCache`][poet_hf.orthogonal.rotated_linear.RotationCache] that lets an accumulation window build each
-rotation once and run one VJP for it (`rotation_cache.py` tracks the windows and the optimizer hooks).
+rotation once and run one VJP for it (`caches.py` tracks the windows and the optimizer hooks).
 `reference_forward` composes the same forward from the orthogonal primitives under plain autograd: the path of
 several adapters at once, and, inside `plain_autograd`, the reference the fused path is tested against.
 """
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ..orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, rotated_forward
-from ..orthogonal.strategy_costs import polynomial_products, strategy_costs
-from ..sharded import full_tensor
-from . import bnb, rotation_cache
+from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, rotated_forward
+from ...orthogonal.strategy_costs import polynomial_products, strategy_costs
+from ...sharded import full_tensor
+from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
+from . import caches, quantization
 from .base_weight import at_least_float32
-from .constants import SIDE_INPUT, SIDE_OUTPUT
 
 _FUSED = True
 
@@ -79,7 +79,7 @@ class FusedForward:
         if settings.forward != "auto":
             return str(settings.forward)
         sides = layer.sides(adapter_name)
-        quantization = layer.base_quantization
+        base_quantization = layer.base_quantization
         costs = strategy_costs(
             tokens,
             layer.in_features,
@@ -87,7 +87,7 @@ class FusedForward:
             sides.get(SIDE_INPUT),
             sides.get(SIDE_OUTPUT),
             training,
-            dequantize_cost=bnb.DEQUANTIZE_COST[quantization] if quantization else 0.0,
+            dequantize_cost=quantization.DEQUANTIZE_COST[base_quantization] if base_quantization else 0.0,
             polynomial=polynomial_products(settings.neumann_terms, polynomial_phase) if training else 0,
         )
         # (macs, order, name): the cheapest, the first listed on a tie; a plain min, which Dynamo traces.
@@ -138,15 +138,15 @@ class FusedForward:
         if torch.compiler.is_compiling():
             return None, False
         settings = layer.rotation_settings[adapter_name]
-        defer = training and settings.cache_rotations and rotation_cache.deferring()
+        defer = training and settings.cache_rotations and caches.deferring()
         cache = self.caches.get((adapter_name, side))
         if cache is None:
             if not defer:
                 return None, False
             cache = self.caches[(adapter_name, side)] = RotationCache()
             vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
-            rotation_cache.track(layer)
-        if rotation_cache.gradient_was_reset(vec, cache):
+            caches.track(layer)
+        if caches.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
         key = (int(layer.merge_counts[adapter_name]), float(torch.linalg.vector_norm(vec.detach())))
         if cache.key is not None and cache.key != key:

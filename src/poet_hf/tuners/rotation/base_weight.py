@@ -2,7 +2,7 @@
 
 ``nn.Linear.weight``; ``Conv1D.weight.T`` (GPT-2 stores in × out); ``nn.Conv2d.weight`` viewed as
 out × (in/groups·kh·kw); or the dequantised weight of a bitsandbytes ``Linear4bit`` / ``Linear8bitLt``
-(`bnb`: QOFT, QPOET), which every write requantises. The bias is never rotated.
+(`quantization`: QOFT, QPOET), which every write requantises. The bias is never rotated.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..orthogonal import spo_generator
-from ..orthogonal.base_ops import Conv2dOp, LinearOp
-from ..sharded import full_tensor, is_dtensor, write_full
-from . import bnb, dense_reload, low_precision, residual_store
+from ...orthogonal import spo_generator
+from ...orthogonal.base_ops import Conv2dOp, LinearOp
+from ...sharded import full_tensor, is_dtensor, write_full
+from . import dense_reload, low_precision, quantization, residual_store
 
 
 class QuantizedMergeWarning(UserWarning):
@@ -44,7 +44,7 @@ class BaseWeightMixin:
     @property
     def base_quantization(self) -> str | None:
         """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
-        return bnb.quantization_of(self.get_base_layer())
+        return quantization.quantization_of(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
         """The stored weight of a float base (``Linear``, ``Conv1D``, ``Conv2d``)."""
@@ -66,24 +66,24 @@ class BaseWeightMixin:
     def weight_dtype(self) -> torch.dtype:
         """The dtype the base weight is used in (a quantised base's compute dtype)."""
         if self.base_quantization is not None:
-            return bnb.compute_dtype(self.get_base_layer())
+            return quantization.compute_dtype(self.get_base_layer())
         return self.base_weight().dtype
 
     def weight_matrix(self) -> torch.Tensor:
         """The out × in base weight: a view of the stored weight, or a quantised base dequantised (a new tensor)."""
         base = self.get_base_layer()
         if self.base_quantization is not None:
-            return bnb.dequantize(base).to(self.weight_dtype)
+            return quantization.dequantize(base).to(self.weight_dtype)
         weight = self.base_weight()
         return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
 
-    def dense_weight(self) -> torch.Tensor | bnb.QuantizedWeight:
+    def dense_weight(self) -> torch.Tensor | quantization.QuantizedWeight:
         """``W0`` as the fused forward takes it.
 
         The weight matrix, or a quantised base's dequantising callable, so no dequantised copy is kept between
         forward and backward."""
         if self.base_quantization is not None:
-            return bnb.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
+            return quantization.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
         return self.weight_matrix()
 
     def full_weight_matrix(self) -> torch.Tensor:
@@ -103,9 +103,9 @@ class BaseWeightMixin:
         A quantised base is requantised by `requantize` (``requantize``: "feedback",
         "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
         `requantization_error`. A bfloat16 or float16 base is rounded the same three ways
-        (`poet_hf.tuners.low_precision`; nearest when FSDP2 shards it)."""
+        (`poet_hf.tuners.rotation.low_precision`; nearest when FSDP2 shards it)."""
         if self.base_quantization is not None:
-            self.requantization_error = bnb.requantize(self, matrix, requantize, generator)
+            self.requantization_error = quantization.requantize(self, matrix, requantize, generator)
             return
         weight = self.base_weight()
         full = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
@@ -113,26 +113,27 @@ class BaseWeightMixin:
             full = low_precision.store(self.get_base_layer(), full, requantize, generator)
         write_full(weight, full)
 
-    def check_quantizable(self, quantization: str, layer_name: str) -> None:
-        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``quantization``.
+    def check_quantizable(self, base_quantization: str, layer_name: str) -> None:
+        """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``base_quantization``.
 
         It can when it is an ``nn.Linear``, or a bitsandbytes layer already quantised the same way."""
         current = self.base_quantization
         base = self.get_base_layer()
         if current is None and type(base) is not nn.Linear:
             raise ValueError(
-                f"`base_quantization`={quantization!r} quantises nn.Linear targets with bitsandbytes; "
+                f"`base_quantization`={base_quantization!r} quantises nn.Linear targets with bitsandbytes; "
                 f"target '{layer_name}' is a {type(base).__name__}"
             )
-        if current is not None and current != quantization:
+        if current is not None and current != base_quantization:
             raise ValueError(
-                f"`base_quantization`={quantization!r}, but target '{layer_name}' is already quantised as {current!r}"
+                f"`base_quantization`={base_quantization!r}, but target '{layer_name}' is already quantised as "
+                f"{current!r}"
             )
 
-    def quantize_base(self, quantization: str) -> None:
+    def quantize_base(self, base_quantization: str) -> None:
         """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
         if self.base_quantization is None:
-            self.base_layer = bnb.quantize_linear(cast(nn.Linear, self.get_base_layer()), quantization)
+            self.base_layer = quantization.quantize_linear(cast(nn.Linear, self.get_base_layer()), base_quantization)
         self.pending_quantization = None
 
     def base_weight_bytes(self) -> int:
@@ -140,7 +141,7 @@ class BaseWeightMixin:
         if self.base_quantization is None:
             weight = self.base_weight()
             return weight.numel() * weight.element_size() + low_precision.residual_bytes(self.get_base_layer())
-        return bnb.quantized_bytes(self.get_base_layer())
+        return quantization.quantized_bytes(self.get_base_layer())
 
     def _load_base_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
         """``load_state_dict`` pre-hook: install a quantised base's codes together with their statistics.
@@ -151,7 +152,7 @@ class BaseWeightMixin:
         if self.rotation_settings:
             self.attach_residual_store(next(iter(self.rotation_settings)))
         if self.base_quantization is not None:
-            bnb.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+            quantization.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
             return
         if dense_reload.holds_quantized_weight(state_dict, f"{prefix}base_layer."):
             base_init = any(settings.base_init for settings in self.rotation_settings.values())
@@ -164,13 +165,15 @@ class BaseWeightMixin:
         """Keep the base's error-feedback residual where ``residual_storage`` says (`residual_store`), and count what
         it will take for the free-space check of the residual files."""
         settings = self.rotation_settings[adapter_name]
-        names = bnb.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
+        names = (
+            quantization.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
+        )
         expected = 0
         if settings.requantize == "feedback":
             out_features, in_features = self.weight_shape
             quantized = self.base_quantization is not None
             expected = (
-                bnb.residual_bytes(out_features * in_features)
+                quantization.residual_bytes(out_features * in_features)
                 if quantized
                 else low_precision.expected_residual_bytes(self.base_weight())
             )
@@ -180,7 +183,7 @@ class BaseWeightMixin:
         """What the last fold's rounding of ``W0`` dropped (error feedback), as an out × in matrix, or ``None``."""
         base = self.get_base_layer()
         if self.base_quantization is not None:
-            return bnb.residual(base)
+            return quantization.residual(base)
         kept = low_precision.residual(base)
         if kept is None:
             return None

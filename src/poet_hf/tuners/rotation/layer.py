@@ -7,7 +7,7 @@ up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × o
 (`base_weight.py`).
 
 Here: the adapter state, its construction, merge / unmerge and merge-then-reinitialize. The forward paths are in
-`fused_forward.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT) declare
+`forward.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT) declare
 where their tensors live, how a config becomes sides, and their forward options.
 """
 
@@ -23,7 +23,7 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
-from ..orthogonal import (
+from ...orthogonal import (
     cayley_neumann,
     num_skew_params,
     orthogonal_from_vector,
@@ -31,17 +31,17 @@ from ..orthogonal import (
     skew_from_vector,
     spo_generator,
 )
-from ..orthogonal.linalg import invert_blocks
-from ..orthogonal.norm_cap import skew_norm_scale
-from ..orthogonal.rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE
-from ..orthogonal.spo import SideSpec
-from ..orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
-from ..sharded import full_tensor, write_full
-from . import rotation_cache
+from ...orthogonal.linalg import invert_blocks
+from ...orthogonal.norm_cap import skew_norm_scale
+from ...orthogonal.rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE
+from ...orthogonal.spo import SideSpec
+from ...orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
+from ...sharded import full_tensor, write_full
+from ..config_utils import SIDE_INPUT
+from ..tuner_base import ModuleMixin
+from . import caches
 from .base_weight import BaseWeightMixin, QuantizedMergeWarning
-from .constants import SIDE_INPUT
-from .fused_forward import FusedForward, fused_enabled, reference_forward
-from .module_mixin import ModuleMixin
+from .forward import FusedForward, fused_enabled, reference_forward
 from .row_fold import fold_by_rows, foldable_by_rows
 from .state_checks import check_loaded_state
 
@@ -64,9 +64,9 @@ class RotationSettings:
     neumann_terms: int
     forward: str  # "auto", "weight" or "activation"
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
-    requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (tuners/bnb.py, low_precision.py)
-    residual_storage: str = "auto"  # where feedback keeps its residual between folds (tuners/residual_store.py)
-    cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (rotation_cache.py)
+    requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (quantization.py, low_precision.py)
+    residual_storage: str = "auto"  # where feedback keeps its residual between folds (residual_store.py)
+    cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (caches.py)
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
@@ -216,8 +216,8 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, merge_count=0))
             params[adapter_name].zero_()
             if not getattr(params[adapter_name], "_poet_anchored", False):
-                # so that zero_grad drops a deferred gradient with the rest of the gradient (rotation_cache.py)
-                params[adapter_name].register_post_accumulate_grad_hook(rotation_cache.anchor_to_gradient)
+                # so that zero_grad drops a deferred gradient with the rest of the gradient (caches.py)
+                params[adapter_name].register_post_accumulate_grad_hook(caches.anchor_to_gradient)
                 params[adapter_name]._poet_anchored = True
         if not settings.init_weights:
             self.randomize_skew(
@@ -401,7 +401,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
 
         A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
-        (`requantize`); a large 4-bit one a group of rows at a time (`poet_hf.tuners.row_fold`).
+        (`requantize`); a large 4-bit one a group of rows at a time (`poet_hf.tuners.rotation.row_fold`).
 
         Returns the pre-merge [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics], with
         ``requantization_error`` for a quantised base.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from accelerate.state import GradientState
 
-from ..orthogonal.rotated_linear import RotationCache
+from ...orthogonal.rotated_linear import RotationCache
 
 logger = logging.getLogger(__name__)
 
