@@ -117,7 +117,11 @@ def test_no_module_imports_a_layer_above_its_own(path):
     "source, module, expected",
     [
         ("from ...training import PoetTrainer", "poet_hf.tuners.poet.layer", "imports poet_hf.training"),
-        ("def f():\n    from ..export import export_merged", "poet_hf.tuners.rotation.layer", "imports poet_hf.export"),
+        (
+            "def f():\n    from ...export import export_merged",
+            "poet_hf.tuners.rotation.layer",
+            "imports poet_hf.export",
+        ),
         ("import poet_hf.vision.lipconvnet", "poet_hf.export", "imports poet_hf.vision"),
         ("from transformers import PreTrainedModel", "poet_hf.orthogonal.eco", "is pure PyTorch"),
         ("from ..tuners import poet", "poet_hf.orthogonal.cayley", "imports poet_hf.tuners"),
