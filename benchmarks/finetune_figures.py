@@ -160,6 +160,26 @@ def usual_lora_mean(load: Load) -> str:
     return f"{statistics.mean(r[GAIN] for r in rows):.2f}"
 
 
+def default_angles(load: Load, method: str) -> str:
+    """The largest angle a layer turned by at step 5 at ``method``'s default rate, per choosing task."""
+    record = load("finetune_choice")
+    by_task = {r["task"]: r for r in record["rows"] if r["method"] == method and r["default"]}
+    angles = [f"{by_task[task]['angle @5']:.1f}°" for task in record["settings"]["tasks"]]
+    return ", ".join(angles[:-1]) + " and " + angles[-1]
+
+
+COLLAPSED = 0.2  # a loss gain below a fifth of OFT's default: the run lost what the model had
+
+
+def collapse_angles(load: Load) -> str:
+    """The smallest step-5 angle of a rotation run that collapsed, and the largest of one that still gained more than
+    OFT's default, over the choosing sweep."""
+    rows = [r for r in load("finetune_choice")["rows"] if r["method"] != "lora"]
+    collapsed = min(r["angle @5"] for r in rows if r[GAIN] < COLLAPSED)
+    gained = max(r["angle @5"] for r in rows if r[GAIN] > 1)
+    return f"one run collapsed at {collapsed:.0f}° while another still gained at {gained:.0f}°"
+
+
 def best_rate(load: Load, method: str) -> str:
     return next(f"{r['rate']:g}" for r in load("finetune_choice")["rows"] if r["method"] == method and r["best"])
 
@@ -205,6 +225,9 @@ FINETUNE_FIGURES: dict[str, Callable[[Load], str]] = {
     },
     **{f"finetune_report.{method}_memory": (lambda load, m=method: report_memory(load, m)) for method in METHOD_NAMES},
     "finetune_choice.lora_usual_mean": usual_lora_mean,
+    "finetune_choice.poet_default_angles": lambda load: default_angles(load, "poet"),
+    "finetune_choice.oft_default_angles": lambda load: default_angles(load, "oft"),
+    "finetune_choice.collapse_angles": collapse_angles,
     **{f"finetune_choice.{method}_best": (lambda load, m=method: best_rate(load, m)) for method in METHOD_NAMES},
     **{
         f"finetune_{suite}.{method}_{setting}_mean": (

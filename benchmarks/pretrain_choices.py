@@ -2,12 +2,12 @@
 
 The README's main job made longer, with POET-FS: `scripts/pretrain.py --method poet-fs` on the tiny preset and the
 embedded corpus, `STEPS` steps of 8 × 256 tokens at the preset's rates, one seed, one choice changed per run
-(`VARIANTS`); the reference merges every 200 steps (``T_m``, the paper's §5.2 value for its shortest runs) and
-counts 6 Cayley–Neumann terms (PEFT's count n; the paper's k = n − 2 = 4). Every run is the command a user types, in
-its own process, two at a time with one torch thread each (`benchmarks.run_cache`). Rows carry the final validation
-perplexity, the rotation parameters (R and P of every block, `trainable_block_params`) and the largest relative
-drift of a weight's singular values from initialisation to the end (`poet_hf.diagnostics.spectrum_report`), which
-an orthogonal equivalence transformation keeps at zero save for the Neumann series' error.
+(`VARIANTS`); the reference merges every 200 steps (``T_m``: four merges in the run, where the paper's Table 4 has
+200–400) and counts 6 Cayley–Neumann terms (PEFT's count n; the paper's k = n − 2 = 4). Every run is the command a user
+types, in its own process, two at a time with one torch thread each (`benchmarks.run_cache`). Rows carry the final
+validation perplexity, the rotation parameters (R and P of every block, `trainable_block_params`) and the largest
+relative drift of a weight's singular values from initialisation to the end (`poet_hf.diagnostics.spectrum_report`),
+which an orthogonal equivalence transformation keeps at zero save for the Neumann series' error.
 """
 
 from __future__ import annotations
