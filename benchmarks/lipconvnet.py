@@ -35,11 +35,10 @@ def train_row(name: str, argv: list[str], quick: bool) -> dict[str, Any]:
         if done.returncode:
             raise RuntimeError(f"train_vision.py {argv} failed:\n{done.stderr[-3000:]}")
         metrics = json.loads((Path(out) / "results.json").read_text())
-    keep = ("clean_accuracy", "certified_accuracy_at", "lipschitz_constant", "train_seconds", "train_examples")
-    return {"recipe": name, "argv": argv, "epochs": metrics["epochs"], **{k: metrics[k] for k in keep}} | {
-        "test_examples": metrics["num_examples"],
-        "certified_curve": metrics["certified_curve"],
-    }
+    keep = ("epochs", "clean_accuracy", "certified_accuracy_at", "lipschitz_constant", "train_seconds")
+    keep += ("train_examples", "certified_curve")
+    row = {"recipe": name, "argv": argv, **{key: metrics[key] for key in keep}}
+    return {**row, "test_examples": metrics["num_examples"]}
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str | Path, machine: str = "") -> list[Path]:

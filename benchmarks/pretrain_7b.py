@@ -16,15 +16,14 @@ and quantises it before the next one gets storage. The run then trains with ever
 The fused steps keep the clip (``max_grad_norm`` 1.0, against the running global-norm estimate of
 `FusedStepOptimizer`).
 
-Measured in its own process, started as a user starts one: no allocator variable in its environment (the package
-fixes glibc's mmap threshold itself where the savings run, `poet_hf.allocator`). Each phase's peak is measured on its
-own (Linux's ``clear_refs`` resets the high-water mark): the build, the training steps, a merge (``merge_and_reinit``
-of every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.rotation.row_fold`, its residual
-read and
-written a layer at a time) and a step after it; each as the whole process's peak
-RSS (imports included) and as the peak above the RSS after the imports. Beside the measured step peak,
-`poet_hf.plan_memory`'s figure for the same run (above the imports, as the planner counts), for ``1 × 2048`` in
-bfloat16 on a GPU, and for the head and embeddings in float32; and the size of the residual files and their folder.
+Measured in its own process, started as a user starts one: no allocator variable in its environment (the package fixes
+glibc's mmap threshold itself where the savings run, `poet_hf.allocator`). Each phase's peak is measured on its own
+(Linux's ``clear_refs`` resets the high-water mark): the build, the training steps, a merge (``merge_and_reinit`` of
+every layer, each 4-bit ``W0`` folded a group of rows at a time, `poet_hf.tuners.rotation.row_fold`, its residual read
+and written a layer at a time) and a step after it; each as the whole process's peak RSS (imports included) and as the
+peak above the RSS after the imports. Beside the measured step peak, `poet_hf.plan_memory`'s figure for the same run
+(above the imports, as the planner counts), for ``1 × 2048`` in bfloat16 on a GPU, and for the head and embeddings in
+float32; and the size of the residual files and their folder.
 """
 
 from __future__ import annotations

@@ -41,10 +41,8 @@ def job_argv(flags: list[str], quick: bool) -> list[str]:
     set another."""
     merge = [] if "--merge_every" in flags else ["--merge_every", "200"]
     steps, logging = (10, 5) if quick else (STEPS, LOGGING_STEPS)
-    return ["--method", "poet-fs", *merge, *flags, "--max_steps", str(steps), "--logging_steps", str(logging)] + [
-        "--disable_tqdm",
-        "true",
-    ]
+    length = ["--max_steps", str(steps), "--logging_steps", str(logging), "--disable_tqdm", "true"]
+    return ["--method", "poet-fs", *merge, *flags, *length]
 
 
 def run_choice(argv: list[str], output_dir: Path) -> dict[str, Any]:

@@ -119,26 +119,26 @@ def choices_table(load: Load) -> str:
     return markdown_table([*header, "val. perplexity", "largest spectrum drift"], rows)
 
 
-def _choice(load: Load, run: str) -> dict[str, Any]:
-    rows = load("pretrain_choices")["rows"]
-    return next(row for row in rows if row["run"].startswith(run))
+def _choice(load: Load, run: str = "reference") -> dict[str, Any]:
+    """The row of `benchmarks.pretrain_choices` whose name starts with ``run`` (by default the reference)."""
+    return next(row for row in load("pretrain_choices")["rows"] if row["run"].startswith(run))
 
 
 def choice_gap(load: Load, run: str) -> str:
     """The validation perplexity of the choice whose name starts with ``run``, and its gap to the reference's."""
-    row, reference = _choice(load, run), load("pretrain_choices")["rows"][0]
+    row, reference = _choice(load, run), _choice(load)
     return f"{row['val perplexity']:.1f} ({percent(row['val perplexity'] / reference['val perplexity'] - 1)})"
 
 
 def drift_against_reference(load: Load, run: str) -> str:
     """How many times the reference's largest spectrum drift the choice ``run`` drifts."""
-    reference = load("pretrain_choices")["rows"][0]["max spectrum drift"]
+    reference = _choice(load)["max spectrum drift"]
     return f"{_choice(load, run)['max spectrum drift'] / reference:.1f}×"
 
 
 def choices_initial(load: Load) -> str:
     """The validation perplexity the choices' runs start from."""
-    return f"{load('pretrain_choices')['rows'][0]['initial val perplexity']:.0f}"
+    return f"{_choice(load)['initial val perplexity']:.0f}"
 
 
 PRETRAIN_QUALITY_TABLES: dict[str, Callable[[Load], str]] = {
@@ -149,7 +149,7 @@ PRETRAIN_QUALITY_FIGURES: dict[str, Callable[[Load], str]] = {
     "pretrain_quality.source": lambda load: provenance(load("pretrain_quality")),
     "pretrain_choices.source": lambda load: provenance(load("pretrain_choices")),
     "pretrain_choices.initial": choices_initial,
-    "pretrain_choices.reference": lambda load: f"{load('pretrain_choices')['rows'][0]['val perplexity']:.1f}",
+    "pretrain_choices.reference": lambda load: f"{_choice(load)['val perplexity']:.1f}",
     "pretrain_choices.n5_drift": lambda load: drift_against_reference(load, "n = 5"),
     **{
         f"pretrain_choices.{key}": (lambda load, run=run: choice_gap(load, run))

@@ -45,10 +45,6 @@ def _percent(value: float) -> str:
     return f"{value * 100:.1f} %"
 
 
-def lipconvnet_row(load: Load, recipe: str) -> dict[str, Any]:
-    return next(row for row in load("lipconvnet")["rows"] if row["recipe"] == recipe)
-
-
 def lipconvnet_table(load: Load) -> str:
     """Clean and certified accuracy of each recipe, with its Lipschitz constant and training time."""
     rows = []
@@ -56,7 +52,8 @@ def lipconvnet_table(load: Load) -> str:
         certified = [_percent(value) for value in row["certified_accuracy_at"].values()]
         rows.append(
             [
-                f"{row['recipe']} ({row['epochs']:g} epochs)" if "epochs" not in row["recipe"] else row["recipe"],
+                row["recipe"],
+                f"{row['epochs']:g}",
                 _percent(row["clean_accuracy"]),
                 *certified,
                 f"{row['lipschitz_constant']:.2f}",
@@ -64,7 +61,7 @@ def lipconvnet_table(load: Load) -> str:
             ]
         )
     radii = list(load("lipconvnet")["rows"][0]["certified_accuracy_at"])
-    header = ["recipe", "clean", f"certified at {radii[0]}", *radii[1:], "Lipschitz constant (pixel space)"]
+    header = ["recipe", "epochs", "clean", f"certified at {radii[0]}", *radii[1:], "Lipschitz constant (pixel space)"]
     return markdown_table([*header, "training"], rows)
 
 

@@ -56,12 +56,15 @@ class _MovedModuleLoader(importlib.abc.Loader):
 class _MovedModuleFinder(importlib.abc.MetaPathFinder):
     """Finds ``poet_hf.tuners.<old>`` for each old name of `MOVED_MODULES`."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec:
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         package, _, leaf = fullname.rpartition(".")
         if package != __name__ or leaf not in MOVED_MODULES:
-            return None  # type: ignore[return-value]
+            return None
         return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(f"{__name__}.{MOVED_MODULES[leaf]}"))
 
 
+# Last on the path: the old names exist nowhere on disk, so only imports the other finders could not place reach it.
 if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())
+    sys.meta_path.append(_MovedModuleFinder())
