@@ -13,18 +13,18 @@ from typing import Any, cast
 import torch
 
 from .base_ops import LinearOp
-from .rotated_linear import (
+from .rotation_sides import (
     SideRotation,
     WeightSource,
-    _autocast_off,
-    _given,
-    _grad_right,
-    _permutation,
-    _right,
-    _row_blocks,
-    _save_weight,
-    _source,
-    _transpose,
+    autocast_off,
+    given_blocks,
+    grad_right,
+    right_product,
+    row_blocks,
+    save_weight,
+    side_permutation,
+    transpose_blocks,
+    weight_source,
 )
 from .spo import BLOCK, inverse_permutation, select_last
 
@@ -35,7 +35,7 @@ def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> 
     """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
     if side.spec.kind == BLOCK:
         x = select_last(x, side.index)
-    return _right(x, side, blocks)
+    return right_product(x, side, blocks)
 
 
 def _natural_input(
@@ -48,7 +48,7 @@ def _natural_input(
     """``u Ψ_R = x R Ψ_R``: the rotated input in natural order, as ``W0``'s columns are stored."""
     if input_side is None:
         return x2.to(base_dtype)
-    u = _rotate_input(x2.to(rotation_dtype), input_side, _given(r_blocks).to(rotation_dtype)).to(base_dtype)
+    u = _rotate_input(x2.to(rotation_dtype), input_side, given_blocks(r_blocks).to(rotation_dtype)).to(base_dtype)
     return _natural_columns(u, input_side)
 
 
@@ -65,7 +65,7 @@ def _products(
     ``W0`` is read as stored, never copied, and a `DenseWeight` a block of its rows at a time: the block's columns
     of ``u W0ᵀ`` and its share of ``g W0``."""
     outputs, grad = [], None
-    for start, stop, rows in _row_blocks(weight):
+    for start, stop, rows in row_blocks(weight):
         rows = rows.to(base_dtype)
         if u is not None:
             outputs.append(op.forward(u, rows, None if bias is None else bias[start:stop].to(base_dtype)))
@@ -79,13 +79,13 @@ def _products(
 
 def _natural_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
     """``t Ψ``: last-dimension entries from a block side's coordinates back to natural order."""
-    index = _permutation(side)
+    index = side_permutation(side)
     return t if index is None else select_last(t, inverse_permutation(index))
 
 
 def _side_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
     """``t Ψᵀ``: last-dimension entries from natural order to a block side's coordinates."""
-    index = _permutation(side)
+    index = side_permutation(side)
     return t if index is None else select_last(t, index)
 
 
@@ -94,7 +94,7 @@ class ActivationStrategy(torch.autograd.Function):
     def forward(
         ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output
     ):
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
             u = _natural_input(x.reshape(-1, x.shape[-1]), input_side, r_blocks, rotation_dtype, base_dtype)
@@ -102,7 +102,7 @@ class ActivationStrategy(torch.autograd.Function):
             h = _side_columns(cast(torch.Tensor, h_natural), output_side)  # in P's coordinates
             y = h
             if output_side is not None:
-                y = _right(
+                y = right_product(
                     h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
                 )
                 if output_side.spec.kind == BLOCK:
@@ -111,7 +111,7 @@ class ActivationStrategy(torch.autograd.Function):
                 if bias is not None:
                     y = y + bias.to(base_dtype)
         ctx.save_for_backward(
-            x, _save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
+            x, save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
         )
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -121,8 +121,8 @@ class ActivationStrategy(torch.autograd.Function):
         x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
         (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
         grads: list[Any] = [None] * 11
-        with _autocast_off(grad_y.device.type):
-            weight = _source(weight, ctx)
+        with autocast_off(grad_y.device.type):
+            weight = weight_source(weight, ctx)
             x2 = x.reshape(-1, x.shape[-1])
             g = grad_y.reshape(-1, grad_y.shape[-1])
             r_blocks = r_eval = None
@@ -134,7 +134,7 @@ class ActivationStrategy(torch.autograd.Function):
                 g = g.to(rotation_dtype)
                 if output_side.spec.kind == BLOCK:
                     g = select_last(g, output_side.index)
-                g_h = _right(g, output_side, _transpose(p_blocks.to(rotation_dtype)))
+                g_h = right_product(g, output_side, transpose_blocks(p_blocks.to(rotation_dtype)))
                 need_h = ctx.needs_input_grad[4] and h is None
             if input_side is not None and need_h:  # R's blocks are built when first needed: here for h, else after W0
                 r_blocks, r_eval = input_side.blocks(r_vec)
@@ -150,7 +150,7 @@ class ActivationStrategy(torch.autograd.Function):
             if output_side is not None and ctx.needs_input_grad[4]:
                 h = h if h_natural is None else _side_columns(h_natural, output_side)
                 h_natural = None
-                grad_blocks = _grad_right(h.to(rotation_dtype), g, output_side)
+                grad_blocks = grad_right(h.to(rotation_dtype), g, output_side)
                 h = g = None
                 grads[4] = output_side.vector_grad(p_eval, grad_blocks, p_vec)
                 del grad_blocks
@@ -163,11 +163,11 @@ class ActivationStrategy(torch.autograd.Function):
                     x_r = x2.to(rotation_dtype)
                     if input_side.spec.kind == BLOCK:
                         x_r = select_last(x_r, input_side.index)
-                    grad_blocks = _grad_right(x_r, grad_u, input_side)
+                    grad_blocks = grad_right(x_r, grad_u, input_side)
                     del x_r
                     grads[3] = input_side.vector_grad(r_eval, grad_blocks, r_vec)
                     del grad_blocks
-                grad_u = _right(grad_u, input_side, _transpose(r_blocks.to(rotation_dtype)))
+                grad_u = right_product(grad_u, input_side, transpose_blocks(r_blocks.to(rotation_dtype)))
                 if input_side.spec.kind == BLOCK:
                     grad_u = select_last(grad_u, inverse_permutation(input_side.index))
             if ctx.needs_input_grad[0]:

@@ -2,7 +2,7 @@
 
 `FusedForward` runs ``base(x, Pᵀ W0 Rᵀ)`` (POET eq. 3) through the fused functions of
 `poet_hf.orthogonal.rotated_linear`, choosing a strategy per call, and keeps per adapter and side the
-[`RotationCache`][poet_hf.orthogonal.rotated_linear.RotationCache] that lets an accumulation window build each
+[`RotationCache`][poet_hf.orthogonal.rotation_sides.RotationCache] that lets an accumulation window build each
 rotation once and run one VJP for it (`caches.py` tracks the windows and the optimizer hooks).
 `reference_forward` composes the same forward from the orthogonal primitives under plain autograd: the path of
 several adapters at once, and, inside `plain_autograd`, the reference the fused path is tested against.
