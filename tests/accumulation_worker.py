@@ -54,10 +54,10 @@ def trainable_grads(model) -> dict[str, torch.Tensor]:
 def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
     """One process, plain autograd: every process's micro-batch ``i`` then (for ``merge``) the merge."""
     from poet_hf import merge_and_reinit
-    from poet_hf.tuners.rotation.forward import plain_autograd
+    from poet_hf.tuners.rotation.model import plain_autograd
 
     model, batches = build(), micro_batches(k, world)
-    with plain_autograd():
+    with plain_autograd(model):
         for i in range(k):
             if merge and i == 1:
                 merge_and_reinit(model)

@@ -21,8 +21,8 @@ from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.orthogonal.strategy_costs import strategy_costs
-from poet_hf.tuners.rotation.forward import plain_autograd
 from poet_hf.tuners.rotation.layer import rotation_layers
+from poet_hf.tuners.rotation.model import plain_autograd
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
@@ -176,7 +176,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
         fused.load_state_dict(plain.state_dict())
         fused.zero_grad(set_to_none=True)
         loss_fused, grads_fused = _loss_and_gradients(fused, data[step % 4])
-        with plain_autograd():
+        with plain_autograd(plain):
             loss_plain, grads_plain = _loss_and_gradients(plain, data[step % 4])
         gaps += [float((loss_fused - loss_plain).abs() / loss_plain), _relative_gap(grads_fused, grads_plain)]
         optimizer.step()
@@ -185,7 +185,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
         if (step + 1) % 8 == 0:
             fused.load_state_dict(plain.state_dict())
             merge_and_reinit(fused)
-            with plain_autograd():
+            with plain_autograd(plain):
                 merge_and_reinit(plain)
             merged = {"fused": fused.state_dict(), "plain": plain.state_dict()}
             floats = {k for k, v in merged["plain"].items() if v.is_floating_point()}
@@ -264,7 +264,7 @@ def test_backward_keeps_no_more_than_training_the_targeted_weights_would(config)
     model = get_peft_model(tiny_llama(), config).train()
     plain_bytes = _saved_bytes(_targets_trainable(model), ids)
     assert _saved_bytes(model, ids) == plain_bytes
-    with plain_autograd():  # the reference path keeps rotated weights or activations: the check can fail
+    with plain_autograd(model):  # the reference path keeps rotated weights or activations: the check can fail
         assert _saved_bytes(model, ids) > plain_bytes
 
 
@@ -320,7 +320,7 @@ def test_conv2d_model_trains_through_the_fused_weight_strategy():
     fused.square().mean().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     model.zero_grad()
-    with plain_autograd():
+    with plain_autograd(model):
         plain = model(images)
         plain.square().mean().backward()
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-6)

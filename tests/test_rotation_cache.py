@@ -8,7 +8,6 @@ and 2-process DDP and FSDP2 (tests/accumulation_worker.py).
 
 import contextlib
 import json
-import logging
 from pathlib import Path
 
 import prewarmed
@@ -21,8 +20,9 @@ from tolerances import gamma, tiny_model_tolerance
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, defer_rotation_grads, merge_and_reinit
 from poet_hf.orthogonal.rotated_linear import SideRotation
-from poet_hf.tuners.rotation.forward import plain_autograd
+from poet_hf.tuners.rotation.caches import DeferredStepWarning
 from poet_hf.tuners.rotation.layer import rotation_layers
+from poet_hf.tuners.rotation.model import plain_autograd
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,7 +66,7 @@ def accumulate(model, micro_batches: list[torch.Tensor]) -> None:
 def reference_grads(model_factory, steps) -> dict[str, torch.Tensor]:
     """Plain autograd, no deferral: ``steps`` is a list of callables run on the model in order."""
     model = model_factory()
-    with plain_autograd():
+    with plain_autograd(model):
         for step in steps:
             step(model)
     return grads_of(model)
@@ -175,7 +175,7 @@ def test_a_merge_inside_the_accumulation_window_keeps_the_gradients_exact():
     assert cache_bytes(model) == 0
 
 
-def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_gradients(caplog):
+def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_gradients():
     first = batches(1)[0]
     model = build()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
@@ -186,7 +186,7 @@ def test_an_optimizer_step_before_the_last_micro_batch_applies_the_deferred_grad
     assert cache_bytes(model) > 0
     seen = {}
     optimizer.register_step_pre_hook(lambda *args: seen.update(grads_of(model)))
-    with caplog.at_level(logging.WARNING, logger="poet_hf.tuners.rotation.caches"):
+    with pytest.warns(DeferredStepWarning, match="unreduced across processes"):
         optimizer.step()
     assert cache_bytes(model) == 0
     assert_grads_equal(seen, reference_grads(build, [lambda m: backward(m, first)]), 1)

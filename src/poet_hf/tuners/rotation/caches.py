@@ -19,22 +19,23 @@ exception in the model's forward, ``model.eval()``; it is dropped with the gradi
 from __future__ import annotations
 
 import contextlib
-import logging
+import warnings
 import weakref
 from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 from accelerate.state import GradientState
+from torch.utils.hooks import RemovableHandle
 
 from ...orthogonal.rotated_linear import RotationCache
 
-logger = logging.getLogger(__name__)
+_DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
 
-_explicit_deferrals = 0
-_layers_with_caches: weakref.WeakSet[Any] = weakref.WeakSet()
-_hooks_installed = False
-_early_step_warned = False
+
+class DeferredStepWarning(UserWarning):
+    """An optimizer step ran while rotation gradients were still deferred (shown once per process)."""
 
 
 @contextlib.contextmanager
@@ -53,16 +54,16 @@ def defer_rotation_grads() -> Iterator[None]:
         optimizer.step()
 
     Under DDP, use it together with ``model.no_sync()``. Gradients equal those of the loop without it, to rounding.
+    The window is context-local, as ``torch.no_grad`` is: it covers the forwards run inside it, in this thread.
 
     Returns:
         A context manager.
     """
-    global _explicit_deferrals
-    _explicit_deferrals += 1
+    token = _DEFERRAL_DEPTH.set(_DEFERRAL_DEPTH.get() + 1)
     try:
         yield
     finally:
-        _explicit_deferrals -= 1
+        _DEFERRAL_DEPTH.reset(token)
 
 
 def deferring() -> bool:
@@ -70,53 +71,83 @@ def deferring() -> bool:
 
     Accelerate's state is read without creating it: creating ``GradientState`` early would freeze its accumulation
     plugin before the ``Accelerator`` exists."""
-    return _explicit_deferrals > 0 or not GradientState._shared_state.get("sync_gradients", True)
+    return _DEFERRAL_DEPTH.get() > 0 or not GradientState._shared_state.get("sync_gradients", True)
 
 
-def track(layer: Any) -> None:
-    """Remember ``layer``, weakly, as one that caches rotations.
+class RotationStepState:
+    """The per-step state one model's rotation layers share.
 
-    Every optimizer step then flushes and frees its caches."""
-    _install_optimizer_hooks()
-    _layers_with_caches.add(layer)
+    Which layers hold rotation caches, the optimizer hooks that flush and free those caches around every step, and
+    whether the layers run the plain autograd reference (`reference`) instead of the fused forward. A
+    `RotationModel` owns one and hands it to every layer it injects; a layer built on its own holds its own.
+    """
+
+    def __init__(self) -> None:
+        self.reference = False
+        self._layers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy (``copy.deepcopy``, pickling) keeps the setting and starts with no cache and no hook."""
+        return _fresh_state, (self.reference,)
+
+    def track(self, layer: Any) -> None:
+        """Remember ``layer``, weakly, as one that caches rotations: every optimizer step flushes and frees them."""
+        if self._hooks is None:
+            self._hooks = _register_step_hooks(weakref.ref(self))
+            weakref.finalize(self, _remove_hooks, self._hooks)
+        self._layers.add(layer)
+
+    def layers_with_caches(self) -> list[Any]:
+        return [layer for layer in list(self._layers) if layer.rotation_cache_bytes()]
+
+    def before_step(self) -> None:
+        """Apply gradients still deferred when a step comes, and say so (once per process).
+
+        Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
+        them."""
+        pending = [layer for layer in self.layers_with_caches() if layer.fused.has_deferred_grads()]
+        if pending:
+            warnings.warn(
+                "optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
+                "micro-batch ran under defer_rotation_grads() or with accelerate's sync_gradients=False); they "
+                "were applied now, unreduced across processes and after any gradient clipping.",
+                DeferredStepWarning,
+                stacklevel=2,
+            )
+        for layer in pending:
+            layer.flush_rotation_caches()
+
+    def after_step(self) -> None:
+        """The skew vectors changed: every cached rotation is stale."""
+        for layer in self.layers_with_caches():
+            layer.fused.drop()
 
 
-def layers_with_caches() -> list[Any]:
-    return [layer for layer in list(_layers_with_caches) if layer.rotation_cache_bytes()]
+def _fresh_state(reference: bool) -> RotationStepState:
+    state = RotationStepState()
+    state.reference = reference
+    return state
 
 
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Apply gradients still deferred when a step comes, and say so once.
+def _register_step_hooks(state: weakref.ref[RotationStepState]) -> tuple[RemovableHandle, RemovableHandle]:
+    """Process-wide optimizer hooks that reach ``state`` while it lives (every optimizer steps the model's layers)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
-    them."""
-    global _early_step_warned
-    pending = [layer for layer in layers_with_caches() if layer.fused.has_deferred_grads()]
-    if pending and not _early_step_warned:
-        _early_step_warned = True
-        logger.warning(
-            "optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
-            "micro-batch ran under defer_rotation_grads() or with accelerate's sync_gradients=False); they "
-            "were applied now, unreduced across processes and after any gradient clipping. (Logged once.)"
-        )
-    for layer in pending:
-        layer.flush_rotation_caches()
+    def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if (live := state()) is not None:
+            live.before_step()
+
+    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if (live := state()) is not None:
+            live.after_step()
+
+    return register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)
 
 
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The skew vectors changed: every cached rotation is stale."""
-    for layer in layers_with_caches():
-        layer.fused.drop()
-
-
-def _install_optimizer_hooks() -> None:
-    global _hooks_installed
-    if not _hooks_installed:
-        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_before_step)
-        register_optimizer_step_post_hook(_after_step)
-        _hooks_installed = True
+def _remove_hooks(hooks: tuple[RemovableHandle, RemovableHandle]) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 class _GradAnchor:

@@ -5,13 +5,12 @@
 [`RotationCache`][poet_hf.orthogonal.rotation_sides.RotationCache] that lets an accumulation window build each
 rotation once and run one VJP for it (`caches.py` tracks the windows and the optimizer hooks).
 `reference_forward` composes the same forward from the orthogonal primitives under plain autograd: the path of
-several adapters at once, and, inside `plain_autograd`, the reference the fused path is tested against.
+several adapters at once, and, with the model's `RotationStepState.reference` set (`plain_autograd`), the reference
+the fused path is tested against.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,24 +21,6 @@ from ...sharded import full_tensor
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import caches, quantization
 from .base_weight import at_least_float32
-
-_FUSED = True
-
-
-@contextlib.contextmanager
-def plain_autograd() -> Iterator[None]:
-    """Run rotation layers through `reference_forward`, the path the fused one is tested against."""
-    global _FUSED
-    previous, _FUSED = _FUSED, False
-    try:
-        yield
-    finally:
-        _FUSED = previous
-
-
-def fused_enabled() -> bool:
-    """Whether rotation layers use the fused forward (``False`` inside `plain_autograd`)."""
-    return _FUSED
 
 
 class FusedForward:
@@ -145,7 +126,7 @@ class FusedForward:
                 return None, False
             cache = self.caches[(adapter_name, side)] = RotationCache()
             vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
-            caches.track(layer)
+            layer.step_state.track(layer)
         if caches.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
         key = (int(layer.merge_counts[adapter_name]), float(torch.linalg.vector_norm(vec.detach())))
@@ -204,6 +185,7 @@ def reference_forward(
 
     Several adapters compose in order; ``keep`` maps an adapter to the input-side blocks it keeps (OFT's module
     dropout); ``activation`` rotates the activations instead of the weight."""
+    plain = layer.step_state.reference  # build the blocks by plain autograd too
     bias = layer.base_bias()
     op = layer.base_operation()
     x = layer.pad_input(x)
@@ -213,9 +195,8 @@ def reference_forward(
         matrix = base_weight.to(at_least_float32(base_weight.dtype))
         for a in adapter_names:
             for side, spec in layer.sides(a).items():
-                blocks = layer.rotation_blocks(
-                    a, side, dtype=matrix.dtype, keep=keep.get(a) if side == SIDE_INPUT else None
-                ).mT
+                side_keep = keep.get(a) if side == SIDE_INPUT else None
+                blocks = layer.rotation_blocks(a, side, dtype=matrix.dtype, keep=side_keep, plain=plain).mT
                 index = layer.index_buffer(a, side)
                 matrix = (
                     spec.matmul_right(matrix, index, blocks)
@@ -228,7 +209,7 @@ def reference_forward(
     h = x.to(compute)
     for a in reversed(adapter_names):
         if SIDE_INPUT in layer.sides(a):
-            blocks = layer.rotation_blocks(a, SIDE_INPUT, dtype=compute, keep=keep.get(a))
+            blocks = layer.rotation_blocks(a, SIDE_INPUT, dtype=compute, keep=keep.get(a), plain=plain)
             h = layer.sides(a)[SIDE_INPUT].matmul_right(h, layer.index_buffer(a, SIDE_INPUT), blocks)
     output_side = any(SIDE_OUTPUT in layer.sides(a) for a in adapter_names)
     h = op.forward(h.to(x.dtype), layer.weight_matrix(), None if bias is None or output_side else bias.to(x.dtype)).to(
@@ -236,7 +217,7 @@ def reference_forward(
     )
     for a in adapter_names:
         if SIDE_OUTPUT in layer.sides(a):
-            blocks = layer.rotation_blocks(a, SIDE_OUTPUT, dtype=compute)
+            blocks = layer.rotation_blocks(a, SIDE_OUTPUT, dtype=compute, plain=plain)
             h = layer.sides(a)[SIDE_OUTPUT].matmul_right(h, layer.index_buffer(a, SIDE_OUTPUT), blocks)
     out = h.to(x.dtype)
     return out if bias is None or not output_side else out + bias.to(out.dtype)

@@ -41,7 +41,8 @@ from ..config_utils import SIDE_INPUT
 from ..tuner_base import ModuleMixin
 from . import caches
 from .base_weight import BaseWeightMixin, QuantizedMergeWarning
-from .forward import FusedForward, fused_enabled, reference_forward
+from .caches import RotationStepState
+from .forward import FusedForward, reference_forward
 from .row_fold import fold_by_rows, foldable_by_rows
 from .state_checks import check_loaded_state
 
@@ -144,6 +145,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         self.kwargs = kwargs
         self._init_weight_access(base_layer)
         self.fused = FusedForward()
+        self.step_state = RotationStepState()  # the model's, once it injects this layer
         self._init_containers()
         out_dim, in_dim = self.weight_shape
         self.in_features, self.out_features = in_dim, out_dim
@@ -237,22 +239,30 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             write_full(param, random_skew_params(param.shape, spec.block, generator, op_norm))
 
     def rotation_blocks(
-        self, adapter_name: str, side: str, dtype: torch.dtype = torch.float32, keep: torch.Tensor | None = None
+        self,
+        adapter_name: str,
+        side: str,
+        dtype: torch.dtype = torch.float32,
+        keep: torch.Tensor | None = None,
+        plain: bool = False,
     ) -> torch.Tensor:
         """The ``(num_blocks, b, b)`` orthogonal blocks of one side, in ``dtype`` (float32 or wider).
 
-        Blocks flagged ``False`` in ``keep`` are the identity."""
+        Blocks flagged ``False`` in ``keep`` are the identity. ``plain`` composes the skew map, norm cap and
+        Cayley–Neumann series under plain autograd instead of the fused `orthogonal_from_vector`."""
         param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
-        blocks = self._blocks_from_vector(param, adapter_name, side)
+        blocks = self._blocks_from_vector(param, adapter_name, side, plain)
         if keep is not None:
             eye = torch.eye(blocks.shape[-1], dtype=dtype, device=blocks.device)
             blocks = torch.where(keep[:, None, None], blocks, eye)
         return blocks
 
-    def _blocks_from_vector(self, param: torch.Tensor, adapter_name: str, side: str) -> torch.Tensor:
+    def _blocks_from_vector(
+        self, param: torch.Tensor, adapter_name: str, side: str, plain: bool = False
+    ) -> torch.Tensor:
         spec = self.sides(adapter_name)[side]
         terms = self.rotation_settings[adapter_name].neumann_terms
-        if fused_enabled():
+        if not plain:
             blocks = orthogonal_from_vector(param, spec.block, terms)
         else:
             q = skew_from_vector(param, spec.block)
@@ -336,7 +346,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
 
         One adapter runs the fused forward; several compose through `reference_forward`, rotating activations when
         every adapter's strategy does. A subclass adds its own options around it."""
-        if fused_enabled() and len(adapter_names) == 1:
+        if not self.step_state.reference and len(adapter_names) == 1:
             return self.fused(self, x, adapter_names[0], keep.get(adapter_names[0]) if keep else None)
         tokens = x.numel() // x.shape[-1] if not self.is_conv2d else 0
         strategies = {self.choose_strategy(a, tokens, torch.is_grad_enabled()) for a in adapter_names}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
@@ -15,6 +16,7 @@ from ..config_utils import holds_full_model
 from ..tuner_base import LayerReplacingTuner
 from . import residual_store
 from .block_sizes import warn_adjusted_block_sizes
+from .caches import RotationStepState
 from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
 from .quantization import adopt_base, drop_residual, quantization_of
@@ -87,8 +89,17 @@ class RotationModel(LayerReplacingTuner):
             }
             warn_adjusted_block_sizes(config, before, dims)
 
+    @property
+    def step_state(self) -> RotationStepState:
+        """The per-step state every rotation layer of this model shares (caches, optimizer hooks, reference path)."""
+        if "_step_state" not in self.__dict__:
+            self.__dict__["_step_state"] = RotationStepState()
+        return self.__dict__["_step_state"]
+
     def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> RotationLayer:
-        return create_tuner_module(config, adapter_name, target, layer_name, self.layer_classes)
+        layer = create_tuner_module(config, adapter_name, target, layer_name, self.layer_classes)
+        layer.step_state = self.step_state
+        return layer
 
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
         super()._mark_only_adapters_as_trainable(model)
@@ -134,6 +145,22 @@ class RotationModel(LayerReplacingTuner):
     def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
         """[`merge_and_reinit`][poet_hf.merge_and_reinit] on this model."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
+
+
+@contextlib.contextmanager
+def plain_autograd(model: nn.Module) -> Iterator[None]:
+    """Run the rotation layers of ``model`` through `reference_forward`, the path the fused one is tested against.
+
+    It sets `RotationStepState.reference` on the layers' shared state while inside; merges are unaffected."""
+    states = {id(layer.step_state): layer.step_state for _, layer in rotation_layers(model)}
+    previous = {key: state.reference for key, state in states.items()}
+    for state in states.values():
+        state.reference = True
+    try:
+        yield
+    finally:
+        for key, state in states.items():
+            state.reference = previous[key]
 
 
 def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
