@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -29,7 +30,7 @@ class QuantizedMergeWarning(UserWarning):
 class BaseWeightMixin:
     """Reads and writes of a rotation layer's base weight and its base operation (the host is a PEFT layer)."""
 
-    get_base_layer: Any
+    get_base_layer: Callable[[], nn.Module]
     base_layer: nn.Module
     rotation_settings: dict[str, Any]
     requantization_error: float | None

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from accelerate.state import GradientState
@@ -32,6 +32,18 @@ from torch.utils.hooks import RemovableHandle
 from ...orthogonal.rotated_linear import RotationCache
 
 _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
+
+
+class CachingLayer(Protocol):
+    """A layer whose rotation caches the model's `RotationStepState` flushes and frees around optimizer steps."""
+
+    def rotation_cache_bytes(self) -> int: ...
+
+    def has_deferred_rotation_grads(self) -> bool: ...
+
+    def flush_rotation_caches(self, collective: bool = True) -> None: ...
+
+    def drop_rotation_caches(self) -> None: ...
 
 
 class DeferredStepWarning(UserWarning):
@@ -84,21 +96,21 @@ class RotationStepState:
 
     def __init__(self) -> None:
         self.reference = False
-        self._layers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._layers: weakref.WeakSet[CachingLayer] = weakref.WeakSet()
         self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A copy (``copy.deepcopy``, pickling) keeps the setting and starts with no cache and no hook."""
         return _fresh_state, (self.reference,)
 
-    def track(self, layer: Any) -> None:
+    def track(self, layer: CachingLayer) -> None:
         """Remember ``layer``, weakly, as one that caches rotations: every optimizer step flushes and frees them."""
         if self._hooks is None:
             self._hooks = _register_step_hooks(weakref.ref(self))
             weakref.finalize(self, _remove_hooks, self._hooks)
         self._layers.add(layer)
 
-    def layers_with_caches(self) -> list[Any]:
+    def layers_with_caches(self) -> list[CachingLayer]:
         return [layer for layer in list(self._layers) if layer.rotation_cache_bytes()]
 
     def before_step(self) -> None:
@@ -106,7 +118,7 @@ class RotationStepState:
 
         Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
         them."""
-        pending = [layer for layer in self.layers_with_caches() if layer.fused.has_deferred_grads()]
+        pending = [layer for layer in self.layers_with_caches() if layer.has_deferred_rotation_grads()]
         if pending:
             warnings.warn(
                 "optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
@@ -121,7 +133,7 @@ class RotationStepState:
     def after_step(self) -> None:
         """The skew vectors changed: every cached rotation is stale."""
         for layer in self.layers_with_caches():
-            layer.fused.drop()
+            layer.drop_rotation_caches()
 
 
 def _fresh_state(reference: bool) -> RotationStepState:

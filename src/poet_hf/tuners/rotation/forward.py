@@ -11,8 +11,6 @@ the fused path is tested against.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, rotated_forward
@@ -21,6 +19,7 @@ from ...sharded import full_tensor
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import caches, quantization
 from .base_weight import at_least_float32
+from .view import RotatedLayerView
 
 
 class FusedForward:
@@ -34,7 +33,7 @@ class FusedForward:
 
     def side_rotation(
         self,
-        layer: Any,
+        layer: RotatedLayerView,
         adapter_name: str,
         side: str,
         keep: torch.Tensor | None = None,
@@ -47,7 +46,12 @@ class FusedForward:
         return SideRotation(spec, layer.index_buffer(adapter_name, side), settings.neumann_terms, keep, cache, defer)
 
     def choose_strategy(
-        self, layer: Any, adapter_name: str, tokens: int, training: bool, polynomial_phase: str = "uncached"
+        self,
+        layer: RotatedLayerView,
+        adapter_name: str,
+        tokens: int,
+        training: bool,
+        polynomial_phase: str = "uncached",
     ) -> str:
         """The fused strategy for one call of ``tokens`` tokens.
 
@@ -76,7 +80,7 @@ class FusedForward:
         return min(affordable)[2]
 
     def __call__(
-        self, layer: Any, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None
+        self, layer: RotatedLayerView, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``base(x, Pᵀ W0 Rᵀ)`` for one adapter."""
         sides = layer.sides(adapter_name)
@@ -106,7 +110,7 @@ class FusedForward:
         )
 
     def cache_for(
-        self, layer: Any, adapter_name: str, side: str, vec: torch.Tensor, training: bool
+        self, layer: RotatedLayerView, adapter_name: str, side: str, vec: torch.Tensor, training: bool
     ) -> tuple[RotationCache | None, bool]:
         """The cache a call reads its blocks from, and whether the call defers its VJP.
 
@@ -154,7 +158,7 @@ class FusedForward:
             cache.clear()
 
     @torch.no_grad()
-    def flush(self, layer: Any, collective: bool = True) -> None:
+    def flush(self, layer: RotatedLayerView, collective: bool = True) -> None:
         """Add the deferred gradients to the skew parameters' ``.grad`` and free the caches.
 
         The sum is what the micro-batches would have added without deferral. A sharded (FSDP2) parameter's gradient
@@ -172,14 +176,18 @@ class FusedForward:
             if pending is None:
                 continue
             grad = self.side_rotation(layer, adapter_name, side).vector_grad(None, pending, full_tensor(param))
-            if sharded:
+            if isinstance(param, DTensor):
                 torch.distributed.all_reduce(grad, op=torch.distributed.ReduceOp.AVG)
                 grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
             param.grad = grad if param.grad is None else param.grad.add_(grad)
 
 
 def reference_forward(
-    layer: Any, x: torch.Tensor, adapter_names: list[str], activation: bool, keep: dict[str, torch.Tensor] | None = None
+    layer: RotatedLayerView,
+    x: torch.Tensor,
+    adapter_names: list[str],
+    activation: bool,
+    keep: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The forward as a plain autograd composition of the orthogonal primitives.
 

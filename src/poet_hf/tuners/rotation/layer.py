@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -44,6 +43,7 @@ from .base_weight import BaseWeightMixin, QuantizedMergeWarning
 from .caches import RotationStepState
 from .forward import FusedForward, reference_forward
 from .row_fold import fold_by_rows, foldable_by_rows
+from .settings import RotationSettings
 from .state_checks import check_loaded_state
 
 logger = logging.getLogger(__name__)
@@ -54,38 +54,6 @@ PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEF
 
 # Per side, ``(Q, blocks)`` in float64 (`RotationLayer.float64_rotations`).
 SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class RotationSettings:
-    """What a layer keeps of an adapter's config: how to build its rotations and draw its indices."""
-
-    layer_name: str
-    seed: int
-    neumann_terms: int
-    forward: str  # "auto", "weight" or "activation"
-    source: str | None = None  # the adapter file it was loaded from, for errors that name the file
-    requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (quantization.py, low_precision.py)
-    residual_storage: str = "auto"  # where feedback keeps its residual between folds (residual_store.py)
-    cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (caches.py)
-    init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
-    base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
-
-    @classmethod
-    def from_config(cls, config: Any, layer_name: str) -> RotationSettings:
-        """What a layer keeps of a ``PoetConfig`` or ``OftConfig`` (OFT has no ``base_init``)."""
-        return cls(
-            layer_name=layer_name,
-            seed=config.seed,
-            neumann_terms=config.neumann_terms,
-            forward=config.forward,
-            source=getattr(config, "loaded_from", None),
-            requantize=config.requantize,
-            residual_storage=config.residual_storage,
-            cache_rotations=config.cache_rotations,
-            init_weights=config.init_weights,
-            base_init=getattr(config, "base_init", None),
-        )
 
 
 class _DeprecatedNames:
@@ -333,6 +301,13 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         """Bytes held by this layer's rotation caches (blocks and deferred gradients)."""
         return self.fused.nbytes()
 
+    def has_deferred_rotation_grads(self) -> bool:
+        return self.fused.has_deferred_grads()
+
+    def drop_rotation_caches(self) -> None:
+        """Free the rotation caches, deferred gradients included (a step that is abandoned or a reload)."""
+        self.fused.drop()
+
     def train(self, mode: bool = True) -> Any:
         """``eval()`` ends any accumulation window: deferred gradients are applied and the caches freed."""
         if not mode:
@@ -447,7 +422,7 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
-    layer.fused.drop()
+    layer.drop_rotation_caches()
 
 
 def flush_rotation_caches(model: nn.Module) -> None:

@@ -20,7 +20,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -81,6 +81,14 @@ def quantization_of(module: nn.Module) -> str | None:
         f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
         "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt"
     )
+
+
+class HoldsBaseLayer(Protocol):
+    """A PEFT layer as PEFT's quantisation backends write its base: they replace ``base_layer``."""
+
+    base_layer: nn.Module
+
+    def get_base_layer(self) -> nn.Module: ...
 
 
 def _backend(module: BnbLayer) -> Any:
@@ -236,7 +244,7 @@ def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Gener
 
 
 def requantize(
-    peft_layer: Any, matrix: torch.Tensor, mode: str = "nearest", generator: torch.Generator | None = None
+    peft_layer: HoldsBaseLayer, matrix: torch.Tensor, mode: str = "nearest", generator: torch.Generator | None = None
 ) -> float:
     """Store the dense ``matrix`` into the quantised base of ``peft_layer``, with the same quantisation settings.
 

@@ -30,6 +30,7 @@ from ...orthogonal.spo import BLOCK, FULL, SideSpec
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import quantization, residual_store
 from .quantized_rows import RequantizedRows, dequantize_rows, dequantized_scales, rows_per_block
+from .view import RotatedLayerView
 
 __all__ = ["RowGroup", "fold_by_rows", "foldable_by_rows", "output_row_groups"]
 
@@ -87,14 +88,14 @@ def _untouched(rows: torch.Tensor, per: int) -> Iterator[RowGroup]:
         yield RowGroup(rows[start : start + per], None)
 
 
-def foldable_by_rows(layer: Any, adapter_name: str) -> bool:
+def foldable_by_rows(layer: RotatedLayerView, adapter_name: str) -> bool:
     """Whether `fold_by_rows` folds this layer: a 4-bit ``W0`` in bitsandbytes' byte layout, larger than one group,
     rows of whole quantisation and residual blocks, requantised to nearest (with or without error feedback)."""
     if layer.base_quantization not in ("nf4", "fp4"):
         return False
     if layer.rotation_settings[adapter_name].requantize not in ROW_FOLD_MODES:
         return False
-    module = layer.get_base_layer()
+    module: Any = layer.get_base_layer()  # a bitsandbytes Linear4bit (untyped)
     quantization.adopt_base(module)  # a repacked weight back in the standard layout first
     weight, cols = module.weight, module.in_features
     state = weight.quant_state
@@ -103,7 +104,7 @@ def foldable_by_rows(layer: Any, adapter_name: str) -> bool:
 
 
 @torch.no_grad()
-def fold_by_rows(layer: Any, adapter_name: str) -> float:
+def fold_by_rows(layer: RotatedLayerView, adapter_name: str) -> float:
     """Fold ``adapter_name``'s rotations into ``layer``'s 4-bit ``W0`` group by group (the module's two passes).
 
     The result is `poet_hf.tuners.rotation.quantization.requantize`'s for the whole matrix: the same codes and scales
@@ -113,7 +114,7 @@ def fold_by_rows(layer: Any, adapter_name: str) -> float:
     Returns:
         The requantisation's relative error ``‖dequant(Q(M)) − M‖_F / ‖M‖_F``.
     """
-    module = layer.get_base_layer()
+    module: Any = layer.get_base_layer()  # a bitsandbytes Linear4bit (untyped)
     feedback = layer.rotation_settings[adapter_name].requantize == "feedback"
     dtype = torch.promote_types(module.weight.quant_state.dtype, torch.float32)
     source = _RotatedRows(layer, adapter_name, dtype, feedback)
@@ -162,8 +163,8 @@ def _measure(
 class _RotatedRows:
     """``(Pᵀ (W0 + E) Rᵀ)[rows]`` of a layer's 4-bit ``W0`` for one group of rows at a time."""
 
-    def __init__(self, layer: Any, adapter_name: str, dtype: torch.dtype, feedback: bool) -> None:
-        module = layer.get_base_layer()
+    def __init__(self, layer: RotatedLayerView, adapter_name: str, dtype: torch.dtype, feedback: bool) -> None:
+        module: Any = layer.get_base_layer()  # a bitsandbytes Linear4bit (untyped)
         weight = module.weight
         self.shape = (module.out_features, module.in_features)
         self.state = weight.quant_state

@@ -15,12 +15,15 @@ import json
 import os
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ...orthogonal.spo import BLOCK, FULL, SideSpec
+
+if TYPE_CHECKING:
+    from .view import LoadCheckedLayer
 
 __all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew_problem", "merge_count_problem"]
 
@@ -119,7 +122,7 @@ def merge_count_problem(count: torch.Tensor) -> str | None:
     return None
 
 
-def check_loaded_state(layer: Any, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
+def check_loaded_state(layer: LoadCheckedLayer, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """A rotation layer's ``load_state_dict`` pre-hook: each incoming tensor must be what the math needs.
 
     Index, skew and merge-count tensors are checked; raises
