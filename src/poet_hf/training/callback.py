@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from torch import nn
@@ -24,7 +25,6 @@ logger = logging.getLogger(__name__)
 # steps gets a warning. docs/finetuning.md has the angles of the runs that improved the testbed models.
 FINETUNE_WARN_ANGLE = 45.0
 FINETUNE_WARN_STEPS = 20
-_UNREAD = object()  # the merge interval before the callback has read it
 
 
 def starts_from_pretrained(model: nn.Module, adapter: str = "default") -> bool:
@@ -38,6 +38,45 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
         model = cast(nn.Module, getattr(model, "module", None) or getattr(model, "_orig_mod", None))
     return model
+
+
+@dataclass(frozen=True)
+class MergeSchedule:
+    """A run's merges: every ``interval`` optimizer steps, and the clip threshold that ramps back after each.
+
+    Built once when training begins (`MergeSchedule.of_run`) and read by `MergeReinitCallback` alone.
+
+    Args:
+        interval: optimizer steps between merges; ``None``: no merges.
+        max_grad_norm: the clip threshold away from merges (the run's ``max_grad_norm``); ``None`` or 0: no clipping.
+        ramp_steps: how many steps the post-merge ramp lasts (``post_merge_clip_steps``).
+        factor: the fraction of ``max_grad_norm`` right after a merge (``post_merge_clip_factor``).
+    """
+
+    interval: int | None
+    max_grad_norm: float | None = None
+    ramp_steps: int = 10
+    factor: float = 0.1
+
+    @classmethod
+    def of_run(cls, model: nn.Module, args: TrainingArguments, adapter: str = "default") -> MergeSchedule:
+        """The schedule of a run of ``model`` under ``args`` (`merge_interval`, and the clip settings of ``args``)."""
+        return cls(
+            merge_interval(model, args, adapter),
+            args.max_grad_norm,
+            getattr(args, "post_merge_clip_steps", 10),
+            getattr(args, "post_merge_clip_factor", 0.1),
+        )
+
+    def merges_after(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) ends with a merge."""
+        return bool(self.interval) and step % cast(int, self.interval) == 0
+
+    def clip_threshold(self, step: int) -> float | None:
+        """The clip threshold of optimizer step ``step`` (1-based); ``None`` when the run does not clip or merge."""
+        if not self.interval or not self.max_grad_norm or self.max_grad_norm <= 0:
+            return None
+        return clip_threshold(step, self.interval, self.max_grad_norm, self.ramp_steps, self.factor)
 
 
 def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "default") -> int | None:
@@ -61,7 +100,7 @@ def merge_interval(model: nn.Module, args: TrainingArguments, adapter: str = "de
     return getattr(config, "merge_every", None) if rotation_layers(model) else None
 
 
-def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, factor: float) -> float:
+def clip_threshold(step: int, interval: int, base: float, ramp_steps: int, factor: float) -> float:
     """The gradient-clip threshold for optimizer step ``step`` (1-based).
 
     After each merge it ramps linearly from ``factor·base`` back to ``base`` over ``ramp_steps`` steps, as the POET
@@ -69,7 +108,7 @@ def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, fa
 
     Args:
         step: the optimizer step, 1-based.
-        merge_every: the merge interval.
+        interval: the merge interval.
         base: the clip threshold away from merges (``max_grad_norm``).
         ramp_steps: how many steps the ramp lasts.
         factor: the fraction of ``base`` right after a merge.
@@ -77,8 +116,8 @@ def clip_threshold(step: int, merge_every: int, base: float, ramp_steps: int, fa
     Returns:
         The threshold for this step.
     """
-    since_merge = step - (step - 1) // merge_every * merge_every  # 1 … merge_every
-    if step <= merge_every or ramp_steps == 0 or since_merge > ramp_steps:
+    since_merge = step - (step - 1) // interval * interval  # 1 … interval
+    if step <= interval or ramp_steps == 0 or since_merge > ramp_steps:
         return base
     return base * (factor + (1 - factor) * (since_merge - 1) / ramp_steps)
 
@@ -99,53 +138,42 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     The interval is [`merge_interval`][poet_hf.training.callback.merge_interval]'s, read once when training begins.
 
     Args:
-        merge_every: deprecated; set ``merge_every`` in the adapter config, or ``PoetTrainingArguments.merge_every``
-            for one run.
         adapter_name: the adapter to merge.
+        **deprecated: ``merge_every``, deprecated: set it in the adapter config, or
+            ``PoetTrainingArguments.merge_every`` for one run.
     """
 
-    def __init__(self, merge_every: int | None = None, adapter_name: str = "default") -> None:
-        if merge_every is not None:
-            warnings.warn(
-                "`MergeReinitCallback(merge_every=...)` is deprecated and will be removed in the next release; set "
-                "`merge_every` in the adapter config, or `PoetTrainingArguments.merge_every` to override it for a run",
-                FutureWarning,
-                stacklevel=2,
-            )
-        self.merge_every = merge_every
+    def __init__(self, adapter_name: str = "default", **deprecated: Any) -> None:
+        self.forced_interval: int | None = _deprecated_interval(deprecated)
         self.adapter_name = adapter_name
-        self._interval: int | None | object = _UNREAD
+        self.schedule: MergeSchedule | None = None  # read when training begins
         self.base_max_grad_norm: float | None = None
         self.history: list[dict] = []
         self.statistics_before_merge: tuple[int, dict[str, float]] | None = None  # (step, statistics)
 
     def state(self) -> dict:
-        return {
-            "args": {"merge_every": self.merge_every, "adapter_name": self.adapter_name},
-            "attributes": {"history": self.history},
-        }
+        return {"args": {"adapter_name": self.adapter_name}, "attributes": {"history": self.history}}
+
+    def read_schedule(self, args: TrainingArguments, model: nn.Module) -> MergeSchedule:
+        """The run's `MergeSchedule`, read at the start of training (or now, before it)."""
+        if self.schedule is None:
+            schedule = MergeSchedule.of_run(unwrap(model), args, self.adapter_name)
+            if self.forced_interval:
+                schedule = replace(schedule, interval=self.forced_interval)
+            self.schedule = schedule
+        return self.schedule
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> int | None:
-        """The merge interval, read at the start of training (or now, before it).
-
-        Args:
-            args: the training arguments.
-            model: the model being trained.
-
-        Returns:
-            Optimizer steps between merges; ``None``: no merges.
-        """
-        if self._interval is _UNREAD:
-            self._interval = self.merge_every or merge_interval(unwrap(model), args, self.adapter_name)
-        return cast("int | None", self._interval)
+        """The merge interval of the run's schedule: optimizer steps between merges; ``None``: no merges."""
+        return self.read_schedule(args, model).interval
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         if model is not None and rotation_layers(unwrap(model), self.adapter_name):
             prepare_residual_files(unwrap(model), self.adapter_name)  # before any merge writes a residual file
         self.base_max_grad_norm = args.max_grad_norm
-        self._interval = _UNREAD
+        self.schedule = None
         if model is not None:
-            self.interval(args, model)
+            self.read_schedule(args, model)
         stateful = cast(dict[str, Any], state.stateful_callbacks or {})  # name -> state, as read from the checkpoint
         saved = stateful.get(type(self).__name__)
         if state.global_step and not self.history and saved:  # resumed: the merges before the checkpoint
@@ -153,22 +181,15 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             self.history = [m for m in saved.get("attributes", {}).get("history", []) if m["step"] <= state.global_step]
 
     def on_step_begin(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
-        interval = self.interval(args, model)
-        if interval and self.base_max_grad_norm and self.base_max_grad_norm > 0:
-            args.max_grad_norm = clip_threshold(
-                state.global_step + 1,
-                interval,
-                self.base_max_grad_norm,
-                getattr(args, "post_merge_clip_steps", 10),
-                getattr(args, "post_merge_clip_factor", 0.1),
-            )
-            set_clip_threshold(optimizer, args.max_grad_norm)  # DeepSpeed ZeRO clips inside its own step
+        threshold = self.read_schedule(args, model).clip_threshold(state.global_step + 1)
+        if threshold is not None:
+            args.max_grad_norm = threshold
+            set_clip_threshold(optimizer, threshold)  # DeepSpeed ZeRO clips inside its own step
 
     def on_step_end(self, args, state: TrainerState, control: TrainerControl, model=None, optimizer=None, **kwargs):
         if state.global_step <= FINETUNE_WARN_STEPS and state.global_step % 5 == 0:
             self._check_early_angle(unwrap(model), state.global_step, args)
-        interval = self.interval(args, model)
-        if not interval or state.global_step % interval:
+        if not self.read_schedule(args, model).merges_after(state.global_step):
             return
         model = unwrap(model)
         if control.should_log:  # DefaultFlowCallback, which runs first, decided this step logs
@@ -208,3 +229,19 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         if self.base_max_grad_norm is not None:
             args.max_grad_norm = self.base_max_grad_norm
+
+
+def _deprecated_interval(deprecated: dict[str, Any]) -> int | None:
+    """The interval of ``MergeReinitCallback(merge_every=...)``, with a ``FutureWarning``; other keywords raise."""
+    unknown = set(deprecated) - {"merge_every"}
+    if unknown:
+        raise TypeError(f"MergeReinitCallback got unexpected keyword arguments {sorted(unknown)}")
+    interval = deprecated.get("merge_every")
+    if interval is not None:
+        warnings.warn(
+            "`MergeReinitCallback(merge_every=...)` is deprecated and will be removed in the next release; set "
+            "`merge_every` in the adapter config, or `PoetTrainingArguments.merge_every` to override it for a run",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return interval

@@ -320,14 +320,13 @@ def method_config(
     args: FinetuneArguments,
     model: torch.nn.Module,
     new_modules: list[str] | None = None,
-    seed: int = 0,
-    merge_every: int | None = None,
+    training: PoetTrainingArguments | None = None,
 ):
     """The PEFT config of ``args.method``.
 
     ``new_modules`` (and, through the task type, classification heads) are trained fully and saved beside the adapter.
-    ``seed`` and ``merge_every`` come from the command line: the rotations' permutations, and the interval the adapter
-    records (``None``: the config's)."""
+    From ``training`` (the command line's) come ``seed``, the rotations' permutations, and ``merge_every``, the
+    interval the adapter records (unset: the config's)."""
     from peft import TaskType
 
     common = {
@@ -341,8 +340,9 @@ def method_config(
         for name in ("spo", "block_size", "budget", "neumann_terms")
         if getattr(args, name) is not None
     }
-    if merge_every is not None:
-        chosen["merge_every"] = merge_every
+    seed = 0 if training is None else training.seed
+    if training is not None and training.merge_every is not None:
+        chosen["merge_every"] = training.merge_every
     if args.method == "poet":
         recipe = POET_FINETUNE_RECIPES[args.recipe]
         return PoetConfig(
@@ -367,8 +367,7 @@ def apply_method(
 ) -> torch.nn.Module:
     from peft import get_peft_model
 
-    seed, merge_every = (0, None) if training is None else (training.seed, training.merge_every)
-    return get_peft_model(model, method_config(args, model, new_modules, seed, merge_every))
+    return get_peft_model(model, method_config(args, model, new_modules, training))
 
 
 def accuracy(eval_prediction) -> dict[str, float]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -59,13 +60,13 @@ class Preset:
     global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
     block_size: int | None = None  # None: PoetConfig's (256, the paper's)
     budget: float | None = None  # None: PoetConfig's (½, the paper's)
-    merge_every: int | None = None  # None: PoetConfig's (400, §5.2)
+    adapter_fields: Mapping[str, Any] = field(default_factory=dict)  # other PoetConfig fields it sets (merge_every)
     max_grad_norm: float = 0.1  # appendix E
     weight_decay: float = 0.01  # appendix E
     poet_learning_rate: float | None = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "budget", "merge_every"):  # one default, PoetConfig's
+        for name in ("block_size", "budget"):  # one default, PoetConfig's
             if getattr(self, name) is None:
                 object.__setattr__(self, name, getattr(PoetConfig, name))
 
@@ -85,7 +86,7 @@ PRESETS = {
         batch_size=8,
         global_batch_size=8,
         block_size=32,
-        merge_every=50,
+        adapter_fields={"merge_every": 50},
         max_grad_norm=1.0,
         weight_decay=0.0,
         poet_learning_rate=4e-3,

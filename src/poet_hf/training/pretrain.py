@@ -241,7 +241,7 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
         ),
         "neumann_terms": terms,
         "paper_neumann_k": paper_neumann_k(terms),
-        "merge_every": given.get("merge_every") or preset.merge_every,
+        "merge_every": given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
         "base_init": args.base_init,
         "base_quantization": args.base_quantization,
         "cache_rotations": args.cache_rotations,

@@ -7,6 +7,8 @@ import os
 from dataclasses import field
 from typing import Any
 
+from peft.config import PeftConfig
+
 from .rotation.state_checks import check_safetensors_file
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"  # PEFT's SAFETENSORS_WEIGHTS_NAME
@@ -179,7 +181,7 @@ def per_side(field_name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def normalize_peft_target_fields(config: Any) -> None:
+def normalize_peft_target_fields(config: Any) -> None:  # any of the three tuners' configs
     """Apply PEFT's conventions to the standard targeting fields.
 
     Lists become sets, and ``layers_pattern`` needs ``layers_to_transform``."""
@@ -191,7 +193,7 @@ def normalize_peft_target_fields(config: Any) -> None:
         raise ValueError("`layers_to_transform` must be set when `layers_pattern` is set")
 
 
-def holds_full_model(config: Any) -> bool:
+def holds_full_model(config: PeftConfig) -> bool:
     """Whether an adapter of ``config`` trains and saves every parameter of the model besides its rotations.
 
     So POET does when pretraining from scratch: its adapter file is then the whole model. False for OFT and

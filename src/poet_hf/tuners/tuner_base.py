@@ -52,7 +52,7 @@ class LayerReplacingTuner(BaseTuner):
     A subclass makes its layers in `create_layer`, and may act on each in `after_layer_added`.
     """
 
-    def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> Any:
+    def create_layer(self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str) -> Any:
         """A new tuner layer around ``target``; raises a ``ValueError`` naming a type the tuner cannot wrap."""
         raise NotImplementedError
 

@@ -5,29 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from peft.config import PeftConfig
-
-from ...orthogonal import check_neumann_terms
 from ...orthogonal.spo import nearest_divisor
 from ..config_utils import (
     BIAS_CHOICES,
-    FORWARD_CHOICES,
-    CheckedLoadConfig,
-    block_size_pattern_field,
-    cache_rotations_field,
     check_bool,
     check_choice,
     check_positive_int,
-    normalize_peft_target_fields,
-    peft_field,
-    requantize_field,
-    residual_storage_field,
-    strict_block_size_field,
 )
 from ..registry import peft_type_member
-from ..rotation.block_sizes import check_block_size_pattern, resolve_block_size
-from ..rotation.quantization import REQUANTIZE_MODES
-from ..rotation.residual_store import RESIDUAL_STORAGES
+from ..rotation.block_sizes import resolve_block_size
+from ..rotation.config import RotationConfig
 
 if TYPE_CHECKING:
     from peft import OFTConfig
@@ -37,7 +24,7 @@ OFT_SPO_CHOICES = ("contiguous", "block")
 
 
 @dataclass
-class OftConfig(CheckedLoadConfig, PeftConfig):
+class OftConfig(RotationConfig):
     """Configuration of an OFT adapter: every target weight ``W0`` is used as ``W0 · R^T`` (torch orientation).
 
     ``R`` (in×in) is block-diagonal with orthogonal ``b×b`` blocks from the Cayley–Neumann map of skew-symmetric
@@ -53,16 +40,6 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
     to convert its weights.
     """
 
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Module names or a regex to wrap. Default per model_type, the same as POET: every Linear "
-            "inside the transformer blocks, never embeddings or lm_head."
-        },
-    )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or a regex to leave out."}
-    )
     r: int = field(
         default=0,
         metadata={
@@ -77,15 +54,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             "nearest divisor is used (see strict_block_size). Set exactly one of `r` and `block_size`."
         },
     )
-    strict_block_size: bool = strict_block_size_field()
-    block_size_pattern: dict[str, int] = block_size_pattern_field()
-    neumann_terms: int = field(
-        default=5,
-        metadata={
-            "help": "Cayley–Neumann terms n, PEFT's num_cayley_neumann_terms (R = I + 2Q + … + "
-            "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = exact Cayley."
-        },
-    )
+
     block_share: bool = field(default=False, metadata={"help": "One skew block shared by all blocks of a layer."})
     coft: bool = field(default=False, metadata={"help": "Constrained OFT: keep each skew block in a Frobenius ball."})
     eps: float = field(
@@ -109,48 +78,13 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
             "merge-then-reinitialize."
         },
     )
-    merge_every: int | None = field(
-        default=None,
-        metadata={
-            "help": "None: plain OFT, never merged during training. An int: optimizer steps "
-            "between merge-then-reinitialize (fold R into W0, zero Q, resample)."
-        },
-    )
-    requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
-    residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
-    cache_rotations: bool = cache_rotations_field()
-    seed: int = field(default=0, metadata={"help": "Seed of the permutations (spo='block') and of init_weights=False."})
-    forward: Literal["auto", "weight", "activation"] = field(
-        default="auto",
-        metadata={
-            "help": "'activation' rotates the inputs before the base op (PEFT's way); 'weight' materialises "
-            "W0·R^T; 'auto' picks the cheaper by a multiply-add count. Conv2d always uses 'weight'."
-        },
-    )
-    init_weights: bool = field(
-        default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
-    )
+
     bias: Literal["none", "all", "oft_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: list[int] | int | None = peft_field("layers_to_transform")
-    layers_pattern: list[str] | str | None = peft_field("layers_pattern")
-    modules_to_save: list[str] | None = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = peft_type_member(OFT_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
-        normalize_peft_target_fields(self)
-        check_positive_int("r", self.r, minimum=0)
-        check_positive_int("block_size", self.block_size, minimum=0)
-        if (self.r == 0) == (self.block_size == 0):
-            raise ValueError(
-                f"set exactly one of `r` (blocks per layer) and `block_size` to a non-zero value, got "
-                f"r={self.r}, block_size={self.block_size}; e.g. OftConfig(r=8, block_size=0)"
-            )
-        if self.block_size == 1:
-            raise ValueError("`block_size` must be 0 (use `r`) or an integer >= 2, got 1 (a 1×1 rotation is ±1)")
-        check_neumann_terms(self.neumann_terms)
-        check_block_size_pattern(self.block_size_pattern, per_side_allowed=False)
-        for name in ("block_share", "coft", "init_weights", "cache_rotations", "strict_block_size"):
+        for name in ("block_share", "coft"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not self.eps > 0:
             raise ValueError(f"`eps` must be a positive number, got {self.eps!r}")
@@ -163,21 +97,26 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
         if self.block_share and self.module_dropout > 0:
             raise ValueError("`module_dropout` has no effect with `block_share`=True (one shared block); set it to 0")
         check_choice("spo", self.spo, OFT_SPO_CHOICES)
-        if self.merge_every is not None:
-            check_positive_int("merge_every", self.merge_every)
-        check_choice("forward", self.forward, FORWARD_CHOICES)
-        check_choice("requantize", self.requantize, REQUANTIZE_MODES)
-        check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    def check_block_size(self) -> None:
+        """Exactly one of ``r`` and ``block_size`` is non-zero, and a block size is at least 2."""
+        check_positive_int("r", self.r, minimum=0)
+        check_positive_int("block_size", self.block_size, minimum=0)
+        if (self.r == 0) == (self.block_size == 0):
+            raise ValueError(
+                f"set exactly one of `r` (blocks per layer) and `block_size` to a non-zero value, got "
+                f"r={self.r}, block_size={self.block_size}; e.g. OftConfig(r=8, block_size=0)"
+            )
+        if self.block_size == 1:
+            raise ValueError("`block_size` must be 0 (use `r`) or an integer >= 2, got 1 (a 1×1 rotation is ±1)")
 
     def resolve_block_size(self, dim: int, layer_name: str) -> int:
         """The block size for a target whose rotated (input) dimension is ``dim`` (`block_sizes`).
 
-        ``block_size``, or ``dim / r``, where it divides ``dim``; otherwise, as PEFT's OFT does, the nearest divisor,
-        recorded in ``block_size_pattern`` (with ``strict_block_size``, an error). ``r`` is fitted as a number of
-        blocks, so the result is ``dim`` over the divisor of ``dim`` nearest to ``r``.
+        ``block_size``, or ``dim / r``, where it divides ``dim``; otherwise, as PEFT's OFT does, the nearest divisor
+        (with ``strict_block_size``, an error), which the tuner records in ``block_size_pattern``. ``r`` is fitted as
+        a number of blocks, so the result is ``dim`` over the divisor of ``dim`` nearest to ``r``.
 
         Args:
             dim: the rotated (input) dimension.
@@ -191,7 +130,7 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
                 ``block_size_pattern`` entry does not; or ``r`` gives 1 × 1 blocks.
         """
         if not self.r or layer_name in self.block_size_pattern:
-            return resolve_block_size(self, layer_name, "input", dim, self.block_size or dim, "block_size", False)
+            return resolve_block_size(self, layer_name, "input", dim, self.block_size or dim, "block_size")
         if dim % self.r and self.strict_block_size:
             raise ValueError(
                 f"`r`={self.r} does not divide the {dim}-dimensional input side of target module '{layer_name}'; "
@@ -204,8 +143,6 @@ class OftConfig(CheckedLoadConfig, PeftConfig):
                 f"`r`={self.r} gives blocks of size {dim // blocks} for target module '{layer_name}' "
                 f"(input dimension {dim}); use fewer blocks"
             )
-        if blocks != self.r:
-            self.block_size_pattern[layer_name] = dim // blocks
         return dim // blocks
 
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -18,7 +18,10 @@ from torch import nn
 
 from ...orthogonal.spo import make_side_spec
 from ..config_utils import SIDE_INPUT
+from ..rotation.block_sizes import is_adjusted
+from ..rotation.config import RotationConfig
 from ..rotation.layer import RotationLayer, RotationSettings
+from .config import OftConfig
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,12 @@ class OftLayer(RotationLayer):
     def merge_counts(self) -> BufferDict:
         return self.poet_oft_merge_count
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: RotationConfig, layer_name: str) -> None:
         """Add adapter ``adapter_name`` described by an ``OftConfig``."""
+        config = cast(OftConfig, config)  # the OFT tuner builds OFT layers only
         block_size = config.resolve_block_size(self.in_features, layer_name)
+        if is_adjusted(config, layer_name, SIDE_INPUT, self.in_features, config.r or config.block_size):
+            self.note_adjusted_block_sizes(adapter_name, {SIDE_INPUT: block_size})
         spec = make_side_spec(config.spo, self.in_features, block_size, 0, layer_name, "block_size")
         self.oft_options[adapter_name] = OftOptions(
             block_share=config.block_share, coft=config.coft, eps=config.eps, module_dropout=config.module_dropout
@@ -125,7 +131,9 @@ class OftLayer(RotationLayer):
 class Linear(nn.Module, OftLayer):
     """OFT around an ``nn.Linear`` (and, through the subclasses, ``Conv1D`` and ``nn.Conv2d``)."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: RotationConfig, layer_name: str, **kwargs: Any
+    ) -> None:
         super().__init__()
         OftLayer.__init__(self, base_layer, **kwargs)
         self._active_adapter = adapter_name

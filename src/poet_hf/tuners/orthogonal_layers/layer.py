@@ -33,6 +33,7 @@ from ..tuner_base import ModuleMixin
 
 if TYPE_CHECKING:
     from ...orthogonal.eco import EcoConv2d
+    from .config import OrthogonalConfig
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: OrthogonalConfig, layer_name: str) -> None:
         """Add ``adapter_name`` from the tuner's ``config`` (Linear and Conv2d build their own)."""
         raise NotImplementedError
 
@@ -120,7 +121,9 @@ class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
 class _OrthogonalModule(nn.Module, OrthogonalLayer):
     """What the Linear and Conv2d layers share: construction, forward and repr."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: OrthogonalConfig, layer_name: str, **kwargs: Any
+    ) -> None:
         super().__init__()
         OrthogonalLayer.__init__(self, base_layer, **kwargs)
         self._active_adapter = adapter_name
@@ -143,7 +146,7 @@ class Linear(_OrthogonalModule):
     def rotation_dim(self) -> int:
         return max(self.in_features, self.out_features)
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: OrthogonalConfig, layer_name: str) -> None:
         """Add ``adapter_name``: start at the polar factor of the base weight (or near it if not ``init_weights``)."""
         weight = self._linear().weight
         device = weight.device
@@ -276,7 +279,7 @@ class Conv2d(_OrthogonalModule):
             )
         return kh, stride
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: OrthogonalConfig, layer_name: str) -> None:
         """Add ``adapter_name``: an ECO convolution with the base layer's channels, kernel size and stride."""
         from ...orthogonal.eco import EcoConv2d
 
@@ -288,7 +291,7 @@ class Conv2d(_OrthogonalModule):
             base.out_channels,
             kernel,
             stride,
-            input_size=size,
+            input_size=cast(int, size),  # _check_geometry refuses None
             bias=False,
             orthogonal_map=config.eco_orthogonal_map,
             device=base.weight.device,

@@ -5,19 +5,21 @@ from __future__ import annotations
 import logging
 from typing import Any, cast
 
+from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..config_utils import DEFAULT_TARGET_MODULES
 from ..rotation.quantization import is_bnb_module
 from ..tuner_base import LayerReplacingTuner
+from .config import OrthogonalConfig
 from .layer import Conv2d, Linear, OrthogonalLayer
 
 logger = logging.getLogger(__name__)
 
 
 def create_orthogonal_module(
-    config: Any, adapter_name: str, target: nn.Module, layer_name: str, **kwargs: Any
+    config: OrthogonalConfig, adapter_name: str, target: nn.Module, layer_name: str, **kwargs: Any
 ) -> OrthogonalLayer:
     """Wrap ``target`` in the orthogonal layer for its type, or raise a ``ValueError`` naming the type."""
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
@@ -49,8 +51,10 @@ class OrthogonalModel(LayerReplacingTuner):
     tuner_layer_cls = OrthogonalLayer
     target_module_mapping = DEFAULT_TARGET_MODULES  # type: ignore[assignment]  # PEFT annotates lists; it matches regex strings too
 
-    def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> OrthogonalLayer:
-        return create_orthogonal_module(config, adapter_name, target, layer_name)
+    def create_layer(
+        self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str
+    ) -> OrthogonalLayer:
+        return create_orthogonal_module(cast(OrthogonalConfig, config), adapter_name, target, layer_name)
 
     def after_layer_added(self, layer: nn.Module, adapter_name: str, layer_name: str) -> None:
         logger.info(

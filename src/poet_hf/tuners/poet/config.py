@@ -3,34 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from peft.config import PeftConfig
-
-from ...orthogonal import BASE_INIT_SCHEMES, check_neumann_terms
+from ...orthogonal import BASE_INIT_SCHEMES
 from ..config_utils import (
     BIAS_CHOICES,
-    FORWARD_CHOICES,
     SIDES_CHOICES,
     SPO_CHOICES,
-    CheckedLoadConfig,
-    block_size_pattern_field,
-    cache_rotations_field,
-    check_bool,
     check_budget,
     check_choice,
     check_positive_int,
-    normalize_peft_target_fields,
-    peft_field,
     per_side,
-    requantize_field,
-    residual_storage_field,
-    strict_block_size_field,
 )
 from ..registry import peft_type_member
-from ..rotation.block_sizes import check_block_size_pattern
-from ..rotation.quantization import BASE_QUANTIZATIONS, REQUANTIZE_MODES
-from ..rotation.residual_store import RESIDUAL_STORAGES
+from ..rotation.config import RotationConfig
+from ..rotation.quantization import BASE_QUANTIZATIONS
 
 POET_PEFT_TYPE = "POET"
 
@@ -63,7 +50,7 @@ POET_FINETUNE_RECIPES: dict[str, PoetFinetuneRecipe] = {
 
 
 @dataclass
-class PoetConfig(CheckedLoadConfig, PeftConfig):
+class PoetConfig(RotationConfig):
     """Configuration of a POET adapter: every target weight becomes ``R·W0·P`` (torch: ``P^T W0 R^T``).
 
     ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built by the Cayley–Neumann map from
@@ -77,16 +64,8 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
     in the paper's Fig. 5; a ``budget`` may be a fraction of the dimension or an absolute index-set size.
     """
 
-    target_modules: list[str] | str | None = field(
-        default=None,
-        metadata={
-            "help": "Module names or a regex to wrap. Default per model_type: every Linear inside the transformer "
-            "blocks, never embeddings or lm_head."
-        },
-    )
-    exclude_modules: list[str] | str | None = field(
-        default=None, metadata={"help": "Module names or a regex to leave out."}
-    )
+    per_side_block_sizes: ClassVar[bool] = True
+
     spo: Literal["block", "full", "contiguous"] = field(
         default="block",
         metadata={
@@ -102,8 +81,6 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             "Where b does not divide a side, that side uses the nearest divisor (see strict_block_size)."
         },
     )
-    strict_block_size: bool = strict_block_size_field()
-    block_size_pattern: dict[str, int | dict[str, int]] = block_size_pattern_field()
     budget: float | int | dict[str, float | int] = field(
         default=0.5,
         metadata={
@@ -123,9 +100,12 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             "0 = the exact Cayley transform."
         },
     )
-    merge_every: int = field(
+    merge_every: int | None = field(
         default=400,
-        metadata={"help": "Optimizer steps between merge-then-reinitialize (the default is the paper's §5.2 value)."},
+        metadata={
+            "help": "Optimizer steps between merge-then-reinitialize (the default is the paper's §5.2 value); "
+            "PoetTrainingArguments.merge_every overrides it for one run."
+        },
     )
     rotation_learning_rate: float | None = field(
         default=None,
@@ -155,17 +135,6 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."
         },
     )
-    requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
-    residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
-    cache_rotations: bool = cache_rotations_field()
-    seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and base init."})
-    forward: Literal["auto", "weight", "activation"] = field(
-        default="auto",
-        metadata={
-            "help": "'weight' materialises P^T W0 R^T; 'activation' rotates activations around the base op; "
-            "'auto' picks the cheaper by a flop count (tokens vs dimensions)."
-        },
-    )
     train_other_params: bool | None = field(
         default=None,
         metadata={
@@ -173,43 +142,30 @@ class PoetConfig(CheckedLoadConfig, PeftConfig):
             "None means True when base_init is set (pretraining from scratch), else False."
         },
     )
-    init_weights: bool = field(
-        default=True, metadata={"help": "True: identity adapter (Q = 0). False: random non-identity, for tests."}
-    )
     bias: Literal["none", "all", "poet_only"] = field(default="none", metadata={"help": "Which biases to train."})
-    layers_to_transform: list[int] | int | None = peft_field("layers_to_transform")
-    layers_pattern: list[str] | str | None = peft_field("layers_pattern")
-    modules_to_save: list[str] | None = peft_field("modules_to_save")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.peft_type = peft_type_member(POET_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
-        normalize_peft_target_fields(self)
         check_choice("spo", self.spo, SPO_CHOICES)
-        for side, value in per_side("block_size", self.block_size).items():
-            check_positive_int(
-                f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value, minimum=2
-            )
-        check_bool("strict_block_size", self.strict_block_size)
-        check_block_size_pattern(self.block_size_pattern, per_side_allowed=True)
         for side, value in per_side("budget", self.budget).items():
             check_budget(value, f"budget[{side!r}]" if isinstance(self.budget, dict) else "budget", absolute=True)
         check_choice("sides", self.sides, SIDES_CHOICES)
-        check_neumann_terms(self.neumann_terms)
-        check_positive_int("merge_every", self.merge_every)
+        check_positive_int("merge_every", self.merge_every)  # POET merges; only OFT may say None
         if self.rotation_learning_rate is not None and not self.rotation_learning_rate > 0:
             raise ValueError(f"`rotation_learning_rate` must be > 0 or None, got {self.rotation_learning_rate!r}")
         if self.rotation_reference_block is not None:
             check_positive_int("rotation_reference_block", self.rotation_reference_block, minimum=2)
         check_choice("base_init", self.base_init, (None, *BASE_INIT_SCHEMES))
-        check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
-        check_choice("requantize", self.requantize, REQUANTIZE_MODES)
-        check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
-        check_bool("cache_rotations", self.cache_rotations)
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
+
+    def check_block_size(self) -> None:
+        """``block_size`` is an integer >= 2, or one per side (``{"input": b_R, "output": b_P}``)."""
+        for side, value in per_side("block_size", self.block_size).items():
+            check_positive_int(
+                f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value, minimum=2
+            )
 
     @classmethod
     def for_finetuning(cls, recipe: str = "default", **overrides: Any) -> PoetConfig:

@@ -7,7 +7,7 @@ the shared plumbing (merge, reference forward, statistics) is `RotationLayer`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from peft.tuners._buffer_dict import BufferDict
 from torch import nn
@@ -15,11 +15,13 @@ from torch import nn
 from ...orthogonal import init_base_weight, spo_generator, subset_size
 from ...orthogonal.spo import make_side_spec
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
-from ..rotation.block_sizes import resolve_block_size
+from ..rotation.block_sizes import is_adjusted, resolve_block_size
+from ..rotation.config import RotationConfig
 from ..rotation.layer import RotationLayer, RotationSettings
+from .config import PoetConfig
 
 
-def side_values(config: Any, field_name: str) -> dict[str, Any]:
+def side_values(config: PoetConfig, field_name: str) -> dict[str, Any]:
     """``config.<field_name>`` per side; a side a per-side dict leaves out takes the field's default."""
     value = getattr(config, field_name)
     if not isinstance(value, dict):
@@ -53,8 +55,9 @@ class PoetLayer(RotationLayer):
     def merge_counts(self) -> BufferDict:
         return self.poet_merge_count
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: RotationConfig, layer_name: str) -> None:
         """Add adapter ``adapter_name`` described by a ``PoetConfig``."""
+        config = cast(PoetConfig, config)  # the POET tuner builds POET layers only
         if config.forward == "activation" and self.is_conv2d:
             raise ValueError(
                 f"`forward`='activation' is not supported for Conv2d target '{layer_name}' (R rotates "
@@ -65,10 +68,13 @@ class PoetLayer(RotationLayer):
         field = "budget" if config.spo == "full" else "block_size"
         blocks, budgets = side_values(config, "block_size"), side_values(config, "budget")
         if config.spo != "full":
-            blocks = {
-                side: resolve_block_size(config, layer_name, side, dims[side], blocks[side], field, per_side=True)
-                for side in wanted
+            adjusted = {
+                side: True for side in wanted if is_adjusted(config, layer_name, side, dims[side], blocks[side])
             }
+            blocks = {
+                side: resolve_block_size(config, layer_name, side, dims[side], blocks[side], field) for side in wanted
+            }
+            self.note_adjusted_block_sizes(adapter_name, {side: blocks[side] for side in adjusted})
         specs = {
             side: make_side_spec(
                 config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]), layer_name, field
@@ -101,7 +107,9 @@ class PoetLayer(RotationLayer):
 class Linear(nn.Module, PoetLayer):
     """POET around an ``nn.Linear`` (and, through the subclasses, ``Conv1D`` and ``nn.Conv2d``)."""
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: RotationConfig, layer_name: str, **kwargs: Any
+    ) -> None:
         super().__init__()
         PoetLayer.__init__(self, base_layer, **kwargs)
         self._active_adapter = adapter_name
@@ -125,7 +133,9 @@ class Conv2d(Linear):
     always uses the weight strategy and calls the base convolution with the rotated weight.
     """
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, layer_name: str, **kwargs: Any) -> None:
+    def __init__(
+        self, base_layer: nn.Module, adapter_name: str, config: RotationConfig, layer_name: str, **kwargs: Any
+    ) -> None:
         if base_layer.groups != 1:
             raise ValueError(
                 f"target module '{layer_name}' is a grouped Conv2d (groups={base_layer.groups}); POET needs groups=1 "

@@ -41,6 +41,7 @@ from ..tuner_base import ModuleMixin
 from . import caches
 from .base_weight import BaseWeightMixin, QuantizedMergeWarning
 from .caches import RotationStepState
+from .config import RotationConfig
 from .forward import FusedForward, reference_forward
 from .row_fold import fold_by_rows, foldable_by_rows
 from .settings import RotationSettings
@@ -114,6 +115,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         self._init_weight_access(base_layer)
         self.fused = FusedForward()
         self.step_state = RotationStepState()  # the model's, once it injects this layer
+        self.adjusted_block_sizes: dict[str, dict[str, int]] = {}  # until the tuner records them (block_sizes.py)
         self._init_containers()
         out_dim, in_dim = self.weight_shape
         self.in_features, self.out_features = in_dim, out_dim
@@ -124,9 +126,14 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
     def _init_containers(self) -> None:
         raise NotImplementedError
 
-    def update_layer(self, adapter_name: str, config: Any, layer_name: str) -> None:
+    def update_layer(self, adapter_name: str, config: RotationConfig, layer_name: str) -> None:
         """Add ``adapter_name`` from the tuner's ``config`` (each method builds its own sides)."""
         raise NotImplementedError
+
+    def note_adjusted_block_sizes(self, adapter_name: str, sizes: dict[str, int]) -> None:
+        """Keep the sides whose requested block size was replaced by a divisor, for the tuner to record."""
+        if sizes:
+            self.adjusted_block_sizes[adapter_name] = sizes
 
     def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         """The skew parameters and index buffers of ``side``, keyed by adapter name."""

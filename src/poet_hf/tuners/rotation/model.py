@@ -9,14 +9,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import torch
+from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..config_utils import holds_full_model
 from ..tuner_base import LayerReplacingTuner
 from . import residual_store
-from .block_sizes import warn_adjusted_block_sizes
+from .block_sizes import record_adjusted_block_sizes
 from .caches import RotationStepState
+from .config import RotationConfig
 from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
 from .quantization import adopt_base, drop_residual, quantization_of
@@ -24,7 +26,7 @@ from .state_checks import AdapterStateError
 
 
 def create_tuner_module(
-    config: Any, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
+    config: RotationConfig, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
 ) -> RotationLayer:
     """Wrap ``target`` in the layer of ``layer_classes`` (Linear, Conv1D, Conv2d) for its type.
 
@@ -78,16 +80,16 @@ class RotationModel(LayerReplacingTuner):
             module.register_forward_hook(_release_caches_if_raising, always_call=True)
 
     def inject_adapter(self, model: nn.Module, adapter_name: str, *args: Any, **kwargs: Any) -> None:
-        """PEFT's injection, then one warning listing the layers whose block size was adjusted (`block_sizes`)."""
-        config = self.peft_config[adapter_name]
-        before = dict(getattr(config, "block_size_pattern", {}))
+        """PEFT's injection, then the block sizes the layers adjusted recorded in the config, with one warning."""
         super().inject_adapter(model, adapter_name, *args, **kwargs)
-        if getattr(config, "block_size_pattern", None):
-            dims = {
-                name: {side: spec.dim for side, spec in layer.sides(adapter_name).items()}
-                for name, layer in rotation_layers(model, adapter_name)
-            }
-            warn_adjusted_block_sizes(config, before, dims)
+        adjusted, dims = {}, {}
+        for _, layer in rotation_layers(model, adapter_name):
+            sizes = layer.adjusted_block_sizes.pop(adapter_name, None)
+            if sizes:
+                name = layer.rotation_settings[adapter_name].layer_name
+                adjusted[name] = sizes
+                dims[name] = {side: spec.dim for side, spec in layer.sides(adapter_name).items()}
+        record_adjusted_block_sizes(cast(RotationConfig, self.peft_config[adapter_name]), adjusted, dims)
 
     @property
     def step_state(self) -> RotationStepState:
@@ -96,8 +98,8 @@ class RotationModel(LayerReplacingTuner):
             self.__dict__["_step_state"] = RotationStepState()
         return self.__dict__["_step_state"]
 
-    def create_layer(self, config: Any, adapter_name: str, target: nn.Module, layer_name: str) -> RotationLayer:
-        layer = create_tuner_module(config, adapter_name, target, layer_name, self.layer_classes)
+    def create_layer(self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str) -> RotationLayer:
+        layer = create_tuner_module(cast(RotationConfig, config), adapter_name, target, layer_name, self.layer_classes)
         layer.step_state = self.step_state
         return layer
 

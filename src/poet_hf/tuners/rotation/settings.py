@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from .config import RotationConfig
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class RotationSettings:
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
     @classmethod
-    def from_config(cls, config: Any, layer_name: str) -> RotationSettings:
+    def from_config(cls, config: RotationConfig, layer_name: str) -> RotationSettings:
         """What a layer keeps of a ``PoetConfig`` or ``OftConfig`` (OFT has no ``base_init``)."""
         return cls(
             layer_name=layer_name,
