@@ -15,13 +15,12 @@ from .tuners.registry import register_tuners
 
 register_tuners()
 
+from ._version import __version__ as __version__  # noqa: E402
 from .tuners.oft import OftConfig  # noqa: E402
 from .tuners.orthogonal_layers import OrthogonalConfig  # noqa: E402
 from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
 from .tuners.rotation.caches import defer_rotation_grads  # noqa: E402
 from .tuners.rotation.layer import flush_rotation_caches  # noqa: E402
-
-__version__ = "0.1.0"
 
 _LAZY_EXPORTS = {
     "PoetTrainer": "poet_hf.training",

@@ -13,6 +13,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from .orthogonal import spo_generator
+from .orthogonal.spectra import svdvals
 from .orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
 from .sharded import full_tensor
 from .tuners.rotation.layer import RotationLayer, SideRotations, rotation_layers
@@ -54,11 +55,6 @@ def target_weight_matrices(model: nn.Module, names: list[str] | None = None) -> 
     return weights
 
 
-def _svdvals(weight: torch.Tensor) -> torch.Tensor:
-    """Singular values (descending, float64, on the CPU) of a weight viewed as ``out × (in·…)``."""
-    return torch.linalg.svdvals(weight.detach().double().cpu().reshape(weight.shape[0], -1))
-
-
 @torch.no_grad()
 def singular_values(
     model: nn.Module,
@@ -79,62 +75,12 @@ def singular_values(
         ``{module name: singular values}``.
     """
     if layer_context is None or not rotation_layers(model):
-        return {name: _svdvals(w) for name, w in target_weight_matrices(model, names).items()}
+        return {name: svdvals(w) for name, w in target_weight_matrices(model, names).items()}
     values = {}
     for name, layer in rotation_layers(model):
         with layer_context(layer):
-            values[name] = _svdvals(layer.effective_weight_matrix(dtype=torch.float32).detach())
+            values[name] = svdvals(layer.effective_weight_matrix(dtype=torch.float32).detach())
     return values
-
-
-@torch.no_grad()
-def module_singular_values(model: nn.Module, names: list[str], progress: bool = False) -> dict[str, torch.Tensor]:
-    """Singular values (descending, float64) of the ``weight`` of each module named (exactly) in ``names``.
-
-    Args:
-        model: the model.
-        names: the exact module names.
-        progress: show a progress bar.
-
-    Returns:
-        ``{module name: singular values}`` for the modules that have a weight.
-    """
-    from tqdm.auto import tqdm
-
-    modules = dict(model.named_modules())
-    weights = {name: getattr(modules.get(name), "weight", None) for name in names}
-    return {
-        name: _svdvals(weight)
-        for name, weight in tqdm(weights.items(), desc="spectrum", disable=not progress)
-        if weight is not None
-    }
-
-
-def spectrum_summary(spectra: dict[str, torch.Tensor]) -> list[dict]:
-    """One row per module-name group of [`singular_values`][poet_hf.diagnostics.singular_values] output.
-
-    A group is the name's last part (``q_proj``, for example); its row holds ``count``, the mean ``sigma_max`` and
-    ``sigma_min``, and the worst ``condition`` number.
-
-    Args:
-        spectra: [`singular_values`][poet_hf.diagnostics.singular_values] output.
-
-    Returns:
-        One dict per group: ``group``, ``count``, ``sigma_max``, ``sigma_min``, ``condition``.
-    """
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for name, s in spectra.items():
-        groups.setdefault(name.rsplit(".", 1)[-1], []).append((float(s.max()), float(s.min())))
-    return [
-        {
-            "group": group,
-            "count": len(values),
-            "sigma_max": sum(v[0] for v in values) / len(values),
-            "sigma_min": sum(v[1] for v in values) / len(values),
-            "condition": max(v[0] / max(v[1], 1e-30) for v in values),
-        }
-        for group, values in groups.items()
-    ]
 
 
 def spectrum_report(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:

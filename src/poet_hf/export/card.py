@@ -246,7 +246,7 @@ def render_adapter_card(
     """
     import peft
 
-    from .. import __version__
+    from .._version import __version__
 
     peft_type = str(getattr(peft_config.peft_type, "value", peft_config.peft_type))
     title = _METHODS.get(_method_family(peft_type), (peft_type,))[0]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..diagnostics import module_singular_values, spectrum_summary
+from ..orthogonal.spectra import module_singular_values, spectrum_summary
 from ..sharded import barrier
 from .card import render_model_card
 from .folding import fold, max_merge_count, show_progress, tuner_layer_names

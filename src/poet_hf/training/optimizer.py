@@ -107,6 +107,15 @@ def poet_param_groups(
     return [g for g in groups if g["params"]]
 
 
+def tied_poet_learning_rate(method: str, size: float) -> float:
+    """The POET learning rate that Tables 8–9 tie to the rotation size.
+
+    1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64 and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and
+    ``1e-3 · ½/budget`` (the same rule between those sizes); ``size`` is the block size (BS) or the budget fraction
+    (FS)."""
+    return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
+
+
 def adapter_rotation_rate(model: nn.Module) -> tuple[float, int | None, str] | None:
     """The rotations' rate a POET adapter of ``model`` is built for: ``(rate, reference block, where it comes from)``.
 
@@ -115,7 +124,6 @@ def adapter_rotation_rate(model: nn.Module) -> tuple[float, int | None, str] | N
     side (``1e-3 · 256/b`` per side), or ``1e-3 · ½/budget`` for ``spo="full"`` with a fractional budget. ``None``
     for a model without a POET adapter (OFT trains at the Trainer's ``learning_rate``, as PEFT's OFT does)."""
     from ..tuners.poet import PoetConfig
-    from .presets import tied_poet_learning_rate
 
     configs = getattr(model, "peft_config", None) or {}
     config = next((c for c in configs.values() if isinstance(c, PoetConfig)), None)

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from ..initialization import materialize_model
 from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
+from .optimizer import tied_poet_learning_rate
 
 __all__ = [
     "PRESETS",
@@ -101,15 +102,6 @@ PRESETS = {
     # with the memory savings of docs/pretraining-7b.md.
     "llama-2-7b": Preset(4096, 11008, 11008, 11008, 32, 32, learning_rate=1e-3, paper_steps=0, batch_size=1),
 }
-
-
-def tied_poet_learning_rate(method: str, size: float) -> float:
-    """The POET learning rate that Tables 8–9 tie to the rotation size.
-
-    1e-3 / 2e-3 / 4e-3 for BS blocks 256 / 128 / 64 and FS budgets ½ / ¼ / ⅛, i.e. ``1e-3 · 256/b`` and
-    ``1e-3 · ½/budget`` (the same rule between those sizes); ``size`` is the block size (BS) or the budget fraction
-    (FS)."""
-    return 1e-3 * 256 / size if method == "poet-bs" else 1e-3 * 0.5 / size
 
 
 def intermediate_size(preset: Preset, method: str) -> int:
