@@ -32,7 +32,7 @@ SETTINGS = {"tasks": CHOOSING_TASKS, "rates": RATES, "seed": 0, "shapes": {t: TA
 
 def default_rates() -> dict[str, float]:
     """The rate each method runs at when ``scripts/finetune.py`` is given none."""
-    from poet_hf.training.finetune import ADAPTER_LEARNING_RATE
+    from poet_hf.recipes.finetune import ADAPTER_LEARNING_RATE
     from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
 
     return {

@@ -84,7 +84,7 @@ def task_argv(task: str, steps: int | None = None, seed: int = 0) -> list[str]:
 def measure(argv: list[str], output_dir: str) -> dict[str, Any]:
     """In the child process: one fine-tuning run of ``scripts/finetune.py`` with ``argv``; its report and costs."""
     from benchmarks.common import status_mb
-    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
+    from poet_hf.recipes.finetune import parse_finetune_arguments, run_finetuning
 
     after_imports = status_mb("VmRSS")
     args, training = parse_finetune_arguments([*argv, "--output_dir", output_dir])

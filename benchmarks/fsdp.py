@@ -2,15 +2,15 @@
 sharded weights.
 
 A llama-shaped POET-BS model (b = 256, ``base_init="normalized"``) trains a few steps at batch 2 × 256 per process,
-started by ``torchrun`` (gloo on CPU, nccl on CUDA); ``fsdp2`` shards it with ``poet_hf.distributed.shard_model``
-(every decoder layer, the embeddings, the head, then the root), ``ddp`` wraps it in ``DistributedDataParallel``,
-``none`` is the plain model in one process. Per process: the *from-start* peak (peak RSS minus the RSS after
-imports) and the *steady-state* peak (the highest RSS sampled every millisecond after the first optimizer step,
-minus the same baseline). glibc's allocator runs with ``MALLOC_MMAP_THRESHOLD_=131072``, so that
-a freed large tensor leaves the process and RSS follows the live tensors (by default glibc raises the threshold as
-large blocks are freed and keeps hundreds of MB it no longer uses). Each row carries
-:func:`poet_hf.plan_memory`'s prediction for the same run. Then one ``merge_and_reinit``: its time, the RSS it adds
-over the steady state and the most gathered bytes alive at once.
+started by ``torchrun`` (gloo on CPU, nccl on CUDA); ``fsdp2`` shards it with
+``poet_hf.training.distributed.shard_model`` (every decoder layer, the embeddings, the head, then the root), ``ddp``
+wraps it in ``DistributedDataParallel``, ``none`` is the plain model in one process. Per process: the *from-start* peak
+(peak RSS minus the RSS after imports) and the *steady-state* peak (the highest RSS sampled every millisecond after the
+first optimizer step, minus the same baseline). glibc's allocator runs with ``MALLOC_MMAP_THRESHOLD_=131072``, so that a
+freed large tensor leaves the process and RSS follows the live tensors (by default glibc raises the threshold as large
+blocks are freed and keeps hundreds of MB it no longer uses). Each row carries :func:`poet_hf.plan_memory`'s prediction
+for the same run. Then one ``merge_and_reinit``: its time, the RSS it adds over the steady state and the most gathered
+bytes alive at once.
 
 The FSDP2 model is built on the ``meta`` device, sharded, then materialized shard by shard (``shard_model``); the
 others are built whole. *construction peak* is the peak RSS when the model is ready to train, beside *one full copy*
@@ -83,8 +83,8 @@ def _poet(model, base_init: str | None = "normalized", block_size: int = 256):
 
 def _build(preset, sharding: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The POET model and what trains it: FSDP2 built on ``meta`` and materialized shard by shard, the others whole."""
-    from poet_hf.distributed import shard_model
-    from poet_hf.training.presets import build_llama
+    from poet_hf.recipes.presets import build_llama
+    from poet_hf.training.distributed import shard_model
 
     if sharding == "fsdp2":
         model = _poet(build_llama(preset, "poet-bs", VOCAB, SEQ, seed=0, device="meta"), block_size=preset.block_size)
@@ -109,7 +109,7 @@ def worker(out: str, preset_name: str, batch: int, steps: int, sharding: str = "
     rank, world = dist.get_rank(), dist.get_world_size()
     import poet_hf.tuners.rotation.layer as rotation_layer
     from poet_hf import merge_and_reinit
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     after_imports = status_mb("VmRSS")
     preset = PRESETS[preset_name]
@@ -175,8 +175,8 @@ def load_worker(out: str, preset_name: str, checkpoint: str, loading: str) -> No
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from poet_hf.distributed import shard_model
-    from poet_hf.training.presets import PRESETS, build_llama
+    from poet_hf.recipes.presets import PRESETS, build_llama
+    from poet_hf.training.distributed import shard_model
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     after_imports = status_mb("VmRSS")
@@ -217,7 +217,7 @@ def limit_worker(out: str, preset_name: str, batch: int, seq: int, cgroups: str)
     train 3 steps; write the loss. Over the limit the kernel kills the process, and no report is written."""
     import torch.distributed as dist
 
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -278,7 +278,7 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
     """1 process, 2 under DDP, 2 under FSDP2: memory (steady state, from start, at construction) against the plan
     and against one full copy of the model, step and merge costs."""
     from poet_hf import plan_memory
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     rows = []
     for processes, sharding in RUNS:
@@ -323,7 +323,7 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
 
 def loading_rows(preset: str) -> list[dict]:
     """A pretrained checkpoint of ``preset`` (written here once) loaded by 2 FSDP2 processes, three ways."""
-    from poet_hf.training.presets import PRESETS, build_llama
+    from poet_hf.recipes.presets import PRESETS, build_llama
 
     rows = []
     with tempfile.TemporaryDirectory() as checkpoint:
@@ -347,7 +347,7 @@ def loading_rows(preset: str) -> list[dict]:
 def limit_rows(preset: str, batch: int, seq: int, budget_fraction: float = 0.8) -> list[dict]:
     """Each process in a memory cgroup limited to ``budget_fraction`` of one full copy of the training state (charged
     from after its imports): 1 process with the whole model, then 2 FSDP2 processes, train 3 steps."""
-    from poet_hf.training.presets import PRESETS, build_llama
+    from poet_hf.recipes.presets import PRESETS, build_llama
 
     meta = build_llama(PRESETS[preset], "poet-bs", VOCAB, SEQ, seed=0, device="meta")
     state_mb = _full_copies_mb(_poet(meta, block_size=PRESETS[preset].block_size))["state_mb"]

@@ -1,12 +1,12 @@
 """Planned per-process memory of an 8-GPU FSDP2 run at sizes this machine cannot train: a prediction, not a
 measurement.
 
-For each model (`MODELS`: the paper's llama-1.3b preset and three real LLaMA configs from ``configs/models``) and
-each method, `poet_hf.run_plan.plan_pretraining` plans the run ``scripts/pretrain.py`` would make with `RUN_FLAGS`
-under a launch of `PROCESSES` processes (``scripts/plan_memory.py --sharding fsdp2 --processes 8 --dtype bfloat16``
-with the same flags): bfloat16 weights and activations, adapter parameters and optimizer states as the planner
-counts them, micro-batch 1 × 4096, activation checkpointing, and the accumulation the recipe resolves (the preset's
-512-sequence global batch; a config's run has none). Each part is in MiB per process.
+For each model (`MODELS`: the paper's llama-1.3b preset and three real LLaMA configs from ``configs/models``) and each
+method, `poet_hf.recipes.run_plan.plan_pretraining` plans the run ``scripts/pretrain.py`` would make with `RUN_FLAGS`
+under a launch of `PROCESSES` processes (``scripts/plan_memory.py --sharding fsdp2 --processes 8 --dtype bfloat16`` with
+the same flags): bfloat16 weights and activations, adapter parameters and optimizer states as the planner counts them,
+micro-batch 1 × 4096, activation checkpointing, and the accumulation the recipe resolves (the preset's 512-sequence
+global batch; a config's run has none). Each part is in MiB per process.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ SETTINGS = {"processes": PROCESSES, "sharding": SHARDING, "dtype": DTYPE, "flags
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     """One row per model and method: the plan's accumulation, its parts and its total (MiB per process)."""
-    from poet_hf.run_plan import parse_run, plan_pretraining
+    from poet_hf.recipes.run_plan import parse_run, plan_pretraining
 
     models = dict(list(MODELS.items())[:1]) if quick else MODELS
     rows = []

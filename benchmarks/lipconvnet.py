@@ -43,7 +43,7 @@ def train_row(name: str, argv: list[str], quick: bool) -> dict[str, Any]:
 
 def plot(rows: list[dict[str, Any]], out_dir: str | Path, machine: str = "") -> list[Path]:
     """``lipconvnet5_digits_eco_paper_12ep.png``: the paper recipe's certified accuracy against the radius."""
-    from poet_hf.vision.train import plot_certified_curve
+    from poet_hf.recipes.vision_run import plot_certified_curve
 
     row = next(row for row in rows if row["recipe"] == PAPER_RECIPE)
     Path(out_dir).mkdir(parents=True, exist_ok=True)

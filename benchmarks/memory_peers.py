@@ -44,7 +44,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 
 def _planned_mb(preset: str, batch: int) -> float:
     from poet_hf import plan_memory
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     plan = plan_memory(
         preset,

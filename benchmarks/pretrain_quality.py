@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks.run_cache import ROOT, code_version, run_parallel
 from benchmarks.savings_quality import EVERYTHING_ON
-from poet_hf.training.arguments import JOB_DEFAULTS
-from poet_hf.training.presets import PRESETS
+from poet_hf.recipes.presets import PRESETS
+from poet_hf.recipes.script_arguments import JOB_DEFAULTS
 
 STEPS = 1200
 EVAL_STEPS = 100
@@ -89,7 +89,7 @@ def run_child(argv: list[str], output_dir: Path) -> dict[str, Any]:
     patch = "torch.cuda.synchronize = lambda device=None: None\n" if "galore" in " ".join(argv) else ""
     script = str(ROOT / "scripts" / "pretrain.py")
     code = (
-        "import resource, runpy, sys, torch, transformers, poet_hf.training.pretrain\n"
+        "import resource, runpy, sys, torch, transformers, poet_hf.recipes.pretrain\n"
         f"from benchmarks.common import status_mb\n{patch}imports = status_mb('VmRSS')\n"
         f"sys.argv = [{script!r}, *{argv!r}, '--output_dir', {str(output_dir)!r}]\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n"

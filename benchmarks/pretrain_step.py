@@ -90,8 +90,8 @@ def measure(
 
     import poet_hf  # noqa: F401
     from poet_hf import PoetConfig, merge_and_reinit
+    from poet_hf.recipes.presets import PRESETS, build_llama
     from poet_hf.training import poet_param_groups
-    from poet_hf.training.presets import PRESETS, build_llama
     from poet_hf.tuners.rotation.layer import rotation_layers
 
     after_imports = status_mb("VmRSS")
@@ -215,7 +215,7 @@ def flops_per_step(
     rebuilt and differentiated in the last backward); otherwise once per micro-batch (``cache_rotations=False``)."""
     from poet_hf.orthogonal.spo import SideSpec, subset_size
     from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_costs
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     preset = PRESETS[preset_name]
     tokens, d = batch * SEQ, preset.hidden
@@ -255,7 +255,7 @@ def _child(method: str, preset: str, batch: int, steps: int, env: dict | None = 
 def _planned_mb(method: str, preset: str, batch: int, accumulation: int, cache_rotations: bool = True) -> float:
     """``poet_hf.plan_memory``'s per-process total for the run `measure` makes (one process, float32)."""
     from poet_hf import plan_memory
-    from poet_hf.training.presets import PRESETS
+    from poet_hf.recipes.presets import PRESETS
 
     plan = plan_memory(
         preset,

@@ -32,8 +32,8 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int) 
     import torch.distributed as dist
 
     from poet_hf import merge_and_reinit
+    from poet_hf.recipes.presets import PRESETS
     from poet_hf.training import poet_param_groups
-    from poet_hf.training.presets import PRESETS
     from poet_hf.training.zero import gathered_layer, mark_leaf_layers, reset_rotation_partitions
 
     dist.init_process_group("gloo")

@@ -1,7 +1,7 @@
 """Certified-robust image classification with LipConvNet: train, certify, and push the model to the Hub.
 
 What it shows: a LipConvNet (orthogonal ECO and SOC convolutions, 1-Lipschitz by construction) trained with
-``transformers.Trainer`` (``poet_hf.vision.train``), certified at the ℓ2 radii the papers report (a prediction is
+``transformers.Trainer`` (``poet_hf.recipes.vision_run``), certified at the ℓ2 radii the papers report (a prediction is
 certified when its logit margin exceeds ``√2 · L · ε``), exported as a baked ``PreTrainedModel`` with a model card,
 reloaded with stock ``AutoModelForImageClassification``, and pushed to the Hub with ``push_merged_to_hub``.
 
@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForImageClassification
 
     from poet_hf import push_merged_to_hub
+    from poet_hf.recipes.vision_run import export_lipconvnet, parse_vision_arguments, summary_line, train_lipconvnet
     from poet_hf.vision import certified_accuracy
     from poet_hf.vision.data import load_image_dataset
-    from poet_hf.vision.train import export_lipconvnet, parse_vision_arguments, summary_line, train_lipconvnet
 
     epochs = {} if args.num_train_epochs is None else {"num_train_epochs": args.num_train_epochs}
     options, training = parse_vision_arguments(

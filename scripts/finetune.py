@@ -18,10 +18,10 @@ import json
 
 from transformers import HfArgumentParser
 
-from poet_hf.cli import training_parser
-from poet_hf.distributed import end_distributed
+from poet_hf.recipes.cli import training_parser
+from poet_hf.recipes.finetune import FinetuneArguments, parse_finetune_arguments, run_finetuning
 from poet_hf.training import PoetTrainingArguments
-from poet_hf.training.finetune import FinetuneArguments, parse_finetune_arguments, run_finetuning
+from poet_hf.training.distributed import end_distributed
 
 
 def build_parser() -> HfArgumentParser:

@@ -22,10 +22,8 @@ import json
 
 from transformers import HfArgumentParser
 
-from poet_hf.cli import training_parser
-from poet_hf.distributed import end_distributed
-from poet_hf.training import PoetTrainingArguments
-from poet_hf.training.pretrain import (
+from poet_hf.recipes.cli import training_parser
+from poet_hf.recipes.pretrain import (
     PretrainArguments,
     parse_pretrain_arguments,
     recipe_flags,
@@ -33,6 +31,8 @@ from poet_hf.training.pretrain import (
     run_pretraining,
     run_tokenizer,
 )
+from poet_hf.training import PoetTrainingArguments
+from poet_hf.training.distributed import end_distributed
 
 
 def build_parser() -> HfArgumentParser:
@@ -40,9 +40,9 @@ def build_parser() -> HfArgumentParser:
 
 
 def print_plan(args, training) -> dict:
-    """``--plan_only``: the run's memory plan (`poet_hf.run_plan.plan_pretraining`), printed as plan_memory.py does."""
-    from poet_hf.memory_plan import format_plans
-    from poet_hf.run_plan import plan_pretraining
+    """``--plan_only``: the run's plan (`poet_hf.recipes.run_plan.plan_pretraining`), as plan_memory.py prints it."""
+    from poet_hf.recipes.memory_plan import format_plans
+    from poet_hf.recipes.run_plan import plan_pretraining
 
     plan = plan_pretraining(args, training)[0]
     print(format_plans([plan]))

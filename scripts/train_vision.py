@@ -17,8 +17,8 @@ import json
 
 from transformers import HfArgumentParser
 
-from poet_hf.cli import training_parser
-from poet_hf.vision.train import (
+from poet_hf.recipes.cli import training_parser
+from poet_hf.recipes.vision_run import (
     VisionTrainArgs,
     export_lipconvnet,
     parse_vision_arguments,

@@ -69,7 +69,7 @@ def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
 
 def distributed_step(engine: str, k: int, merge: bool) -> tuple[dict[str, torch.Tensor], int]:
     from poet_hf import defer_rotation_grads, merge_and_reinit
-    from poet_hf.distributed import shard_model
+    from poet_hf.training.distributed import shard_model
     from poet_hf.tuners.rotation.layer import rotation_layers
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,7 +113,7 @@ def main() -> None:
                 "tensors": len(grads),
             }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    from poet_hf.distributed import end_distributed
+    from poet_hf.training.distributed import end_distributed
 
     end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 

@@ -35,7 +35,7 @@ def tiny_pretraining(tmp_path_factory):
     """The README's main job, shortened to 30 steps with a merge every 7 (4 merges) and 32 validation sequences: the
     report of ``run_pretraining`` for a given ``base_quantization``, each run once per worker (the tests that share
     them are in the xdist group "tiny_pretraining")."""
-    from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
+    from poet_hf.recipes.pretrain import parse_pretrain_arguments, run_pretraining
 
     reports: dict = {}
 

@@ -28,6 +28,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    from poet_hf.distributed import end_distributed
+    from poet_hf.training.distributed import end_distributed
 
     end_distributed(exit_process=True)  # accelerate's gloo group: exit before it can abort the finalization

@@ -69,8 +69,8 @@ def main() -> None:
 
     import poet_hf  # noqa: F401
     from poet_hf import export_merged, merge_and_reinit
-    from poet_hf.distributed import save_pretrained_unsharded, shard_model
     from poet_hf.training import poet_parameters, reset_optimizer_state
+    from poet_hf.training.distributed import save_pretrained_unsharded, shard_model
 
     dataset, tokenizer = tiny_dataset()
     model = tiny_poet_model(len(tokenizer), spo=args.spo, budget=0.5, merge_every=MERGE_EVERY)
@@ -131,7 +131,7 @@ def main() -> None:
         ids = rows[:2, :12]
         torch.save(wrapped(input_ids=ids).logits.detach(), args.out / f"logits{rank}.pt")
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
-    from poet_hf.distributed import end_distributed
+    from poet_hf.training.distributed import end_distributed
 
     end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 

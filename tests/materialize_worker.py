@@ -1,9 +1,9 @@
 """Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): tiny POET LLaMAs built on the meta device, sharded by
-``poet_hf.distributed.shard_model`` and materialized shard by shard, in four cases: from keyed initialisation for
-POET-BS and POET-FS (``init-block``, ``init-full``), then from CHECKPOINT, which rank 0 scatters or broadcasts
+``poet_hf.training.distributed.shard_model`` and materialized shard by shard, in four cases: from keyed initialisation
+for POET-BS and POET-FS (``init-block``, ``init-full``), then from CHECKPOINT, which rank 0 scatters or broadcasts
 (``checkpoint-scatter``, ``checkpoint-broadcast``). For each case rank 0 writes the gathered state (parameters and
-buffers) to OUT/<case>/<stage>.pt: at ``init``, and for the ``init`` cases after each of two merges of random
-rotations; every rank writes OUT/<case>/rank<k>.json with the largest share of any parameter it holds.
+buffers) to OUT/<case>/<stage>.pt: at ``init``, and for the ``init`` cases after each of two merges of random rotations;
+every rank writes OUT/<case>/rank<k>.json with the largest share of any parameter it holds.
 
 Usage: materialize_worker.py OUT CHECKPOINT
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def gathered(model) -> dict:
     """Every parameter (gathered whole) and buffer (every process holds them whole) of ``model``, on rank 0."""
-    from poet_hf.distributed import gather_full_state_dict
+    from poet_hf.training.distributed import gather_full_state_dict
 
     state = {name: tensor.clone() for name, tensor in gather_full_state_dict(model).items()}  # buffers are live
     return {**state, **{f"buffer:{name}": b.clone() for name, b in model.named_buffers()}}
@@ -31,7 +31,7 @@ def run_case(out: Path, case: str, checkpoint: str) -> None:
     from training_utils import meta_poet_model, randomize_rotations
 
     from poet_hf import merge_and_reinit
-    from poet_hf.distributed import shard_model
+    from poet_hf.training.distributed import shard_model
 
     source, variant = case.split("-")
     if source == "init":
@@ -63,7 +63,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     for case in ("init-block", "init-full", "checkpoint-scatter", "checkpoint-broadcast"):
         run_case(out, case, checkpoint)
-    from poet_hf.distributed import end_distributed
+    from poet_hf.training.distributed import end_distributed
 
     end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 

@@ -19,7 +19,7 @@ from tolerances import gamma, unit_roundoff
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from poet_hf import plan_memory
-from poet_hf.training.pretrain import (
+from poet_hf.recipes.pretrain import (
     load_data,
     parse_pretrain_arguments,
     run_pretraining,
@@ -255,7 +255,7 @@ def test_a_family_without_default_targets_is_refused_naming_the_supported_ones(t
 def test_a_plan_for_several_processes_takes_the_accumulation_their_launch_would(capsys):
     """The tiny recipe's 8 sequences per step over 2 processes are micro-batches of 4 without accumulation."""
     from poet_hf.data import load_tokenizer
-    from poet_hf.training.presets import PRESETS, preset_config
+    from poet_hf.recipes.presets import PRESETS, preset_config
 
     planner = load_module(ROOT / "scripts" / "plan_memory.py")
     assert planner.main(["--preset", "tiny", "--processes", "2", "--json"]) == 0
@@ -299,7 +299,7 @@ def test_block_weights_that_are_not_linears_are_named_in_a_warning(tmp_path, cap
 
     from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
 
-    from poet_hf.training.presets import UntargetedWeightsWarning
+    from poet_hf.recipes.presets import UntargetedWeightsWarning
 
     path = tmp_path / "mixtral.json"
     MixtralConfig().to_json_file(str(path))

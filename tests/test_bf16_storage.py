@@ -17,7 +17,7 @@ from models import llama_config, tiny_llama
 from peft import get_peft_model
 
 from poet_hf import PoetConfig, PoetTrainingArguments
-from poet_hf.memory_plan import plan_memory
+from poet_hf.recipes.memory_plan import plan_memory
 from poet_hf.training import FusedStepOptimizer, create_poet_optimizer, poet_param_groups
 from poet_hf.training.bf16_storage import BFloat16Step, UpcastEmbedding, UpcastLinear, stochastic_round
 

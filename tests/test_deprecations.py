@@ -84,3 +84,30 @@ def test_a_module_that_moved_still_imports_under_its_old_name(old: str, new: str
     with pytest.warns(FutureWarning, match=new_name.replace(".", r"\.")):
         module = importlib.import_module(old_name)
     assert module is importlib.import_module(new_name)
+
+
+@pytest.mark.parametrize("old, new", sorted(poet_hf.MOVED_MODULES.items()))
+def test_a_run_module_that_moved_still_imports_under_its_old_name(old: str, new: str):
+    old_name, new_name = f"poet_hf.{old}", f"poet_hf.{new}"
+    sys.modules.pop(old_name, None)
+    with pytest.warns(FutureWarning, match=new_name.replace(".", r"\.")):
+        module = importlib.import_module(old_name)
+    assert module is importlib.import_module(new_name)
+
+
+def test_a_module_under_an_old_package_name_is_the_moved_module_not_a_second_copy():
+    from poet_hf.orthogonal import FeedbackGD
+
+    for name in ("poet_hf.optim", "poet_hf.optim.feedback_gd"):
+        sys.modules.pop(name, None)
+    with pytest.warns(FutureWarning):
+        from poet_hf.optim.feedback_gd import FeedbackGD as old_class
+    assert old_class is FeedbackGD
+
+
+def test_the_scripts_options_still_import_from_the_training_arguments():
+    from poet_hf.recipes.script_arguments import ScriptArguments
+    from poet_hf.training import arguments
+
+    with pytest.warns(FutureWarning, match=r"poet_hf\.recipes\.script_arguments\.ScriptArguments"):
+        assert arguments.ScriptArguments is ScriptArguments

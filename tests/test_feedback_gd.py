@@ -10,7 +10,7 @@ import torch
 from tolerances import gamma, unit_roundoff
 from torch import nn
 
-from poet_hf.optim import FeedbackGD, stiefel_deviation
+from poet_hf.orthogonal import FeedbackGD, stiefel_deviation
 
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import poet_hf  # noqa: F401
 from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
 from poet_hf.diagnostics import rotation_angle
-from poet_hf.training.finetune import FinetuneArguments
+from poet_hf.recipes.finetune import FinetuneArguments
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
 def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(workspace, tmp_path):
     from transformers import TrainerCallback
 
-    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
+    from poet_hf.recipes.finetune import parse_finetune_arguments, run_finetuning
 
     class Steps(TrainerCallback):
         def __init__(self):
@@ -229,7 +229,7 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
     from models import tiny_llama
 
     from poet_hf import OftConfig, PoetConfig
-    from poet_hf.training.finetune import method_config, parse_finetune_arguments
+    from poet_hf.recipes.finetune import method_config, parse_finetune_arguments
     from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
 
     model = tiny_llama()
@@ -255,7 +255,7 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
 
 
 def test_the_scripts_own_options_and_every_training_flag_parse_together():
-    from poet_hf.training.finetune import parse_finetune_arguments
+    from poet_hf.recipes.finetune import parse_finetune_arguments
 
     argv = ["--model", "x", "--method", "poet-fs", "--bf16", "--gradient_checkpointing", "--optim", "adamw_torch"]
     args, training = parse_finetune_arguments(

@@ -224,7 +224,7 @@ def test_a_tensor_no_initialisation_writes_is_an_error_not_garbage():
 def test_finetuning_under_fsdp2_builds_on_meta_and_reads_the_checkpoint_shard_by_shard(monkeypatch, checkpoint):
     """What scripts/finetune.py does when Accelerate will shard (an accelerator and an FSDP launch; faked here, the
     sharding itself is tested above): the model is built on meta, and PoetTrainer is told where its weights are."""
-    from poet_hf.training import finetune
+    from poet_hf.recipes import finetune
 
     args = finetune.FinetuneArguments(model=str(checkpoint), method="poet")
     assert not has_meta_tensors(finetune.load_model(args)[0])  # not sharded: from_pretrained, as always

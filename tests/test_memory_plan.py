@@ -9,9 +9,9 @@ from script_modules import load_module
 
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
-from poet_hf.memory_plan import plan_memory
+from poet_hf.recipes.memory_plan import plan_memory
+from poet_hf.recipes.presets import PRESETS, build_llama
 from poet_hf.training.optimizer import keep_32bit_states
-from poet_hf.training.presets import PRESETS, build_llama
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
     assert script.main([*flags, "--compare", "adamw"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     from poet_hf.data import load_tokenizer
-    from poet_hf.training.presets import PRESETS, preset_config
+    from poet_hf.recipes.presets import PRESETS, preset_config
 
     run_model = preset_config(PRESETS["llama-60m"], "poet-bs", len(load_tokenizer()), 256)  # the embedded tokenizer's
     plan = plan_memory(run_model, "poet-bs", batch_size=4)

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import BertModel
 
 import poet_hf  # noqa: F401  (registers the tuners with PEFT)
-from poet_hf.optim import FeedbackGD, stiefel_deviation
+from poet_hf.orthogonal import FeedbackGD, stiefel_deviation
 from poet_hf.tuners.orthogonal_layers import OrthogonalConfig, OrthogonalLayer
 from poet_hf.tuners.orthogonal_layers.layer import Conv2d as OrthConv2d
 from poet_hf.tuners.orthogonal_layers.layer import Linear as OrthLinear

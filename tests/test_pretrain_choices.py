@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import pretrain_choices
-from poet_hf.training.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe
+from poet_hf.recipes.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe
 
 # the choice each variant changes from the reference: n, T_m, and the R (input) : P (output) budgets
 REFERENCE = {"neumann_terms": 6, "paper_neumann_k": 4, "merge_every": 200, "budget": 0.5}

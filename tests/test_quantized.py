@@ -459,7 +459,7 @@ def test_a_missing_bitsandbytes_names_the_extra(monkeypatch):
 
 
 def test_fsdp2_refuses_quantised_bases_and_says_why():
-    from poet_hf.distributed import shard_model
+    from poet_hf.training.distributed import shard_model
 
     model = get_peft_model(quantized_base("nf4"), PoetConfig(target_modules=TARGETS, block_size=32))
     with pytest.raises(ValueError, match="bitsandbytes.*cannot be sharded by FSDP2.*DDP"):

@@ -21,7 +21,7 @@ from poet_hf.diagnostics import _probe_vector, paper_metrics, poet_statistics, r
 from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
 from poet_hf.orthogonal.cayley import paper_neumann_k
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
-from poet_hf.training.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
+from poet_hf.recipes.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_the_recipe_reports_the_optimizer_and_schedule_that_run(flags, optimizer
     """``--print_recipe`` (and ``results.json``) name the optimizer and schedule the Trainer builds, not fixed text."""
     from transformers import Trainer
 
-    from poet_hf.training.pretrain import parse_pretrain_arguments
+    from poet_hf.recipes.pretrain import parse_pretrain_arguments
 
     recipe = print_recipe("--preset", "tiny", *flags)
     assert (recipe["optimizer"], recipe["schedule"], recipe["fused_optimizer_step"]) == (optimizer, schedule, fused)
@@ -232,7 +232,7 @@ def test_unpacked_documents_are_truncated_or_padded_and_padding_never_counts(tmp
     from datasets import Dataset
 
     from poet_hf.data import load_tokenizer, pad_documents
-    from poet_hf.training.pretrain import run_pretraining
+    from poet_hf.recipes.pretrain import run_pretraining
 
     tokenizer = load_tokenizer(None)
     docs = ["To be, or not to be.", "All the world's a stage, and all the men and women merely players. " * 8]

@@ -45,8 +45,8 @@ def test_the_training_scripts_share_their_common_options_names_and_defaults():
 def test_each_jobs_defaults_are_its_recipes():
     from peft import LoraConfig
 
-    from poet_hf.training.finetune import parse_finetune_arguments
-    from poet_hf.training.pretrain import parse_pretrain_arguments
+    from poet_hf.recipes.finetune import parse_finetune_arguments
+    from poet_hf.recipes.pretrain import parse_pretrain_arguments
 
     pretrain, _ = parse_pretrain_arguments(["--output_dir", "unused"])
     finetune, _ = parse_finetune_arguments(["--model", "unused", "--output_dir", "unused"])

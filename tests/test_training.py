@@ -14,8 +14,8 @@ from training_utils import TrainingForwards, free_port, tiny_dataset, tiny_poet_
 from transformers import TrainerCallback
 
 from poet_hf import MergeReinitCallback
+from poet_hf.recipes.pretrain import parse_pretrain_arguments, run_pretraining
 from poet_hf.training import clip_threshold, poet_parameters
-from poet_hf.training.pretrain import parse_pretrain_arguments, run_pretraining
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -357,7 +357,7 @@ def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flag
 
 def test_fp16_and_bf16_without_avx512_are_refused_on_a_cpu_with_a_clear_message(monkeypatch, tmp_path):
     from poet_hf import PoetTrainingArguments
-    from poet_hf.cli import check_cpu_mixed_precision
+    from poet_hf.recipes.cli import check_cpu_mixed_precision
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     training = PoetTrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True, report_to="none")

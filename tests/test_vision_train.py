@@ -124,7 +124,7 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
 
 
 def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
-    from poet_hf.vision.train import parse_vision_arguments
+    from poet_hf.recipes.vision_run import parse_vision_arguments
 
     args, training = parse_vision_arguments(["--recipe", "eco-paper"])
     assert (training.optim, training.optim_args, training.weight_decay) == ("sgd", "momentum=0.9", 5e-4)
@@ -150,7 +150,7 @@ def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
 
 
 def test_a_shortened_recipe_decays_at_the_same_fractions_unless_milestones_are_given():
-    from poet_hf.vision.train import lr_milestones, parse_vision_arguments
+    from poet_hf.recipes.vision_run import lr_milestones, parse_vision_arguments
 
     assert lr_milestones(*parse_vision_arguments(["--recipe", "eco-paper"])) == [50, 150]
     assert lr_milestones(*parse_vision_arguments(["--recipe", "eco-paper", "--num_train_epochs", "20"])) == [5, 15]
@@ -160,7 +160,7 @@ def test_a_shortened_recipe_decays_at_the_same_fractions_unless_milestones_are_g
 
 
 def test_old_vision_spellings_warn_and_land_in_the_training_arguments():
-    from poet_hf.vision.train import parse_vision_arguments
+    from poet_hf.recipes.vision_run import parse_vision_arguments
 
     old = ["--epochs", "3", "--batch_size", "16", "--momentum", "0.5", "--max_train_examples", "100"]
     with pytest.warns(FutureWarning) as caught:
@@ -176,7 +176,7 @@ def test_old_vision_spellings_warn_and_land_in_the_training_arguments():
 
 
 def test_recipe_trains_with_sgd_momentum_and_decays_the_rate_at_its_milestones(tmp_path):
-    from poet_hf.vision.train import parse_vision_arguments, train_lipconvnet
+    from poet_hf.recipes.vision_run import parse_vision_arguments, train_lipconvnet
 
     args, training = parse_vision_arguments(
         recipe="eco-paper",
@@ -233,7 +233,7 @@ def test_random_crop_and_flip_keeps_the_size_and_moves_the_content():
 def test_certificate_regularised_loss_is_cross_entropy_minus_gamma_times_the_radius():
     from types import SimpleNamespace
 
-    from poet_hf.vision.train import certificate_regularized_loss
+    from poet_hf.recipes.vision_run import certificate_regularized_loss
 
     logits = torch.tensor([[3.0, 1.0, 0.5], [0.2, 0.1, 2.0], [1.0, 1.5, 0.0]])
     labels = torch.tensor([0, 1, 1])

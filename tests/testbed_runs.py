@@ -22,7 +22,7 @@ def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fi
     and at the steps in ``evaluate_at`` (each evaluation costs about as much as 3 training steps)."""
     from transformers import TrainerCallback
 
-    from poet_hf.training.finetune import parse_finetune_arguments, run_finetuning
+    from poet_hf.recipes.finetune import parse_finetune_arguments, run_finetuning
 
     class EvaluateAt(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):

@@ -11,7 +11,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ._moved import install_moved_modules
 from .tuners.registry import register_tuners
+
+MOVED_MODULES = {  # old name under poet_hf -> where it lives now (runs apart from the library)
+    "training.pretrain": "recipes.pretrain",
+    "training.pretrain_arguments": "recipes.pretrain_arguments",
+    "training.finetune": "recipes.finetune",
+    "training.presets": "recipes.presets",
+    "training.model_source": "recipes.model_source",
+    "memory_plan": "recipes.memory_plan",
+    "run_plan": "recipes.run_plan",
+    "activation_trace": "recipes.activation_trace",
+    "vision.train": "recipes.vision_run",
+    "cli": "recipes.cli",
+    "distributed": "training.distributed",
+    "optim": "orthogonal",
+    "optim.feedback_gd": "orthogonal.feedback_gd",
+}
+install_moved_modules(__name__, MOVED_MODULES)
 
 register_tuners()
 
@@ -30,7 +48,7 @@ _LAZY_EXPORTS = {
     "export_merged": "poet_hf.export",
     "export_peft_adapter": "poet_hf.export",
     "push_merged_to_hub": "poet_hf.export",
-    "plan_memory": "poet_hf.memory_plan",
+    "plan_memory": "poet_hf.recipes.memory_plan",
     "keep_quantized_layout": "poet_hf.tuners.rotation.quantization",
 }
 

@@ -2,7 +2,7 @@
 
 Every function here that gathers is a collective: call it on every rank. Nothing here imports the rest of
 ``poet_hf``, so the tuners, the diagnostics and the export read sharded weights through it;
-[`poet_hf.distributed`][poet_hf.distributed] re-exports the public names beside ``shard_model``.
+[`poet_hf.training.distributed`][poet_hf.training.distributed] re-exports the public names beside ``shard_model``.
 """
 
 from __future__ import annotations

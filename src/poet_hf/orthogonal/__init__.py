@@ -12,6 +12,7 @@ from .cayley import (
     skew_from_vector,
 )
 from .eco import EcoConv2d, construct_index_map, eco_kernel
+from .feedback_gd import FeedbackGD, stiefel_deviation
 from .householder import (
     apply_householder_sequence,
     householder_decompose,
@@ -43,6 +44,8 @@ from .spo import (
 )
 
 __all__ = [
+    "FeedbackGD",
+    "stiefel_deviation",
     "BASE_INIT_SCHEMES",
     "init_base_weight",
     "cayley",

@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .cayley import SkewRotation
+from .cayley import SkewRotation, cayley_neumann, orthogonal_from_vector, skew_from_vector
+from .norm_cap import skew_norm_scale
 from .spo import (
     BLOCK,
     FULL,
@@ -28,7 +29,23 @@ from .spo import (
     select_last,
 )
 
-__all__ = ["RotationCache", "SideRotation", "DenseWeight", "WeightSource"]
+__all__ = ["RotationCache", "SideRotation", "DenseWeight", "WeightSource", "side_blocks"]
+
+
+def side_blocks(param: torch.Tensor, spec: SideSpec, terms: int, plain: bool = False) -> torch.Tensor:
+    """The ``(num_blocks, b, b)`` orthogonal blocks of one side from its skew vector (POET eq. 6, ``terms`` terms).
+
+    ``plain`` composes the skew map, the norm cap and the Cayley–Neumann series under plain autograd, the reference
+    the fused `orthogonal_from_vector` is tested against. A single row (one block shared by all) is expanded."""
+    if not plain:
+        blocks = orthogonal_from_vector(param, spec.block, terms)
+    else:
+        q = skew_from_vector(param, spec.block)
+        scale = skew_norm_scale(q, terms)
+        blocks = cayley_neumann(q if scale is None else q * scale, terms)
+    if blocks.shape[0] != spec.num_blocks:  # one block shared by all
+        blocks = blocks.expand(spec.num_blocks, -1, -1)
+    return blocks
 
 
 class RotationCache:

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from ..cli import deprecated_alias
 from ..tuners.config_utils import check_positive_int
 
 VOCAB_WEIGHTS_DTYPES = ("float32", "bfloat16")  # PoetTrainingArguments.vocab_weights_dtype
@@ -102,59 +101,14 @@ class PoetTrainingArguments(TrainingArguments):
             raise ValueError(f"`post_merge_clip_factor` must be in (0, 1], got {self.post_merge_clip_factor!r}")
 
 
-# The options every script shares whose default is its job's recipe (fine-tuning's LoRA rank is LoraConfig's).
-JOB_DEFAULTS = {
-    "pretraining": {"seq_len": 256, "lora_rank": 64, "max_eval_samples": 128},
-    "fine-tuning": {"seq_len": 128, "lora_rank": 8, "max_eval_samples": 256},
-}
-_JOB_DEFAULT_HELP = {
-    name: "default: the job's, " + ", ".join(f"{values[name]} for {job}" for job, values in JOB_DEFAULTS.items())
-    for name in JOB_DEFAULTS["pretraining"]
-}
+def __getattr__(name: str) -> object:
+    """``ScriptArguments`` and ``JOB_DEFAULTS`` moved to `poet_hf.recipes.script_arguments` (runs sit above training);
+    the old names resolve there for one release, with a ``FutureWarning``."""
+    if name not in ("ScriptArguments", "JOB_DEFAULTS"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
 
-
-@dataclass(kw_only=True)
-class ScriptArguments:
-    """The options every training script has beside its ``TrainingArguments``.
-
-    Where the text comes from, the tokenizer, and where to export the merged model; each script's class adds its
-    own."""
-
-    dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name, e.g. 'en' for C4"})
-    text_column: str = field(default="text", metadata={"help": "column holding the text"})
-    tokenizer: str | None = field(
-        default=None,
-        metadata={
-            "help": "AutoTokenizer name or path (--tokenizer_name, as run_clm.py, is the same flag); default: the "
-            "model's (pretraining: the --model_name_or_path checkpoint's, else the embedded BPE)",
-            "aliases": ["--tokenizer_name"],
-        },
-    )
-    export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
-    # None until the script's __post_init__ sets its job's value (`use_job_defaults`): one name, one default.
-    seq_len: int = field(
-        default=None,
-        metadata={"help": "tokens per sequence (classification: the max length); " + _JOB_DEFAULT_HELP["seq_len"]},
-    )  # type: ignore[assignment]
-    lora_rank: int = field(
-        default=None, metadata={"help": "LoRA rank r (--method lora); " + _JOB_DEFAULT_HELP["lora_rank"]}
-    )  # type: ignore[assignment]
-    max_eval_samples: int = field(
-        default=None,
-        metadata={
-            "help": "evaluate on at most this many sequences / examples; " + _JOB_DEFAULT_HELP["max_eval_samples"]
-        },
-    )  # type: ignore[assignment]
-    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
-
-    def use_job_defaults(self, job: str) -> None:
-        """Give the shared options left unset the values of ``job`` (a key of `JOB_DEFAULTS`), and check them."""
-        for name, value in JOB_DEFAULTS[job].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-            check_positive_int(name, getattr(self, name))
-
-    def __post_init__(self) -> None:
-        if self.batch_size is not None:
-            deprecated_alias("batch_size", "per_device_train_batch_size")
-            check_positive_int("batch_size", self.batch_size)
+    new = "poet_hf.recipes.script_arguments"
+    warnings.warn(f"`{__name__}.{name}` moved to `{new}.{name}`", FutureWarning, stacklevel=2)
+    return getattr(importlib.import_module(new), name)  # by name: a deprecated alias, not a dependency on runs

@@ -209,14 +209,7 @@ def create_poet_optimizer(
         )
     if decay_parameter_names is None:  # Trainer's rule; the method reads nothing of the trainer
         decay_parameter_names = Trainer.get_decay_parameter_names(cast(Any, None), model)
-    if poet_learning_rate is None:
-        poet_learning_rate = getattr(args, "poet_learning_rate", None)
-    if poet_reference_block is None:
-        poet_reference_block = getattr(args, "poet_reference_block", None)
-    built_for = adapter_rotation_rate(model) if poet_learning_rate is None else None
-    if built_for is not None:
-        poet_learning_rate, poet_reference_block, source = built_for  # a rate goes with its own reference block
-        _log_rotation_rate_once(poet_learning_rate, poet_reference_block, source)
+    poet_learning_rate, poet_reference_block = _rotation_rate(model, args, poet_learning_rate, poet_reference_block)
     groups = poet_param_groups(
         model,
         args.learning_rate,
@@ -243,6 +236,20 @@ def create_poet_optimizer(
     optimizer = optimizer_cls(groups, **kwargs)
     own_override_index(optimizer)
     return optimizer
+
+
+def _rotation_rate(
+    model: nn.Module, args: TrainingArguments, rate: float | None, reference_block: int | None
+) -> tuple[float | None, int | None]:
+    """The rotations' rate and reference block: as given, else ``args``', else the adapter's (logged once)."""
+    rate = getattr(args, "poet_learning_rate", None) if rate is None else rate
+    reference_block = getattr(args, "poet_reference_block", None) if reference_block is None else reference_block
+    built_for = adapter_rotation_rate(model) if rate is None else None
+    if built_for is None:
+        return rate, reference_block
+    rate, reference_block, source = built_for  # a rate goes with its own reference block
+    _log_rotation_rate_once(rate, reference_block, source)
+    return rate, reference_block
 
 
 def keep_32bit_states(model: nn.Module, optimizer_cls: type, kwargs: dict[str, Any]) -> int:

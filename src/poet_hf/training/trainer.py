@@ -11,7 +11,6 @@ from torch import nn
 
 from ..checkpoints import CrashSafeTrainer
 from ..diagnostics import poet_statistics
-from ..distributed import fsdp_requested, shard_model
 from ..export.card import render_adapter_card
 from ..export.source import RUN_INFO_NAME, active_config
 from ..initialization import has_meta_tensors, materialize_model
@@ -19,6 +18,7 @@ from ..tuners.rotation.layer import rotation_layers
 from ..tuners.rotation.residual_folder import set_residual_folder
 from ..tuners.tuner_base import base_model_of
 from .callback import MergeReinitCallback, unwrap
+from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
 from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, mark_leaf_layers, whole_state_dict
@@ -42,7 +42,7 @@ def check_sharding(fsdp: bool, fsdp_version: int | None = None, fsdp_requested: 
             "FSDP was requested (ACCELERATE_USE_FSDP) but is not enabled: Accelerate only enables FSDP on "
             "accelerators, so on this machine every process would hold the whole model. On a CPU, use "
             "DDP (`accelerate launch --multi_gpu`) or shard in your own loop with "
-            "`poet_hf.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)"
+            "`poet_hf.training.distributed.shard_model` (torch's fully_shard runs on CPU with gloo)"
         )
 
 
@@ -60,13 +60,13 @@ class PoetTrainer(CrashSafeTrainer):
       complete one (`CrashSafeTrainer`).
     - Writes the merges' residual files (a 4-bit or 16-bit ``W0`` on the CPU) under ``args.residual_folder``, and
       checks that folder's free space before training ([`residual_folder`][poet_hf.tuners.rotation.residual_folder]).
-    - Runs under DDP, FSDP2 ([`distributed`][poet_hf.distributed]) and DeepSpeed ZeRO-2 and ZeRO-3
+    - Runs under DDP, FSDP2 ([`distributed`][poet_hf.training.distributed]) and DeepSpeed ZeRO-2 and ZeRO-3
       ([`zero`][poet_hf.training.zero]: merges gather what they fold and reset ZeRO's master partitions); FSDP1 is
       refused.
     - Materializes a model built on the ``meta`` device
       ([`materialize_model`][poet_hf.initialization.materialize_model], seeded by ``args.seed``), under FSDP2 after
-      [`shard_model`][poet_hf.distributed.shard_model] with the plugin's settings, so no process holds the whole
-      model.
+      [`shard_model`][poet_hf.training.distributed.shard_model] with the plugin's settings, so no process holds the
+      whole model.
 
     Args:
         *args: as ``transformers.Trainer``.

@@ -7,12 +7,7 @@ orthogonal in place. Modules of the last release that moved into `rotation` (or 
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-import warnings
-from types import ModuleType
+from .._moved import install_moved_modules
 
 MOVED_MODULES = {  # old name under poet_hf.tuners -> where it lives now
     "base_weight": "rotation.base_weight",
@@ -35,36 +30,4 @@ MOVED_MODULES = {  # old name under poet_hf.tuners -> where it lives now
 }
 
 
-class _MovedModuleLoader(importlib.abc.Loader):
-    """Loads an old module name as the module it moved to, with a ``FutureWarning``."""
-
-    def __init__(self, new_name: str) -> None:
-        self.new_name = new_name
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(
-            f"`{spec.name}` moved to `{self.new_name}`; the old name will be removed in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module(self.new_name)
-
-    def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the module is the one already imported under its new name."""
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds ``poet_hf.tuners.<old>`` for each old name of `MOVED_MODULES`."""
-
-    def find_spec(
-        self, fullname: str, path: object = None, target: object = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        package, _, leaf = fullname.rpartition(".")
-        if package != __name__ or leaf not in MOVED_MODULES:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(f"{__name__}.{MOVED_MODULES[leaf]}"))
-
-
-# Last on the path: the old names exist nowhere on disk, so only imports the other finders could not place reach it.
-if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModuleFinder())
+install_moved_modules(__name__, MOVED_MODULES)

@@ -32,7 +32,7 @@ class OrthogonalConfig(PeftConfig):
     - ``"householder"``: ``R`` a product of ``num_reflections`` Householder reflections (compact-WY blocks);
     - ``"reflection"``: ``y = -O0 H(W x) x`` with one auxiliary reflection on the input (``W = I`` at start, where
       ``H(x) x = -x``). Input-dependent, so it cannot be merged into a plain weight;
-    - ``"fgd"``: a plain weight ``O0``, kept orthogonal by [`FeedbackGD`][poet_hf.optim.FeedbackGD] (pass
+    - ``"fgd"``: a plain weight ``O0``, kept orthogonal by [`FeedbackGD`][poet_hf.orthogonal.FeedbackGD] (pass
       ``OrthogonalModel.stiefel_parameters()`` as its ``stiefel_params``).
     """
 

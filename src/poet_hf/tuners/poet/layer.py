@@ -68,13 +68,12 @@ class PoetLayer(RotationLayer):
         field = "budget" if config.spo == "full" else "block_size"
         blocks, budgets = side_values(config, "block_size"), side_values(config, "budget")
         if config.spo != "full":
-            adjusted = {
-                side: True for side in wanted if is_adjusted(config, layer_name, side, dims[side], blocks[side])
-            }
+            adjusted = [side for side in wanted if is_adjusted(config, layer_name, side, dims[side], blocks[side])]
             blocks = {
                 side: resolve_block_size(config, layer_name, side, dims[side], blocks[side], field) for side in wanted
             }
-            self.note_adjusted_block_sizes(adapter_name, {side: blocks[side] for side in adjusted})
+            if adjusted:
+                self.adjusted_block_sizes[adapter_name] = {side: blocks[side] for side in adjusted}
         specs = {
             side: make_side_spec(
                 config.spo, dims[side], blocks[side], index_set_size(dims[side], budgets[side]), layer_name, field

@@ -34,16 +34,23 @@ from ...orthogonal.rotated_linear import RotationCache
 _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
 
 
+class StepCaches(Protocol):
+    """One layer's rotation caches (`FusedForward`), as the step hooks see them."""
+
+    def has_deferred_grads(self) -> bool: ...
+
+    def drop(self) -> None: ...
+
+
 class CachingLayer(Protocol):
     """A layer whose rotation caches the model's `RotationStepState` flushes and frees around optimizer steps."""
 
+    @property
+    def fused(self) -> StepCaches: ...
+
     def rotation_cache_bytes(self) -> int: ...
 
-    def has_deferred_rotation_grads(self) -> bool: ...
-
     def flush_rotation_caches(self, collective: bool = True) -> None: ...
-
-    def drop_rotation_caches(self) -> None: ...
 
 
 class DeferredStepWarning(UserWarning):
@@ -118,7 +125,7 @@ class RotationStepState:
 
         Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
         them."""
-        pending = [layer for layer in self.layers_with_caches() if layer.has_deferred_rotation_grads()]
+        pending = [layer for layer in self.layers_with_caches() if layer.fused.has_deferred_grads()]
         if pending:
             warnings.warn(
                 "optimizer.step() ran while rotation gradients were deferred (the accumulation window's last "
@@ -133,7 +140,7 @@ class RotationStepState:
     def after_step(self) -> None:
         """The skew vectors changed: every cached rotation is stale."""
         for layer in self.layers_with_caches():
-            layer.drop_rotation_caches()
+            layer.fused.drop()
 
 
 def _fresh_state(reference: bool) -> RotationStepState:

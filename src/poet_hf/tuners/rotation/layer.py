@@ -23,16 +23,14 @@ from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from ...orthogonal import (
-    cayley_neumann,
     num_skew_params,
-    orthogonal_from_vector,
     random_skew_params,
     skew_from_vector,
     spo_generator,
 )
 from ...orthogonal.linalg import invert_blocks
-from ...orthogonal.norm_cap import skew_norm_scale
 from ...orthogonal.rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE
+from ...orthogonal.rotation_sides import side_blocks
 from ...orthogonal.spo import SideSpec
 from ...orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
 from ...sharded import full_tensor, write_full
@@ -130,11 +128,6 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         """Add ``adapter_name`` from the tuner's ``config`` (each method builds its own sides)."""
         raise NotImplementedError
 
-    def note_adjusted_block_sizes(self, adapter_name: str, sizes: dict[str, int]) -> None:
-        """Keep the sides whose requested block size was replaced by a divisor, for the tuner to record."""
-        if sizes:
-            self.adjusted_block_sizes[adapter_name] = sizes
-
     def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
         """The skew parameters and index buffers of ``side``, keyed by adapter name."""
         raise NotImplementedError
@@ -226,25 +219,11 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         Blocks flagged ``False`` in ``keep`` are the identity. ``plain`` composes the skew map, norm cap and
         Cayley–Neumann series under plain autograd instead of the fused `orthogonal_from_vector`."""
         param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
-        blocks = self._blocks_from_vector(param, adapter_name, side, plain)
+        terms = self.rotation_settings[adapter_name].neumann_terms
+        blocks = side_blocks(param, self.sides(adapter_name)[side], terms, plain)
         if keep is not None:
             eye = torch.eye(blocks.shape[-1], dtype=dtype, device=blocks.device)
             blocks = torch.where(keep[:, None, None], blocks, eye)
-        return blocks
-
-    def _blocks_from_vector(
-        self, param: torch.Tensor, adapter_name: str, side: str, plain: bool = False
-    ) -> torch.Tensor:
-        spec = self.sides(adapter_name)[side]
-        terms = self.rotation_settings[adapter_name].neumann_terms
-        if not plain:
-            blocks = orthogonal_from_vector(param, spec.block, terms)
-        else:
-            q = skew_from_vector(param, spec.block)
-            scale = skew_norm_scale(q, terms)
-            blocks = cayley_neumann(q if scale is None else q * scale, terms)
-        if blocks.shape[0] != spec.num_blocks:  # one block shared by all
-            blocks = blocks.expand(spec.num_blocks, -1, -1)
         return blocks
 
     @torch.no_grad()
@@ -252,10 +231,10 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         """Per side, ``(Q, blocks)``: the skew blocks and their orthogonal blocks, in float64.
 
         Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
-        rotations = {}
+        rotations, terms = {}, self.rotation_settings[adapter_name].neumann_terms
         for side, spec in self.sides(adapter_name).items():
             param = full_tensor(self.skew_parameter(adapter_name, side)).double()
-            rotations[side] = (skew_from_vector(param, spec.block), self._blocks_from_vector(param, adapter_name, side))
+            rotations[side] = (skew_from_vector(param, spec.block), side_blocks(param, spec, terms))
         return rotations
 
     def rotate_weight(
@@ -307,13 +286,6 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
     def rotation_cache_bytes(self) -> int:
         """Bytes held by this layer's rotation caches (blocks and deferred gradients)."""
         return self.fused.nbytes()
-
-    def has_deferred_rotation_grads(self) -> bool:
-        return self.fused.has_deferred_grads()
-
-    def drop_rotation_caches(self) -> None:
-        """Free the rotation caches, deferred gradients included (a step that is abandoned or a reload)."""
-        self.fused.drop()
 
     def train(self, mode: bool = True) -> Any:
         """``eval()`` ends any accumulation window: deferred gradients are applied and the caches freed."""
@@ -429,7 +401,7 @@ def _deprecated(old: str, new: str) -> None:
 
 
 def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
-    layer.drop_rotation_caches()
+    layer.fused.drop()
 
 
 def flush_rotation_caches(model: nn.Module) -> None:

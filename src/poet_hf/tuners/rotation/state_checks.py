@@ -14,8 +14,8 @@ import functools
 import json
 import os
 import struct
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ from torch import nn
 from ...orthogonal.spo import BLOCK, FULL, SideSpec
 
 if TYPE_CHECKING:
-    from .view import LoadCheckedLayer
+    from peft.tuners._buffer_dict import BufferDict
+
 
 __all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew_problem", "merge_count_problem"]
 
@@ -120,6 +121,30 @@ def merge_count_problem(count: torch.Tensor) -> str | None:
     if count.numel() != 1 or count.dtype.is_floating_point or int(count.reshape(())) < 0:
         return f"must be a non-negative integer scalar, got {count.dtype} of shape {tuple(count.shape)}"
     return None
+
+
+class NamesItsSource(Protocol):
+    """What a load error reads of an adapter's settings: the file it was loaded from, if any."""
+
+    @property
+    def source(self) -> str | None: ...
+
+
+class LoadCheckedLayer(Protocol):
+    """A rotation layer as its ``load_state_dict`` check reads it: which tensors each adapter and side holds."""
+
+    @property
+    def rotation_specs(self) -> dict[str, dict[str, SideSpec]]: ...
+
+    @property
+    def rotation_settings(self) -> Mapping[str, NamesItsSource]: ...
+
+    @property
+    def merge_counts(self) -> BufferDict: ...
+
+    def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]: ...
+
+    def named_children(self) -> Iterator[tuple[str, nn.Module]]: ...
 
 
 def check_loaded_state(layer: LoadCheckedLayer, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:

@@ -7,7 +7,6 @@ satisfies it; a test double or another layer class can too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -75,20 +74,3 @@ class RotatedLayerView(CachingLayer, Protocol):
     def base_bias(self) -> torch.Tensor | None: ...
 
     def base_operation(self) -> LinearOp | Conv2dOp: ...
-
-
-class LoadCheckedLayer(Protocol):
-    """A rotation layer as its ``load_state_dict`` check reads it: which tensors each adapter and side holds."""
-
-    @property
-    def rotation_specs(self) -> dict[str, dict[str, SideSpec]]: ...
-
-    @property
-    def rotation_settings(self) -> dict[str, RotationSettings]: ...
-
-    @property
-    def merge_counts(self) -> BufferDict: ...
-
-    def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]: ...
-
-    def named_children(self) -> Iterator[tuple[str, nn.Module]]: ...

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..training.arguments import PoetTrainingArguments
 from .memory_plan import MemoryPlan, plan_memory
-from .training.arguments import PoetTrainingArguments
-from .training.pretrain import model_config, recipe_flags, resolve_recipe, run_tokenizer
-from .training.pretrain_arguments import PretrainArguments
+from .pretrain import model_config, recipe_flags, resolve_recipe, run_tokenizer
+from .pretrain_arguments import PretrainArguments
 
 __all__ = ["parse_run", "plan_pretraining", "plan_settings"]
 
@@ -22,7 +22,7 @@ def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainAr
     The recipe's defaults depend on the number of processes (the accumulation that reaches the global batch), which
     a launcher passes as ``WORLD_SIZE``; the flags left to the recipe take its values for ``processes``."""
     from .cli import given_training_flags
-    from .training.pretrain import parse_pretrain_arguments
+    from .pretrain import parse_pretrain_arguments
 
     args, training = parse_pretrain_arguments(argv)
     if processes:  # the batch plan as the launch's parse would make it
@@ -50,7 +50,7 @@ def plan_settings(
         training: the training flags.
         processes: data-parallel processes; default the recipe's (the launcher's ``WORLD_SIZE``).
         sharding: ``"ddp"`` or ``"fsdp2"``.
-        dtype: the weights' and activations' dtype (`poet_hf.memory_plan.DTYPES`).
+        dtype: the weights' and activations' dtype (`poet_hf.recipes.memory_plan.DTYPES`).
     """
     recipe = resolve_recipe(args, recipe_flags(training), world_size=processes)
     settings: dict[str, Any] = {
@@ -94,7 +94,7 @@ def plan_pretraining(
     Args:
         args: the script's options.
         training: the training flags.
-        methods: other methods of `poet_hf.memory_plan.METHODS` to plan beside it.
+        methods: other methods of `poet_hf.recipes.memory_plan.METHODS` to plan beside it.
         processes: data-parallel processes; default the launcher's.
         sharding: ``"ddp"`` or ``"fsdp2"``.
         dtype: the weights' and activations' dtype.

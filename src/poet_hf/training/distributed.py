@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sharded import (
+from ..sharded import (
     barrier,
     end_distributed,
     full_tensor,
@@ -29,7 +29,7 @@ from .sharded import (
     save_pretrained_unsharded,
     unsharded_replica,
 )
-from .tuners.tuner_base import base_model_of
+from ..tuners.tuner_base import base_model_of
 
 __all__ = [
     "shard_model",
@@ -69,7 +69,7 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 def refuse_quantized_bases(model: nn.Module) -> None:
     """Raise a ``ValueError`` if ``model`` holds a bitsandbytes layer, which FSDP2 cannot shard (see the message)."""
-    from .tuners.rotation.quantization import is_bnb_module
+    from ..tuners.rotation.quantization import is_bnb_module
 
     quantized = next((name for name, m in model.named_modules() if is_bnb_module(m)), None)
     if quantized is not None:
@@ -130,7 +130,7 @@ def shard_model(
     """Shard ``model`` in place with FSDP2's ``fully_shard``, one transformer block at a time.
 
     The input embeddings and the output head (when not tied) are units of their own, then the root. Each parameter
-    is split along [`shard_dim`][poet_hf.distributed.shard_dim].
+    is split along [`shard_dim`][poet_hf.training.distributed.shard_dim].
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
     ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no
@@ -156,7 +156,7 @@ def shard_model(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from .initialization import has_meta_tensors, materialize_model
+    from ..initialization import has_meta_tensors, materialize_model
 
     refuse_quantized_bases(model)
     if mesh is None:

@@ -1,6 +1,6 @@
 """Fine-tune a pretrained model with POET, OFT or LoRA (the POET paper's Table 6 setting, any HF model).
 
-``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.training.finetune.run_finetuning]. The
+``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.recipes.finetune.run_finetuning]. The
 steps, top to bottom:
 
 1. load the model by hub name or local path (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``)
@@ -32,16 +32,17 @@ from transformers import (
     default_data_collator,
 )
 
-from ..cli import check_cpu_mixed_precision, parse_arguments, run_defaults
 from ..data import EMBEDDED_CORPUS, load_corpus, pack_sequences
-from ..distributed import fsdp_requested
 from ..initialization import has_meta_tensors
+from ..training.arguments import PoetTrainingArguments
+from ..training.distributed import fsdp_requested
+from ..training.trainer import PoetTrainer
 from ..tuners.config_utils import DEFAULT_TARGET_MODULES, check_choice
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
 from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, bits_and_bytes_config
-from .arguments import PoetTrainingArguments, ScriptArguments
-from .trainer import PoetTrainer
+from .cli import check_cpu_mixed_precision, parse_arguments, run_defaults
+from .script_arguments import ScriptArguments
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

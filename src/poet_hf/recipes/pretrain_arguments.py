@@ -5,14 +5,14 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from ..cli import deprecated_alias
 from ..data import EMBEDDED_CORPUS
 from ..orthogonal.base_init import BASE_INIT_SCHEMES
 from ..tuners.config_utils import check_choice, check_positive_int
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation.quantization import BASE_QUANTIZATIONS
-from .arguments import ScriptArguments
+from .cli import deprecated_alias
 from .presets import PRESETS
+from .script_arguments import ScriptArguments
 
 METHODS = ("poet-bs", "poet-fs", "adamw", "lora", "galore")
 

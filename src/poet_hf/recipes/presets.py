@@ -1,9 +1,8 @@
 """The LLaMA shapes and training recipes of the POET paper's pretraining runs (Tables 7–9, appendix E).
 
-[`PRESETS`][poet_hf.training.presets.PRESETS] names each shape with its recipe; `build_llama` builds one on the
-``meta`` device and materializes it with keyed initialisation, and `apply_recipe` wraps it for a method.
-``scripts/pretrain.py`` (`poet_hf.training.pretrain`) and [`plan_memory`][poet_hf.memory_plan.plan_memory] both read
-them here.
+[`PRESETS`][poet_hf.recipes.presets.PRESETS] names each shape with its recipe; `build_llama` builds one on the ``meta``
+device and materializes it with keyed initialisation, and `apply_recipe` wraps it for a method. ``scripts/pretrain.py``
+(`poet_hf.recipes.pretrain`) and [`plan_memory`][poet_hf.recipes.memory_plan.plan_memory] both read them here.
 """
 
 from __future__ import annotations
@@ -20,9 +19,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from ..initialization import materialize_model
+from ..training.optimizer import tied_poet_learning_rate
 from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
-from .optimizer import tied_poet_learning_rate
 
 __all__ = [
     "PRESETS",

@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ..orthogonal.linalg import orthogonality_error
+from .linalg import orthogonality_error
 
 __all__ = ["FeedbackGD", "stiefel_deviation"]
 

@@ -1,11 +1,11 @@
 """How much memory one training process needs, planned from shapes alone, part by part.
 
-[`plan_memory`][poet_hf.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no initialisation),
-wraps it for the method (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads every figure off
-it:
+[`plan_memory`][poet_hf.recipes.memory_plan.plan_memory] builds the model on the ``meta`` device (no memory, no
+initialisation), wraps it for the method (POET-BS / POET-FS, OFT, LoRA, or AdamW / GaLore on the plain model) and reads
+every figure off it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
-  in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.distributed.shard_dim]);
+  in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.training.distributed.shard_dim]);
 - activations are the tensors autograd saves in one forward, traced on the meta device with
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
   each block keeps its input instead, and the one block being recomputed keeps its own;
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, residual_bytes
+from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
+from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
+from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
-from .tuners.rotation.quantization import BASE_QUANTIZATIONS, residual_bytes
-from .tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
-from .tuners.rotation.residual_store import RESIDUAL_STORAGES
-from .tuners.tuner_base import base_model_of
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -113,8 +113,8 @@ def _resolve_model_config(model: Any) -> Any:
 
     if isinstance(model, PretrainedConfig):
         return model
-    from .training.model_source import read_config
-    from .training.presets import PRESETS
+    from .model_source import read_config
+    from .presets import PRESETS
 
     if isinstance(model, str) and model in PRESETS:
         return model
@@ -124,7 +124,7 @@ def _resolve_model_config(model: Any) -> Any:
 def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from .training.presets import PRESETS, build_llama
+    from .presets import PRESETS, build_llama
 
     with torch.device("meta"):
         if isinstance(model_config, str):
@@ -148,9 +148,9 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
     and GaLore train the plain model."""
     from peft import LoraConfig, get_peft_model
 
-    from .tuners.config_utils import DEFAULT_TARGET_MODULES
-    from .tuners.oft.config import OftConfig
-    from .tuners.poet.config import PoetConfig
+    from ..tuners.config_utils import DEFAULT_TARGET_MODULES
+    from ..tuners.oft.config import OftConfig
+    from ..tuners.poet.config import PoetConfig
 
     if method in ("adamw", "galore"):
         return model
@@ -170,7 +170,7 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
 
 
 def _galore_targets(model: PreTrainedModel) -> set[str]:
-    from .tuners.config_utils import DEFAULT_TARGET_MODULES
+    from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
     return {
@@ -182,7 +182,7 @@ def _galore_targets(model: PreTrainedModel) -> set[str]:
 
 def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The transformer block classes (what FSDP2 shards one by one); none for a model that declares none."""
-    from .distributed import _block_classes as sharded_block_classes
+    from ..training.distributed import _block_classes as sharded_block_classes
 
     try:
         return sharded_block_classes(model)
@@ -192,7 +192,7 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 def _shard(shape: torch.Size, processes: int) -> int:
     """Entries of one process's shard: ``shape`` split along `shard_dim` into ``processes`` padded chunks."""
-    from .distributed import shard_dim
+    from ..training.distributed import shard_dim
 
     if not shape:
         return 1
@@ -235,7 +235,7 @@ def plan_memory(
         batch_size: sequences per micro-batch and process.
         seq_len: tokens per sequence.
         processes: data-parallel processes.
-        sharding: ``"ddp"`` (replicated) or ``"fsdp2"`` ([`shard_model`][poet_hf.distributed.shard_model]: per
+        sharding: ``"ddp"`` (replicated) or ``"fsdp2"`` ([`shard_model`][poet_hf.training.distributed.shard_model]: per
             transformer block, the embeddings, the head, the root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
@@ -254,8 +254,8 @@ def plan_memory(
             bfloat16, their 32-bit states too (`poet_hf.training.bf16_storage`), stepped a float32 row chunk at a time.
 
     Returns:
-        A [`MemoryPlan`][poet_hf.memory_plan.MemoryPlan]: bytes per process by part, alive together at the steady-state
-        training peak.
+        A [`MemoryPlan`][poet_hf.recipes.memory_plan.MemoryPlan]: bytes per process by part, alive together at the
+        steady-state training peak.
 
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
@@ -298,7 +298,7 @@ def _residual_off_memory(built: Any, settings: dict[str, Any]) -> int:
 
 def _check_settings(settings: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the first argument of `plan_memory` outside its allowed values."""
-    from .tuners.config_utils import check_choice
+    from ..tuners.config_utils import check_choice
 
     check_choice("method", settings["method"], METHODS)
     check_choice("sharding", settings["sharding"], SHARDINGS)
@@ -326,8 +326,8 @@ def _parameter_bytes(
     Also each parameter's bytes per entry, for the FSDP2 gathers."""
     method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
-    from .training.eight_bit import weights_keeping_32bit_states
-    from .training.row_gradients import largest_chunk_entries, row_chunked_modules
+    from ..training.eight_bit import weights_keeping_32bit_states
+    from ..training.row_gradients import largest_chunk_entries, row_chunked_modules
 
     chunked = {id(m.weight) for m in row_chunked_modules(built)} if settings["fused_step"] else set()
     narrow = settings["vocab_weights_dtype"] == "bfloat16"
@@ -379,7 +379,7 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
     method, batch, seq_len = settings["method"], settings["batch_size"], settings["seq_len"]
     working = {}
     if method.startswith("poet") and settings["accumulation"] > 1 and settings["cache_rotations"]:
-        from .tuners.rotation.layer import rotation_layers
+        from ..tuners.rotation.layer import rotation_layers
 
         working["rotation caches"] = sum(
             2 * spec.num_blocks * spec.block**2 * 4
@@ -435,10 +435,10 @@ def _gathered_bytes(
 ) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
 
-    The head's parameters gathered (its own unit, as [`shard_model`][poet_hf.distributed.shard_model] shards it; the
-    root when tied to the input embeddings), the last block's prefetched for its backward, and the head's gradient
-    twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted elsewhere.
-    ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+    The head's parameters gathered (its own unit, as [`shard_model`][poet_hf.training.distributed.shard_model] shards
+    it; the root when tied to the input embeddings), the last block's prefetched for its backward, and the head's
+    gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted
+    elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
 
     def unsharded(parameters) -> int:
         return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)

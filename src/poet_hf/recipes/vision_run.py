@@ -15,11 +15,11 @@ from typing import Any, cast
 import torch
 from transformers import Trainer, TrainingArguments
 
-from ..cli import deprecated_alias, parse_arguments, run_defaults
 from ..model_cards import render_card
-from .certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
-from .data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
-from .lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
+from ..vision.certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
+from ..vision.data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
+from ..vision.lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
+from .cli import deprecated_alias, parse_arguments, run_defaults
 
 __all__ = [
     "VisionTrainArgs",
@@ -231,7 +231,7 @@ def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tupl
     """``scripts/train_vision.py``'s options from a command line or from keyword ``fields``.
 
     ``argv`` ``None`` reads ``sys.argv``; ``fields`` may belong to either dataclass
-    (`poet_hf.cli.parse_arguments`).
+    (`poet_hf.recipes.cli.parse_arguments`).
 
     Args:
         argv: the command line.

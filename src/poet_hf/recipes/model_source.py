@@ -4,7 +4,7 @@
 folder or a Hub id), ``--config_overrides`` (``"num_hidden_layers=2,hidden_size=256"``) and ``--model_name_or_path``
 (continued pretraining: POET on a checkpoint's weights, which become ``W0``), beside ``--preset``, whose recipe the
 run keeps in every case. A family is trained where POET knows its block linears
-(`poet_hf.training.presets.targets_for`, e.g. LLaMA, Mistral, Qwen2, Gemma, GPT-2's ``Conv1D``).
+(`poet_hf.recipes.presets.targets_for`, e.g. LLaMA, Mistral, Qwen2, Gemma, GPT-2's ``Conv1D``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every method runs through the same data, model presets and ``PoetTrainer``, so a comparison is one command
 per row. ``scripts/pretrain.py`` is the command-line face of
-[`run_pretraining`][poet_hf.training.pretrain.run_pretraining].
+[`run_pretraining`][poet_hf.recipes.pretrain.run_pretraining].
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ from typing import Any, cast
 import torch
 from transformers import default_data_collator
 
-from ..cli import check_cpu_mixed_precision, flag_value, parse_arguments, run_defaults
 from ..data import load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
 from ..orthogonal.cayley import paper_neumann_k
 from ..sharded import is_sharded
+from ..training.arguments import PoetTrainingArguments
+from ..training.trainer import PoetTrainer
+from ..training.zero import gathered_layer, gathered_rotations
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation.layer import rotation_layers
-from .arguments import PoetTrainingArguments
+from .cli import check_cpu_mixed_precision, flag_value, parse_arguments, run_defaults
 from .model_source import build_model, load_model_config, model_summary
 from .presets import (  # noqa: F401 (public here too)
     PRESETS,
@@ -44,8 +46,6 @@ from .pretrain_arguments import (  # noqa: F401 (public here too)
     RUN_FLAGS,
     PretrainArguments,
 )
-from .trainer import PoetTrainer
-from .zero import gathered_layer, gathered_rotations
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
