@@ -27,6 +27,10 @@ MOVED_MODULES = {  # old name under poet_hf.tuners -> where it lives now
     "constants": "config_utils",
     "module_mixin": "tuner_base",
     "peft_utils": "tuner_base",
+    "orthogonal": "orthogonal_layers",  # the tuner shared its name with the mathematics in poet_hf.orthogonal
+    "orthogonal.config": "orthogonal_layers.config",
+    "orthogonal.layer": "orthogonal_layers.layer",
+    "orthogonal.model": "orthogonal_layers.model",
 }
 
 
