@@ -113,7 +113,7 @@ def test_a_16bit_base_trains_in_float32_skews_merges_reloads_exactly_and_exports
     exported = dict(plain.named_parameters())
     for name, layer in layers:
         key = name.removeprefix("base_model.model.") + ".weight"
-        weight = layer.weight_matrix().double() + layer._rounding_residual().double()
+        weight = layer.weight_matrix().double() + layer.frozen.residual().double()
         folded = dense_side(layer, "output").T @ weight @ dense_side(layer, "input").T
         got = exported[key].double()
         assert exported[key].dtype == dtype

@@ -155,7 +155,15 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         return {"args": {"adapter_name": self.adapter_name}, "attributes": {"history": self.history}}
 
     def read_schedule(self, args: TrainingArguments, model: nn.Module) -> MergeSchedule:
-        """The run's `MergeSchedule`, read at the start of training (or now, before it)."""
+        """The run's `MergeSchedule`, read at the start of training (or now, before it).
+
+        Args:
+            args: the training arguments.
+            model: the model being trained.
+
+        Returns:
+            The schedule.
+        """
         if self.schedule is None:
             schedule = MergeSchedule.of_run(unwrap(model), args, self.adapter_name)
             if self.forced_interval:
@@ -164,7 +172,15 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
         return self.schedule
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> int | None:
-        """The merge interval of the run's schedule: optimizer steps between merges; ``None``: no merges."""
+        """The merge interval of the run's schedule.
+
+        Args:
+            args: the training arguments.
+            model: the model being trained.
+
+        Returns:
+            Optimizer steps between merges; ``None``: no merges.
+        """
         return self.read_schedule(args, model).interval
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):

@@ -100,7 +100,11 @@ class OftConfig(RotationConfig):
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
 
     def check_block_size(self) -> None:
-        """Exactly one of ``r`` and ``block_size`` is non-zero, and a block size is at least 2."""
+        """Exactly one of ``r`` and ``block_size`` is non-zero, and a block size is at least 2.
+
+        Raises:
+            ValueError: naming ``r`` or ``block_size`` and what they may be.
+        """
         check_positive_int("r", self.r, minimum=0)
         check_positive_int("block_size", self.block_size, minimum=0)
         if (self.r == 0) == (self.block_size == 0):

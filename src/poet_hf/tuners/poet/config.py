@@ -161,7 +161,11 @@ class PoetConfig(RotationConfig):
         check_choice("bias", self.bias, BIAS_CHOICES["poet"])
 
     def check_block_size(self) -> None:
-        """``block_size`` is an integer >= 2, or one per side (``{"input": b_R, "output": b_P}``)."""
+        """``block_size`` is an integer >= 2, or one per side (``{"input": b_R, "output": b_P}``).
+
+        Raises:
+            ValueError: naming ``block_size`` (or its side) and what it may be.
+        """
         for side, value in per_side("block_size", self.block_size).items():
             check_positive_int(
                 f"block_size[{side!r}]" if isinstance(self.block_size, dict) else "block_size", value, minimum=2

@@ -1,13 +1,10 @@
-"""The base weight of a rotation layer as the torch matrix ``W_t`` (out × in), whatever stores it.
+"""A rotation layer's base: its frozen weight (`frozen_weight`, one class per storage kind) and its operation.
 
-``nn.Linear.weight``; ``Conv1D.weight.T`` (GPT-2 stores in × out); ``nn.Conv2d.weight`` viewed as
-out × (in/groups·kh·kw); or the dequantised weight of a bitsandbytes ``Linear4bit`` / ``Linear8bitLt``
-(`quantization`: QOFT, QPOET), which every write requantises. The bias is never rotated.
+The bias is never rotated.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
@@ -19,8 +16,10 @@ from torch import nn
 
 from ...orthogonal import spo_generator
 from ...orthogonal.base_ops import Conv2dOp, LinearOp
-from ...sharded import full_tensor, is_dtensor, write_full
-from . import dense_reload, low_precision, quantization, residual_store
+from ...orthogonal.rotation_sides import WeightSource
+from . import quantization, residual_store
+from .frozen_weight import FrozenWeight, frozen_weight
+from .quantization import HoldsBaseLayer
 
 
 class QuantizedMergeWarning(UserWarning):
@@ -28,7 +27,10 @@ class QuantizedMergeWarning(UserWarning):
 
 
 class BaseWeightMixin:
-    """Reads and writes of a rotation layer's base weight and its base operation (the host is a PEFT layer)."""
+    """The layer's face over its frozen weight (`frozen_weight`) and its base operation (the host is a PEFT layer).
+
+    What depends on how ``W0`` is stored is the frozen weight's; here are what the adapter's settings add to it (the
+    residual store, the rounding mode of a fold, the requantisation warning) and the base operation."""
 
     get_base_layer: Callable[[], nn.Module]
     base_layer: nn.Module
@@ -41,6 +43,11 @@ class BaseWeightMixin:
         self._weight_transposed = _is_conv1d(inner)
         self.requantization_error = None  # relative error of the last fold into a quantised W0
         self.pending_quantization = None  # base_quantization of a meta base, for materialize_model
+
+    @property
+    def frozen(self) -> FrozenWeight:
+        """The frozen ``W0``, as the class of the way its base stores it now (a cast or a quantisation changes it)."""
+        return frozen_weight(cast(HoldsBaseLayer, self), self._weight_transposed)
 
     @property
     def base_quantization(self) -> str | None:
@@ -57,62 +64,24 @@ class BaseWeightMixin:
     @property
     def weight_shape(self) -> tuple[int, int]:
         """The logical ``(out, in)`` shape of the base weight (never a quantised layer's packed storage)."""
-        base = self.get_base_layer()
-        if self.base_quantization is not None:
-            return cast(int, base.out_features), cast(int, base.in_features)
-        shape = self.base_weight().shape
-        return (shape[1], shape[0]) if self._weight_transposed else (shape[0], math.prod(shape[1:]))
-
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype the base weight is used in (a quantised base's compute dtype)."""
-        if self.base_quantization is not None:
-            return quantization.compute_dtype(self.get_base_layer())
-        return self.base_weight().dtype
+        return self.frozen.shape
 
     def weight_matrix(self) -> torch.Tensor:
         """The out × in base weight: a view of the stored weight, or a quantised base dequantised (a new tensor)."""
-        base = self.get_base_layer()
-        if self.base_quantization is not None:
-            return quantization.dequantize(base).to(self.weight_dtype)
-        weight = self.base_weight()
-        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+        return self.frozen.matrix()
 
-    def dense_weight(self) -> torch.Tensor | quantization.QuantizedWeight:
-        """``W0`` as the fused forward takes it.
-
-        The weight matrix, or a quantised base's dequantising callable, so no dequantised copy is kept between
-        forward and backward."""
-        if self.base_quantization is not None:
-            return quantization.QuantizedWeight(self.get_base_layer(), self.weight_dtype)
-        return self.weight_matrix()
-
-    def full_weight_matrix(self) -> torch.Tensor:
-        """The whole out × in matrix.
-
-        Under FSDP2 only this layer's weight is gathered, a collective that every rank calls."""
-        if self.base_quantization is not None:
-            return self.weight_matrix()
-        weight = full_tensor(self.base_weight())
-        return weight.T if self._weight_transposed else weight.reshape(weight.shape[0], -1)
+    def dense_weight(self) -> WeightSource:
+        """``W0`` as the fused forward takes it: no dequantised copy is kept between forward and backward."""
+        return self.frozen.dense()
 
     def set_weight_matrix(
         self, matrix: torch.Tensor, requantize: str = "nearest", generator: torch.Generator | None = None
     ) -> None:
-        """Write the whole out × in ``matrix`` into the base weight; under FSDP2 each rank keeps its own shard.
-
-        A quantised base is requantised by `requantize` (``requantize``: "feedback",
-        "nearest", or "stochastic" drawing from ``generator``); the relative error this caused is kept in
-        `requantization_error`. A bfloat16 or float16 base is rounded the same three ways
-        (`poet_hf.tuners.rotation.low_precision`; nearest when FSDP2 shards it)."""
-        if self.base_quantization is not None:
-            self.requantization_error = quantization.requantize(self, matrix, requantize, generator)
-            return
-        weight = self.base_weight()
-        full = matrix.T if self._weight_transposed else matrix.reshape(weight.shape)
-        if weight.dtype in low_precision.LOW_PRECISION_DTYPES and not is_dtensor(weight):
-            full = low_precision.store(self.get_base_layer(), full, requantize, generator)
-        write_full(weight, full)
+        """Write the whole out × in ``matrix`` into the base weight (`FrozenWeight.write`); a requantisation's
+        relative error is kept in `requantization_error`."""
+        error = self.frozen.write(matrix, requantize, generator)
+        if error is not None:
+            self.requantization_error = error
 
     def check_quantizable(self, base_quantization: str, layer_name: str) -> None:
         """Raise a ``ValueError`` naming the layer unless its base can be quantised as ``base_quantization``.
@@ -139,56 +108,25 @@ class BaseWeightMixin:
 
     def base_weight_bytes(self) -> int:
         """Bytes the stored ``W0`` occupies: the weight, or a quantised base's codes, statistics and residual."""
-        if self.base_quantization is None:
-            weight = self.base_weight()
-            return weight.numel() * weight.element_size() + low_precision.residual_bytes(self.get_base_layer())
-        return quantization.quantized_bytes(self.get_base_layer())
+        return self.frozen.nbytes()
 
     def _load_base_state(self, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
-        """``load_state_dict`` pre-hook: install a quantised base's codes together with their statistics.
+        """``load_state_dict`` pre-hook: the base's residual store, then what its storage takes of the saved base.
 
-        ``nn.Module``'s loader would drop the statistics (4-bit quant state, int8 row scales). A 16-bit base gets
-        room for its saved rounding residual; a full-precision base, what it can take of a saved quantised ``W0``
-        (`dense_reload`)."""
+        A quantised base installs its codes with their statistics, which ``nn.Module``'s loader would drop; a dense
+        one takes what it can of a saved quantised ``W0`` (`dense_reload`) and room for a saved rounding residual."""
         if self.rotation_settings:
             self.attach_residual_store(next(iter(self.rotation_settings)))
-        if self.base_quantization is not None:
-            quantization.load_quantized_state(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
-            return
-        if dense_reload.holds_quantized_weight(state_dict, f"{prefix}base_layer."):
-            base_init = any(settings.base_init for settings in self.rotation_settings.values())
-            dense_reload.load_onto_dense_base(
-                self.get_base_layer(), state_dict, prefix, f"{prefix}base_layer.", base_init
-            )
-        low_precision.load_residual(self.get_base_layer(), state_dict, f"{prefix}base_layer.")
+        base_init = any(settings.base_init for settings in self.rotation_settings.values())
+        self.frozen.load(state_dict, f"{prefix}base_layer.", prefix, base_init)
 
     def attach_residual_store(self, adapter_name: str) -> None:
         """Keep the base's error-feedback residual where ``residual_storage`` says (`residual_store`), and count what
         it will take for the free-space check of the residual files."""
         settings = self.rotation_settings[adapter_name]
-        names = (
-            quantization.RESIDUAL_NAMES if self.base_quantization is not None else (low_precision.ROUNDING_RESIDUAL,)
-        )
-        expected = 0
-        if settings.requantize == "feedback":
-            out_features, in_features = self.weight_shape
-            quantized = self.base_quantization is not None
-            expected = (
-                quantization.residual_bytes(out_features * in_features)
-                if quantized
-                else low_precision.expected_residual_bytes(self.base_weight())
-            )
-        residual_store.attach(self.get_base_layer(), settings.residual_storage, names, expected)
-
-    def _rounding_residual(self) -> torch.Tensor | None:
-        """What the last fold's rounding of ``W0`` dropped (error feedback), as an out × in matrix, or ``None``."""
-        base = self.get_base_layer()
-        if self.base_quantization is not None:
-            return quantization.residual(base)
-        kept = low_precision.residual(base)
-        if kept is None:
-            return None
-        return kept.T if self._weight_transposed else kept.reshape(kept.shape[0], -1)
+        frozen = self.frozen
+        expected = frozen.expected_residual_bytes() if settings.requantize == "feedback" else 0
+        residual_store.attach(self.get_base_layer(), settings.residual_storage, frozen.residual_names(), expected)
 
     @property
     def is_conv2d(self) -> bool:
@@ -222,10 +160,11 @@ class BaseWeightMixin:
         """The base weight matrix to fold, in float32 (float64 for a float64 base), or ``dtype``.
 
         When the adapter folds by error feedback, the residual of the last requantisation is added back."""
-        matrix = self.full_weight_matrix()
+        frozen = self.frozen
+        matrix = frozen.full_matrix()
         matrix = matrix.to(dtype or at_least_float32(matrix.dtype))
         if self.rotation_settings[adapter_name].requantize == "feedback":
-            residual = self._rounding_residual()
+            residual = frozen.residual()
             if residual is not None:
                 matrix = matrix + residual.to(matrix.dtype)
         return matrix

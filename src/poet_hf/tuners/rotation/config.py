@@ -109,7 +109,11 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
 
     def check_block_size(self) -> None:
-        """Raise a ``ValueError`` naming ``block_size`` unless it is an integer >= 2 (a subclass may allow more)."""
+        """``block_size`` is an integer >= 2 (a subclass may allow more).
+
+        Raises:
+            ValueError: naming ``block_size`` and what it may be.
+        """
         check_positive_int("block_size", self.block_size, minimum=2)
 
 

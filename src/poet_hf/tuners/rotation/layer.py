@@ -250,7 +250,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             index = self.index_buffer(adapter_name, side)
             if inverse:
                 blocks = self.rotation_blocks(adapter_name, side, dtype=torch.float64)
-                blocks, side_report = invert_blocks(blocks, self.weight_dtype)
+                blocks, side_report = invert_blocks(blocks, self.frozen.dtype)
                 blocks = blocks.to(matrix.dtype)
                 if report is not None:
                     report[side] = side_report
@@ -268,7 +268,7 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
         self, adapter_names: list[str] | None = None, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """``P^T W_t0 R^T`` for the given adapters (applied in order), as an out × in matrix in ``dtype``."""
-        matrix = self.full_weight_matrix().to(dtype)
+        matrix = self.frozen.full_matrix().to(dtype)
         for adapter_name in adapter_names if adapter_names is not None else self.active_adapters:
             matrix = self.rotate_weight(matrix, adapter_name)
         return matrix
