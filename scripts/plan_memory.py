@@ -19,7 +19,9 @@ process), one column per method, and ends with the line ``total: N MB per proces
 
 import sys
 
-from poet_hf.recipes.plan_cli import main
+from poet_hf.recipes.plan_cli import build_parser, main
+
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())
