@@ -179,3 +179,11 @@ def test_a_pattern_entry_sets_one_layer_and_r_is_fitted_as_a_number_of_blocks():
         for _, layer in rotation_layers(model)
     }
     assert sizes == {64: 16, 128: 32}  # 64/4 and 128/4
+
+
+def test_an_adjusted_side_is_recorded_beside_the_size_given_for_the_other():
+    name = "model.layers.0.mlp.down_proj"  # 1536 in, 576 out: 256 divides the input, not the output
+    model, _ = build(smollm_shaped_llama, PoetConfig(block_size_pattern={name: {"input": 192}}), expect_warning=True)
+    assert model.peft_config["default"].block_size_pattern[name] == {"input": 192, "output": 288}
+    layer = dict(rotation_layers(model))[f"base_model.model.{name}"]
+    assert {side: spec.block for side, spec in layer.sides("default").items()} == {"input": 192, "output": 288}

@@ -88,7 +88,10 @@ def record_adjusted_block_sizes(
     if not adjusted:
         return
     for name, sizes in adjusted.items():
-        config.block_size_pattern[name] = dict(sizes) if config.per_side_block_sizes else sizes["input"]
+        if config.per_side_block_sizes:  # beside a size the user gave for the other side
+            config.block_size_pattern.setdefault(name, {}).update(sizes)
+        else:
+            config.block_size_pattern[name] = sizes["input"]
     groups: dict[tuple[str, int, int], list[str]] = {}
     for name, sizes in adjusted.items():
         for side, size in sizes.items():
