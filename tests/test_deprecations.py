@@ -77,18 +77,14 @@ def test_the_merge_interval_comes_from_the_config_unless_the_run_overrides_it():
     assert merge_interval(torch.nn.Linear(2, 2), plain) is None  # no rotation layers: no merges
 
 
-@pytest.mark.parametrize("old, new", sorted(poet_hf.tuners.MOVED_MODULES.items()))
-def test_a_module_that_moved_still_imports_under_its_old_name(old: str, new: str):
-    old_name, new_name = f"poet_hf.tuners.{old}", f"poet_hf.tuners.{new}"
-    sys.modules.pop(old_name, None)
-    with pytest.warns(FutureWarning, match=new_name.replace(".", r"\.")):
-        module = importlib.import_module(old_name)
-    assert module is importlib.import_module(new_name)
+MOVED = [("poet_hf.tuners", old, new) for old, new in sorted(poet_hf.tuners.MOVED_MODULES.items())] + [
+    ("poet_hf", old, new) for old, new in sorted(poet_hf.MOVED_MODULES.items())
+]
 
 
-@pytest.mark.parametrize("old, new", sorted(poet_hf.MOVED_MODULES.items()))
-def test_a_run_module_that_moved_still_imports_under_its_old_name(old: str, new: str):
-    old_name, new_name = f"poet_hf.{old}", f"poet_hf.{new}"
+@pytest.mark.parametrize("package, old, new", MOVED, ids=[f"{p}.{o}" for p, o, _ in MOVED])
+def test_a_module_that_moved_still_imports_under_its_old_name(package: str, old: str, new: str):
+    old_name, new_name = f"{package}.{old}", f"{package}.{new}"
     sys.modules.pop(old_name, None)
     with pytest.warns(FutureWarning, match=new_name.replace(".", r"\.")):
         module = importlib.import_module(old_name)

@@ -37,21 +37,9 @@ ALLOWED = {
         "export",
         "checkpoints",
     },
-    "recipes": {  # runs: pretraining, fine-tuning, presets, the vision run, the scripts' options, the planner
-        "allocator",
-        "orthogonal",
-        "tuners",
-        "data",
-        "initialization",
-        "sharded",
-        "diagnostics",
-        "export",
-        "checkpoints",
-        "model_cards",
-        "vision",
-        "training",
-    },
 }
+# Runs: pretraining, fine-tuning, presets, the vision run, the scripts' options, the planner; above all the library.
+ALLOWED["recipes"] = ALLOWED["training"] | {"training", "vision", "model_cards"}
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal"}
 
