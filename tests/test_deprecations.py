@@ -65,6 +65,9 @@ def test_a_merge_interval_given_to_the_callback_warns_and_still_sets_the_interva
     model = get_peft_model(tiny_llama(), PoetConfig(block_size=8, merge_every=400))
     args = poet_hf.PoetTrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
     assert callback.interval(args, model) == 6
+    with pytest.warns(FutureWarning, match="adapter config"):
+        by_position = MergeReinitCallback(6)  # the former first argument
+    assert by_position.interval(args, model) == 6 and by_position.adapter_name == "default"
 
 
 def test_the_merge_interval_comes_from_the_config_unless_the_run_overrides_it():

@@ -144,6 +144,11 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, adapter_name: str = "default", **deprecated: Any) -> None:
+        if isinstance(adapter_name, int):  # the former first argument, merge_every, given by position
+            adapter_name, deprecated = (
+                deprecated.pop("adapter_name", "default"),
+                {**deprecated, "merge_every": adapter_name},
+            )
         self.forced_interval: int | None = _deprecated_interval(deprecated)
         self.adapter_name = adapter_name
         self.schedule: MergeSchedule | None = None  # read when training begins
