@@ -25,7 +25,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig, merge_and_reinit, plan_memory
-from poet_hf.tuners import residual_folder, residual_store
+from poet_hf.tuners.rotation import residual_folder, residual_store
 from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,9 @@ from torch import nn
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.tuners import bnb_rows, residual_store, row_fold
 from poet_hf.tuners.rotation import quantization as quant
+from poet_hf.tuners.rotation import quantized_rows as bnb_rows
+from poet_hf.tuners.rotation import residual_store, row_fold
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROW_ENTRIES = 2048  # a group of about 2048 entries: 8 rows of the 256-wide layers below

@@ -72,7 +72,7 @@ def render_model_card(
 ) -> Any:
     """A ``huggingface_hub.ModelCard`` for an exported model, from the ``model_cards/poet.md`` template.
 
-    ``spectrum_rows`` are [`spectrum_summary`][poet_hf.diagnostics.spectrum_summary] rows.
+    ``spectrum_rows`` are [`spectrum_summary`][poet_hf.orthogonal.spectra.spectrum_summary] rows.
 
     Args:
         model: the exported (plain) model.

@@ -111,15 +111,17 @@ class FloatWeight(FrozenWeight):
         return self.stored.dtype
 
     def matrix(self) -> torch.Tensor:
-        weight = self.stored
-        return weight.T if self.transposed else weight.reshape(weight.shape[0], -1)
+        return self._out_by_in(self.stored)
 
     def dense(self) -> WeightSource:
         return self.matrix()
 
     def full_matrix(self) -> torch.Tensor:
-        weight = full_tensor(self.stored)
-        return weight.T if self.transposed else weight.reshape(weight.shape[0], -1)
+        return self._out_by_in(full_tensor(self.stored))
+
+    def _out_by_in(self, stored: torch.Tensor) -> torch.Tensor:
+        """A tensor in the weight's storage layout as the out × in matrix (a view)."""
+        return stored.T if self.transposed else stored.reshape(stored.shape[0], -1)
 
     def write(self, matrix: torch.Tensor, requantize: str, generator: torch.Generator | None) -> float | None:
         write_full(self.stored, self._in_storage_layout(matrix))
@@ -135,9 +137,7 @@ class FloatWeight(FrozenWeight):
 
     def residual(self) -> torch.Tensor | None:
         kept = low_precision.residual(self.module)
-        if kept is None:
-            return None
-        return kept.T if self.transposed else kept.reshape(kept.shape[0], -1)
+        return None if kept is None else self._out_by_in(kept)
 
     def residual_names(self) -> tuple[str, ...]:
         return (low_precision.ROUNDING_RESIDUAL,)
