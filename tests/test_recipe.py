@@ -350,3 +350,11 @@ def test_the_old_spellings_still_work_for_a_release_with_a_warning():
     with pytest.warns(FutureWarning, match="use `--max_eval_samples`"):
         args, _ = parse_pretrain_arguments(["--max_eval_sequences", "7", "--output_dir", "unused"])
     assert args.max_eval_samples == 7
+
+
+def test_presets_stay_hashable_with_the_adapter_fields_they_set():
+    from poet_hf.recipes.presets import PRESETS
+
+    assert len({preset: name for name, preset in PRESETS.items()}) == len(PRESETS)  # frozen and hashable
+    assert PRESETS["tiny"].adapter_fields == {"merge_every": 50}
+    assert PRESETS["llama-60m"].adapter_fields == {}  # PoetConfig's merge_every, 400

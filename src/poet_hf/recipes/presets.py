@@ -60,7 +60,7 @@ class Preset:
     global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
     block_size: int | None = None  # None: PoetConfig's (256, the paper's)
     budget: float | None = None  # None: PoetConfig's (½, the paper's)
-    adapter_fields: Mapping[str, Any] = field(default_factory=dict)  # other PoetConfig fields it sets (merge_every)
+    adapter_fields: Mapping[str, Any] = field(default_factory=dict, hash=False)  # other PoetConfig fields (merge_every)
     max_grad_norm: float = 0.1  # appendix E
     weight_decay: float = 0.01  # appendix E
     poet_learning_rate: float | None = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
