@@ -26,6 +26,7 @@ from torch import nn
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig, merge_and_reinit, plan_memory
 from poet_hf.tuners.rotation import residual_folder, residual_store
+from poet_hf.tuners.rotation.layer import rotation_layers
 from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +157,8 @@ def test_only_the_folders_of_dead_processes_are_removed(parent):
         foreign.mkdir()
         assert dead.exists() and alive.exists()
         model = nf4_model()  # a run whose residuals go to disk starts: its stores count the files it will write
+        for _, layer in rotation_layers(model):
+            layer.attach_residual_store("default")
         assert residual_store.disk_bytes()[0] > 0
         residual_store.check_disk_space()  # what a start runs
         del model
