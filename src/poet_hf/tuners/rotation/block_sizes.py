@@ -46,10 +46,10 @@ def resolve_block_size(config: RotationConfig, layer_name: str, side: str, dim: 
     Raises:
         ValueError: a pattern entry does not divide ``dim``, or ``strict_block_size`` is set and ``requested`` does not.
     """
-    entry = config.block_size_pattern.get(layer_name)
-    size = entry.get(side) if isinstance(entry, dict) else entry
+    size = _pattern_size(config, layer_name, side)
     if size is not None:
         if dim % size:
+            entry = config.block_size_pattern[layer_name]
             raise ValueError(
                 f"`{PATTERN_FIELD}[{layer_name!r}]`={entry!r} does not divide the {dim}-dimensional {side} side of "
                 f"that module; give a divisor of {dim}"
@@ -68,9 +68,13 @@ def resolve_block_size(config: RotationConfig, layer_name: str, side: str, dim: 
 
 def is_adjusted(config: RotationConfig, layer_name: str, side: str, dim: int, requested: int) -> bool:
     """Whether `resolve_block_size` replaces ``requested`` (a size, or OFT's ``r``) for this side by a divisor."""
+    return _pattern_size(config, layer_name, side) is None and dim % requested != 0
+
+
+def _pattern_size(config: RotationConfig, layer_name: str, side: str) -> int | None:
+    """The size ``block_size_pattern`` gives this side of ``layer_name`` (one int for both sides, or per side)."""
     entry = config.block_size_pattern.get(layer_name)
-    given = entry.get(side) if isinstance(entry, dict) else entry
-    return given is None and dim % requested != 0
+    return entry.get(side) if isinstance(entry, dict) else entry
 
 
 def record_adjusted_block_sizes(
