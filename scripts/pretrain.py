@@ -55,6 +55,10 @@ def main(argv: list[str] | None = None) -> dict:
         return print_plan(args, training)
     if args.print_recipe:
         recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(run_tokenizer(args)))
+        if args.method.startswith("poet"):  # what cache_rotations chooses at this run's shapes, as the planner sees it
+            from poet_hf.recipes.run_plan import plan_pretraining
+
+            recipe["rotation_caches"] = plan_pretraining(args, training)[0].settings["rotation caches"]
         print(json.dumps(recipe, indent=2))
         return recipe
     results = run_pretraining(args, training)
@@ -72,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     }
     summary["spectrum_max_drift"] = results["spectrum_drift"].get("max_drift")
+    if results.get("rotation_caches"):  # what cache_rotations chose, per layer, at the run's first window
+        summary["rotation_caches"] = results["rotation_caches"]["summary"]
     print(json.dumps(summary, indent=2))
     print(
         f"validation perplexity: {results['val_perplexity']:.2f} "

@@ -1,6 +1,8 @@
 """Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): the gradients of one optimizer step of ``k`` micro-batches
 per process, with every micro-batch but the last deferring its rotation gradients, under DDP (``no_sync``) and FSDP2
-(``set_requires_gradient_sync``); and a step with a merge-then-reinitialize inside its accumulation window.
+(``set_requires_gradient_sync``); and a step with a merge-then-reinitialize inside its accumulation window. Each
+runs with ``cache_rotations=True`` and with ``"auto"``, which caches under DDP and not under FSDP2 (the cache would
+hold more than twice the sharded rotations' state).
 
 Each is compared with the plain-autograd float64 reference computed in one process over every process's
 micro-batches (the mean over processes of the sum over micro-batches). Writes OUT/rank<k>.json with the largest
@@ -23,17 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CASES = [("k1", 1), ("k2", 2), ("k4", 4), ("merge", 2)]  # "merge": k = 2 with merge_and_reinit between the two
 
 
-def build():
+def build(cache_rotations: bool | str = True):
     from models import tiny_gpt2
     from peft import get_peft_model
 
     from poet_hf import PoetConfig
 
     # float64 GPT-2 in eval mode: no float32 norms, no dropout draws (as in tests/test_rotation_cache.py)
-    return get_peft_model(
-        tiny_gpt2().double(),
-        PoetConfig(spo="block", block_size=16, init_weights=False, target_modules=["c_attn", "c_proj", "c_fc"]),
+    config = PoetConfig(
+        spo="block",
+        block_size=16,
+        init_weights=False,
+        target_modules=["c_attn", "c_proj", "c_fc"],
+        cache_rotations=cache_rotations,
     )
+    return get_peft_model(tiny_gpt2().double(), config)
 
 
 def micro_batches(k: int, world: int) -> torch.Tensor:
@@ -67,13 +73,13 @@ def reference(k: int, world: int, merge: bool) -> dict[str, torch.Tensor]:
     return trainable_grads(model)
 
 
-def distributed_step(engine: str, k: int, merge: bool) -> tuple[dict[str, torch.Tensor], int]:
+def distributed_step(engine: str, k: int, merge: bool, cache_rotations: bool | str) -> tuple:
     from poet_hf import defer_rotation_grads, merge_and_reinit
     from poet_hf.training.distributed import shard_model
     from poet_hf.tuners.rotation.layer import rotation_layers
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, batches = build(), micro_batches(k, world)
+    model, batches = build(cache_rotations), micro_batches(k, world)
     wrapped = torch.nn.parallel.DistributedDataParallel(model) if engine == "ddp" else shard_model(model)
     held = 0  # the rotation caches' bytes after the first micro-batch (0 unless it deferred)
     for i in range(k):
@@ -89,7 +95,9 @@ def distributed_step(engine: str, k: int, merge: bool) -> tuple[dict[str, torch.
         if i == 0:
             held = sum(layer.rotation_cache_bytes() for _, layer in rotation_layers(model))
     left = sum(layer.rotation_cache_bytes() for _, layer in rotation_layers(model))
-    return trainable_grads(model), held, left
+    state = next(layer.step_state for _, layer in rotation_layers(model))
+    chosen = {name: choice.cache for name, choice in state.cache_choices.items()}
+    return trainable_grads(model), held, left, chosen
 
 
 def main() -> None:
@@ -103,15 +111,17 @@ def main() -> None:
     for name, k in CASES:
         expected = reference(k, world, merge=name == "merge")
         for engine in ("ddp", "fsdp2"):
-            grads, held, left = distributed_step(engine, k, merge=name == "merge")
-            assert grads.keys() == expected.keys(), sorted(set(grads) ^ set(expected))
-            error = max(float((grads[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in expected)
-            report[f"{engine}-{name}"] = {
-                "error": error,
-                "cache_bytes_held": held,
-                "cache_bytes_left": left,
-                "tensors": len(grads),
-            }
+            for cache in (True, "auto"):
+                grads, held, left, chosen = distributed_step(engine, k, name == "merge", cache)
+                assert grads.keys() == expected.keys(), sorted(set(grads) ^ set(expected))
+                error = max(float((grads[n] - expected[n]).abs().max() / expected[n].abs().max()) for n in expected)
+                report[f"{engine}-{cache}-{name}"] = {
+                    "error": error,
+                    "cache_bytes_held": held,
+                    "cache_bytes_left": left,
+                    "chosen": chosen,
+                    "tensors": len(grads),
+                }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     from poet_hf.training.distributed import end_distributed
 

@@ -16,4 +16,8 @@ def test_the_preset_plans_eight_processes_reaching_the_papers_global_batch() -> 
         assert math.isclose(parts, row["total MiB"], rel_tol=1e-9)
     by_method = {row["method"]: row for row in rows}
     assert by_method["adamw"]["W0 MiB"] == 0 and by_method["poet-bs"]["W0 MiB"] > 0  # AdamW trains W itself
-    assert by_method["poet-bs"]["rotation caches MiB"] > 0 and by_method["adamw"]["rotation caches MiB"] == 0
+    # cache_rotations="auto": at 4096 tokens the polynomial is ~5 % of a POET-BS layer's work and each cache would be
+    # 8·b/(b−1) times its sharded state, so no layer caches, and POET-BS plans under ¾ of AdamW (issue 68)
+    assert by_method["poet-bs"]["rotation caches MiB"] == 0 and by_method["poet-fs"]["rotation caches MiB"] == 0
+    assert by_method["poet-bs"]["total MiB"] <= 0.75 * by_method["adamw"]["total MiB"]
+    assert by_method["poet-fs"]["total MiB"] <= by_method["adamw"]["total MiB"]

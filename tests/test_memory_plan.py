@@ -166,3 +166,40 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
     plan = plan_memory(run_model, "poet-bs", batch_size=4)
     assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"
     assert lines[0].split()[-2:] == ["poet-bs", "adamw"]
+
+
+def test_the_rotation_caches_are_planned_as_the_run_decides_them():
+    """``cache_rotations``: ``True`` holds the blocks and their pending gradient, ``2·rows·b²`` float32 entries per side
+    (counted off a real model); ``"auto"`` holds them at a few tokens per micro-batch and none under FSDP2 over 8
+    processes, where each would be 8·b/(b−1) times the sharded rotations' state; without accumulation nothing."""
+    model = _real_poet_model(32)
+    caches = sum(
+        2 * spec.num_blocks * spec.block**2 * 4
+        for _, layer in rotation_layers(model)
+        for spec in layer.rotation_specs["default"].values()
+    )
+    plan = {"method": "poet-bs", "block_size": 32, "batch_size": 2, "seq_len": 64}
+    layers = len(rotation_layers(model))
+    for cache, accumulation, sharding, expected in (
+        (True, 2, {}, caches),
+        ("auto", 2, {}, caches),
+        ("auto", 2, {"sharding": "fsdp2", "processes": 8}, 0),
+        (True, 2, {"sharding": "fsdp2", "processes": 8}, caches),
+        ("auto", 1, {}, 0),
+    ):
+        planned = plan_memory("tiny", **plan, **sharding, accumulation=accumulation, cache_rotations=cache)
+        assert planned.parts["rotation caches"] == expected, (cache, accumulation, sharding)
+        cached = layers if expected else 0
+        assert planned.settings["rotation caches"].startswith(
+            f"rotation caches (cache_rotations={cache!r}): {cached} of {layers} layers cache"
+        )
+
+
+def test_the_plan_says_where_a_fully_stochastic_polynomial_outweighs_its_layer():
+    """POET-FS at budget ½ of a 128-wide model and 128 tokens: one 64-block's polynomial, 11·64³ multiply-adds per
+    side and micro-batch, against the layer's 3·128·128·d_out: the planner names the layers and what to use instead;
+    POET-BS 32 at the same shape has no such layer."""
+    fs = plan_memory("tiny", "poet-fs", budget=0.5, batch_size=2, seq_len=64, accumulation=2)
+    assert any("POET-BS, or a smaller POET-FS budget" in note for note in fs.settings["notes"])
+    bs = plan_memory("tiny", "poet-bs", block_size=32, batch_size=2, seq_len=64, accumulation=2)
+    assert bs.settings["notes"] == []

@@ -296,16 +296,25 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
 @pytest.mark.slow
 def test_ddp_and_fsdp2_accumulation_equals_the_single_process_reference(tmp_path):
     """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first
-    k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py)."""
+    k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py), each with the
+    cache on and ``"auto"``.
+
+    ``"auto"`` caches under DDP (the polynomial is most of this tiny model's work, and the cache holds b/(b−1) times
+    the rotations' state) and not under FSDP2 (2·b/(b−1) times the sharded state, above the 2 allowed): the gradients
+    are the reference's either way."""
     prewarmed.run(HERE / "accumulation_worker.py", [tmp_path], tmp_path / "worker.log", ranks=2)
     tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(8, torch.float64)
+    cases = ("k1", "k2", "k4", "merge")
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert set(report) == {f"{e}-{c}" for e in ("ddp", "fsdp2") for c in ("k1", "k2", "k4", "merge")}
+        assert set(report) == {f"{e}-{cache}-{c}" for e in ("ddp", "fsdp2") for cache in (True, "auto") for c in cases}
         for case, row in report.items():
+            caches = not case.endswith("k1") and not case.startswith("fsdp2-auto")  # it deferred, and it caches
             assert row["error"] <= tolerance, (rank, case, row)
             assert row["cache_bytes_left"] == 0, (rank, case, row)
-            assert (row["cache_bytes_held"] > 0) == (not case.endswith("k1")), (rank, case, row)  # it deferred
+            assert (row["cache_bytes_held"] > 0) == caches, (rank, case, row)
+            if "-auto-" in case and not case.endswith("k1"):  # every layer chose alike, and as expected
+                assert set(row["chosen"].values()) == {case.startswith("ddp")}, (rank, case, row)
             assert row["tensors"] > 0
 
 
@@ -342,5 +351,76 @@ def test_cache_rotations_false_rebuilds_per_micro_batch_and_holds_nothing(count_
         assert cache_bytes(model) == 0
     assert count_polynomials["n"] == 2 * 4 * sides
     assert_grads_equal(grads_of(model), expected, 4)
-    with pytest.raises(ValueError, match="`cache_rotations` must be True or False"):
+    with pytest.raises(ValueError, match="`cache_rotations` must be 'auto', True or False"):
         PoetConfig(cache_rotations="yes")
+
+
+def test_the_cache_choice_weighs_the_polynomial_and_the_state_as_counted_by_hand():
+    """``rotation_cache_choice`` against the multiply-adds and bytes written out: a 512 × 512 POET-BS 256 layer, six
+    terms (3 products forward, 5 for the VJP: 2·3 + 5 per uncached micro-batch), 512 tokens."""
+    from poet_hf.orthogonal.spo import SideSpec
+    from poet_hf.orthogonal.strategy_costs import rotation_cache_choice
+
+    side = SideSpec("block", 512, 256)
+    tokens, n = 512, 512 * 512
+    polynomial = 11 * 2 * (2 * 256**3)  # both sides, two 256-blocks each
+    weight_strategy = 3 * tokens * n + 3 * 256 * n + 4 * 256 * n  # y, ∂x, ∂W; R's and P's rotations of W
+    activation_strategy = 2 * tokens * n + 3 * 2 * (256 * tokens * 512)  # two products; three rotations of the rows
+    layer = min(weight_strategy, activation_strategy + tokens * n + 256 * tokens * 512)  # the recompute keeps nothing
+    cache = 2 * (2 * 256**2) * (4 + 4)  # blocks and pending gradient, float32, both sides
+    state = 16 * 2 * (2 * 256 * 255 // 2)  # parameter, gradient, two moments per skew entry
+    choice = rotation_cache_choice(tokens, 512, 512, side, side, 6)
+    assert choice.saving == pytest.approx(polynomial / (layer + polynomial), rel=1e-12)
+    assert choice.hold == pytest.approx(cache / state, rel=1e-12) and choice.cache_bytes == cache
+    assert choice.cache and choice.reason.startswith("on:")
+    sharded = rotation_cache_choice(tokens, 512, 512, side, side, 6, shards=2)  # the state halves, the cache does not
+    assert sharded.hold == pytest.approx(2 * cache / state) and not sharded.cache and "above the 2x" in sharded.reason
+    long = rotation_cache_choice(64 * tokens, 512, 512, side, side, 6)  # the layer's products grow, the polynomial not
+    assert long.saving < 0.10 and not long.cache and "below 10%" in long.reason
+    half = rotation_cache_choice(tokens, 512, 512, side, side, 6, shards=2, block_bytes=2)  # bfloat16 blocks
+    assert half.cache_bytes == 2 * (2 * 256**2) * (2 + 4) and half.cache
+
+
+def test_auto_decides_once_per_layer_logs_at_the_step_and_keeps_the_gradients(caplog, count_polynomials):
+    """A tiny layer at 16 tokens per micro-batch: the polynomial is most of its work, so ``"auto"`` caches (two builds
+    per optimizer step); at 512 tokens it is under a tenth and every micro-batch rebuilds. The gradients are the float64
+    reference's either way, and the first optimizer step logs the choice."""
+    import logging
+
+    sides = sum(len(layer.rotation_specs["default"]) for _, layer in rotation_layers(build()))
+    for shape, caches in (((2, 8), True), ((8, 64), False)):
+        generator = torch.Generator().manual_seed(3)
+        micro_batches = [torch.randint(0, 128, shape, generator=generator) for _ in range(4)]
+        expected = reference_grads(build, [lambda m, ids=ids: backward(m, ids) for ids in micro_batches])
+        model = build(cache_rotations="auto")
+        count_polynomials["n"] = 0
+        accumulate(model, micro_batches)
+        state = rotation_layers(model)[0][1].step_state
+        assert {choice.cache for choice in state.cache_choices.values()} == {caches}
+        assert len(state.cache_choices) == len(rotation_layers(model))
+        assert count_polynomials["n"] == (2 if caches else 2 * 4) * sides
+        assert_grads_equal(grads_of(model), expected, 4)
+        with caplog.at_level(logging.INFO, logger="poet_hf.tuners.rotation.caches"):
+            caplog.clear()
+            torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0).step()
+        summary = state.cache_summary()["summary"]
+        assert summary.startswith(f"{len(rotation_layers(model)) if caches else 0} of {len(rotation_layers(model))}")
+        assert [r.getMessage() for r in caplog.records] == [f"cache_rotations='auto': {summary}"]
+
+
+def test_under_autocast_the_cache_keeps_the_blocks_in_the_compute_dtype_and_the_forward_is_unchanged():
+    """bfloat16 autocast: the calls cast the blocks to bfloat16 anyway, so the cache keeps them so (half the bytes),
+    and a deferred micro-batch's output is the uncached forward's, bit for bit."""
+    from poet_hf.orthogonal.rotation_sides import RotationCache
+
+    micro_batches = batches(2)
+    outputs = {}
+    for cache in (True, False):
+        model = build(cache_rotations=cache).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16), defer_rotation_grads():
+            outputs[cache] = [model(input_ids=ids).logits for ids in micro_batches]
+        if cache:
+            held = [c for _, layer in rotation_layers(model) for c in layer.fused.caches.values()]
+            assert held and all(isinstance(c, RotationCache) and c.blocks.dtype == torch.bfloat16 for c in held)
+    for cached, rebuilt in zip(outputs[True], outputs[False], strict=True):
+        assert torch.equal(cached, rebuilt)

@@ -112,6 +112,32 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def shard_count(model: nn.Module) -> int:
+    """How many processes share ``model``'s parameters: FSDP2's ``DTensor`` shards or DeepSpeed ZeRO-3 partitions.
+
+    Read from the parameters that are sharded now (inside an FSDP2 unit's forward its own are gathered, the others
+    are not).
+
+    Args:
+        model: the model to inspect.
+
+    Returns:
+        The largest ratio of a parameter's entries to those this process holds; 1 when nothing is sharded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    shards = 1
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            full, local = p.numel(), p.to_local().numel()
+        else:  # a ZeRO-3 partition: ds_numel entries in all, ds_tensor this process's
+            partition = getattr(p, "ds_tensor", None)
+            full, local = getattr(p, "ds_numel", 0), 0 if partition is None else partition.numel()
+        if local and full:
+            shards = max(shards, round(full / local))
+    return shards
+
+
 def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state dict on rank 0's CPU (an empty dict on the other ranks), gathered one tensor at a time.
 

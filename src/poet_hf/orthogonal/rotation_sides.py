@@ -56,11 +56,16 @@ class RotationCache:
 
     The Cayley–Neumann polynomial depends only on the skew vector, which changes only at an optimizer step, and its
     VJP is linear in ``∂L/∂R``: ``Σ_i Jᵀ g_i = Jᵀ Σ_i g_i``. So the blocks are built once per step and the VJP runs
-    once, on the sum, in the backward of the step's last micro-batch. Holds ``2·rows·b²`` entries at most (the blocks
-    and the pending gradient).
+    once, on the sum, in the backward of the step's last micro-batch. Holds ``2·rows·b²`` entries at most (the blocks,
+    in ``dtype``, and the pending gradient, in float32 or wider).
+
+    Args:
+        dtype: what the blocks are kept in: the compute dtype of the calls that read them, which cast them to it
+            anyway (``None``: as built).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype
         self.blocks: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
         self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
@@ -112,7 +117,7 @@ class SideRotation:
             evaluation = self._evaluate(vec)
             blocks = evaluation.rotation
             if store and self.cache is not None:
-                self.cache.blocks = blocks
+                self.cache.blocks = blocks if self.cache.dtype is None else blocks.to(self.cache.dtype)
         if blocks.shape[0] != self.spec.num_blocks:
             blocks = blocks.expand(self.spec.num_blocks, -1, -1)
         if self.keep is not None:

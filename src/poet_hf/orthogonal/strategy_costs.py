@@ -1,16 +1,23 @@
 """What each fused strategy of `rotated_linear` costs: multiply-adds and kept bytes, from the shapes alone.
 
 `strategy_costs` is how ``forward="auto"`` chooses a strategy per call; `polynomial_products` counts the
-Cayley–Neumann polynomial by the call's place in an optimizer step.
+Cayley–Neumann polynomial by the call's place in an optimizer step; `rotation_cache_choice` is how
+``cache_rotations="auto"`` decides whether a layer keeps its rotations across the micro-batches of a step.
 """
 
 from __future__ import annotations
 
-from .cayley import neumann_product_count
+from dataclasses import dataclass
+
+from .cayley import neumann_product_count, num_skew_params
 from .rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT
 from .spo import SideSpec
 
-__all__ = ["polynomial_products", "strategy_costs"]
+__all__ = ["CacheChoice", "polynomial_products", "rotation_cache_choice", "strategy_costs"]
+
+CACHE_MIN_SAVING = 0.10  # a deferred micro-batch must skip at least this share of the layer's multiply-adds
+CACHE_MAX_HOLD = 2.0  # and the cache may hold at most this multiple of the rotations' state on the process
+ROTATION_STATE_BYTES = 16  # per skew entry: float32 parameter, gradient and Adam's two moments
 
 
 def polynomial_products(terms: int, phase: str) -> int:
@@ -104,3 +111,85 @@ def _rotation_costs(
         ACTIVATION: {"macs": activation, "kept": float(tokens * d_out)},
         ACTIVATION_RECOMPUTE: {"macs": activation + tokens * n + rotate_rows.get("R", 0), "kept": 0.0},
     }
+
+
+@dataclass(frozen=True)
+class CacheChoice:
+    """Whether one layer caches its rotations across an accumulation window, and why (`rotation_cache_choice`).
+
+    ``saving`` is the share of the layer's multiply-adds per micro-batch that a deferred micro-batch skips (the
+    Cayley–Neumann polynomial: its build, rebuild and VJP); ``hold`` the cache's bytes over what the layer's
+    rotations hold on this process (skew parameters, their gradients and Adam's two moments); ``cache_bytes`` the
+    cache's bytes (blocks and pending gradient)."""
+
+    cache: bool
+    saving: float
+    hold: float
+    cache_bytes: int
+
+    @property
+    def reason(self) -> str:
+        """One line: the choice and the two figures it rests on."""
+        facts = f"a deferred micro-batch skips {self.saving:.1%} of the layer's multiply-adds; the cache would hold "
+        facts += f"{self.hold:.1f}x the rotations' state on this process"
+        if self.cache:
+            return f"on: {facts}"
+        limit = (
+            f"below {CACHE_MIN_SAVING:.0%}"
+            if self.saving < CACHE_MIN_SAVING
+            else f"above the {CACHE_MAX_HOLD:.0f}x allowed"
+        )
+        return f"off: {facts} ({limit})"
+
+
+def rotation_cache_choice(
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    input_side: SideSpec | None,
+    output_side: SideSpec | None,
+    terms: int,
+    shards: int = 1,
+    block_bytes: int = 4,
+    dequantize_cost: float = 0.0,
+) -> CacheChoice:
+    """Whether a layer's rotation cache pays for itself under gradient accumulation (``cache_rotations="auto"``).
+
+    The cache spares every deferred micro-batch the polynomial (`polynomial_products` ``"uncached"``) and holds
+    ``rows·b²`` blocks (``block_bytes`` each, the run's compute dtype) and their float32 pending gradient per side,
+    unsharded. It is on when both hold:
+
+    - it saves: the polynomial is at least `CACHE_MIN_SAVING` of the layer's multiply-adds per micro-batch (the
+      cheapest strategy that keeps only the input, `strategy_costs`, plus the polynomial);
+    - it is small: its bytes are at most `CACHE_MAX_HOLD` times the rotations' state on this process,
+      `ROTATION_STATE_BYTES` per skew entry divided by ``shards`` (FSDP2 and ZeRO-3 shard the state, not the cache).
+
+    At the paper's 1 × 4096-token micro-batch and a 2048-wide layer the polynomial is about 2 % of a POET-BS layer's
+    work, so the cache is off; at a few hundred tokens and a 512-wide layer it is about half, and the cache is on
+    unless the state is sharded.
+
+    Args:
+        tokens: tokens per micro-batch through the layer.
+        d_in: the layer's input width.
+        d_out: the layer's output width.
+        input_side: R's primitive, or ``None``.
+        output_side: P's primitive, or ``None``.
+        terms: the Cayley–Neumann terms (PEFT's count; 0: the exact transform).
+        shards: processes the skew parameters are sharded over (1: replicated).
+        block_bytes: bytes per entry of a cached block (the compute dtype's).
+        dequantize_cost: a quantised ``W0``'s dequantisation cost per entry (`strategy_costs`).
+
+    Returns:
+        The [`CacheChoice`][poet_hf.orthogonal.strategy_costs.CacheChoice].
+    """
+    sides = [spec for spec in (input_side, output_side) if spec is not None]
+    polynomial = polynomial_products(terms, "uncached")
+    costs = strategy_costs(
+        tokens, d_in, d_out, input_side, output_side, True, dequantize_cost=dequantize_cost, polynomial=polynomial
+    )
+    layer = min(cost["macs"] for cost in costs.values() if cost["kept"] == 0)
+    saved = polynomial * sum(spec.num_blocks * spec.block**3 for spec in sides)
+    cache_bytes = sum(spec.num_blocks * spec.block**2 for spec in sides) * (block_bytes + 4)
+    state = ROTATION_STATE_BYTES * sum(spec.num_blocks * num_skew_params(spec.block) for spec in sides) / shards
+    saving, hold = saved / layer if layer else 0.0, cache_bytes / state if state else float("inf")
+    return CacheChoice(saving >= CACHE_MIN_SAVING and hold <= CACHE_MAX_HOLD, saving, hold, cache_bytes)

@@ -38,6 +38,7 @@ from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
+from .rotation_cache_plan import plan_rotation_caches
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -214,7 +215,7 @@ def plan_memory(
     sharding: str = "ddp",
     checkpointing: bool = False,
     accumulation: int = 1,
-    cache_rotations: bool = True,
+    cache_rotations: bool | str = "auto",
     base_quantization: str | None = None,
     residual_storage: str = "auto",
     fused_step: bool = False,
@@ -239,7 +240,9 @@ def plan_memory(
             transformer block, the embeddings, the head, the root).
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
-        cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation.
+        cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation:
+            ``"auto"`` decides per layer as the run does (`poet_hf.recipes.rotation_cache_plan`), from
+            ``batch_size·seq_len`` tokens, the sharding and ``dtype``.
         base_quantization: POET's ``W0`` stored by bitsandbytes (``"nf4"``, ``"fp4"``: 4-bit codes and
             double-quantised block scales, 0.516 B per entry; ``"int8"``: 1 B and a float32 scale per row).
         residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
@@ -378,15 +381,11 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
     """The step's working memory: rotation caches, activations (a dequantised W0 among them) and the loss's."""
     method, batch, seq_len = settings["method"], settings["batch_size"], settings["seq_len"]
     working = {}
-    if method.startswith("poet") and settings["accumulation"] > 1 and settings["cache_rotations"]:
-        from ..tuners.rotation.layer import rotation_layers
-
-        working["rotation caches"] = sum(
-            2 * spec.num_blocks * spec.block**2 * 4
-            for _, layer in rotation_layers(built)
-            for specs in layer.rotation_specs.values()
-            for spec in specs.values()
-        )
+    if method.startswith("poet"):
+        caches = plan_rotation_caches(built, settings)
+        working["rotation caches"] = caches.bytes
+        settings["rotation caches"] = caches.summary()
+        settings["notes"] = caches.notes
     dtype = DTYPES[settings["dtype"]]
     outside, largest_block, everything, block_input = trace_activations(built, batch, seq_len, dtype, blocks)
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
@@ -454,13 +453,18 @@ def _gathered_bytes(
 def format_plans(plans: list[MemoryPlan]) -> str:
     """The plans side by side, one column per method, in MB.
 
-    The last line is ``total: N MB per process`` for the first plan."""
+    Then, for the first plan, what its rotation caches chose (under accumulation) and the planner's notes, and
+    ``total: N MB per process``."""
     width = max(len(p) for p in PARTS) + 2
     lines = [f"{'MB per process':<{width}}" + "".join(f"{plan.method:>12}" for plan in plans)]
     for part in PARTS:
         if any(plan.parts[part] for plan in plans):
             lines.append(f"{part:<{width}}" + "".join(f"{plan.parts[part] / 2**20:>12.1f}" for plan in plans))
     lines.append(f"{'sum':<{width}}" + "".join(f"{plan.total_bytes / 2**20:>12.1f}" for plan in plans))
+    settings = plans[0].settings
+    if settings.get("accumulation", 1) > 1 and settings.get("rotation caches"):
+        lines.append(settings["rotation caches"])
+    lines.extend(settings.get("notes", ()))
     lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MB per process")
     if plans[0].residual_bytes:
         lines.append(

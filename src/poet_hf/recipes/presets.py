@@ -216,7 +216,7 @@ def apply_recipe(
             seed=seed,
             base_init=recipe["base_init"] if base_init == "recipe" else base_init,
             base_quantization=recipe.get("base_quantization"),
-            cache_rotations=recipe.get("cache_rotations", True),
+            cache_rotations=recipe.get("cache_rotations", "auto"),
             train_other_params=True,
         )
         wrapped = get_peft_model(model, config)

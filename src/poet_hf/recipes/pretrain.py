@@ -244,7 +244,7 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
         "merge_every": given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
         "base_init": args.base_init,
         "base_quantization": args.base_quantization,
-        "cache_rotations": args.cache_rotations,
+        "cache_rotations": {"true": True, "false": False}.get(args.cache_rotations, "auto"),
         "poet_learning_rate": given.get("poet_learning_rate")
         or preset.poet_learning_rate
         or tied_poet_learning_rate(args.method, mean_size),
@@ -412,6 +412,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         **count_trainable(model),
         "wall_time_s": time.time() - started,
         "merges": max((int(layer.merge_counts["default"]) for _, layer in rotation_layers(model)), default=0),
+        "rotation_caches": next((layer.step_state.cache_summary() for _, layer in rotation_layers(model)), None),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
         "spectrum_bound": drift_bound(model, trainer),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],

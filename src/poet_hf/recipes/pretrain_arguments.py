@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..data import EMBEDDED_CORPUS
 from ..orthogonal.base_init import BASE_INIT_SCHEMES
@@ -124,12 +125,13 @@ class PretrainArguments(ScriptArguments):
             "pip install 'poet_hf[quant]'"
         },
     )
-    cache_rotations: bool = field(
-        default=True,
+    cache_rotations: Literal["auto", "true", "false"] = field(
+        default="auto",
         metadata={
-            "help": "POET: build each rotation once per optimizer step "
-            "across the accumulated micro-batches (faster; holds 2·rows·b² floats per side "
-            "meanwhile); --no_cache_rotations rebuilds it per micro-batch"
+            "help": "POET under gradient accumulation: 'true' builds each rotation once per optimizer step "
+            "across the micro-batches (less time; holds the blocks and their pending gradient, 2·rows·b² entries per "
+            "side, unsharded, meanwhile), 'false' rebuilds it per micro-batch (less memory), 'auto' decides per layer "
+            "by what the cache saves and holds (PoetConfig.cache_rotations) and logs the choice"
         },
     )
     paper_steps: bool = field(

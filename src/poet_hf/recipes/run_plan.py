@@ -61,7 +61,7 @@ def plan_settings(
         "sharding": sharding,
         "checkpointing": bool(training.gradient_checkpointing),
         "accumulation": recipe["gradient_accumulation_steps"],
-        "cache_rotations": args.cache_rotations,
+        "cache_rotations": recipe["cache_rotations"],
         "base_quantization": args.base_quantization,
         "fused_step": bool(training.fused_optimizer_step),
         "vocab_weights_dtype": training.vocab_weights_dtype,

@@ -160,15 +160,25 @@ def block_size_pattern_field() -> Any:
 def cache_rotations_field() -> Any:
     """The ``cache_rotations`` field of the rotation configs (`poet_hf.tuners.rotation.caches`)."""
     return field(
-        default=True,
+        default="auto",
         metadata={
             "help": "Under gradient accumulation, build each rotation once per optimizer step and run its "
             "Cayley-Neumann VJP once, on the sum of the micro-batches' gradients (Trainer, accelerate's accumulate, or "
-            "poet_hf.defer_rotation_grads in a plain loop). Holds the rotation blocks and their pending gradient, "
-            "2·rows·b² floats per side, across the window. False rebuilds the rotation per micro-batch: less "
-            "memory, more time. Without accumulation nothing changes."
+            "poet_hf.defer_rotation_grads in a plain loop). The cache holds the rotation blocks (compute dtype) and "
+            "their pending gradient (float32), rows·b² entries each per side, unsharded, across the window. 'auto' "
+            "(default) decides per layer at its first accumulation window: on when the polynomial is at least 10% of "
+            "the layer's multiply-adds per micro-batch and the cache holds at most 2x the rotations' state on the "
+            "process (poet_hf.orthogonal.strategy_costs.rotation_cache_choice); the choice is logged. True always "
+            "caches (less time, more memory), False never (the rotation is rebuilt per micro-batch). Without "
+            "accumulation nothing changes."
         },
     )
+
+
+def check_cache_rotations(value: object) -> None:
+    """``cache_rotations`` is ``"auto"``, ``True`` or ``False``."""
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f"`cache_rotations` must be 'auto', True or False, got {value!r}")
 
 
 def per_side(field_name: str, value: Any) -> dict[str, Any]:

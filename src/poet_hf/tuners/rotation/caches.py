@@ -19,6 +19,7 @@ exception in the model's forward, ``model.eval()``; it is dropped with the gradi
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -30,7 +31,10 @@ from accelerate.state import GradientState
 from torch.utils.hooks import RemovableHandle
 
 from ...orthogonal.rotated_linear import RotationCache
+from ...orthogonal.strategy_costs import CacheChoice
+from ...sharded import shard_count
 
+logger = logging.getLogger(__name__)
 _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
 
 
@@ -96,26 +100,72 @@ def deferring() -> bool:
 class RotationStepState:
     """The per-step state one model's rotation layers share.
 
-    Which layers hold rotation caches, the optimizer hooks that flush and free those caches around every step, and
-    whether the layers run the plain autograd reference (`reference`) instead of the fused forward. A
+    Which layers hold rotation caches, the optimizer hooks that flush and free those caches around every step, what
+    ``cache_rotations="auto"`` chose per layer (`cache_choices`, logged at the first optimizer step after a choice),
+    and whether the layers run the plain autograd reference (`reference`) instead of the fused forward. A
     `RotationModel` owns one and hands it to every layer it injects; a layer built on its own holds its own.
+
+    Args:
+        root: the model whose parameters say how many processes share them (`process_shards`); ``None``: unsharded.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, root: torch.nn.Module | None = None) -> None:
         self.reference = False
+        self.cache_choices: dict[str, CacheChoice] = {}
+        self._unlogged: list[str] = []
+        self._root = None if root is None else weakref.ref(root)
         self._layers: weakref.WeakSet[CachingLayer] = weakref.WeakSet()
         self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """A copy (``copy.deepcopy``, pickling) keeps the setting and starts with no cache and no hook."""
+        """A copy (``copy.deepcopy``, pickling) keeps the setting and starts with no cache, choice or hook."""
         return _fresh_state, (self.reference,)
+
+    def process_shards(self) -> int:
+        """Processes the model's parameters are sharded over (FSDP2, ZeRO-3), 1 when replicated or unknown."""
+        root = None if self._root is None else self._root()
+        return 1 if root is None else shard_count(root)
+
+    def note_cache_choice(self, layer_name: str, choice: CacheChoice) -> None:
+        """Record what ``cache_rotations="auto"`` chose for one layer (logged at the next optimizer step)."""
+        self.cache_choices[layer_name] = choice
+        self._unlogged.append(layer_name)
+        if self._hooks is None:  # the step hooks log the choices; a layer that never caches registers none
+            self._install_hooks()
+
+    def log_cache_choices(self) -> None:
+        """Log, once, the choices noted since the last call (`cache_summary` of those layers)."""
+        names, self._unlogged = self._unlogged, []
+        if names:
+            logger.info("cache_rotations='auto': %s", self.cache_summary(names)["summary"])
+
+    def cache_summary(self, names: list[str] | None = None) -> dict[str, Any]:
+        """What ``cache_rotations="auto"`` chose: layers that cache, of those decided, their bytes, and why.
+
+        Args:
+            names: the layers to sum over; ``None``: every layer decided so far.
+
+        Returns:
+            ``{"cached", "decided", "cache_mb", "summary"}``; ``summary`` is one line with the first layer's reason.
+        """
+        names = list(self.cache_choices) if names is None else names
+        chosen = [self.cache_choices[name] for name in names]
+        on = [choice for choice in chosen if choice.cache]
+        megabytes = sum(choice.cache_bytes for choice in on) / 2**20
+        summary = f"{len(on)} of {len(chosen)} rotation layers cache their rotations across the accumulation window"
+        if chosen:
+            summary += f" ({megabytes:.1f} MB); {names[0]}: {chosen[0].reason}"
+        return {"cached": len(on), "decided": len(chosen), "cache_mb": megabytes, "summary": summary}
 
     def track(self, layer: CachingLayer) -> None:
         """Remember ``layer``, weakly, as one that caches rotations: every optimizer step flushes and frees them."""
         if self._hooks is None:
-            self._hooks = _register_step_hooks(weakref.ref(self))
-            weakref.finalize(self, _remove_hooks, self._hooks)
+            self._install_hooks()
         self._layers.add(layer)
+
+    def _install_hooks(self) -> None:
+        self._hooks = _register_step_hooks(weakref.ref(self))
+        weakref.finalize(self, _remove_hooks, self._hooks)
 
     def layers_with_caches(self) -> list[CachingLayer]:
         return [layer for layer in list(self._layers) if layer.rotation_cache_bytes()]
@@ -125,6 +175,7 @@ class RotationStepState:
 
         Nothing deferred was reduced across processes, and a gradient clip before the step saw the gradients without
         them."""
+        self.log_cache_choices()
         pending = [layer for layer in self.layers_with_caches() if layer.fused.has_deferred_grads()]
         if pending:
             warnings.warn(

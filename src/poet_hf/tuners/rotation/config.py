@@ -14,6 +14,7 @@ from ..config_utils import (
     block_size_pattern_field,
     cache_rotations_field,
     check_bool,
+    check_cache_rotations,
     check_choice,
     check_positive_int,
     normalize_peft_target_fields,
@@ -76,7 +77,7 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
     )
     requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
     residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
-    cache_rotations: bool = cache_rotations_field()
+    cache_rotations: bool | Literal["auto"] = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and random inits."})
     forward: Literal["auto", "weight", "activation"] = field(
         default="auto",
@@ -103,8 +104,9 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
         check_choice("forward", self.forward, FORWARD_CHOICES)
         check_choice("requantize", self.requantize, REQUANTIZE_MODES)
         check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
-        for name in ("strict_block_size", "cache_rotations", "init_weights"):
+        for name in ("strict_block_size", "init_weights"):
             check_bool(name, getattr(self, name))
+        check_cache_rotations(self.cache_rotations)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"`seed` must be an integer, got {self.seed!r}")
 

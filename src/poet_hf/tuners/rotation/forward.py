@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, rotated_forward
-from ...orthogonal.strategy_costs import polynomial_products, strategy_costs
+from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, compute_dtypes, rotated_forward
+from ...orthogonal.strategy_costs import CacheChoice, polynomial_products, rotation_cache_choice, strategy_costs
 from ...sharded import full_tensor
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import caches, quantization
@@ -30,6 +30,7 @@ class FusedForward:
 
     def __init__(self) -> None:
         self.caches: dict[tuple[str, str], RotationCache] = {}
+        self.cache_choices: dict[str, CacheChoice] = {}  # cache_rotations="auto", per adapter, at its first window
 
     def side_rotation(
         self,
@@ -72,7 +73,7 @@ class FusedForward:
             sides.get(SIDE_INPUT),
             sides.get(SIDE_OUTPUT),
             training,
-            dequantize_cost=quantization.DEQUANTIZE_COST[base_quantization] if base_quantization else 0.0,
+            dequantize_cost=quantization_cost(base_quantization),
             polynomial=polynomial_products(settings.neumann_terms, polynomial_phase) if training else 0,
         )
         # (macs, order, name): the cheapest, the first listed on a tie; a plain min, which Dynamo traces.
@@ -87,9 +88,12 @@ class FusedForward:
         training = torch.is_grad_enabled() and any(layer.skew_parameter(adapter_name, s).requires_grad for s in sides)
         tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
         rotations, phases = {}, set()
+        weight = layer.dense_weight()
+        rotation_dtype = compute_dtypes(x, weight)[0]
+        caching = training and caches.deferring() and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
             vec = layer.skew_parameter(adapter_name, side)
-            cache, defer = self.cache_for(layer, adapter_name, side, vec, training and vec.requires_grad)
+            cache, defer = self.cache_for(layer, adapter_name, side, vec, caching and vec.requires_grad, rotation_dtype)
             phases.add(_polynomial_phase(cache, defer))
             side_keep = keep if side == SIDE_INPUT else None
             rotations[side] = (self.side_rotation(layer, adapter_name, side, side_keep, cache, defer), vec)
@@ -100,7 +104,7 @@ class FusedForward:
         return rotated_forward(
             strategy,
             layer.pad_input(x),
-            layer.dense_weight(),
+            weight,
             layer.base_bias(),
             r_side,
             r_vec,
@@ -109,13 +113,47 @@ class FusedForward:
             op=layer.base_operation(),
         )
 
-    def cache_for(
-        self, layer: RotatedLayerView, adapter_name: str, side: str, vec: torch.Tensor, training: bool
-    ) -> tuple[RotationCache | None, bool]:
-        """The cache a call reads its blocks from, and whether the call defers its VJP.
+    def caching(self, layer: RotatedLayerView, adapter_name: str, tokens: int, rotation_dtype: torch.dtype) -> bool:
+        """Whether a deferring call of ``tokens`` tokens caches the rotations (``cache_rotations``).
 
-        The cache is ``None`` when none is open and the call does not defer, and always under ``torch.compile``
-        (the cache lives outside the graph).
+        ``True`` and ``False`` are taken as given; ``"auto"`` is decided once per adapter, at its first deferring call,
+        by `rotation_cache_choice` (the shapes, the tokens, the compute dtype and the processes the model's
+        parameters are sharded over), and noted in the model's `RotationStepState`, which logs it."""
+        setting = layer.rotation_settings[adapter_name].cache_rotations
+        if setting != "auto":
+            return bool(setting)
+        choice = self.cache_choices.get(adapter_name)
+        if choice is None:
+            sides = layer.sides(adapter_name)
+            quantization = layer.base_quantization
+            choice = self.cache_choices[adapter_name] = rotation_cache_choice(
+                tokens,
+                layer.in_features,
+                layer.out_features,
+                sides.get(SIDE_INPUT),
+                sides.get(SIDE_OUTPUT),
+                layer.rotation_settings[adapter_name].neumann_terms,
+                shards=layer.step_state.process_shards(),
+                block_bytes=torch.finfo(rotation_dtype).bits // 8,
+                dequantize_cost=quantization_cost(quantization),
+            )
+            layer.step_state.note_cache_choice(layer.rotation_settings[adapter_name].layer_name, choice)
+        return choice.cache
+
+    def cache_for(
+        self,
+        layer: RotatedLayerView,
+        adapter_name: str,
+        side: str,
+        vec: torch.Tensor,
+        defer: bool,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[RotationCache | None, bool]:
+        """The cache a call reads its blocks from (kept in ``dtype``), and whether the call defers its VJP.
+
+        ``defer``: the call is not its step's last (`caches.deferring`) and its layer caches (`caching`). The cache is
+        ``None`` when none is open and the call does not defer, and always under ``torch.compile`` (the cache lives
+        outside the graph).
 
         Raises:
             RuntimeError: the skew vector changed under deferred gradients other than by a step or a merge.
@@ -123,12 +161,11 @@ class FusedForward:
         if torch.compiler.is_compiling():
             return None, False
         settings = layer.rotation_settings[adapter_name]
-        defer = training and settings.cache_rotations and caches.deferring()
         cache = self.caches.get((adapter_name, side))
         if cache is None:
             if not defer:
                 return None, False
-            cache = self.caches[(adapter_name, side)] = RotationCache()
+            cache = self.caches[(adapter_name, side)] = RotationCache(dtype)
             vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
             layer.step_state.track(layer)
         if caches.gradient_was_reset(vec, cache):
@@ -229,6 +266,11 @@ def reference_forward(
             h = layer.sides(a)[SIDE_OUTPUT].matmul_right(h, layer.index_buffer(a, SIDE_OUTPUT), blocks)
     out = h.to(x.dtype)
     return out if bias is None or not output_side else out + bias.to(out.dtype)
+
+
+def quantization_cost(base_quantization: str | None) -> float:
+    """Multiply-adds per ``W0`` entry of dequantising it once (0 for a float ``W0``)."""
+    return quantization.DEQUANTIZE_COST[base_quantization] if base_quantization else 0.0
 
 
 def _polynomial_phase(cache: RotationCache | None, defer: bool) -> str:

@@ -95,7 +95,7 @@ class RotationModel(LayerReplacingTuner):
     def step_state(self) -> RotationStepState:
         """The per-step state every rotation layer of this model shares (caches, optimizer hooks, reference path)."""
         if "_step_state" not in self.__dict__:
-            self.__dict__["_step_state"] = RotationStepState()
+            self.__dict__["_step_state"] = RotationStepState(self.model)
         return self.__dict__["_step_state"]
 
     def create_layer(self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str) -> RotationLayer:

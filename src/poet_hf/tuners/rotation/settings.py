@@ -18,7 +18,7 @@ class RotationSettings:
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (quantization.py, low_precision.py)
     residual_storage: str = "auto"  # where feedback keeps its residual between folds (residual_store.py)
-    cache_rotations: bool = True  # one build and one VJP per optimizer step under accumulation (caches.py)
+    cache_rotations: bool | str = "auto"  # one build and one VJP per optimizer step under accumulation (caches.py)
     init_weights: bool = True  # False: a random, non-identity adapter (PEFT's convention)
     base_init: str | None = None  # POET's re-initialisation of W0 (orthogonal/base_init.py)
 
