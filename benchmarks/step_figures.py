@@ -166,6 +166,7 @@ STEP_FIGURES: dict[str, Callable[[Load], str]] = {
         accumulated(load, "poet-bs, cache off", "time ratio")
     ),
     "pretrain_step.accumulation_fs_time": lambda load: ratio(accumulated(load, "poet-fs", "time ratio")),
+    "pretrain_step.accumulation_fs_memory": lambda load: ratio(accumulated(load, "poet-fs", "memory ratio")),
     "pretrain_step.accumulation_fs_single_time": lambda load: ratio(
         accumulated(load, "poet-fs", "time ratio", micro_batches=1)
     ),

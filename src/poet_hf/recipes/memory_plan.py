@@ -5,7 +5,9 @@ initialisation), wraps it for the method (POET-BS / POET-FS, OFT, LoRA, or AdamW
 every figure off it:
 
 - parameters, gradients and optimizer states are counted tensor by tensor (adapter parameters in float32, the rest
-  in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.training.distributed.shard_dim]);
+  in ``dtype``; under FSDP2 each tensor's padded shard along [`shard_dim`][poet_hf.training.distributed.shard_dim],
+  except the gradients under accumulation, which FSDP2 holds unsharded between micro-batches while their
+  reduce-scatter waits for the last, as accelerate's ``no_sync`` runs it);
 - activations are the tensors autograd saves in one forward, traced on the meta device with
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
   each block keeps its input instead, and the one block being recomputed keeps its own;
@@ -329,6 +331,8 @@ def _parameter_bytes(
     Also each parameter's bytes per entry, for the FSDP2 gathers."""
     method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
+    # FSDP2 with its gradient sync off between micro-batches (accelerate's no_sync) accumulates unsharded gradients
+    unsynced = shards > 1 and settings["accumulation"] > 1
     from ..training.eight_bit import weights_keeping_32bit_states
     from ..training.row_gradients import largest_chunk_entries, row_chunked_modules
 
@@ -359,7 +363,7 @@ def _parameter_bytes(
         counts["trainable"] += parameter.numel()
         counts["adapter"] += parameter.numel() if adapter else 0
         parts["trainable parameters"] += local
-        parts["gradients"] += local
+        parts["gradients"] += parameter.numel() * size if unsynced else local
         gradient = largest_chunk_entries(*parameter.shape) * size if id(parameter) in chunked else local
         if id(parameter) not in block_parameters and parameter.dim() == 2 and "embed" not in name:
             largest["head gradients"] += gradient
