@@ -105,12 +105,11 @@ def accumulation_worker(out: str, preset_name: str, batch: int, steps: int, accu
     per optimizer step; report the steady-state peak, the step time and what ``cache_rotations`` chose."""
     import torch.distributed as dist
 
+    from benchmarks.fsdp import _poet
     from poet_hf import defer_rotation_grads
     from poet_hf.recipes.presets import PRESETS, build_llama
     from poet_hf.training.distributed import shard_model
     from poet_hf.tuners.rotation.layer import rotation_layers
-
-    from benchmarks.fsdp import _poet
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -150,7 +149,8 @@ ACCUMULATION = 4  # micro-batches per optimizer step in the accumulation rows
 
 
 def accumulation_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any]]:
-    """POET-BS and AdamW under FSDP2 in 2 processes with accumulation: the worst process's steady-state peak, the plan."""
+    """POET-BS and AdamW under FSDP2 in 2 processes with accumulation: the worst process's steady-state peak, and
+    the plan."""
     from poet_hf import plan_memory
     from poet_hf.recipes.presets import PRESETS
 
@@ -160,16 +160,19 @@ def accumulation_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any
         reports = _torchrun(2, call, module="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
         block_size = PRESETS[preset].block_size
-        planned = plan_memory(
-            preset,
-            method,
-            block_size=block_size,
-            batch_size=batch,
-            seq_len=SEQ,
-            processes=2,
-            sharding="fsdp2",
-            accumulation=ACCUMULATION,
-        ).total_bytes / 2**20
+        planned = (
+            plan_memory(
+                preset,
+                method,
+                block_size=block_size,
+                batch_size=batch,
+                seq_len=SEQ,
+                processes=2,
+                sharding="fsdp2",
+                accumulation=ACCUMULATION,
+            ).total_bytes
+            / 2**20
+        )
         rows.append(
             {
                 "measurement": "accumulate",

@@ -20,10 +20,15 @@ ENGINES = {
 PLANNER_PRESETS = ("llama-60m", "llama-130m")
 
 
+def engine_rows(load: Load) -> list[dict[str, Any]]:
+    """The suite's rows of one step per micro-batch (one process, DDP, FSDP2, ZeRO), without the accumulation rows."""
+    return [row for row in load("sharding")["rows"] if row["measurement"] != "accumulate"]
+
+
 def sharding_table(load: Load) -> str:
     """One process, DDP, FSDP2, ZeRO-2 and ZeRO-3 at the same shape and batch per process."""
     rows = []
-    for row in load("sharding")["rows"]:
+    for row in engine_rows(load):
         planned = row.get("planned MB / process")
         rows.append(
             [
@@ -50,7 +55,7 @@ def sharding_detail_table(load: Load) -> str:
         return f"{row[key]:.{digits}f}" if key in row else "–"
 
     rows = []
-    for row in load("sharding")["rows"]:
+    for row in engine_rows(load):
         copies = "–"
         if "one full copy: parameters MB" in row:
             copies = f"{row['one full copy: parameters MB']:.0f} / {row['one full copy: training state MB']:.0f}"
@@ -79,7 +84,34 @@ def sharding_detail_table(load: Load) -> str:
 
 
 def sharding_row(load: Load, preset: str, sharding: str) -> dict[str, Any]:
-    return next(r for r in load("sharding")["rows"] if r["preset"] == preset and r["sharding"] == sharding)
+    return next(r for r in engine_rows(load) if r["preset"] == preset and r["sharding"] == sharding)
+
+
+def accumulation_row(load: Load, method: str) -> dict[str, Any]:
+    """The accumulation row of ``method`` (the suite measures one shape)."""
+    return next(r for r in load("sharding")["rows"] if r["measurement"] == "accumulate" and r["method"] == method)
+
+
+def sharding_accumulation_table(load: Load) -> str:
+    """POET-BS and AdamW under FSDP2 with gradient accumulation: per-process peak against the plan and each other."""
+    rows = [row for row in load("sharding")["rows"] if row["measurement"] == "accumulate"]
+    adamw = {row["preset"]: row["steady-state peak MB / process"] for row in rows if row["method"] == "adamw"}
+    body = [
+        [
+            row["preset"],
+            row["batch / process"].replace("x", " × "),
+            str(row["accumulation"]),
+            {"poet-bs": "POET-BS 256", "adamw": "AdamW"}[row["method"]],
+            f"{row['steady-state peak MB / process']:.0f}",
+            f"{row['planned MB / process']:.0f} ({row['steady / planned']:.2f})",
+            ratio(row["steady-state peak MB / process"] / adamw[row["preset"]]),
+            f"{row['step s']:.1f}",
+        ]
+        for row in rows
+    ]
+    header = ["model", "micro-batch / process", "micro-batches per step", "method", "steady-state peak MB / process"]
+    header += ["planned MB (measured / planned)", "vs AdamW", "step s"]
+    return markdown_table(header, body)
 
 
 def planner_rows(load: Load) -> list[dict[str, Any]]:
@@ -123,7 +155,7 @@ def default_allocator_excess(load: Load) -> str:
 
 def zero_against_fsdp2(load: Load) -> str:
     """ZeRO-3's steady-state peak per process against FSDP2's, per shape."""
-    rows = load("sharding")["rows"]
+    rows = engine_rows(load)
     by_engine = {(row["preset"], row["sharding"]): row["steady-state peak MB / process"] for row in rows}
     presets = list(dict.fromkeys(preset for preset, _ in by_engine))  # in the suite's order
     return " and ".join(f"{ratio(by_engine[(p, 'zero3')] / by_engine[(p, 'fsdp2')])} at {p}" for p in presets)
@@ -153,6 +185,7 @@ def fsdp_plan_table(load: Load) -> str:
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
     "sharding": sharding_table,
     "sharding_detail": sharding_detail_table,
+    "sharding_accumulation": sharding_accumulation_table,
     "planner_one_process": planner_table,
     "fsdp_plan": fsdp_plan_table,
 }
@@ -161,6 +194,10 @@ SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "fsdp_plan.source": lambda load: provenance(load("fsdp_plan")),
     "sharding.planner_gap": sharding_planner_gap,
     "sharding.zero3_vs_fsdp2": zero_against_fsdp2,
+    "sharding.accumulation_poet_vs_adamw": lambda load: ratio(accumulation_row(load, "poet-bs")["POET / AdamW"]),
+    "sharding.accumulation_poet_time": lambda load: ratio(
+        accumulation_row(load, "poet-bs")["step s"] / accumulation_row(load, "adamw")["step s"]
+    ),
     "pretrain_step.default_allocator_excess": default_allocator_excess,
     "sharding.fsdp2_construction_130m": lambda load: (
         f"{sharding_row(load, 'llama-130m', 'fsdp2')['construction peak MB / process']:.0f} MB"

@@ -90,7 +90,12 @@ class FusedForward:
         rotations, phases = {}, set()
         weight = layer.dense_weight()
         rotation_dtype = compute_dtypes(x, weight)[0]
-        caching = training and caches.deferring() and self.caching(layer, adapter_name, tokens, rotation_dtype)
+        caching = (  # no cache under torch.compile: it lives outside the graph (`cache_for`)
+            training
+            and not torch.compiler.is_compiling()
+            and caches.deferring()
+            and self.caching(layer, adapter_name, tokens, rotation_dtype)
+        )
         for side in sides:
             vec = layer.skew_parameter(adapter_name, side)
             cache, defer = self.cache_for(layer, adapter_name, side, vec, caching and vec.requires_grad, rotation_dtype)
