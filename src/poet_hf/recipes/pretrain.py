@@ -412,7 +412,10 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         **count_trainable(model),
         "wall_time_s": time.time() - started,
         "merges": max((int(layer.merge_counts["default"]) for _, layer in rotation_layers(model)), default=0),
-        "rotation_caches": next((layer.step_state.cache_summary() for _, layer in rotation_layers(model)), None),
+        "rotation_caches": next(  # what cache_rotations="auto" chose, where it decided
+            (layer.step_state.cache_summary() for _, layer in rotation_layers(model) if layer.step_state.cache_choices),
+            None,
+        ),
         "spectrum_drift": spectrum_report(spectra_before, spectra_after),
         "spectrum_bound": drift_bound(model, trainer),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
