@@ -49,35 +49,26 @@ def print_plan(args, training) -> dict:
     return plan.to_dict()
 
 
+def run_summary(results: dict) -> dict:
+    """The figures of ``results.json`` the run prints when it ends."""
+    keys = ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen", "trainable_params")
+    summary = {k: results[k] for k in (*keys, "merges", "wall_time_s")}
+    summary["spectrum_max_drift"] = results["spectrum_drift"].get("max_drift")
+    if results.get("rotation_caches"):  # what cache_rotations="auto" chose, at the run's first window
+        summary["rotation_caches"] = results["rotation_caches"]["summary"]
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     args, training = parse_pretrain_arguments(argv)
     if args.plan_only:
         return print_plan(args, training)
     if args.print_recipe:
         recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(run_tokenizer(args)))
-        if args.method.startswith("poet"):  # what cache_rotations chooses at this run's shapes, as the planner sees it
-            from poet_hf.recipes.run_plan import plan_pretraining
-
-            recipe["rotation_caches"] = plan_pretraining(args, training)[0].settings["rotation caches"]
         print(json.dumps(recipe, indent=2))
         return recipe
     results = run_pretraining(args, training)
-    summary = {
-        k: results[k]
-        for k in (
-            "method",
-            "preset",
-            "initial_val_perplexity",
-            "val_perplexity",
-            "tokens_seen",
-            "trainable_params",
-            "merges",
-            "wall_time_s",
-        )
-    }
-    summary["spectrum_max_drift"] = results["spectrum_drift"].get("max_drift")
-    if results.get("rotation_caches"):  # what cache_rotations chose, per layer, at the run's first window
-        summary["rotation_caches"] = results["rotation_caches"]["summary"]
+    summary = run_summary(results)
     print(json.dumps(summary, indent=2))
     print(
         f"validation perplexity: {results['val_perplexity']:.2f} "
