@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..orthogonal.strategy_costs import CacheChoice, polynomial_products, rotation_cache_choice, strategy_costs
+from ..orthogonal.strategy_costs import CacheChoice, rotation_cache_choice
 from ..tuners.config_utils import SIDE_INPUT, SIDE_OUTPUT
 from ..tuners.rotation.forward import quantization_cost
 
@@ -83,7 +83,7 @@ def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
             plan.bytes += choice.cache_bytes if cached else 0
             if not plan.example or (cached and plan.cached == 1):
                 plan.example = f"{name}: {choice.reason}"
-            ratio = _polynomial_over_layer(tokens, *dims, *sides, terms)
+            ratio = choice.saving / (1 - choice.saving)  # the polynomial over the layer's other multiply-adds
             if ratio > 1:
                 heavy.append((ratio, name))
     if heavy:
@@ -99,13 +99,3 @@ def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
 def _cached(setting: bool | str, choice: CacheChoice, accumulation: int) -> bool:
     """Whether a layer holds a cache in the plan: only under accumulation, as ``setting`` says."""
     return accumulation > 1 and (choice.cache if setting == "auto" else bool(setting))
-
-
-def _polynomial_over_layer(tokens: int, d_in: int, d_out: int, input_side: Any, output_side: Any, terms: int) -> float:
-    """The polynomial's multiply-adds over the rest of the layer's, per uncached micro-batch."""
-    polynomial = polynomial_products(terms, "uncached")
-    with_polynomial = strategy_costs(tokens, d_in, d_out, input_side, output_side, True, polynomial=polynomial)
-    without = strategy_costs(tokens, d_in, d_out, input_side, output_side, True)
-    best = min(without, key=lambda name: without[name]["macs"] if without[name]["kept"] == 0 else float("inf"))
-    extra = with_polynomial[best]["macs"] - without[best]["macs"]
-    return extra / without[best]["macs"]
