@@ -3,7 +3,7 @@
 The choice is the runtime's own (`rotation_cache_choice`, what ``cache_rotations="auto"`` runs), made from the plan's
 shapes: ``batch·seq_len`` tokens per micro-batch, the sharding's processes, the planned dtype's block entries. Beside
 it, the planner says where a POET-FS side is out of proportion: its Cayley–Neumann polynomial costs more multiply-adds
-than the layer's own products, or its cache outweighs the layer's whole state on the process.
+than the layer's own products.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class CachePlan:
         layers: rotation layers.
         example: one layer's `CacheChoice` reason (the first that caches, else the first).
         accumulation: micro-batches per optimizer step (1: nothing is cached, whatever the setting).
-        notes: where a side's polynomial or cache is out of proportion to its layer, and what to use instead.
+        notes: where a side's polynomial is out of proportion to its layer, and what to use instead.
     """
 
     bytes: int = 0
@@ -69,13 +69,13 @@ def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
     tokens = settings["batch_size"] * settings["seq_len"]
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
     block_bytes = torch.finfo(getattr(torch, settings["dtype"])).bits // 8
+    quantization = quantization_cost(settings["base_quantization"])
     heavy: list[tuple[float, str]] = []
     for name, layer in rotation_layers(built):
         for adapter, specs in layer.rotation_specs.items():
             terms = layer.rotation_settings[adapter].neumann_terms
             sides = (specs.get(SIDE_INPUT), specs.get(SIDE_OUTPUT))
             dims = (layer.in_features, layer.out_features)
-            quantization = quantization_cost(settings["base_quantization"])
             choice = rotation_cache_choice(tokens, *dims, *sides, terms, shards, block_bytes, quantization)
             cached = _cached(plan.setting, choice, settings["accumulation"])
             plan.layers += 1

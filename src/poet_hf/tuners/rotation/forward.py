@@ -89,13 +89,10 @@ class FusedForward:
         tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
         rotations, phases = {}, set()
         weight = layer.dense_weight()
-        rotation_dtype = compute_dtypes(x, weight)[0]
-        caching = (  # no cache under torch.compile: it lives outside the graph (`cache_for`)
-            training
-            and not torch.compiler.is_compiling()
-            and caches.deferring()
-            and self.caching(layer, adapter_name, tokens, rotation_dtype)
-        )
+        # no cache under torch.compile: it lives outside the graph (`cache_for`)
+        deferring = training and not torch.compiler.is_compiling() and caches.deferring()
+        rotation_dtype = compute_dtypes(x, weight)[0] if deferring else None  # what a new cache keeps its blocks in
+        caching = deferring and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
             vec = layer.skew_parameter(adapter_name, side)
             cache, defer = self.cache_for(layer, adapter_name, side, vec, caching and vec.requires_grad, rotation_dtype)
@@ -118,7 +115,9 @@ class FusedForward:
             op=layer.base_operation(),
         )
 
-    def caching(self, layer: RotatedLayerView, adapter_name: str, tokens: int, rotation_dtype: torch.dtype) -> bool:
+    def caching(
+        self, layer: RotatedLayerView, adapter_name: str, tokens: int, rotation_dtype: torch.dtype | None
+    ) -> bool:
         """Whether a deferring call of ``tokens`` tokens caches the rotations (``cache_rotations``).
 
         ``True`` and ``False`` are taken as given; ``"auto"`` is decided once per adapter, at its first deferring call,
@@ -139,7 +138,7 @@ class FusedForward:
                 sides.get(SIDE_OUTPUT),
                 layer.rotation_settings[adapter_name].neumann_terms,
                 shards=layer.step_state.process_shards(),
-                block_bytes=torch.finfo(rotation_dtype).bits // 8,
+                block_bytes=torch.finfo(rotation_dtype or torch.float32).bits // 8,
                 dequantize_cost=quantization_cost(quantization),
             )
             layer.step_state.note_cache_choice(layer.rotation_settings[adapter_name].layer_name, choice)
