@@ -1,7 +1,9 @@
 """Run under `accelerate launch` with a DeepSpeed ZeRO config: a short POET run with merges every 3 steps and a
 checkpoint at step 4, then write the logged losses, a hash of the whole (gathered) state and its merge count per
 rank to OUT/rank<k>.json. Without a launcher it is the single-process reference. METHOD: poet, or oft (OFT with a
-merge every 3 steps too). Usage: deepspeed_worker.py OUT MAX_STEPS PER_DEVICE_BATCH METHOD [CHECKPOINT_TO_RESUME]."""
+merge every 3 steps too). PER_DEVICE_BATCH is ``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations
+cached across them (``cache_rotations=True``: every micro-batch but the last defers its rotation gradients).
+Usage: deepspeed_worker.py OUT MAX_STEPS PER_DEVICE_BATCH METHOD [CHECKPOINT_TO_RESUME]."""
 
 import json
 import sys
@@ -17,16 +19,20 @@ from poet_hf.training.zero import gathered  # noqa: E402
 
 
 def main() -> None:
-    out, steps, batch, method = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    out, steps, method = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[4]
+    batch, _, micro_batches = sys.argv[3].partition("x")
+    accumulation = int(micro_batches or 1)
+    cache = {"cache_rotations": True} if accumulation > 1 else {}
     resume = sys.argv[5] if len(sys.argv) > 5 else None
     dataset, tokenizer = tiny_dataset()
     if method == "oft":
         base = tiny_llama(0, hidden=32, intermediate=64, vocab=len(tokenizer), heads=2, max_position_embeddings=64)
-        model = get_peft_model(base.train(), OftConfig(block_size=8, merge_every=3))
+        model = get_peft_model(base.train(), OftConfig(block_size=8, merge_every=3, **cache))
     else:
-        model = tiny_poet_model(len(tokenizer), merge_every=3)
+        model = tiny_poet_model(len(tokenizer), merge_every=3, **cache)
     schedule = {"max_steps": steps, "save_strategy": "steps", "save_steps": 4}
-    trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, **schedule)
+    schedule["gradient_accumulation_steps"] = accumulation
+    trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=int(batch), **schedule)
     trainer.train(resume_from_checkpoint=resume)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
     with gathered(model.parameters(), modify=False):  # ZeRO-3: the whole tensors

@@ -21,7 +21,7 @@ from .callback import MergeReinitCallback, unwrap
 from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
-from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, mark_leaf_layers, whole_state_dict
+from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, prepare_for_zero, whole_state_dict
 
 
 def check_sharding(fsdp: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
@@ -96,7 +96,7 @@ class PoetTrainer(CrashSafeTrainer):
             if self.is_deepspeed_enabled:
                 stage = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "zero_stage", None)
                 check_zero_run(self.args, self._unwrapped_model(), stage)
-                mark_leaf_layers(self._unwrapped_model())
+                prepare_for_zero(self._unwrapped_model())
         if self.has_poet and not any(isinstance(cb, MergeReinitCallback) for cb in self.callback_handler.callbacks):
             self.add_callback(MergeReinitCallback())
 

@@ -79,22 +79,29 @@ def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
         )
 
 
-def mark_leaf_layers(model: nn.Module) -> int:
-    """Make every rotation layer a ZeRO-3 leaf module, before DeepSpeed wraps the model.
+def prepare_for_zero(model: nn.Module) -> int:
+    """Ready the rotation layers for DeepSpeed ZeRO, before DeepSpeed wraps the model.
 
-    A layer's forward reads its base layer's ``W0`` without calling the base layer, so ZeRO-3's per-module hooks
-    would leave it partitioned; as a leaf the layer gathers all its parameters on entry.
+    Every rotation layer becomes a ZeRO-3 leaf module: its forward reads its base layer's ``W0`` without calling the
+    base layer, so ZeRO-3's per-module hooks would leave it partitioned; as a leaf the layer gathers all its
+    parameters on entry. And the layers' step state learns that ZeRO moves each gradient off its parameter in the
+    backward (`RotationStepState.engine_takes_gradients`), so a deferred micro-batch's rotation gradients stay in the
+    rotation cache until the window's last micro-batch instead of being taken for abandoned with the emptied
+    ``.grad``.
 
     Args:
         model: the model, not yet wrapped.
 
     Returns:
-        How many layers were marked.
+        How many layers were marked as leaves.
     """
     from deepspeed.utils import set_z3_leaf_modules
 
-    if not any(isinstance(module, RotationLayer) for module in model.modules()):
+    layers = rotation_layers(model)
+    if not layers:
         return 0
+    for _, layer in layers:
+        layer.step_state.engine_takes_gradients = True
     return len(set_z3_leaf_modules(model, [RotationLayer]))
 
 

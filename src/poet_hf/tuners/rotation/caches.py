@@ -102,7 +102,9 @@ class RotationStepState:
 
     Which layers hold rotation caches, the optimizer hooks that flush and free those caches around every step, what
     ``cache_rotations="auto"`` chose per layer (`cache_choices`, logged at the first optimizer step after a choice),
-    and whether the layers run the plain autograd reference (`reference`) instead of the fused forward. A
+    whether the layers run the plain autograd reference (`reference`) instead of the fused forward, and whether a
+    training engine moves every gradient off its parameter during the backward (`engine_takes_gradients`, DeepSpeed
+    ZeRO: an empty ``.grad`` then says nothing about ``zero_grad``). A
     `RotationModel` owns one and hands it to every layer it injects; a layer built on its own holds its own.
 
     Args:
@@ -111,6 +113,7 @@ class RotationStepState:
 
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         self.reference = False
+        self.engine_takes_gradients = False
         self.cache_choices: dict[str, CacheChoice] = {}
         self._unlogged: list[str] = []
         self._root = None if root is None else weakref.ref(root)
@@ -118,7 +121,7 @@ class RotationStepState:
         self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """A copy (``copy.deepcopy``, pickling) keeps the setting and starts with no cache, choice or hook."""
+        """A copy (``copy.deepcopy``, pickling) keeps `reference` and starts with no cache, choice, hook or engine."""
         return _fresh_state, (self.reference,)
 
     def process_shards(self) -> int:

@@ -170,7 +170,8 @@ class FusedForward:
             if not defer:
                 return None, False
             cache = self.caches[(adapter_name, side)] = RotationCache(dtype)
-            vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
+            if not layer.step_state.engine_takes_gradients:  # ZeRO empties .grad itself: nothing to tie the sum to
+                vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
             layer.step_state.track(layer)
         if caches.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
