@@ -36,9 +36,7 @@ def accelerate_launch(stage: int) -> list[str]:
     ]
 
 
-def launch(
-    stage: int, method: str, out: Path, steps: int, resume: Path | None = None, batch: str = "2"
-) -> list[dict]:
+def launch(stage: int, method: str, out: Path, steps: int, resume: Path | None = None, batch: str = "2") -> list[dict]:
     """The worker under `accelerate_launch` (``batch`` per process; ``BxK``: K micro-batches); each rank's report."""
     command = [
         *accelerate_launch(stage),
