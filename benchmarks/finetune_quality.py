@@ -54,12 +54,12 @@ def task_argv(task: str, steps: int | None = None, seed: int = 0) -> list[str]:
     shape = TASKS[task]
     if task in ENCODER_TASKS:
         files = testbed.classification_files() if task == "classification" else testbed.genre_files()
-        data = ["--model", str(testbed.ensure_encoder()), "--task", "sequence-classification"]
+        data = ["--model_name_or_path", str(testbed.ensure_encoder()), "--task", "sequence-classification"]
         data += ["--dataset", str(files["train"].parent)]
     else:
         model = testbed.ensure_causal_lm(name=shape["model"])
         corpus = testbed.python_code()["finetune"] if task.startswith("code-") else testbed.milton_corpus()
-        data = ["--model", str(model), "--dataset", str(corpus)]
+        data = ["--model_name_or_path", str(model), "--dataset", str(corpus)]
     return [
         *data,
         "--max_steps",

@@ -23,7 +23,7 @@ MODELS = {
     "Llama-3.1-8B": ["--config_name", str(CONFIGS / "llama-3.1-8b.json")],
 }
 METHODS = ("poet-bs", "poet-fs", "adamw", "galore", "lora")
-RUN_FLAGS = ["--per_device_train_batch_size", "1", "--seq_len", "4096", "--gradient_checkpointing"]
+RUN_FLAGS = ["--per_device_train_batch_size", "1", "--seq_len", "4096", "--activation_checkpointing"]
 PROCESSES, SHARDING, DTYPE = 8, "fsdp2", "bfloat16"
 SETTINGS = {"processes": PROCESSES, "sharding": SHARDING, "dtype": DTYPE, "flags": RUN_FLAGS, "device GiB": 80}
 

@@ -3,7 +3,7 @@ validation perplexity.
 
 The main job (`scripts/pretrain.py` at its defaults: POET-BS on the tiny preset, 200 steps, a merge every 50, the
 recipe's clip at 1.0), then the same command with ``--base_quantization nf4 --optim adamw_bnb_8bit
---fused_optimizer_step --gradient_checkpointing``: the clip left at the recipe's default, which the fused steps apply
+--fused_optimizer_step --activation_checkpointing``: the clip left at the recipe's default, which the fused steps apply
 against their running global-norm estimate (`poet_hf.training.FusedStepOptimizer`). Each run in its own process, as a
 user types it.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from benchmarks.common import readme_job_results
 
 EVERYTHING_ON = ["--base_quantization", "nf4", "--optim", "adamw_bnb_8bit", "--fused_optimizer_step"]
-EVERYTHING_ON += ["--gradient_checkpointing"]
+EVERYTHING_ON += ["--activation_checkpointing"]
 VARIANTS = {
     "plain": [],
     "plain, other rounding": ["--optim", "adamw_torch"],

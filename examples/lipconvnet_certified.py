@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num_train_epochs", type=float, default=None, help="default: the recipe's")
     parser.add_argument("--output_dir", default="outputs/lipconvnet-example")
     parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="push the exported model here")
-    parser.add_argument("--hub_private", action="store_true")
+    parser.add_argument("--hub_private_repo", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "folder": str(folder),
     }
     if args.push_to_hub:
-        result["commit_url"] = push_merged_to_hub(folder, args.push_to_hub, private=args.hub_private)
+        result["commit_url"] = push_merged_to_hub(folder, args.push_to_hub, private=args.hub_private_repo)
     return result
 
 

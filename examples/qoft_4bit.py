@@ -10,7 +10,7 @@ dequantize it once in the forward and once in the backward, never keeping the de
 By default it runs on a CPU in under a minute: a small LLaMA built from a config, written to a temporary folder and
 loaded back in 4-bit (no download), fine-tuned on the bundled Shakespeare. On a real checkpoint:
 
-    python examples/qoft_4bit.py --model meta-llama/Llama-3.2-1B --max_steps 500 --output_dir runs/qoft
+    python examples/qoft_4bit.py --model_name_or_path meta-llama/Llama-3.2-1B --max_steps 500 --output_dir runs/qoft
 
 Needs the ``[quant]`` extra (bitsandbytes; part of ``[dev]``).
 """
@@ -29,7 +29,9 @@ import torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a hub id or local folder; default: a small LLaMA saved here")
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="a hub id or local folder; default: a small LLaMA saved here"
+    )
     parser.add_argument("--max_steps", type=int, default=40)
     parser.add_argument("--block_size", type=int, default=32)
     parser.add_argument("--learning_rate", type=float, default=5e-3)
@@ -77,9 +79,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from poet_hf import OftConfig, PoetTrainer, PoetTrainingArguments, export_merged
     from poet_hf.data import load_corpus, load_tokenizer, pack_sequences
 
-    tokenizer = load_tokenizer(None if args.model is None else args.model)
+    tokenizer = load_tokenizer(None if args.model_name_or_path is None else args.model_name_or_path)
     with tempfile.TemporaryDirectory() as scratch:
-        path = args.model or small_checkpoint(scratch, len(tokenizer))
+        path = args.model_name_or_path or small_checkpoint(scratch, len(tokenizer))
         model = get_peft_model(load_4bit(path), OftConfig(block_size=args.block_size, task_type="CAUSAL_LM"))
         corpus = load_corpus("embedded")
         train = pack_sequences(corpus["train"], tokenizer, 64).select(range(256))

@@ -10,7 +10,7 @@ peft_config=OftConfig(...))`` works too, as with PEFT's own configs, but trains 
 By default it runs on a CPU in under a minute: a small LLaMA built from a config (no download), fine-tuned on a chat
 dataset made of the bundled plays' lines ("Continue this line: <line>" → the next line). On real checkpoints:
 
-    python examples/sft_trl.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset trl-lib/Capybara \\
+    python examples/sft_trl.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset trl-lib/Capybara \\
         --method poet --max_steps 500 --output_dir runs/sft-poet
 
 Needs the ``[examples]`` extra (``pip install -e ".[examples]"``).
@@ -39,7 +39,9 @@ CHAT_TEMPLATE = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="a hub id or local folder; default: a small LLaMA from a config")
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="a hub id or local folder; default: a small LLaMA from a config"
+    )
     parser.add_argument(
         "--dataset",
         default=None,
@@ -121,17 +123,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from poet_hf import MergeReinitCallback, create_poet_optimizer
     from poet_hf.tuners.poet import POET_FINETUNE_RECIPES
 
-    if args.model is None:
+    if args.model_name_or_path is None:
         model, tokenizer = small_model_and_tokenizer()
     else:
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+        model, tokenizer = (
+            AutoModelForCausalLM.from_pretrained(args.model_name_or_path),
+            AutoTokenizer.from_pretrained(args.model_name_or_path),
+        )
     if tokenizer.chat_template is None:
         tokenizer.chat_template = CHAT_TEMPLATE
     data = chat_dataset() if args.dataset is None else load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=32, seed=0)
     recipe = POET_FINETUNE_RECIPES["default"]
-    learning_rate = args.learning_rate or (3e-3 if args.model is None else 1e-3)
-    rotation_rate = None if args.learning_rate or args.model is None else recipe.learning_rate  # None: learning_rate
+    learning_rate = args.learning_rate or (3e-3 if args.model_name_or_path is None else 1e-3)
+    rotation_rate = (
+        None if args.learning_rate or args.model_name_or_path is None else recipe.learning_rate
+    )  # None: learning_rate
     config = SFTConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -175,7 +182,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer.model.save_pretrained(adapter_dir)
 
     # The saved adapter reloads onto a fresh copy of the base model and computes the same logits.
-    base = small_model_and_tokenizer()[0] if args.model is None else AutoModelForCausalLM.from_pretrained(args.model)
+    base = (
+        small_model_and_tokenizer()[0]
+        if args.model_name_or_path is None
+        else AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    )
     reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
     ids = tokenizer.apply_chat_template(split["test"][0]["messages"], return_tensors="pt", return_dict=True)
     trainer.model.eval()

@@ -8,7 +8,7 @@ SOURCE is a directory written by ``save_pretrained`` or a ``PoetTrainer`` checkp
 The Hub token may also come from ``HF_TOKEN`` (or ``hf auth login``); the endpoint from ``HF_ENDPOINT``.
 Flags are spelled and mean what they do in ``transformers.TrainingArguments`` (``--push_to_hub`` with
 ``--hub_model_id``, ``--hub_private_repo``), as in the training scripts; the hyphenated forms work too, as there.
-The older ``--push_to_hub REPO_ID`` and ``--hub_private`` still work for a release, with a warning.
+``--dtype`` takes either name of a dtype (``bf16`` or ``bfloat16``, ``fp16`` or ``float16``, ``fp32`` or ``float32``).
 Exit codes: 0 success; 1 export refused; 2 usage error or no Hub token (checked before exporting);
 3 export written, but the push failed (the export stays complete on disk).
 """
@@ -22,14 +22,18 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from poet_hf.dtypes import dtype_name
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
     parser.add_argument("output_dir", help="folder to write the plain model into (must not exist or be empty)")
     parser.add_argument(
         "--dtype",
-        choices=["bf16", "fp16", "fp32"],
+        type=dtype_name,
+        choices=("bfloat16", "float16", "float32"),
         default=None,
-        help="dtype of the exported weights (folded in float32 first); default: the source's",
+        help="dtype of the exported weights, bf16/bfloat16, fp16/float16 or fp32/float32 (folded in float32 first); "
+        "default: the source's",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty OUTPUT_DIR")
     add_hub_arguments(parser)
@@ -47,25 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
-    """The Hub flags, spelled as ``TrainingArguments`` spells them (older spellings kept for a release)."""
+    """The Hub flags, spelled as ``TrainingArguments`` spells them."""
     parser.add_argument(
         "--push_to_hub",
         "--push-to-hub",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="REPO_ID",
-        help="push the export to the model repo --hub_model_id names (the REPO_ID argument is deprecated)",
+        action="store_true",
+        help="push the export to the model repo --hub_model_id names",
     )
     parser.add_argument("--hub_model_id", "--hub-model-id", default=None, help="the model repo to push to")
     parser.add_argument(
         "--hub_private_repo",
         "--hub-private-repo",
-        "--hub_private",
-        "--hub-private",
-        dest="hub_private_repo",
         action="store_true",
-        help="create the Hub repo as private (--hub_private is deprecated)",
+        help="create the Hub repo as private",
     )
     parser.add_argument(
         "--hub_token", "--hub-token", default=None, help="Hub token (default: HF_TOKEN or the saved login)"
@@ -73,27 +71,9 @@ def add_hub_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The arguments, the deprecated spellings mapped onto TrainingArguments' (with a FutureWarning)."""
-    import warnings
-
+    """The arguments; ``--push_to_hub`` needs ``--hub_model_id``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = sys.argv[1:] if argv is None else list(map(str, argv))
-    if isinstance(args.push_to_hub, str):
-        warnings.warn(
-            "`--push_to_hub REPO_ID` is deprecated and will be removed in the next release; use `--push_to_hub "
-            "--hub_model_id REPO_ID`, as the training scripts and transformers spell it",
-            FutureWarning,
-            stacklevel=2,
-        )
-        args.hub_model_id = args.hub_model_id or args.push_to_hub
-        args.push_to_hub = True
-    if any(flag in given for flag in ("--hub_private", "--hub-private")):
-        warnings.warn(
-            "`--hub_private` is deprecated and will be removed in the next release; use `--hub_private_repo`",
-            FutureWarning,
-            stacklevel=2,
-        )
     if args.push_to_hub and not args.hub_model_id:
         parser.error("--push_to_hub needs --hub_model_id REPO_ID, the model repo to push to")
     return args

@@ -1,14 +1,15 @@
 """Fine-tune a pretrained model with POET, OFT or LoRA and report the evaluation metric before and after.
 
-    python scripts/finetune.py --model gpt2 --method oft --dataset embedded --max_steps 200
-    python scripts/finetune.py --model ./my-llama --method poet --dataset ./corpus.txt \\
+    python scripts/finetune.py --model_name_or_path gpt2 --method oft --dataset embedded --max_steps 200
+    python scripts/finetune.py --model_name_or_path ./my-llama --method poet --dataset ./corpus.txt \\
         --export_dir outputs/merged                               # POET's default recipe (--recipe paper: Table 6)
-    python scripts/finetune.py --model bert-base-uncased --task sequence-classification --method oft \\
+    python scripts/finetune.py --model_name_or_path bert-base-uncased --task sequence-classification --method oft \\
         --dataset glue --dataset_config sst2 --text_column sentence
-    python scripts/finetune.py --model ./my-llama --method oft --base_quantization nf4   # QOFT on a 4-bit base
-    python scripts/finetune.py --model ./my-llama --method poet --bf16 --gradient_checkpointing --optim adamw_torch
+    python scripts/finetune.py --model_name_or_path ./my-llama --method oft --base_quantization nf4   # QOFT, 4-bit W0
+    python scripts/finetune.py --model_name_or_path ./my-llama --method poet --bf16 --activation_checkpointing \
+        --optim adamw_torch
 
-Every TrainingArguments flag works (--bf16, --gradient_checkpointing, --torch_compile, --optim,
+Every TrainingArguments flag works (--bf16, --activation_checkpointing, --torch_compile, --optim,
 --per_device_train_batch_size, --report_to, --push_to_hub, ...). Every option: python scripts/finetune.py --help
 """
 

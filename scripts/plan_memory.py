@@ -6,12 +6,9 @@ what ``scripts/pretrain.py --plan_only`` prints), plus --compare, --processes, -
 
     python scripts/plan_memory.py --preset llama-130m --per_device_train_batch_size 4 --compare adamw,lora,galore
     python scripts/plan_memory.py --config_name configs/models/llama-2-7b.json --per_device_train_batch_size 1 \
-        --gradient_accumulation_steps 1 --gradient_checkpointing --base_quantization nf4 --fused_optimizer_step \
+        --gradient_accumulation_steps 1 --activation_checkpointing --base_quantization nf4 --fused_optimizer_step \
         --optim adamw_bnb_8bit
     python scripts/plan_memory.py --config_name meta-llama/Llama-3.1-8B --dtype bfloat16 --processes 8 --sharding fsdp2
-
-The former spelling (``--model``, ``--batch_size``, ``--checkpointing``, ``--fused_step``, ``--optimizer_bits``,
-``--accumulation``) still plans, with a FutureWarning, for one release.
 
 The model is built on the meta device: no weights are read or allocated. The text output lists each part (MB per
 process), one column per method, and ends with the line ``total: N MB per process`` for the run's method.

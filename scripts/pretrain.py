@@ -5,13 +5,13 @@
     accelerate launch --num_processes 2 scripts/pretrain.py --preset tiny
     python scripts/pretrain.py --base_quantization int8               # QPOET: W0 stored in int8 (bitsandbytes)
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
-        --dataset allenai/c4 --dataset_config en --streaming --tokenizer t5-base --paper_steps
-    python scripts/pretrain.py --preset llama-130m --bf16 --gradient_checkpointing --torch_compile
+        --dataset allenai/c4 --dataset_config en --streaming --tokenizer_name t5-base --paper_steps
+    python scripts/pretrain.py --preset llama-130m --bf16 --activation_checkpointing --torch_compile
     python scripts/pretrain.py --config_name Qwen/Qwen2.5-0.5B --config_overrides num_hidden_layers=4  # any causal LM
     python scripts/pretrain.py --model_name_or_path ./my-checkpoint        # continued pretraining: its weights are W0
     python scripts/pretrain.py --preset llama-2-7b --base_quantization nf4 --plan_only   # the memory plan of a run
 
-Every TrainingArguments flag works (--bf16, --gradient_checkpointing, --torch_compile, --optim, --max_steps,
+Every TrainingArguments flag works (--bf16, --activation_checkpointing, --torch_compile, --optim, --max_steps,
 --per_device_train_batch_size, --report_to, --push_to_hub, ...); a flag left out takes the preset's value.
 Every option, with the values a run would use: python scripts/pretrain.py [--preset ...] --help
 """

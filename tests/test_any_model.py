@@ -183,7 +183,7 @@ PLAN_FLAGS = [
     "1",
     "--gradient_accumulation_steps",
     "1",
-    "--gradient_checkpointing",
+    "--activation_checkpointing",
     "--base_quantization",
     "nf4",
     "--fused_optimizer_step",
@@ -218,15 +218,25 @@ def test_a_plan_and_a_run_take_one_flag_list(capsys):
     assert planned["total_mb"] == by_keywords.total_bytes / 2**20
 
 
-def test_the_former_plan_spelling_warns_and_plans_the_same(capsys):
+def test_the_former_plan_spelling_is_refused_and_help_lists_the_plan_options(capsys):
     planner = load_module(ROOT / "scripts" / "plan_memory.py")
-    former = ["--model", str(ROOT / "configs" / "models" / "llama-2-7b.json"), "--batch_size", "1", "--checkpointing"]
-    former += ["--base_quantization", "nf4", "--fused_step", "--optimizer_bits", "8", "--json"]
-    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
-        assert planner.main(former) == 0
-    old = json.loads(capsys.readouterr().out)[0]
+    with pytest.raises(SystemExit):
+        planner.main(["--model", str(ROOT / "configs" / "models" / "llama-2-7b.json"), "--batch_size", "1"])
+    capsys.readouterr()
+    assert planner.main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    for flag in ("--compare", "--processes", "--sharding", "--dtype", "--json", "--per_device_train_batch_size"):
+        assert flag in shown, flag
+
+
+def test_plan_dtype_takes_either_spelling(capsys):
+    planner = load_module(ROOT / "scripts" / "plan_memory.py")
+    totals = []
+    for spelling in ("bf16", "bfloat16"):
+        assert planner.main([*PLAN_FLAGS, "--dtype", spelling, "--json"]) == 0
+        totals.append(json.loads(capsys.readouterr().out)[0]["total_mb"])
     assert planner.main([*PLAN_FLAGS, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)[0]["total_mb"] == old["total_mb"]
+    assert totals[0] == totals[1] < json.loads(capsys.readouterr().out)[0]["total_mb"]  # 2-byte weights plan less
 
 
 @pytest.mark.parametrize(

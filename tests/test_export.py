@@ -514,13 +514,11 @@ def test_cli_without_token_fails_before_exporting_and_touches_nothing(tmp_path, 
     before = folder_bytes(existing)
     with StandInHub() as hub:
         done = run_cli(
-            [adapter_dir, existing, "--overwrite", "--push-to-hub", "someone/tiny-poet"],
+            [adapter_dir, existing, "--overwrite", "--push-to-hub", "--hub_model_id", "someone/tiny-poet"],
             hub_env(tmp_path, hub.url, token=None),
         )
     assert done.returncode == 2
     assert "no Hugging Face token" in done.stderr and "HF_TOKEN" in done.stderr
-    # The older spelling still works for a release, and says what replaces it.
-    assert "FutureWarning: `--push_to_hub REPO_ID` is deprecated" in done.stderr and "--hub_model_id" in done.stderr
     assert hub.calls == [] and folder_bytes(existing) == before
 
 

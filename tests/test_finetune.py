@@ -88,7 +88,7 @@ def test_finetune_lowers_eval_loss_and_export_reproduces_logits(workspace, metho
     export = workspace / f"export_{method}_{quantization}"
     results = finetune_main(
         [
-            "--model",
+            "--model_name_or_path",
             str(workspace / "pretrained"),
             "--method",
             method,
@@ -140,7 +140,7 @@ def test_the_evaluation_at_the_last_step_is_the_after_one_and_is_not_repeated(wo
 
     evaluations = Steps()
     args, training = parse_finetune_arguments(
-        model=str(workspace / "pretrained"),
+        model_name_or_path=str(workspace / "pretrained"),
         method="poet",
         dataset=str(workspace / "heldout.txt"),
         output_dir=str(tmp_path),
@@ -178,7 +178,7 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
     data.write_text("\n".join(json.dumps(r) for r in rows))
     results = finetune_main(
         [
-            "--model",
+            "--model_name_or_path",
             str(workspace / "pretrained"),
             "--method",
             "oft",
@@ -222,7 +222,7 @@ def test_classification_reports_accuracy_before_and_after(workspace, tmp_path):
 )
 def test_bad_arguments_are_named(fields, named):
     with pytest.raises(ValueError, match=named):
-        FinetuneArguments(model="x", **fields)
+        FinetuneArguments(model_name_or_path="x", **fields)
 
 
 def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
@@ -234,12 +234,14 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
 
     model = tiny_llama()
     for method, config_class in (("poet", PoetConfig), ("oft", OftConfig)):
-        config = method_config(FinetuneArguments(model="x", method=method), model)
+        config = method_config(FinetuneArguments(model_name_or_path="x", method=method), model)
         for name in ("neumann_terms", "merge_every"):
             assert getattr(config, name) == config_class.__dataclass_fields__[name].default, (method, name)
-    assert method_config(FinetuneArguments(model="x", method="oft"), model).block_size == OftConfig.block_size
+    assert (
+        method_config(FinetuneArguments(model_name_or_path="x", method="oft"), model).block_size == OftConfig.block_size
+    )
     for name, recipe in POET_FINETUNE_RECIPES.items():
-        args, training = parse_finetune_arguments(["--model", "x", "--method", "poet", "--recipe", name])
+        args, training = parse_finetune_arguments(["--model_name_or_path", "x", "--method", "poet", "--recipe", name])
         config = method_config(args, model)
         assert {field: getattr(config, field) for field in recipe.config} == recipe.config
         assert config == PoetConfig.for_finetuning(name, target_modules=config.target_modules, task_type="CAUSAL_LM")
@@ -247,30 +249,39 @@ def test_cli_defaults_are_the_config_classes_and_the_poet_recipes():
         assert training.learning_rate == 1e-3  # a new head's (none here), OFT's and LoRA's
     # What the command line sets wins over the recipe, in the script's options and in the training flags.
     args, training = parse_finetune_arguments(
-        ["--model", "x", "--method", "poet", "--block_size", "16", "--learning_rate", "3e-4"]
+        ["--model_name_or_path", "x", "--method", "poet", "--block_size", "16", "--learning_rate", "3e-4"]
     )
     assert method_config(args, model).block_size == 16 and training.learning_rate == 3e-4
     assert training.poet_reference_block == 32 and training.poet_learning_rate == 3e-4  # --learning_rate sets both
-    assert parse_finetune_arguments(["--model", "x", "--method", "oft"])[1].poet_reference_block is None
+    assert parse_finetune_arguments(["--model_name_or_path", "x", "--method", "oft"])[1].poet_reference_block is None
 
 
 def test_the_scripts_own_options_and_every_training_flag_parse_together():
     from poet_hf.recipes.finetune import parse_finetune_arguments
 
-    argv = ["--model", "x", "--method", "poet-fs", "--bf16", "--gradient_checkpointing", "--optim", "adamw_torch"]
+    argv = [
+        "--model_name_or_path",
+        "x",
+        "--method",
+        "poet-fs",
+        "--bf16",
+        "--activation_checkpointing",
+        "--optim",
+        "adamw_torch",
+    ]
     args, training = parse_finetune_arguments(
         [*argv, "--per_device_train_batch_size", "4", "--seed", "3", "--torch_compile", "true", "--max_steps", "7"]
     )
     assert (args.method, args.recipe, args.spo) == ("poet", "paper", "full")  # the pretraining script's name
-    assert training.bf16 and training.gradient_checkpointing and training.torch_compile
+    assert training.bf16 and training.activation_checkpointing and training.torch_compile
     assert (training.optim, training.max_steps, training.seed, training.data_seed) == ("adamw_torch", 7, 3, 3)
     assert (training.per_device_train_batch_size, training.per_device_eval_batch_size) == (4, 4)
-    # The same from keyword fields, and the deprecated spelling of the batch size.
-    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
-        args, training = parse_finetune_arguments(model="x", batch_size=4, max_steps=7)
+    # The same from keyword fields; the former spellings are unknown fields.
+    args, training = parse_finetune_arguments(model_name_or_path="x", per_device_train_batch_size=4, max_steps=7)
     assert (training.per_device_train_batch_size, training.max_steps, training.output_dir) == (4, 7, "outputs/finetune")
-    with pytest.raises(ValueError, match="unknown field.*'steps'"):
-        parse_finetune_arguments(model="x", steps=7)
+    for former in ("steps", "batch_size", "model"):
+        with pytest.raises(ValueError, match=f"unknown field.*'{former}'"):
+            parse_finetune_arguments(model_name_or_path="x", **{former: 7})
 
 
 @pytest.mark.testbed
@@ -344,13 +355,20 @@ def test_a_rotation_rate_far_too_large_for_fine_tuning_is_warned_about_early(tes
     assert max(rotation_angle(layer) for layer in layers) > 90  # about 230° at step 5
 
 
-@pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
+@pytest.mark.parametrize("flags", [["--activation_checkpointing"], ["--bf16"]])
 def test_the_finetuning_script_takes_trainer_flags(workspace, tmp_path, flags):
     """As for pretraining: the blocks are recomputed in the backward; the run is under bf16 autocast on a CPU, or
     refused up front on one without AVX-512."""
     from training_utils import TrainingForwards
 
-    argv = ["--model", str(workspace / "pretrained"), "--method", "poet", "--dataset", str(workspace / "heldout.txt")]
+    argv = [
+        "--model_name_or_path",
+        str(workspace / "pretrained"),
+        "--method",
+        "poet",
+        "--dataset",
+        str(workspace / "heldout.txt"),
+    ]
     argv += ["--output_dir", str(tmp_path), *COMMON, "--max_steps", "2", *flags]
     if flags == ["--bf16"] and not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         with pytest.raises(ValueError, match="bfloat16 attention kernels for CPUs need AVX-512"):
@@ -359,7 +377,7 @@ def test_the_finetuning_script_takes_trainer_flags(workspace, tmp_path, flags):
     with TrainingForwards() as seen:
         results = finetune_main(argv)
     assert results["steps"] == 2 and math.isfinite(results["after"]["loss"])
-    if flags == ["--gradient_checkpointing"]:
+    if flags == ["--activation_checkpointing"]:
         assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}
     else:
         assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0

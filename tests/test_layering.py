@@ -16,6 +16,7 @@ ALLOWED = {
     "_moved": set(),  # old module names that still import for one release
     "_version": set(),
     "allocator": set(),  # the C allocator's setting: ctypes only
+    "dtypes": set(),  # one reading of a dtype's name (bf16 and bfloat16 alike)
     "orthogonal": set(),  # the mathematics, FeedbackGD and weight spectra included
     "sharded": set(),  # whole views of FSDP2-sharded tensors and models: torch and PEFT only
     "tuners": {"orthogonal", "sharded", "_moved"},
@@ -24,10 +25,11 @@ ALLOWED = {
     "checkpoints": {"tuners"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners", "sharded"},
-    "export": {"orthogonal", "tuners", "sharded", "model_cards", "_version"},
+    "export": {"orthogonal", "tuners", "sharded", "model_cards", "_version", "dtypes"},
     "vision": {"orthogonal", "model_cards"},  # the models; their training run is a recipe
     "training": {  # the Trainer, its callback and arguments, the optimizers, sharding
         "allocator",
+        "dtypes",
         "orthogonal",
         "tuners",
         "data",

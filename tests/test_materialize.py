@@ -226,7 +226,7 @@ def test_finetuning_under_fsdp2_builds_on_meta_and_reads_the_checkpoint_shard_by
     sharding itself is tested above): the model is built on meta, and PoetTrainer is told where its weights are."""
     from poet_hf.recipes import finetune
 
-    args = finetune.FinetuneArguments(model=str(checkpoint), method="poet")
+    args = finetune.FinetuneArguments(model_name_or_path=str(checkpoint), method="poet")
     assert not has_meta_tensors(finetune.load_model(args)[0])  # not sharded: from_pretrained, as always
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -338,18 +338,20 @@ def test_exact_cayley_rotations_have_zero_e_orth():
         assert max(m["e_orth"] for m in paper_metrics(layer).values()) < 1e-13
 
 
-def test_the_old_spellings_still_work_for_a_release_with_a_warning():
-    with pytest.warns(FutureWarning, match="--max_steps"):
-        assert print_recipe("--preset", "llama-60m", "--steps", "paper")["steps"] == 300_000
-    with pytest.warns(FutureWarning, match="--per_device_train_batch_size"):
-        recipe = print_recipe("--preset", "llama-60m", "--batch_size", "16", "--steps", "77", "--method", "poet")
-    assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 32, 77)
-    assert recipe["method"] == "poet-bs"
-    with pytest.warns(FutureWarning, match="use `--method poet-bs`"):
-        print_recipe("--preset", "llama-60m", "--method", "poet")
-    with pytest.warns(FutureWarning, match="use `--max_eval_samples`"):
-        args, _ = parse_pretrain_arguments(["--max_eval_sequences", "7", "--output_dir", "unused"])
-    assert args.max_eval_samples == 7
+@pytest.mark.parametrize(
+    "flags",
+    [["--steps", "paper"], ["--batch_size", "16"], ["--max_eval_sequences", "7"], ["--tokenizer", "gpt2"]],
+    ids=lambda flags: flags[0],
+)
+def test_the_former_spellings_are_refused(flags):
+    """One spelling per option (0.1.0 was never published): the former ones are unknown flags, not aliases."""
+    with pytest.raises(SystemExit):
+        parse_pretrain_arguments([*flags, "--output_dir", "unused"])
+
+
+def test_pretrain_method_poet_is_refused_naming_the_methods():
+    with pytest.raises(ValueError, match="`method` must be one of .*poet-bs"):
+        parse_pretrain_arguments(["--method", "poet", "--output_dir", "unused"])
 
 
 def test_presets_stay_hashable_with_the_adapter_fields_they_set():

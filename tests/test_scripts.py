@@ -49,7 +49,7 @@ def test_each_jobs_defaults_are_its_recipes():
     from poet_hf.recipes.pretrain import parse_pretrain_arguments
 
     pretrain, _ = parse_pretrain_arguments(["--output_dir", "unused"])
-    finetune, _ = parse_finetune_arguments(["--model", "unused", "--output_dir", "unused"])
+    finetune, _ = parse_finetune_arguments(["--model_name_or_path", "unused", "--output_dir", "unused"])
     assert (pretrain.seq_len, pretrain.lora_rank, pretrain.max_eval_samples) == (256, 64, 128)
     # Fine-tuning's LoRA is PEFT's LoraConfig as it comes.
     assert (finetune.seq_len, finetune.lora_rank, finetune.max_eval_samples) == (128, LoraConfig.r, 256)

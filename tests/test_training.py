@@ -334,9 +334,9 @@ def pretrain_script():
     return load_module(ROOT / "scripts" / "pretrain.py")
 
 
-@pytest.mark.parametrize("flags", [["--gradient_checkpointing"], ["--bf16"]])
+@pytest.mark.parametrize("flags", [["--activation_checkpointing"], ["--bf16"]])
 def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flags):
-    """--gradient_checkpointing recomputes the blocks in the backward; --bf16 on a CPU trains under bf16 autocast
+    """--activation_checkpointing recomputes the blocks in the backward; --bf16 on a CPU trains under bf16 autocast
     (the non-POET Linear layers, e.g. lm_head, return bf16), never silently in float32, or, on a CPU without AVX-512
     (whose torch kernels cannot run it), is refused with a clear message before the run."""
     small = ["--per_device_train_batch_size", "2", "--global_batch_size", "2", "--seq_len", "64"]
@@ -349,7 +349,7 @@ def test_the_pretraining_script_takes_trainer_flags(tmp_path, local_corpus, flag
     with TrainingForwards() as seen:
         results = pretrain_script().main(argv)
     assert results["steps"] == 2 and all(torch.isfinite(torch.tensor(results["train_losses"])))
-    if flags == ["--gradient_checkpointing"]:
+    if flags == ["--activation_checkpointing"]:
         assert seen.recomputed > 0 and seen.linear_dtypes == {torch.float32}
     else:
         assert torch.bfloat16 in seen.linear_dtypes and seen.recomputed == 0

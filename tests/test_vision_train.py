@@ -159,20 +159,14 @@ def test_a_shortened_recipe_decays_at_the_same_fractions_unless_milestones_are_g
     assert lr_milestones(*parse_vision_arguments([])) is None  # the quick recipe: --lr_scheduler_type cosine
 
 
-def test_old_vision_spellings_warn_and_land_in_the_training_arguments():
+@pytest.mark.parametrize("flag", ["--epochs", "--batch_size", "--momentum", "--max_train_examples"])
+def test_former_vision_spellings_are_refused(flag):
+    """One spelling per option: TrainingArguments' (--num_train_epochs, --per_device_train_batch_size, --optim_args
+    momentum=M) and finetune.py's (--max_train_samples)."""
     from poet_hf.recipes.vision_run import parse_vision_arguments
 
-    old = ["--epochs", "3", "--batch_size", "16", "--momentum", "0.5", "--max_train_examples", "100"]
-    with pytest.warns(FutureWarning) as caught:
-        args, training = parse_vision_arguments(old)
-    assert {str(w.message).split("`")[1] for w in caught} == {
-        "--epochs",
-        "--batch_size",
-        "--momentum",
-        "--max_train_examples",
-    }
-    assert (training.num_train_epochs, training.per_device_train_batch_size) == (3, 16)
-    assert (training.optim_args, args.max_train_samples) == ("momentum=0.5", 100)
+    with pytest.raises(SystemExit):
+        parse_vision_arguments([flag, "3"])
 
 
 def test_recipe_trains_with_sgd_momentum_and_decays_the_rate_at_its_milestones(tmp_path):

@@ -30,7 +30,7 @@ def run_on_testbed(testbed, tmp_path, *, evaluate_at: tuple[int, ...] = (), **fi
 
     model, data = testbed
     args, training = parse_finetune_arguments(
-        model=str(model),
+        model_name_or_path=str(model),
         dataset=str(data),
         output_dir=str(tmp_path),
         max_eval_samples=64,

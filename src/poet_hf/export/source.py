@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import dtypes
 from ..sharded import is_sharded, unsharded_replica
 from ..tuners.config_utils import holds_full_model
 
@@ -27,16 +28,6 @@ TRAINER_STATE_NAME = "trainer_state.json"
 # PEFT types exported here. poet_hf's own tuners are also found at run time from PEFT's registry (their config
 # classes live in poet_hf), so types added later (OFT, orthogonal) need no change here. "OFT" is PEFT's OFT.
 KNOWN_PEFT_TYPES = frozenset({"POET", "OFT", "ORTHOGONAL"})
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -83,12 +74,11 @@ def supported_peft_types() -> frozenset[str]:
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``"bf16"``/``"fp16"``/``"fp32"`` (or the torch names, or a ``torch.dtype``) as a floating ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.lower().removeprefix("torch.")]
-    raise ExportError(f"dtype must be one of bf16, fp16, fp32 (or a floating torch.dtype), got {dtype!r}")
+    """The export's dtype (`poet_hf.dtypes.parse_dtype`), refused as an `ExportError`."""
+    try:
+        return dtypes.parse_dtype(dtype)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def load_source(source: Any, inplace: bool) -> LoadedSource | None:
@@ -362,7 +352,7 @@ def _config_dtype(config: Any) -> torch.dtype:
     value = getattr(config, "dtype", None)
     if isinstance(value, torch.dtype):
         return value
-    return DTYPES.get(str(value).removeprefix("torch."), torch.float32) if value else torch.float32
+    return dtypes.DTYPES.get(str(value).removeprefix("torch."), torch.float32) if value else torch.float32
 
 
 def first_line(error: BaseException) -> str:

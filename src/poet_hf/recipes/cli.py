@@ -3,7 +3,7 @@
 The training scripts parse two dataclasses with ``transformers.HfArgumentParser``: their own options (model, method,
 data, …) and a training-arguments class (`poet_hf.training.PoetTrainingArguments` for POET and OFT,
 ``TrainingArguments`` for the vision models), so every ``TrainingArguments`` flag works (``--bf16``,
-``--gradient_checkpointing``, ``--torch_compile``, ``--optim``, ``--per_device_train_batch_size``, ``--report_to``,
+``--activation_checkpointing``, ``--torch_compile``, ``--optim``, ``--per_device_train_batch_size``, ``--report_to``,
 ``--push_to_hub``, …) and ``--help`` lists it. A recipe (a pretraining preset, a fine-tuning method) decides the
 defaults of some of those flags; `parse_arguments` reads what the user gave first, asks the script's ``defaults``
 function for the rest, and makes them the parser's defaults, so ``--help`` shows the values a run would use and a flag
@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import io
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -139,14 +138,6 @@ def _from_fields(
     script_args = script_class(**{k: v for k, v in fields.items() if k in script_names})
     given = {k: v for k, v in fields.items() if k in training_names and k not in script_names}
     return script_args, training_class(**{**defaults(script_args, given), **given})
-
-
-def deprecated_alias(old: str, *new: str) -> None:
-    """Warn that option ``old`` is deprecated in favour of the options ``new`` (it is kept for one release)."""
-    instead = " or ".join(f"`--{name}`" for name in new)
-    warnings.warn(
-        f"`--{old}` is deprecated and will be removed in the next release; use {instead}", FutureWarning, stacklevel=3
-    )
 
 
 def check_cpu_mixed_precision(training: TrainingArguments) -> None:

@@ -3,13 +3,11 @@
 ``scripts/finetune.py`` is the command-line face of [`run_finetuning`][poet_hf.recipes.finetune.run_finetuning]. The
 steps, top to bottom:
 
-1. load the model by hub name or local path (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``)
-   and its tokenizer;
+1. load the model (``AutoModelForCausalLM`` or ``AutoModelForSequenceClassification``) and its tokenizer;
 2. load the data: a text corpus packed into sequences (causal LM) or a labelled text dataset (classification),
    from an HF dataset name or local ``.txt`` / ``.jsonl`` / ``.json`` / ``.csv`` files;
-3. wrap the model: ``PoetConfig`` (``W0`` is the pretrained weight, kept), ``OftConfig`` or PEFT's ``LoraConfig``;
-4. evaluate, train with ``PoetTrainer``, evaluate again, and report both;
-5. save the adapter and, optionally, export the merged plain model.
+3. wrap it: ``PoetConfig`` (``W0`` is the pretrained weight, kept), ``OftConfig`` or PEFT's ``LoraConfig``;
+4. evaluate, train with ``PoetTrainer``, evaluate again; 5. save the adapter and optionally export the merged model.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ class FinetuneArguments(ScriptArguments):
     method's recipe decides.
     """
 
-    model: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
+    model_name_or_path: str = field(metadata={"help": "pretrained model: a hub name or a local directory"})
     method: str = field(
         default="oft",
         metadata={
@@ -144,7 +142,6 @@ class FinetuneArguments(ScriptArguments):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.method in METHOD_ALIASES:
             for name, value in METHOD_ALIASES[self.method].items():
                 if name == "recipe" or getattr(self, name) is None:
@@ -187,7 +184,7 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
     Returns:
         ``PoetTrainingArguments`` field values.
     """
-    batch = given.get("per_device_train_batch_size", args.batch_size or 8)
+    batch = given.get("per_device_train_batch_size", 8)
     values: dict[str, Any] = {
         "output_dir": "outputs/finetune",
         "max_steps": 200,
@@ -233,18 +230,17 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
     )
     sharded = fsdp_requested() and torch.cuda.is_available()  # Accelerate shards on accelerators only
     if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded:
-        # No process loads the checkpoint whole: built on meta, PoetTrainer shards it and materializes each
-        # process's shards from the checkpoint (pretrained_weights).
+        # Built on meta: PoetTrainer shards it and fills each process's shards from the checkpoint (pretrained_weights).
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)), []
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_name_or_path)), []
     if args.task == "causal-lm":
         model, info = cast(  # output_loading_info: the model and what loading found
             "tuple[PreTrainedModel, dict[str, Any]]",
-            AutoModelForCausalLM.from_pretrained(args.model, output_loading_info=True, **quantized),
+            AutoModelForCausalLM.from_pretrained(args.model_name_or_path, output_loading_info=True, **quantized),
         )
     else:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            args.model, num_labels=num_labels, output_loading_info=True, **quantized
+            args.model_name_or_path, num_labels=num_labels, output_loading_info=True, **quantized
         )
     return model, sorted({key.rsplit(".", 1)[0] for key in info["missing_keys"]})
 
@@ -259,13 +255,14 @@ def local_weights(model: str) -> str:
 
 
 def load_model_tokenizer(args: FinetuneArguments):
-    """``AutoTokenizer`` for ``args.tokenizer`` or the model; a pad token is set (EOS) where missing."""
+    """``AutoTokenizer`` for ``args.tokenizer_name`` or the model; a pad token is set (EOS) where missing."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    name = args.tokenizer_name or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer of {args.tokenizer or args.model!r} has neither a pad nor an EOS token")
+            raise ValueError(f"tokenizer of {name!r} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -440,12 +437,17 @@ def run_finetuning(
         args=training,
         train_dataset=train,
         eval_dataset=evaluation,
-        pretrained_weights=local_weights(args.model) if has_meta_tensors(model) else None,
+        pretrained_weights=local_weights(args.model_name_or_path) if has_meta_tensors(model) else None,
         data_collator=default_data_collator,
         processing_class=tokenizer,
         compute_metrics=accuracy if args.task == "sequence-classification" else None,
         callbacks=callbacks,
-        run_info={"method": args.method, "base_model": args.model, "dataset": args.dataset, "task": args.task},
+        run_info={
+            "method": args.method,
+            "base_model": args.model_name_or_path,
+            "dataset": args.dataset,
+            "task": args.task,
+        },
     )
     before = _metrics(trainer.evaluate(), args.task)
     last_evaluation = _LastEvaluation()  # added after the evaluation before training, which it must not see
@@ -455,7 +457,7 @@ def run_finetuning(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     results: dict[str, Any] = {
         "method": args.method,
-        "model": args.model,
+        "model": args.model_name_or_path,
         "task": args.task,
         "dataset": args.dataset,
         "before": before,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..dtypes import dtype_name, parse_dtype
 from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, residual_bytes
 from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
@@ -49,7 +50,6 @@ __all__ = ["METHODS", "SHARDINGS", "PARTS", "MemoryPlan", "plan_memory", "format
 
 METHODS = ("poet-bs", "poet-fs", "oft", "lora", "adamw", "galore")
 SHARDINGS = ("ddp", "fsdp2")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PARTS = (
     "W0",
     "other frozen weights",
@@ -233,8 +233,8 @@ def plan_memory(
         block_size: POET-BS's and OFT's block size ``b``.
         budget: POET-FS's sampling budget, a fraction of each dimension.
         rank: LoRA's rank, and GaLore's projection rank.
-        dtype: the weights' and activations' type, one of ``float32``, ``bfloat16``, ``float16`` (adapter parameters
-            stay float32).
+        dtype: the weights' and activations' type: ``float32``, ``bfloat16`` or ``float16``, or their short names
+            (`poet_hf.dtypes`; adapter parameters stay float32).
         batch_size: sequences per micro-batch and process.
         seq_len: tokens per sequence.
         processes: data-parallel processes.
@@ -302,12 +302,17 @@ def _residual_off_memory(built: Any, settings: dict[str, Any]) -> int:
 
 
 def _check_settings(settings: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` naming the first argument of `plan_memory` outside its allowed values."""
+    """Raise a ``ValueError`` naming the first argument of `plan_memory` outside its allowed values.
+
+    The dtypes' short names (``bf16``) are read as torch's (``bfloat16``) in place."""
     from ..tuners.config_utils import check_choice
+
+    settings.update(
+        dtype=dtype_name(settings["dtype"]), vocab_weights_dtype=dtype_name(settings["vocab_weights_dtype"])
+    )
 
     check_choice("method", settings["method"], METHODS)
     check_choice("sharding", settings["sharding"], SHARDINGS)
-    check_choice("dtype", settings["dtype"], tuple(DTYPES))
     for name in ("batch_size", "seq_len", "processes", "accumulation", "block_size", "rank"):
         if not isinstance(settings[name], int) or settings[name] < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {settings[name]!r}")
@@ -329,7 +334,7 @@ def _parameter_bytes(
     """The parameters' bytes by part, their entry counts, and the largest of each kind.
 
     Also each parameter's bytes per entry, for the FSDP2 gathers."""
-    method, value_size = settings["method"], torch.finfo(DTYPES[settings["dtype"]]).bits // 8
+    method, value_size = settings["method"], torch.finfo(parse_dtype(settings["dtype"])).bits // 8
     shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
     # FSDP2 with its gradient sync off between micro-batches (accelerate's no_sync) accumulates unsharded gradients
     unsynced = shards > 1 and settings["accumulation"] > 1
@@ -390,7 +395,7 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
         working["rotation caches"] = caches.bytes
         settings["rotation caches"] = caches.summary()
         settings["notes"] = caches.notes
-    dtype = DTYPES[settings["dtype"]]
+    dtype = parse_dtype(settings["dtype"])
     outside, largest_block, everything, block_input = trace_activations(built, batch, seq_len, dtype, blocks)
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
     checkpointed = outside + block_count * block_input + largest_block

@@ -194,11 +194,9 @@ def _batch_plan(
     """``(steps, micro-batch, accumulation, global batch)`` from the flags given, else the preset's."""
     if "max_steps" in given and given["max_steps"] > 0:
         steps = given["max_steps"]
-    elif args.steps is not None and str(args.steps).isdigit():
-        steps = int(args.steps)
     else:
         steps = preset.paper_steps if args.paper_steps else preset.steps
-    micro = given.get("per_device_train_batch_size") or args.batch_size or preset.batch_size
+    micro = given.get("per_device_train_batch_size") or preset.batch_size
     if given.get("gradient_accumulation_steps") is not None:
         accumulation = given["gradient_accumulation_steps"]
         return steps, micro, accumulation, micro * accumulation * world
@@ -262,8 +260,8 @@ def run_tokenizer(args: PretrainArguments) -> Any:
     id, or a folder that holds one); else the embedded BPE, with a warning where a checkpoint folder has none (its
     token ids may mean other text)."""
     checkpoint = args.model_name_or_path
-    if args.tokenizer is not None or checkpoint is None:
-        return load_tokenizer(args.tokenizer)
+    if args.tokenizer_name is not None or checkpoint is None:
+        return load_tokenizer(args.tokenizer_name)
     if not Path(checkpoint).is_dir() or Path(checkpoint, "tokenizer_config.json").is_file():
         return load_tokenizer(checkpoint)
     import warnings

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -11,7 +10,6 @@ from ..orthogonal.base_init import BASE_INIT_SCHEMES
 from ..tuners.config_utils import check_choice, check_positive_int
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation.quantization import BASE_QUANTIZATIONS
-from .cli import deprecated_alias
 from .presets import PRESETS
 from .script_arguments import ScriptArguments
 
@@ -83,8 +81,7 @@ class PretrainArguments(ScriptArguments):
         default="poet-bs",
         metadata={
             "help": "poet-bs (POET, block-stochastic: the preset's block, Table 7's 256), poet-fs (POET, fully "
-            "stochastic: budget ½ per side), adamw, lora or galore; the names finetune.py takes mean the same "
-            "(`poet` alone is deprecated here: it is poet-bs)"
+            "stochastic: budget ½ per side), adamw, lora or galore; the names finetune.py takes mean the same"
         },
     )
     block_size: int | None = field(
@@ -158,25 +155,9 @@ class PretrainArguments(ScriptArguments):
         metadata={"help": "'embedded', a local .txt/.jsonl file or folder, or an HF dataset name"},
     )
     streaming: bool = field(default=False, metadata={"help": "stream the HF dataset"})
-    max_eval_sequences: int | None = field(default=None, metadata={"help": "deprecated: use --max_eval_samples"})
     print_recipe: bool = field(default=False, metadata={"help": "print the fully resolved recipe as JSON and exit"})
-    steps: str | None = field(
-        default=None, metadata={"help": "deprecated: use --max_steps N, or --paper_steps for 'paper'"}
-    )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.method == "poet":
-            warnings.warn(
-                "`--method poet` is deprecated in pretrain.py and will be removed in the next release; use "
-                "`--method poet-bs` (what it meant here). In finetune.py `poet` is the fine-tuning recipe",
-                FutureWarning,
-                stacklevel=3,
-            )
-            self.method = "poet-bs"
-        if self.max_eval_sequences is not None:
-            deprecated_alias("max_eval_sequences", "max_eval_samples")
-            self.max_eval_samples = self.max_eval_samples or self.max_eval_sequences
         self.use_job_defaults("pretraining")
         check_choice("preset", self.preset, tuple(PRESETS))
         if self.base_init in (None, "none"):
@@ -187,12 +168,7 @@ class PretrainArguments(ScriptArguments):
                 "`config_name` and `model_name_or_path` both name the model; give --model_name_or_path alone "
                 "(with --config_overrides to change its config)"
             )
-        check_choice("method", self.method, (*METHODS, "poet"))
-        if self.steps is not None:
-            if str(self.steps) != "paper" and not str(self.steps).isdigit():
-                raise ValueError(f"`steps` must be a positive integer or 'paper', got {self.steps!r}")
-            deprecated_alias("steps", "max_steps", "paper_steps")
-            self.paper_steps = self.paper_steps or str(self.steps) == "paper"
+        check_choice("method", self.method, METHODS)
         if self.global_batch_size is not None:
             check_positive_int("global_batch_size", self.global_batch_size)
         if self.base_quantization is not None and not self.method.startswith("poet"):

@@ -59,7 +59,7 @@ def plan_settings(
         "seq_len": args.seq_len,
         "processes": recipe["processes"],
         "sharding": sharding,
-        "checkpointing": bool(training.gradient_checkpointing),
+        "checkpointing": bool(training.activation_checkpointing),
         "accumulation": recipe["gradient_accumulation_steps"],
         "cache_rotations": recipe["cache_rotations"],
         "base_quantization": args.base_quantization,

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..tuners.config_utils import check_positive_int
-from .cli import deprecated_alias
 
 # The options every script shares whose default is its job's recipe (fine-tuning's LoRA rank is LoraConfig's).
 JOB_DEFAULTS = {
@@ -27,12 +26,11 @@ class ScriptArguments:
 
     dataset_config: str | None = field(default=None, metadata={"help": "HF dataset config name, e.g. 'en' for C4"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
-    tokenizer: str | None = field(
+    tokenizer_name: str | None = field(
         default=None,
         metadata={
-            "help": "AutoTokenizer name or path (--tokenizer_name, as run_clm.py, is the same flag); default: the "
-            "model's (pretraining: the --model_name_or_path checkpoint's, else the embedded BPE)",
-            "aliases": ["--tokenizer_name"],
+            "help": "AutoTokenizer name or path, as run_clm.py spells it; default: the model's (pretraining: the "
+            "--model_name_or_path checkpoint's, else the embedded BPE)",
         },
     )
     export_dir: str | None = field(default=None, metadata={"help": "export a plain merged model here at the end"})
@@ -50,7 +48,6 @@ class ScriptArguments:
             "help": "evaluate on at most this many sequences / examples; " + _JOB_DEFAULT_HELP["max_eval_samples"]
         },
     )  # type: ignore[assignment]
-    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
 
     def use_job_defaults(self, job: str) -> None:
         """Give the shared options left unset the values of ``job`` (a key of `JOB_DEFAULTS`), and check them."""
@@ -58,8 +55,3 @@ class ScriptArguments:
             if getattr(self, name) is None:
                 setattr(self, name, value)
             check_positive_int(name, getattr(self, name))
-
-    def __post_init__(self) -> None:
-        if self.batch_size is not None:
-            deprecated_alias("batch_size", "per_device_train_batch_size")
-            check_positive_int("batch_size", self.batch_size)

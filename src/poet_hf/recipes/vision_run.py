@@ -19,7 +19,7 @@ from ..model_cards import render_card
 from ..vision.certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
 from ..vision.data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from ..vision.lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
-from .cli import deprecated_alias, parse_arguments, run_defaults
+from .cli import parse_arguments, run_defaults
 
 __all__ = [
     "VisionTrainArgs",
@@ -171,26 +171,12 @@ class VisionTrainArgs:
     max_eval_samples: int | None = field(default=None, metadata={"help": "evaluate on at most this many images"})
     # 1 is fastest for this small model on a shared 2-core machine (2 threads were ~4x slower per step under load).
     torch_threads: int = field(default=1, metadata={"help": "intra-op threads; 0 keeps torch's default"})
-    epochs: float | None = field(default=None, metadata={"help": "deprecated: use --num_train_epochs"})
-    batch_size: int | None = field(default=None, metadata={"help": "deprecated: use --per_device_train_batch_size"})
-    momentum: float | None = field(default=None, metadata={"help": "deprecated: use --optim_args momentum=M"})
-    max_train_examples: int | None = field(default=None, metadata={"help": "deprecated: use --max_train_samples"})
-    max_eval_examples: int | None = field(default=None, metadata={"help": "deprecated: use --max_eval_samples"})
 
     def __post_init__(self) -> None:
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"`recipe` must be one of {(None, *RECIPES)}, got {self.recipe!r}")
         if self.gamma < 0:
             raise ValueError(f"`gamma` must be >= 0, got {self.gamma!r}")
-        for old, new in (("max_train_examples", "max_train_samples"), ("max_eval_examples", "max_eval_samples")):
-            if getattr(self, old) is not None:
-                deprecated_alias(old, new)
-                setattr(self, new, getattr(self, new) or getattr(self, old))
-        for old, new in (("epochs", "num_train_epochs"), ("batch_size", "per_device_train_batch_size")):
-            if getattr(self, old) is not None:
-                deprecated_alias(old, new)
-        if self.momentum is not None:
-            deprecated_alias("momentum", "optim_args momentum=M")
         recipe = self.training_recipe
         if self.init_channels is None:
             self.init_channels = recipe.init_channels
@@ -206,8 +192,6 @@ class VisionTrainArgs:
 def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, Any]:
     """The ``TrainingArguments`` values of ``args``' recipe, for the flags the user did not give.
 
-    The deprecated ``--epochs``, ``--batch_size`` and ``--momentum`` land in their new places.
-
     Args:
         args: the script's options.
         given: the training flags the user set.
@@ -217,12 +201,6 @@ def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, A
     """
     values = dict(args.training_recipe.training)
     values.setdefault("learning_rate", 0.1 if args.depth > 25 else 0.05)  # the papers' depth rule
-    if args.epochs is not None:
-        values["num_train_epochs"] = args.epochs
-    if args.batch_size is not None:
-        values["per_device_train_batch_size"] = args.batch_size
-    if args.momentum is not None:
-        values["optim_args"] = f"momentum={args.momentum}"
     values.update(output_dir="outputs/lipconvnet", logging_steps=50, remove_unused_columns=False)
     return run_defaults(given, **values)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from ..dtypes import DTYPES, dtype_name
 from ..tuners.config_utils import check_positive_int
 
 VOCAB_WEIGHTS_DTYPES = ("float32", "bfloat16")  # PoetTrainingArguments.vocab_weights_dtype
@@ -16,7 +17,11 @@ class PoetTrainingArguments(TrainingArguments):
     """Training arguments for POET (POET §5.3): two learning rates, merge interval and the post-merge clip ramp."""
 
     poet_learning_rate: float | None = field(
-        default=None, metadata={"help": "Learning rate of the POET skew parameters; None uses learning_rate."}
+        default=None,
+        metadata={
+            "help": "Learning rate of the skew parameters. None: a POET adapter's own (its config's "
+            "rotation_learning_rate, else the POET paper's 1e-3 at a 256-block side, logged); OFT's: learning_rate."
+        },
     )
     poet_reference_block: int | None = field(
         default=None,
@@ -67,13 +72,15 @@ class PoetTrainingArguments(TrainingArguments):
         metadata={
             "help": "Storage of the output head and the input embeddings, which POET trains in full: float32, or "
             "bfloat16 (2 B per entry, and 2 B for each 32-bit optimizer moment of them; stepped in float32 and "
-            "written back with stochastic rounding). Needs fused_optimizer_step and an untied head.",
-            "choices": list(VOCAB_WEIGHTS_DTYPES),
+            "written back with stochastic rounding; bf16 is the same name). Needs fused_optimizer_step and an "
+            "untied head.",
         },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.vocab_weights_dtype in DTYPES:  # bf16 and bfloat16 alike
+            self.vocab_weights_dtype = dtype_name(self.vocab_weights_dtype)
         if self.vocab_weights_dtype not in VOCAB_WEIGHTS_DTYPES:
             allowed = ", ".join(VOCAB_WEIGHTS_DTYPES)
             raise ValueError(f"`vocab_weights_dtype` must be one of {allowed}, got {self.vocab_weights_dtype!r}")
