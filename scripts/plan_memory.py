@@ -11,7 +11,7 @@ what ``scripts/pretrain.py --plan_only`` prints), plus --compare, --processes, -
     python scripts/plan_memory.py --config_name meta-llama/Llama-3.1-8B --dtype bfloat16 --processes 8 --sharding fsdp2
 
 The model is built on the meta device: no weights are read or allocated. The text output lists each part (MB per
-process), one column per method, and ends with the line ``total: N MB per process`` for the run's method.
+process), one column per method, and ends with the line ``total: N MiB per process`` for the run's method.
 """
 
 import sys

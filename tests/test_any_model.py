@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,31 @@ def test_the_former_plan_spelling_is_refused_and_help_lists_the_plan_options(cap
     shown = capsys.readouterr().out
     for flag in ("--compare", "--processes", "--sharding", "--dtype", "--json", "--per_device_train_batch_size"):
         assert flag in shown, flag
+
+
+def test_the_documented_7b_plan_command_prints_the_pages_table(capsys):
+    """docs/pretraining-7b.md's plan_memory.py command, run as written, prints the table rendered under it, part by
+    part, in the unit the table names (MiB)."""
+    section = (ROOT / "docs" / "pretraining-7b.md").read_text().split("## Where the memory goes")[1]
+    argv = shlex.split(section.split("`")[1])
+    assert argv[:2] == ["python", "scripts/plan_memory.py"]
+    assert load_module(ROOT / "scripts" / "plan_memory.py").main(argv[2:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[:3] == ["MiB", "per", "process"]
+    table = section.split("<!-- table: plan_7b -->")[1].split("<!-- /table -->")[0].strip().splitlines()
+    assert table[0].startswith("| MiB per process")
+    rendered = {cells[0].strip("* "): [c.strip("* ") for c in cells[1:]] for cells in _rows(table[2:])}
+    for line in printed[1:]:  # "<part>   <poet-bs>   <adamw>", the parts' sum as "sum"
+        *words, poet, adamw = line.split()
+        part = "total" if words == ["sum"] else " ".join(words)
+        if part in rendered:  # the same MiB, printed to 0.1 and rendered to 1: half of each last digit apart at most
+            for printed_value, rendered_value in zip((poet, adamw), rendered.pop(part), strict=True):
+                assert abs(float(printed_value) - float(rendered_value)) <= 0.55, (part, printed_value, rendered_value)
+    assert not rendered, f"rows of the page's table the command did not print: {sorted(rendered)}"
+
+
+def _rows(lines: list[str]) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
 
 
 def test_plan_dtype_takes_either_spelling(capsys):

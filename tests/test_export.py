@@ -428,7 +428,7 @@ def test_sources_that_are_not_poet_models_are_named(tmp_path):
         export_merged(tmp_path / "run", tmp_path / "e")
     with pytest.raises(FileNotFoundError):
         export_merged(tmp_path / "missing", tmp_path / "f")
-    with pytest.raises(ExportError, match="dtype must be one of"):
+    with pytest.raises(ExportError, match="`dtype` must be one of bf16/bfloat16"):
         export_merged(tmp_path / "lora", tmp_path / "g", dtype="int8")
     assert not any((tmp_path / n).exists() for n in "abcdefg")
 

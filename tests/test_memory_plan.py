@@ -164,7 +164,7 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
 
     run_model = preset_config(PRESETS["llama-60m"], "poet-bs", len(load_tokenizer()), 256)  # the embedded tokenizer's
     plan = plan_memory(run_model, "poet-bs", batch_size=4)
-    assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MB per process"
+    assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MiB per process"
     assert lines[0].split()[-2:] == ["poet-bs", "adamw"]
 
 

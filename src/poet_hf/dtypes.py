@@ -18,11 +18,12 @@ DTYPES = {
 SPELLINGS = "bf16/bfloat16, fp16/float16, fp32/float32"
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, field: str = "dtype") -> torch.dtype:
     """The floating ``torch.dtype`` that ``dtype`` names (a name of `DTYPES`, with or without ``torch.``, or a dtype).
 
     Args:
         dtype: the name, or a floating ``torch.dtype``.
+        field: the option's name, for the error.
 
     Returns:
         The ``torch.dtype``.
@@ -34,11 +35,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         return dtype
     name = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else None
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {SPELLINGS} (or a floating torch.dtype), got {dtype!r}")
+        raise ValueError(f"`{field}` must be one of {SPELLINGS} (or a floating torch.dtype), got {dtype!r}")
     return DTYPES[name]
 
 
-def dtype_name(dtype: str | torch.dtype) -> str:
+def dtype_name(dtype: str | torch.dtype, field: str = "dtype") -> str:
     """``dtype``'s torch name (``"bfloat16"``, ``"float16"``, ``"float32"``): what an option stores, whatever the
-    spelling given (an ``argparse`` ``type``)."""
-    return str(parse_dtype(dtype)).removeprefix("torch.")
+    spelling given (an ``argparse`` ``type``); ``field`` names the option in the error (`parse_dtype`)."""
+    return str(parse_dtype(dtype, field)).removeprefix("torch.")

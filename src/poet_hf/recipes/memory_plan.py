@@ -307,10 +307,8 @@ def _check_settings(settings: dict[str, Any]) -> None:
     The dtypes' short names (``bf16``) are read as torch's (``bfloat16``) in place."""
     from ..tuners.config_utils import check_choice
 
-    settings.update(
-        dtype=dtype_name(settings["dtype"]), vocab_weights_dtype=dtype_name(settings["vocab_weights_dtype"])
-    )
-
+    for name in ("dtype", "vocab_weights_dtype"):
+        settings[name] = dtype_name(settings[name], name)
     check_choice("method", settings["method"], METHODS)
     check_choice("sharding", settings["sharding"], SHARDINGS)
     for name in ("batch_size", "seq_len", "processes", "accumulation", "block_size", "rank"):
@@ -460,12 +458,12 @@ def _gathered_bytes(
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:
-    """The plans side by side, one column per method, in MB.
+    """The plans side by side, one column per method, in MiB (2**20 bytes).
 
     Then, for the first plan, what its rotation caches chose (under accumulation) and the planner's notes, and
-    ``total: N MB per process``."""
+    ``total: N MiB per process``."""
     width = max(len(p) for p in PARTS) + 2
-    lines = [f"{'MB per process':<{width}}" + "".join(f"{plan.method:>12}" for plan in plans)]
+    lines = [f"{'MiB per process':<{width}}" + "".join(f"{plan.method:>12}" for plan in plans)]
     for part in PARTS:
         if any(plan.parts[part] for plan in plans):
             lines.append(f"{part:<{width}}" + "".join(f"{plan.parts[part] / 2**20:>12.1f}" for plan in plans))
@@ -474,10 +472,10 @@ def format_plans(plans: list[MemoryPlan]) -> str:
     if settings.get("accumulation", 1) > 1 and settings.get("rotation caches"):
         lines.append(settings["rotation caches"])
     lines.extend(settings.get("notes", ()))
-    lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MB per process")
+    lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MiB per process")
     if plans[0].residual_bytes:
         lines.append(
-            f"residual files: {plans[0].residual_bytes / 2**20:.0f} MB on disk beside it (the merges' error-feedback "
+            f"residual files: {plans[0].residual_bytes / 2**20:.0f} MiB on disk beside it (the merges' error-feedback "
             "residual, under the residual folder; host memory instead for a W0 on an accelerator)"
         )
     return "\n".join(lines)
