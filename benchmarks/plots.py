@@ -1,5 +1,5 @@
-"""Figures of a suite's results file (`PLOTTERS`): for ``pretrain_step``, each measured ratio beside the floor that
-bounds it and how both move with the model size and the batch; for ``pretrain_quality``, validation perplexity
+"""Figures of a suite's results file (`PLOTTERS`): for ``pretrain_step``, each measured ratio beside its estimate
+(analytic memory, flop ratio) and how both move with the model size and the batch; for ``pretrain_quality``, validation perplexity
 against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own; any can be redrawn:
 
     python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json --plot_dir docs/figures
@@ -20,8 +20,8 @@ def _label(row: dict) -> str:
     return f"{row['preset'].removeprefix('llama-')}, {row['batch'].replace('x', ' × ')}"
 
 
-def _bars(axis, rows: list[dict], measured: str, floor: str, ylabel: str, reference: float) -> None:
-    """Measured bars with the floor drawn on each; one group per (model, batch), one bar per method."""
+def _bars(axis, rows: list[dict], measured: str, estimate: str, ylabel: str, reference: float) -> None:
+    """Measured bars with the estimate drawn on each; one group per (model, batch), one bar per method."""
     labels = list(dict.fromkeys(_label(r) for r in rows))
     width = 0.8 / len(METHODS)
     for k, (method, name) in enumerate(METHODS.items()):
@@ -31,12 +31,12 @@ def _bars(axis, rows: list[dict], measured: str, floor: str, ylabel: str, refere
         axis.bar(xs, [r[measured] for r in values], width * 0.9, label=f"{name}, measured")
         axis.scatter(
             xs,
-            [r[floor] for r in values],
+            [r[estimate] for r in values],
             marker="_",
             s=400,
             color="black",
             zorder=3,
-            label="floor" if k == 0 else None,
+            label="estimate" if k == 0 else None,
         )
     axis.axhline(reference, color="grey", linewidth=0.8, linestyle="--")
     axis.set_xticks(range(len(labels)), labels, rotation=20)
@@ -66,7 +66,7 @@ def _save(figure, path: Path) -> Path:
 
 
 def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "") -> list[Path]:
-    """Write ``pretrain_step_floors.png`` (memory and time ratios against AdamW with their floors) and
+    """Write ``pretrain_step_estimates.png`` (memory and time ratios against AdamW with their estimates) and
     ``pretrain_step_scaling.png`` (the ratios against model size at the suite's smallest batch, and against the
     batch at llama-130m); returns the paths."""
     import matplotlib
@@ -78,10 +78,10 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
     out.mkdir(parents=True, exist_ok=True)
     rows = [r for r in rows if r.get("accumulation", 1) == 1]
     figure, (memory, time) = plt.subplots(1, 2, figsize=(12, 4.2))
-    _bars(memory, rows, "memory ratio", "analytic floor ratio", "peak memory / AdamW's (lower is better)", 1.0)
-    _bars(time, rows, "time ratio", "flop floor", "step time / AdamW's (lower is better)", 1.0)
-    figure.suptitle(f"One pretraining step against AdamW, with the floor each ratio can reach\n{machine}", fontsize=9)
-    paths = [_save(figure, out / "pretrain_step_floors.png")]
+    _bars(memory, rows, "memory ratio", "analytic estimate ratio", "peak memory / AdamW's (lower is better)", 1.0)
+    _bars(time, rows, "time ratio", "flop ratio", "step time / AdamW's (lower is better)", 1.0)
+    figure.suptitle(f"One pretraining step against AdamW, with the analytic estimate and flop ratio of each\n{machine}", fontsize=9)
+    paths = [_save(figure, out / "pretrain_step_estimates.png")]
 
     figure, (by_size, by_batch) = plt.subplots(1, 2, figsize=(11, 4))
     smallest = {}

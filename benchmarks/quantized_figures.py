@@ -83,8 +83,8 @@ def sixteen_bit_disk_roundings(load: Load) -> str:
 
 def quantized_pretrain_table(load: Load) -> str:
     """One llama-130m step with a float32, nf4 or int8 ``W0`` against AdamW (docs/quantized.md)."""
-    header = ["W0", "requantize", "W0 bytes / entry", "POET peak (MB)", "memory / AdamW", "at-peak floor"]
-    header += ["saving / at-peak", "analytic floor", "step (s)", "time / POET float32 W0", "time / AdamW"]
+    header = ["W0", "requantize", "W0 bytes / entry", "POET peak (MB)", "memory / AdamW", "at-peak estimate"]
+    header += ["saving / at-peak", "analytic estimate", "step (s)", "time / POET float32 W0", "time / AdamW"]
     rows = [
         [
             row["W0"],
@@ -92,9 +92,9 @@ def quantized_pretrain_table(load: Load) -> str:
             f"{row['W0 bytes/entry']:.2f}",
             f"{row['POET peak MB']:.0f}",
             f"**{row['memory ratio']:.3f}**",
-            f"{row['at-peak floor']:.3f}",
+            f"{row['at-peak estimate']:.3f}",
             f"{row['saving / at-peak']:.2f}",
-            f"{row['analytic floor']:.3f}",
+            f"{row['analytic estimate']:.3f}",
             f"{row['step s']:.3g}",
             f"**{row['time / POET fp32 W0']:.2f}**",
             f"{row['time / AdamW']:.2f}",

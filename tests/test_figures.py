@@ -62,3 +62,48 @@ def test_a_figure_in_prose_changed_by_hand_fails_and_an_unknown_name_is_reported
     assert len(problems) == 1 and problems[0].startswith(f"docs/{page.name}: figure {figure['name']!r} differs")
     page.write_text(text + "\n<!-- figure: no.such.figure -->1<!-- /figure -->\n")
     assert any("no figure named 'no.such.figure'" in p for p in check_figures(checkout))
+
+
+# Every floor a results file records, with the measurement it bounds from below: a floor counts only what the run
+# must hold or do, so no measurement of that run falls below it. Where a bound is not that (the pretraining step's
+# analytic memory and flop ratios leave out AdamW's own update costs), it is called an estimate and is not here.
+FLOORS = {
+    ("fold", "floor_mb"): "peak_above_mb",  # the fold's memory above the layer's codes
+    ("pretrain_step", "cache floor MB"): "POET cache MB",  # the rotation caches' blocks and pending gradients
+}
+
+
+def _rows_with(name: str, key: str) -> list[dict]:
+    import json
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())["rows"]
+    return [row for row in rows if key in row]
+
+
+def test_every_recorded_floor_is_registered_and_at_or_below_its_measurement():
+    import json
+
+    recorded = {
+        (path.stem, key)
+        for path in (ROOT / "benchmarks" / "results").glob("*.json")
+        for row in json.loads(path.read_text()).get("rows", [])
+        for key in row
+        if "floor" in key.lower()
+    }
+    assert recorded == set(FLOORS), "a results file records a floor this test does not check (or no longer does)"
+    for (name, floor), measured in FLOORS.items():
+        for row in _rows_with(name, floor):
+            assert row[measured] >= row[floor], (name, row)
+
+
+def test_eco_layers_and_the_import_cost_are_above_their_floors():
+    """The plain dilated convolution is the floor of any convolution of its shape (benchmarks/eco.py), and importing
+    poet_hf costs at least importing PEFT (benchmarks/import_time.py)."""
+    groups: dict[tuple[str, str], dict[str, float]] = {}
+    for row in _rows_with("eco", "ms_per_batch"):
+        groups.setdefault((row["what"], row["shape"]), {})[row["layer"]] = row["ms_per_batch"]
+    assert any("plain_dilated" in layers for layers in groups.values())
+    for group, layers in groups.items():
+        if "plain_dilated" in layers:
+            assert min(layers.values()) == layers["plain_dilated"], group
+    assert all(row["poet_hf/peft"] >= 1.0 for row in _rows_with("import_time", "poet_hf/peft"))
