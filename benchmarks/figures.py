@@ -107,8 +107,8 @@ def headline_table(load: Load) -> str:
         [
             "POET-BS 256 pretraining step, llama-130m, 4 × 256: memory / AdamW",
             f"**{ratio(step130['memory ratio'])}**",
-            f"analytic estimate {ratio(step130['analytic estimate ratio'])}; peak RSS above the imports, each in its own "
-            f"process started as a user starts it; whole process {mib(step130['POET whole peak MB'])} against "
+            f"analytic estimate {ratio(step130['analytic estimate ratio'])}; peak RSS above the imports, each in "
+            f"its own process started as a user starts it; whole process {mib(step130['POET whole peak MB'])} against "
             f"{mib(step130['AdamW whole peak MB'])} ({load('pretrain_step')['date']})",
         ],
         [

@@ -1,6 +1,6 @@
 """Figures of a suite's results file (`PLOTTERS`): for ``pretrain_step``, each measured ratio beside its estimate
-(analytic memory, flop ratio) and how both move with the model size and the batch; for ``pretrain_quality``, validation perplexity
-against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own; any can be redrawn:
+(analytic memory, flop ratio) and how both move with the model size and the batch; for ``pretrain_quality``,
+validation perplexity against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own; any can be redrawn:
 
     python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json --plot_dir docs/figures
 """
@@ -80,7 +80,9 @@ def plot_pretrain_step(rows: list[dict], out_dir: str | Path, machine: str = "")
     figure, (memory, time) = plt.subplots(1, 2, figsize=(12, 4.2))
     _bars(memory, rows, "memory ratio", "analytic estimate ratio", "peak memory / AdamW's (lower is better)", 1.0)
     _bars(time, rows, "time ratio", "flop ratio", "step time / AdamW's (lower is better)", 1.0)
-    figure.suptitle(f"One pretraining step against AdamW, with the analytic estimate and flop ratio of each\n{machine}", fontsize=9)
+    figure.suptitle(
+        f"One pretraining step against AdamW, with the analytic estimate and flop ratio of each\n{machine}", fontsize=9
+    )
     paths = [_save(figure, out / "pretrain_step_estimates.png")]
 
     figure, (by_size, by_batch) = plt.subplots(1, 2, figsize=(11, 4))

@@ -179,8 +179,8 @@ STEP_FIGURES: dict[str, Callable[[Load], str]] = {
 
 
 # Each ratio of each row without accumulation, as ``pretrain_step.<size>_<batch>.<method>.<figure>`` (for example
-# ``pretrain_step.130m_4x256.poet-bs.time``): memory / AdamW, its analytic estimate, the share of the at-peak saving, and
-# time / AdamW with its flop ratio.
+# ``pretrain_step.130m_4x256.poet-bs.time``): memory / AdamW, its analytic estimate, the share of the at-peak saving,
+# and time / AdamW with its flop ratio.
 ROW_FIGURES = {
     "memory": ("memory ratio", ratio),
     "estimate": ("analytic estimate ratio", ratio),
