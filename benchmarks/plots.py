@@ -1,6 +1,7 @@
 """Figures of a suite's results file (`PLOTTERS`): for ``pretrain_step``, each measured ratio beside its estimate
 (analytic memory, flop ratio) and how both move with the model size and the batch; for ``pretrain_quality``,
-validation perplexity against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own; any can be redrawn:
+validation perplexity against peak memory and the validation curves. ``--suite pretrain_quality`` draws its own;
+any can be redrawn:
 
     python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json --plot_dir docs/figures
 """
