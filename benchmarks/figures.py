@@ -26,6 +26,7 @@ from benchmarks.results import load_results
 from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
 from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row
 from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
+from benchmarks.typed_figures import typed_figure_problems
 from benchmarks.vision_figures import VISION_FIGURES, VISION_TABLES
 
 TABLE = re.compile(r"(?P<open><!-- table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(?P<close>\n?<!-- /table -->)", re.S)
@@ -401,7 +402,8 @@ def render_figures(root: Path) -> list[Path]:
 
 
 def check_figures(root: Path) -> list[str]:
-    """Every marked piece under ``root`` whose text differs from its results file, one line each."""
+    """Every marked piece under ``root`` whose text differs from its results file, and every page with more (or
+    fewer) typed measured numbers in its prose than `benchmarks.typed_figures.LEFT` allows; one line each."""
     load, problems = _loader(root), []
     for page in pages(root):
         relative = page.relative_to(root)
@@ -419,7 +421,7 @@ def check_figures(root: Path) -> list[str]:
                         f"{relative}: {kind} {match['name']!r} differs from its results file: "
                         f"{_first_difference(written.strip(), expected.strip())}"
                     )
-    return problems
+    return problems + typed_figure_problems(root, pages(root))
 
 
 def _first_difference(written: str, expected: str) -> str:

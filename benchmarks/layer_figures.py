@@ -233,6 +233,7 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     },
     "finetune_step.accumulated_poet_time": lambda load: finetune_ratio(load, "poet", "time / OFT", accumulated=True),
     "import_time.source": lambda load: provenance(load("import_time")),
+    "import_time.poet_hf": lambda load: f"{load('import_time')['rows'][0]['poet_hf_s']:.1f} s",
     "import_time.extra": lambda load: f"{(load('import_time')['rows'][0]['poet_hf/peft'] - 1) * 100:.0f} %",
     "fold.floor": lambda load: mib(fold_row(load, "by rows")["floor_mb"]),
     "fold.memory_ratio": lambda load: ratio(fold_row(load, "by rows")["memory_vs_whole"]),

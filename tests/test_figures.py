@@ -107,3 +107,26 @@ def test_eco_layers_and_the_import_cost_are_above_their_floors():
         if "plain_dilated" in layers:
             assert min(layers.values()) == layers["plain_dilated"], group
     assert all(row["poet_hf/peft"] >= 1.0 for row in _rows_with("import_time", "poet_hf/peft"))
+
+
+def test_a_number_typed_into_the_prose_fails_the_check_naming_page_and_line(checkout):
+    """A measured-looking number outside the markers and code fails ``--check_figures``; the same number inside an
+    analytic, paper or input marker, inside code, or rendered, does not."""
+    page = checkout / "docs" / "concepts.md"
+    original = page.read_text()
+    page.write_text(original + "\nPOET-BS trains at 1.23× AdamW's speed here.\n")
+    problems = check_figures(checkout)
+    assert len(problems) == 1 and problems[0].startswith("docs/concepts.md: ") and "'1.23×'" in problems[0]
+    line = len(original.splitlines()) + 2
+    assert f"line {line}" in problems[0]
+    for allowed in ("<!-- analytic -->1.23×<!-- /analytic -->", "<!-- paper -->1.23×<!-- /paper -->", "`1.23×`"):
+        page.write_text(original + f"\nPOET-BS trains at {allowed} AdamW's speed here.\n")
+        assert check_figures(checkout) == [], allowed
+    page.write_text(original + "\n```text\nstep 1.23× of AdamW\n```\nA perplexity of 41.5 was seen.\n")
+    assert "'perplexity of 41.5'" in " ".join(check_figures(checkout))
+
+
+def test_a_page_that_drops_an_allowed_typed_number_asks_for_the_count_to_fall(checkout):
+    page = checkout / "docs" / "finetuning.md"
+    page.write_text(page.read_text().replace("perplexity went from 64.44", "perplexity went from the base's"))
+    assert check_figures(checkout) == ["docs/finetuning.md: 1 typed figures left: lower LEFT['docs/finetuning.md'] from 2"]

@@ -100,8 +100,8 @@ class FinetuneArguments(ScriptArguments):
         metadata={
             "help": f"POET only: one of {', '.join(POET_FINETUNE_RECIPES)} (PoetConfig.for_finetuning). 'default' "
             "is 32-blocks on both sides in OFT's contiguous layout; 'paper' is the POET paper's Table 6 setting "
-            "(fully stochastic, budget 1/2): about 10x the trainable parameters and 1.9x (LM) to 3x (encoder) OFT's "
-            "time per step. docs/finetuning.md has the sweep"
+            "(fully stochastic, budget 1/2): far more trainable parameters and time per step than OFT's "
+            "(docs/finetuning.md has the measured figures)"
         },
     )
     block_size: int | None = field(
