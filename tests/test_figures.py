@@ -129,4 +129,6 @@ def test_a_number_typed_into_the_prose_fails_the_check_naming_page_and_line(chec
 def test_a_page_that_drops_an_allowed_typed_number_asks_for_the_count_to_fall(checkout):
     page = checkout / "docs" / "finetuning.md"
     page.write_text(page.read_text().replace("perplexity went from 64.44", "perplexity went from the base's"))
-    assert check_figures(checkout) == ["docs/finetuning.md: 1 typed figures left: lower LEFT['docs/finetuning.md'] from 2"]
+    assert check_figures(checkout) == [
+        "docs/finetuning.md: 1 typed figures left: lower LEFT['docs/finetuning.md'] from 2"
+    ]
