@@ -15,6 +15,7 @@ PACKAGE = ROOT / "src" / "poet_hf"
 ALLOWED = {
     "_moved": set(),  # old module names that still import for one release
     "_version": set(),
+    "_quiet_imports": set(),  # the optional kernels' import-time logging, held back while poet_hf imports PEFT
     "allocator": set(),  # the C allocator's setting: ctypes only
     "dtypes": set(),  # one reading of a dtype's name (bf16 and bfloat16 alike)
     "orthogonal": set(),  # the mathematics, FeedbackGD and weight spectra included

@@ -53,3 +53,34 @@ def test_each_jobs_defaults_are_its_recipes():
     assert (pretrain.seq_len, pretrain.lora_rank, pretrain.max_eval_samples) == (256, 64, 128)
     # Fine-tuning's LoRA is PEFT's LoraConfig as it comes.
     assert (finetune.seq_len, finetune.lora_rank, finetune.max_eval_samples) == (128, LoraConfig.r, 256)
+
+
+# What third-party imports print on a machine their optional kernels do not suit (torchao's CUDA extensions and its
+# pytree registrations, bitsandbytes' Hub kernel), and the FutureWarning PEFT's own read of a deprecated property
+# raises: none of it is the user's doing.
+NOISE = ("Failed to load", "register_constant", "FutureWarning", "is_gradient_checkpointing")
+
+
+def test_the_readme_main_job_starts_quietly(tmp_path):
+    """The README's main job, shortened to 2 steps, in a fresh interpreter as a user starts it: its output carries
+    none of the import-time noise of the optional kernels nor PEFT's FutureWarning, and still its perplexity."""
+    import subprocess
+    import sys
+
+    script = Path(SCRIPTS[0]).parent / "pretrain.py"
+    command = [
+        sys.executable,
+        str(script),
+        "--max_steps",
+        "2",
+        "--max_eval_samples",
+        "8",
+        "--output_dir",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout + done.stderr
+    assert "validation perplexity:" in done.stdout
+    noisy = [line for line in printed.splitlines() if any(word in line for word in NOISE)]
+    assert not noisy, noisy

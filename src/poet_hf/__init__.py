@@ -12,7 +12,10 @@ import importlib
 from typing import Any
 
 from ._moved import install_moved_modules
-from .tuners.registry import register_tuners
+from ._quiet_imports import quiet_optional_kernels
+
+with quiet_optional_kernels():  # PEFT imports torchao and bitsandbytes where installed: see _quiet_imports
+    from .tuners.registry import register_tuners
 
 MOVED_MODULES = {  # old name under poet_hf -> where it lives now (runs apart from the library)
     "training.pretrain": "recipes.pretrain",

@@ -363,9 +363,9 @@ def apply_method(
     new_modules: list[str] | None = None,
     training: PoetTrainingArguments | None = None,
 ) -> torch.nn.Module:
-    from peft import get_peft_model
+    from ..tuners.tuner_base import get_peft_model_quietly
 
-    return get_peft_model(model, method_config(args, model, new_modules, training))
+    return get_peft_model_quietly(model, method_config(args, model, new_modules, training))
 
 
 def accuracy(eval_prediction) -> dict[str, float]:

@@ -149,11 +149,12 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
 
     POET and LoRA train every other parameter too (the paper's baselines), OFT fine-tunes its adapters alone, AdamW
     and GaLore train the plain model."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from ..tuners.config_utils import DEFAULT_TARGET_MODULES
     from ..tuners.oft.config import OftConfig
     from ..tuners.poet.config import PoetConfig
+    from ..tuners.tuner_base import get_peft_model_quietly
 
     if method in ("adamw", "galore"):
         return model
@@ -161,11 +162,11 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
         rotation: dict[str, Any] = (
             {"spo": "block", "block_size": block_size} if method == "poet-bs" else {"spo": "full", "budget": budget}
         )
-        return get_peft_model(model, PoetConfig(**rotation, train_other_params=True))
+        return get_peft_model_quietly(model, PoetConfig(**rotation, train_other_params=True))
     if method == "oft":
-        return get_peft_model(model, OftConfig(block_size=block_size))
+        return get_peft_model_quietly(model, OftConfig(block_size=block_size))
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+    peft_model = get_peft_model_quietly(model, LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
     for name, parameter in peft_model.named_parameters():
         if "lora_" not in name and BASE_LAYER not in name:
             parameter.requires_grad_(True)

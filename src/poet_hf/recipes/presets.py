@@ -202,7 +202,9 @@ def apply_recipe(
     Raises:
         SystemExit: ``method="galore"`` without the ``galore-torch`` package.
     """
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
+
+    from ..tuners.tuner_base import get_peft_model_quietly
 
     targets = targets_for(cast(PretrainedConfig, model.config))
     method = recipe["method"]
@@ -219,7 +221,7 @@ def apply_recipe(
             cache_rotations=recipe.get("cache_rotations", "auto"),
             train_other_params=True,
         )
-        wrapped = get_peft_model(model, config)
+        wrapped = get_peft_model_quietly(model, config)
         warn_weights_outside_targets(wrapped)
         return wrapped
     if method == "lora":
@@ -229,7 +231,7 @@ def apply_recipe(
             target_modules=targets,
             modules_to_save=non_target_modules(model, targets),
         )
-        return get_peft_model(model, config)
+        return get_peft_model_quietly(model, config)
     if method == "galore":
         try:
             import galore_torch  # noqa: F401

@@ -1,8 +1,10 @@
 """What the POET, OFT and orthogonal-layer tuners share with PEFT: `LayerReplacingTuner`, their tuner base;
-`ModuleMixin`, PEFT's layer mixins as the type checker should see them; `base_model_of`, the model under PEFT."""
+`ModuleMixin`, PEFT's layer mixins as the type checker should see them; `base_model_of`, the model under PEFT;
+`get_peft_model_quietly`, PEFT's wrapping without the warning PEFT's own read raises."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, cast
 
 from peft.config import PeftConfig
@@ -44,6 +46,20 @@ def base_model_of(model: nn.Module) -> Any:
     """
     get_base_model = getattr(model, "get_base_model", None)
     return model if get_base_model is None else get_base_model()
+
+
+def get_peft_model_quietly(model: nn.Module, config: PeftConfig, **kwargs: Any) -> Any:
+    """``peft.get_peft_model(model, config, **kwargs)`` without transformers 5's ``FutureWarning`` about
+    ``is_gradient_checkpointing``.
+
+    PEFT reads that deprecated property of every model it wraps; the warning names PEFT's read, not the caller's, and
+    nothing the caller changes silences it. Only that warning is held back, and only for this call.
+    """
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(cast(Any, model), config, **kwargs)
 
 
 class LayerReplacingTuner(BaseTuner):

@@ -1,0 +1,32 @@
+"""Quiet the import-time warnings of optional third-party kernels while ``poet_hf`` imports PEFT.
+
+Importing PEFT imports transformers' quantizer registry, which imports torchao and bitsandbytes where they are
+installed (the ``[torchao]`` and ``[quant]`` extras). On a machine their optional kernels do not suit, both log at
+import, before any user code runs: torchao that its CUDA extensions did not load and, through torch, that it
+registers enums with ``torch.compile``'s pytree the deprecated way; bitsandbytes that it could not fetch a CPU kernel
+from the Hub. None of it concerns a POET run or is the user's to act on. Those loggers are held at ``ERROR`` for the
+import only and restored after it, so the same messages show again wherever the user imports these packages first,
+and nothing later is hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree", "bitsandbytes.backends.cpu.ops")
+
+
+@contextlib.contextmanager
+def quiet_optional_kernels() -> Iterator[None]:
+    """Hold `IMPORT_TIME_LOGGERS` at ``ERROR`` inside the block, then restore each logger's own level."""
+    loggers = [logging.getLogger(name) for name in IMPORT_TIME_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
