@@ -2,7 +2,7 @@
 # POET pretraining on a SLURM cluster: one `accelerate launch` per node, FSDP2 across every GPU of every node.
 #
 #   sbatch examples/cluster/slurm_pretrain.sh --preset llama-1.3b --paper_steps --dataset allenai/c4 \
-#       --dataset_config en --streaming --tokenizer t5-base --output_dir runs/llama-1.3b --save_steps 1000 \
+#       --dataset_config en --streaming --tokenizer_name t5-base --output_dir runs/llama-1.3b --save_steps 1000 \
 #       --resume_from_checkpoint auto
 #
 # Every argument goes to scripts/pretrain.py. CONFIG picks another accelerate config (default: FSDP2 across nodes),
