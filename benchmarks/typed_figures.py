@@ -46,8 +46,8 @@ def prose(text: str) -> str:
 def typed_figures(text: str) -> list[tuple[int, str]]:
     """``(line, number with its unit)`` of every typed measured-looking number in a page's ``text``."""
     return [
-        (number, match.group(0))
-        for number, line in enumerate(prose(text).splitlines(), start=1)
+        (line_number, match.group(0))
+        for line_number, line in enumerate(prose(text).splitlines(), start=1)
         for match in UNIT.finditer(line)
     ]
 
