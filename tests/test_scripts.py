@@ -1,6 +1,7 @@
 """Every command-line script prints its help, and every flag it takes has a help text."""
 
 import contextlib
+import dataclasses
 import io
 from pathlib import Path
 
@@ -84,3 +85,13 @@ def test_the_readme_main_job_starts_quietly(tmp_path):
     assert "validation perplexity:" in done.stdout
     noisy = [line for line in printed.splitlines() if any(word in line for word in NOISE)]
     assert not noisy, noisy
+
+
+@pytest.mark.parametrize("name", ["pretrain.py", "finetune.py"])
+def test_a_training_scripts_help_starts_with_one_usage_line_then_its_own_options(name):
+    parser = load_module(Path(SCRIPTS[0]).parent / name).build_parser()
+    lines = parser.format_help().splitlines()
+    assert lines[0].startswith("usage: ") and lines[0].split()[2] == "[options]" and lines[1] == ""  # prog: argv[0]
+    first_option = next(line.split()[0] for line in lines[3:] if line.startswith("  --"))
+    training_fields = {f"--{field.name}" for field in dataclasses.fields(parser.dataclass_types[1])}
+    assert first_option not in training_fields, first_option

@@ -73,8 +73,10 @@ def parse_arguments(
 def training_parser(script_class: type, training_class: type = TrainingArguments) -> HfArgumentParser:
     """The parser of a training script: its own options, then every flag of ``training_class``.
 
-    The flags come without the recipe's defaults, which `parse_arguments` sets."""
-    return HfArgumentParser(cast(Any, (script_class, training_class)))
+    The flags come without the recipe's defaults, which `parse_arguments` sets. The usage line is one line: argparse
+    would list every flag of both classes in it, well over a hundred lines before the first option's help."""
+    usage = f"%(prog)s [options]  (its own options first, then every {training_class.__name__} flag)"
+    return HfArgumentParser(cast(Any, (script_class, training_class)), usage=usage)
 
 
 def _init_fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
