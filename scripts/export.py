@@ -22,7 +22,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from poet_hf.dtypes import dtype_name
+    from poet_hf.dtypes import NAMES, dtype_name
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         type=dtype_name,
-        choices=("bfloat16", "float16", "float32"),
+        choices=NAMES,
         default=None,
         help="dtype of the exported weights, bf16/bfloat16, fp16/float16 or fp32/float32 (folded in float32 first); "
         "default: the source's",

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "src" / "poet_hf"
 ALLOWED = {
     "_moved": set(),  # old module names that still import for one release
     "_version": set(),
-    "_quiet_imports": set(),  # the optional kernels' import-time logging, held back while poet_hf imports PEFT
+    "_quiet_imports": set(),  # optional packages' logging no POET user acts on (kernels at import, DeepSpeed's probe)
     "allocator": set(),  # the C allocator's setting: ctypes only
     "dtypes": set(),  # one reading of a dtype's name (bf16 and bfloat16 alike)
     "orthogonal": set(),  # the mathematics, FeedbackGD and weight spectra included
@@ -23,7 +23,7 @@ ALLOWED = {
     "tuners": {"orthogonal", "sharded", "_moved"},
     "data": set(),
     "initialization": {"allocator", "orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
-    "checkpoints": {"tuners"},
+    "checkpoints": {"tuners", "_quiet_imports"},
     "model_cards": set(),
     "diagnostics": {"orthogonal", "tuners", "sharded"},
     "export": {"orthogonal", "tuners", "sharded", "model_cards", "_version", "dtypes"},

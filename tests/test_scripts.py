@@ -59,12 +59,20 @@ def test_each_jobs_defaults_are_its_recipes():
 # What third-party imports print on a machine their optional kernels do not suit (torchao's CUDA extensions and its
 # pytree registrations, bitsandbytes' Hub kernel), and the FutureWarning PEFT's own read of a deprecated property
 # raises: none of it is the user's doing.
-NOISE = ("Failed to load", "register_constant", "FutureWarning", "is_gradient_checkpointing")
+NOISE = (  # import-time kernels, PEFT, DeepSpeed's accelerator probe, the Trainer aligning a new model's tokens
+    "Failed to load",
+    "register_constant",
+    "FutureWarning",
+    "is_gradient_checkpointing",
+    "Setting accelerator to CPU",
+    "PAD/BOS/EOS",
+)
 
 
 def test_the_readme_main_job_starts_quietly(tmp_path):
     """The README's main job, shortened to 2 steps, in a fresh interpreter as a user starts it: its output carries
-    none of the import-time noise of the optional kernels nor PEFT's FutureWarning, and still its perplexity."""
+    none of the import-time noise of the optional kernels, PEFT's FutureWarning, DeepSpeed's accelerator probe or the
+    Trainer's alignment of special tokens, and still its perplexity."""
     import subprocess
     import sys
 

@@ -32,6 +32,7 @@ from typing import Any, cast
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
+from ._quiet_imports import quiet_deepspeed_probe
 from .tuners.rotation.state_checks import AdapterStateError, check_safetensors_file
 
 __all__ = [
@@ -209,6 +210,10 @@ class CrashSafeTrainer(Trainer):
     """
 
     _staging_root: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with quiet_deepspeed_probe():  # Accelerate imports DeepSpeed here, which warns on a machine without CUDA
+            super().__init__(*args, **kwargs)
 
     def _get_output_dir(self, trial: Any) -> str:
         return self._staging_root or super()._get_output_dir(trial)

@@ -16,6 +16,7 @@ DTYPES = {
     "float": torch.float32,
 }
 SPELLINGS = "bf16/bfloat16, fp16/float16, fp32/float32"
+NAMES = ("float32", "bfloat16", "float16")  # what `dtype_name` returns: an option's ``choices`` after its ``type``
 
 
 def parse_dtype(dtype: str | torch.dtype, field: str = "dtype") -> torch.dtype:

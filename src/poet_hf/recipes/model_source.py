@@ -114,6 +114,20 @@ def load_model_config(
     return config
 
 
+def adopt_special_tokens(model: nn.Module, tokenizer: Any) -> None:
+    """Give a new model's config and generation config the tokenizer's BOS, EOS and PAD ids, those it defines.
+
+    A preset's model is trained from scratch, so its special tokens are the tokenizer's; ``transformers.Trainer``
+    would otherwise align them itself and warn (``align_special_tokens``). Set on the built model, as the Trainer
+    does, so the embedding's ``padding_idx`` stays the config's (a PAD that is also the EOS keeps learning)."""
+    configs = [model.config, getattr(model, "generation_config", None)]
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        token_id = getattr(tokenizer, name, None)
+        for config in configs:
+            if token_id is not None and config is not None:
+                setattr(config, name, token_id)
+
+
 def build_model(
     config: PretrainedConfig, seed: int, model_name_or_path: str | None = None, device: str = "meta"
 ) -> nn.Module:

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, cast
 
+from ..dtypes import NAMES as DTYPE_NAMES
 from ..dtypes import dtype_name
 
 DESCRIPTION = "Plan the per-process memory of a training run, part by part, before running it (poet_hf.plan_memory)."
@@ -33,7 +34,7 @@ def plan_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         type=dtype_name,
-        choices=("float32", "bfloat16", "float16"),
+        choices=DTYPE_NAMES,
         help="weights' dtype (bf16 and fp16 are the same names): pretrain.py keeps float32 (--bf16 is autocast); "
         "bfloat16 plans a run that stores them so",
     )

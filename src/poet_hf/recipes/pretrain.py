@@ -27,7 +27,7 @@ from ..training.zero import gathered_layer, gathered_rotations
 from ..tuners.poet import PoetConfig
 from ..tuners.rotation.layer import rotation_layers
 from .cli import check_cpu_mixed_precision, flag_value, parse_arguments, run_defaults
-from .model_source import build_model, load_model_config, model_summary
+from .model_source import adopt_special_tokens, build_model, load_model_config, model_summary
 from .presets import (  # noqa: F401 (public here too)
     PRESETS,
     Preset,
@@ -387,6 +387,8 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     # shards only; a quantised W0 one layer at a time). LoRA's adapters are added to materialized weights.
     config = model_config(args, len(tokenizer))
     base = build_model(config, seed, args.model_name_or_path)
+    if not (args.model_name_or_path or args.config_name):
+        adopt_special_tokens(base, tokenizer)  # a preset's model is new: its special tokens are the tokenizer's
     if args.method == "lora" and not args.model_name_or_path:
         materialize_model(base, seed=seed)
     model = apply_recipe(base, recipe, seed=seed)
