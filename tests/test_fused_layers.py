@@ -10,6 +10,7 @@ from models import TinyCNN, tiny_llama
 from peft import get_peft_model
 from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
 from tolerances import tiny_model_tolerance
+from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import poet_hf  # noqa: F401
@@ -20,7 +21,7 @@ from poet_hf.orthogonal.base_ops import Conv2dOp
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
-from poet_hf.orthogonal.strategy_costs import strategy_costs
+from poet_hf.orthogonal.strategy_costs import auto_strategy, strategy_costs
 from poet_hf.tuners.rotation.layer import rotation_layers
 from poet_hf.tuners.rotation.model import plain_autograd
 
@@ -259,7 +260,7 @@ def _saved_bytes(model, ids) -> int:
     ],
     ids=["poet-auto", "poet-fs", "oft", "poet-weight", "oft-weight"],
 )
-def test_backward_keeps_no_more_than_training_the_targeted_weights_would(config):
+def test_backward_keeps_no_more_than_training_the_targeted_weights_would_below_2048_wide(config):
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     model = get_peft_model(tiny_llama(), config).train()
     plain_bytes = _saved_bytes(_targets_trainable(model), ids)
@@ -297,16 +298,29 @@ def test_bfloat16_autocast_runs_products_in_bfloat16_and_keeps_float32_gradients
 
 
 # --- the cost model ---------------------------------------------------------------------------------------------------
-def test_auto_never_keeps_more_than_the_input_and_counts_match_by_hand():
+def test_counts_match_by_hand_and_auto_keeps_h_only_where_it_saves_a_tenth_within_w0s_size():
     block = SideSpec("block", 768, 256)
     costs = strategy_costs(1024, 768, 768, block, block, training=True)
     n, rotation_w, rotation_t = 768 * 768, 768 * 768 * 256, 1024 * 768 * 256
     assert costs["weight"] == {"macs": 3 * 1024 * n + 7 * rotation_w, "kept": 0.0}
     assert costs["activation"] == {"macs": 2 * 1024 * n + 6 * rotation_t, "kept": 1024 * 768}
     assert costs["activation-recompute"]["macs"] == 3 * 1024 * n + 7 * rotation_t
-    layer = rotation_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]
-    assert layer.choose_strategy("default", tokens=4096, training=True) == "weight"
-    assert layer.choose_strategy("default", tokens=4, training=True) == "activation-recompute"
+    # By hand at b = 256, 2048 tokens (in units of T·N): at 4096² activation 2 + 6·256/4096 = 2.375, the weight
+    # strategy 3 + 7·256/2048 = 3.875 and recompute 3 + 7·256/4096 = 3.4375, so keeping h saves 31 % and h (T·d_out)
+    # is half of W0. At 8192 tokens h would be twice W0: not kept, and the weight strategy (3 + 7·256/8192 = 3.22)
+    # beats recompute (3.4375). At 1024² and 512 tokens activation (3.5) saves 26 % on recompute (4.75), but the
+    # layer is narrower than 2048: nothing is kept.
+    wide, narrow = SideSpec("block", 4096, 256), SideSpec("block", 1024, 256)
+    assert auto_strategy(strategy_costs(2048, 4096, 4096, wide, wide, True), 4096, 4096) == "activation"
+    assert auto_strategy(strategy_costs(8192, 4096, 4096, wide, wide, True), 4096, 4096) == "weight"
+    assert auto_strategy(strategy_costs(512, 1024, 1024, narrow, narrow, True), 1024, 1024) == "activation-recompute"
+    square = rotation_layers(get_peft_model(nn.Sequential(nn.Linear(2048, 2048)), PoetConfig(target_modules=["0"])))
+    layer = square[0][1]  # b = 256 (the default), polynomial counted as an uncached call pays it
+    assert layer.choose_strategy("default", tokens=2048, training=True) == "activation"  # h: exactly W0's size
+    assert layer.choose_strategy("default", tokens=2049, training=True) != "activation"  # one row more than W0
+    tiny = rotation_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]  # 64 wide
+    assert tiny.choose_strategy("default", tokens=4096, training=True) == "weight"
+    assert tiny.choose_strategy("default", tokens=4, training=True) == "activation-recompute"
     oft = rotation_layers(get_peft_model(tiny_llama(), OftConfig(block_size=16)))[0][1]
     assert oft.choose_strategy("default", tokens=4096, training=True) == "activation"  # one side: keeps nothing
 

@@ -114,7 +114,8 @@ class ActivationStrategy(torch.autograd.Function):
             x, save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
         )
         ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        # row-major, as a Linear's output: the next op may view it, or keep it (a column-major gather leaves it not)
+        return y.contiguous().reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -171,5 +172,5 @@ class ActivationStrategy(torch.autograd.Function):
                 if input_side.spec.kind == BLOCK:
                     grad_u = select_last(grad_u, inverse_permutation(input_side.index))
             if ctx.needs_input_grad[0]:
-                grads[0] = grad_u.reshape(x.shape).to(x.dtype)
+                grads[0] = grad_u.contiguous().reshape(x.shape).to(x.dtype)
         return tuple(grads)

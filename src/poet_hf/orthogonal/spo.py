@@ -288,10 +288,14 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
 
 
 def select_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``.
+    """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``, or on the rows of ``xᵀ``.
 
     The same values, up to twice as fast on a CPU for wide rows (``index_select`` along the last dimension copies
-    element by element)."""
+    element by element). A column-major matrix (what `blockdiag_right` returns) is gathered as whole rows of its
+    transpose and stays column-major (a matrix product takes it as it is), four times faster than ``index_select``,
+    which copies it contiguous first."""
+    if x.dim() == 2 and x.shape[0] > 1 and x.T.is_contiguous():
+        return x.T.index_select(0, index).T
     if x.dim() < 2 or not x.is_contiguous():
         return x.index_select(-1, index)
     rows = x.reshape(-1, x.shape[-1])

@@ -1,8 +1,9 @@
 """What each fused strategy of `rotated_linear` costs: multiply-adds and kept bytes, from the shapes alone.
 
-`strategy_costs` is how ``forward="auto"`` chooses a strategy per call; `polynomial_products` counts the
-Cayley–Neumann polynomial by the call's place in an optimizer step; `rotation_cache_choice` is how
-``cache_rotations="auto"`` decides whether a layer keeps its rotations across the micro-batches of a step.
+`strategy_costs` counts them and `auto_strategy` is how ``forward="auto"`` chooses a strategy per call;
+`polynomial_products` counts the Cayley–Neumann polynomial by the call's place in an optimizer step;
+`rotation_cache_choice` is how ``cache_rotations="auto"`` decides whether a layer keeps its rotations across the
+micro-batches of a step.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from .cayley import neumann_product_count, num_skew_params
 from .rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT
 from .spo import SideSpec
 
-__all__ = ["CacheChoice", "polynomial_products", "rotation_cache_choice", "strategy_costs"]
+__all__ = ["CacheChoice", "auto_strategy", "polynomial_products", "rotation_cache_choice", "strategy_costs"]
 
 CACHE_MIN_SAVING = 0.10  # a deferred micro-batch must skip at least this share of the layer's multiply-adds
 CACHE_MAX_HOLD = 2.0  # and the cache may hold at most this multiple of the rotations' state on the process
+KEEP_MIN_SAVING = 0.10  # forward="auto" keeps h only where that skips at least this share of the layer's work
+KEEP_MIN_WIDTH = 2048  # and both of the layer's widths are at least this (docs/benchmarks.md, POET layer)
 ROTATION_STATE_BYTES = 16  # per skew entry: float32 parameter, gradient and Adam's two moments
 
 
@@ -74,6 +77,31 @@ def strategy_costs(
         name: {"macs": cost["macs"] + fixed, "kept": cost["kept"]}
         for name, cost in _rotation_costs(tokens, d_in, d_out, input_side, output_side, training).items()
     }
+
+
+def auto_strategy(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> str:
+    """``forward="auto"``'s strategy from `strategy_costs`: the fewest multiply-adds, memory kept bounded.
+
+    The cheapest strategy that keeps only the layer input, unless one that keeps more (``activation``, which keeps
+    ``h``, ``T × d_out``) needs at least `KEEP_MIN_SAVING` fewer multiply-adds, keeps no more floats than ``W0`` has
+    entries (``T ≤ d_in``: the layer then still holds at most half of what an AdamW-trained one holds, its weight,
+    gradient and two moments), and both widths are at least `KEEP_MIN_WIDTH`. Narrower, the activation strategy's
+    gathers and small block products eat its counted saving (measured: at 1024 wide it is slower than the weight
+    strategy), so there it keeps nothing. On a tie the strategy listed first wins.
+
+    Args:
+        costs: `strategy_costs` of the call.
+        d_in: the layer's input width.
+        d_out: the layer's output width.
+    """
+    # (macs, order, name) lists and plain mins, which Dynamo traces
+    frugal = min([(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] == 0])
+    if min(d_in, d_out) < KEEP_MIN_WIDTH:
+        return frugal[2]
+    bounded = min(
+        [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] <= d_in * d_out]
+    )
+    return bounded[2] if bounded[0] <= (1 - KEEP_MIN_SAVING) * frugal[0] else frugal[2]
 
 
 def _rotation_costs(

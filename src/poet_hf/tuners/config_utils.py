@@ -19,7 +19,7 @@ SIDES = (SIDE_INPUT, SIDE_OUTPUT)
 
 SPO_CHOICES = ("block", "full", "contiguous")
 SIDES_CHOICES = ("both", "input", "output")
-FORWARD_CHOICES = ("auto", "weight", "activation")
+FORWARD_CHOICES = ("auto", "weight", "activation", "activation-recompute")
 BIAS_CHOICES = {name: ("none", "all", f"{name}_only") for name in ("poet", "oft", "orthogonal")}
 
 _LLAMA_LIKE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

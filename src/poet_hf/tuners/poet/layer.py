@@ -58,9 +58,9 @@ class PoetLayer(RotationLayer):
     def update_layer(self, adapter_name: str, config: RotationConfig, layer_name: str) -> None:
         """Add adapter ``adapter_name`` described by a ``PoetConfig``."""
         config = cast(PoetConfig, config)  # the POET tuner builds POET layers only
-        if config.forward == "activation" and self.is_conv2d:
+        if config.forward.startswith("activation") and self.is_conv2d:
             raise ValueError(
-                f"`forward`='activation' is not supported for Conv2d target '{layer_name}' (R rotates "
+                f"`forward`='{config.forward}' is not supported for Conv2d target '{layer_name}' (R rotates "
                 "the in·kh·kw axis of the weight, not an activation space); use 'weight' or 'auto'"
             )
         dims = {SIDE_INPUT: self.in_features, SIDE_OUTPUT: self.out_features}

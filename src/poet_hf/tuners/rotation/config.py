@@ -79,11 +79,14 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
     residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
     cache_rotations: bool | Literal["auto"] = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and random inits."})
-    forward: Literal["auto", "weight", "activation"] = field(
+    forward: Literal["auto", "weight", "activation", "activation-recompute"] = field(
         default="auto",
         metadata={
-            "help": "'weight' materialises the rotated weight; 'activation' rotates activations around the base op; "
-            "'auto' picks the cheaper by a multiply-add count (tokens vs dimensions). Conv2d always uses 'weight'."
+            "help": "'weight' materialises the rotated weight; 'activation' rotates activations around the base op "
+            "and keeps the pre-rotation output h for the backward; 'activation-recompute' recomputes h instead; "
+            "'auto' takes the fewest multiply-adds, keeping h only where that saves at least a tenth of the layer's "
+            "work, h is no larger than W0 (tokens <= in_features) and both widths are at least 2048 "
+            "(strategy_costs.auto_strategy). Conv2d always uses 'weight'."
         },
     )
     init_weights: bool = field(

@@ -14,7 +14,13 @@ from __future__ import annotations
 import torch
 
 from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, compute_dtypes, rotated_forward
-from ...orthogonal.strategy_costs import CacheChoice, polynomial_products, rotation_cache_choice, strategy_costs
+from ...orthogonal.strategy_costs import (
+    CacheChoice,
+    auto_strategy,
+    polynomial_products,
+    rotation_cache_choice,
+    strategy_costs,
+)
 from ...sharded import full_tensor
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import caches, quantization
@@ -56,9 +62,9 @@ class FusedForward:
     ) -> str:
         """The fused strategy for one call of ``tokens`` tokens.
 
-        ``forward="weight"`` or ``"activation"`` is taken as given. ``"auto"`` takes the fewest multiply-adds
-        (`strategy_costs`) among the strategies that keep only the layer input for the backward, with the polynomial
-        counted as this call pays it (`polynomial_products`). Conv2d always uses the weight strategy."""
+        ``forward="weight"``, ``"activation"`` or ``"activation-recompute"`` is taken as given. ``"auto"`` takes
+        `auto_strategy` of the multiply-adds (`strategy_costs`), with the polynomial counted as this call pays it
+        (`polynomial_products`). Conv2d always uses the weight strategy."""
         settings = layer.rotation_settings[adapter_name]
         if layer.is_conv2d:
             return WEIGHT
@@ -76,9 +82,7 @@ class FusedForward:
             dequantize_cost=quantization_cost(base_quantization),
             polynomial=polynomial_products(settings.neumann_terms, polynomial_phase) if training else 0,
         )
-        # (macs, order, name): the cheapest, the first listed on a tie; a plain min, which Dynamo traces.
-        affordable = [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] == 0]
-        return min(affordable)[2]
+        return auto_strategy(costs, layer.in_features, layer.out_features)
 
     def __call__(
         self, layer: RotatedLayerView, x: torch.Tensor, adapter_name: str, keep: torch.Tensor | None = None

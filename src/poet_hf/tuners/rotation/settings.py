@@ -14,7 +14,7 @@ class RotationSettings:
     layer_name: str
     seed: int
     neumann_terms: int
-    forward: str  # "auto", "weight" or "activation"
+    forward: str  # "auto", "weight", "activation" or "activation-recompute"
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (quantization.py, low_precision.py)
     residual_storage: str = "auto"  # where feedback keeps its residual between folds (residual_store.py)
