@@ -36,10 +36,12 @@ def reset_peak_rss() -> None:
         handle.write("5")
 
 
-def time_call(fn: Callable[[], object], min_run_time: float = 1.0) -> float:
-    """Median seconds per call of ``fn`` (``torch.utils.benchmark``, which synchronises CUDA)."""
+def time_call(fn: Callable[[], object], min_run_time: float = 1.0, num_threads: int = 1) -> float:
+    """Median seconds per call of ``fn`` (``torch.utils.benchmark``, which synchronises CUDA), on ``num_threads``
+    threads (``torch.utils.benchmark``'s default, 1; ``torch.get_num_threads()`` times it as a user's run)."""
     fn()  # warm-up
-    return benchmark.Timer(stmt="fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=num_threads)
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def device() -> torch.device:

@@ -24,7 +24,7 @@ from benchmarks.pretrain_quality_figures import PRETRAIN_QUALITY_FIGURES, PRETRA
 from benchmarks.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.results import load_results
 from benchmarks.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
-from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row
+from benchmarks.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row, wide_headline
 from benchmarks.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
 from benchmarks.typed_figures import typed_figure_problems
 from benchmarks.vision_figures import VISION_FIGURES, VISION_TABLES
@@ -118,6 +118,7 @@ def headline_table(load: Load) -> str:
             f"flop ratio {ratio(step130['flop ratio'])} (an estimate: multiply-adds only); "
             f"{ratio(step130_16['time ratio'])} at 16 × 256 (flop ratio {ratio(step130_16['flop ratio'])})",
         ],
+        wide_headline(load),
         [
             "POET-BS 256, llama-350m, 2 × 256: memory / AdamW",
             f"**{ratio(step350['memory ratio'])}**",

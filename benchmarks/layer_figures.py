@@ -88,24 +88,31 @@ POET_LAYER_STRATEGIES = ("weight", "activation", "activation-recompute")
 
 
 def poet_layer_table(load: Load) -> str:
-    """Each strategy's forward+backward time against a plain Linear (docs/benchmarks.md)."""
+    """Each strategy's forward+backward time against a plain Linear, and ``auto``'s (docs/benchmarks.md)."""
     rows = [
         [
-            str(r["dim"]),
+            f"{r['d_in']} × {r['d_out']}",
             str(r["block"]),
             str(r["tokens"]),
             *(f"{r[f'{s} / plain']:.2f}" for s in POET_LAYER_STRATEGIES),
             r["auto picks"],
-            r["faster (memory-neutral)"],
+            f"**{r['auto / plain']:.2f}** (flop ratio {r['auto flop ratio']:.2f})",
+            r["fastest"],
         ]
         for r in load("poet_layer")["rows"]
     ]
-    header = ["dim", "block", "tokens", "weight", "activation (keeps `h`)", "activation-recompute"]
-    return markdown_table([*header, "`auto` picks", "fastest memory-neutral"], rows)
+    header = ["d_in × d_out", "block", "tokens", "weight", "activation (keeps `h`)", "activation-recompute"]
+    return markdown_table([*header, "`auto` picks", "`auto` / plain", "fastest"], rows)
+
+
+def poet_layer_row(load: Load, d_in: int, d_out: int) -> dict[str, Any]:
+    """The `poet_layer` row of one shape at block 256 and 2048 tokens."""
+    rows = load("poet_layer")["rows"]
+    return next(r for r in rows if (r["d_in"], r["d_out"], r["block"], r["tokens"]) == (d_in, d_out, 256, 2048))
 
 
 def poet_layer_picks(load: Load) -> str:
-    """How many of the rows ``auto`` picked within 10 % of the faster memory-neutral strategy."""
+    """How many of the rows ``auto`` picked within 10 % of the fastest strategy."""
     rows = load("poet_layer")["rows"]
     good = sum(r["pick within 10% of it"] for r in rows)
     return f"{good} of the {len(rows)}"
@@ -217,6 +224,11 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "reflection.vs_linear": lambda load: span([r["aux_reflection/linear"] for r in load("reflection")["rows"]], 2),
     "poet_layer.source": lambda load: provenance(load("poet_layer")),
     "poet_layer.picks": poet_layer_picks,
+    **{
+        f"poet_layer.{d_in}x{d_out}.{key}": lambda load, i=d_in, o=d_out, c=column: ratio(poet_layer_row(load, i, o)[c])
+        for d_in, d_out in ((4096, 4096), (4096, 14336))
+        for key, column in (("auto", "auto / plain"), ("flops", "auto flop ratio"))
+    },
     "oft_layer.source": lambda load: provenance(load("oft_layer")),
     "oft_layer.ratios": lambda load: span([r["overhead ours / PEFT"] for r in load("oft_layer")["rows"]], 2),
     "finetune_step.source": lambda load: provenance(load("finetune_step")),

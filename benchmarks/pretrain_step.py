@@ -210,12 +210,13 @@ def flops_per_step(
     preset_name: str, batch: int, method: str, terms: int = 5, accumulation: int = 1, amortized: bool = True
 ) -> float:
     """Multiply-adds ×2 of one optimizer step of ``accumulation`` micro-batches, counted from the shapes (see the
-    module docstring). Each POET layer is counted at its cheapest strategy that keeps nothing but the layer input
-    (:func:`~poet_hf.orthogonal.strategy_costs.strategy_costs`, what ``forward="auto"`` picks). ``amortized``: the
+    module docstring). Each POET layer is counted at the strategy ``forward="auto"`` picks
+    (:func:`~poet_hf.orthogonal.strategy_costs.auto_strategy`; at these widths one that keeps nothing but the layer
+    input). ``amortized``: the
     Cayley–Neumann polynomial runs once per optimizer step whatever ``accumulation`` is (built in the first forward,
     rebuilt and differentiated in the last backward); otherwise once per micro-batch (``cache_rotations=False``)."""
     from poet_hf.orthogonal.spo import SideSpec, subset_size
-    from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_costs
+    from poet_hf.orthogonal.strategy_costs import auto_strategy, polynomial_products, strategy_costs
     from poet_hf.recipes.presets import PRESETS
 
     preset = PRESETS[preset_name]
@@ -235,7 +236,7 @@ def flops_per_step(
             for dim in (d_in, d_out)
         )
         costs = strategy_costs(tokens, d_in, d_out, r, p, training=True)
-        total += accumulation * min(cost["macs"] for cost in costs.values() if cost["kept"] == 0)
+        total += accumulation * costs[auto_strategy(costs, d_in, d_out)]["macs"]
         total += (1 if amortized else accumulation) * polynomial * sum(s.num_blocks * s.block**3 for s in (r, p))
     total *= 2 * preset.layers
     total += accumulation * 6 * tokens * d * VOCAB  # lm_head (trained in both)

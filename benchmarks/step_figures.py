@@ -1,6 +1,7 @@
 """The measured tables of one pretraining step against AdamW (README.md, docs/benchmarks.md,
-docs/choosing-a-method.md) and of its training modes (docs/training-modes.md), rendered from
-``benchmarks/results/pretrain_step.json`` and ``training_modes.json`` by `benchmarks.figures`."""
+docs/choosing-a-method.md), of one step at 7B-class widths, and of the training modes (docs/training-modes.md),
+rendered from ``benchmarks/results/pretrain_step.json``, ``wide_step.json`` and ``training_modes.json`` by
+`benchmarks.figures`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from benchmarks.table_format import markdown_table, provenance, ratio
 
 Load = Callable[[str], dict[str, Any]]
 METHOD_NAMES = {"poet-bs": "POET-BS 256", "poet-fs": "POET-FS ½", "poet-bs, cache off": "POET-BS 256, cache off"}
+WIDE_NAMES = {"adamw": "AdamW", "poet-bs": "POET-BS 256", "lora": "LoRA (r 16)"}
 ACCUMULATED = ("llama-130m", "4x256")  # the shape the accumulation rows run at
 
 
@@ -152,14 +154,111 @@ def fused_against_eager(load: Load, preset: str = "llama-60m") -> str:
     return f"peak {peaks}, time {times}"
 
 
+def wide_row(load: Load, shape: str = "llama-2-7b", method: str = "poet-bs", precision: str = "float32"):
+    """The one `wide_step` row of a shape, a method and a precision."""
+    rows = load("wide_step")["rows"]
+    return next(r for r in rows if (r["shape"], r["method"], r["precision"]) == (shape, method, precision))
+
+
+def wide_step_table(load: Load) -> str:
+    """One step of two 7B-class blocks at 1 × 2048 tokens, per method (docs/benchmarks.md)."""
+    rows = [
+        [
+            r["shape"],
+            r["precision"],
+            WIDE_NAMES[r["method"]],
+            f"{r['trainable_m']:.1f}",
+            f"{r['step_s']:.1f}",
+            f"{r['peak_mb']:.0f}",
+            f"{r['time / AdamW']:.2f}",
+            f"{r['memory / AdamW']:.2f}",
+            f"{r['linear flop ratio']:.2f}" if "linear flop ratio" in r else "–",
+        ]
+        for r in load("wide_step")["rows"]
+    ]
+    header = ["shape", "precision", "method", "trainable (M)", "step (s)", "peak above imports (MB)"]
+    return markdown_table([*header, "time / AdamW", "memory / AdamW", "flop ratio of the Linear layers"], rows)
+
+
+def wide_headline(load: Load) -> list[str]:
+    """The README's headline row of the step at 7B-class widths."""
+    seven, eight = wide_row(load, "llama-2-7b"), wide_row(load, "llama-3-8b")
+    return [
+        "POET-BS 256 step at Llama-2-7B's widths (two blocks, 1 × 2048, float32): time / AdamW",
+        f"**{ratio(seven['time / AdamW'])}**",
+        f"flop ratio of the Linear layers {ratio(seven['linear flop ratio'])}; "
+        f"memory {ratio(seven['memory / AdamW'])}; at Llama-3-8B's widths {ratio(eight['time / AdamW'])} the time, "
+        f"{ratio(eight['memory / AdamW'])} the memory; [the table](docs/benchmarks.md#one-step-at-7b-class-widths)",
+    ]
+
+
+def wide_figures() -> dict[str, Callable[[Load], str]]:
+    """POET-BS's time and memory against AdamW's at each 7B-class shape, in float32."""
+    figures: dict[str, Callable[[Load], str]] = {"wide_step.source": lambda load: provenance(load("wide_step"))}
+    for shape in ("llama-2-7b", "llama-3-8b"):
+        for key, column in (("time", "time / AdamW"), ("memory", "memory / AdamW"), ("flops", "linear flop ratio")):
+            figures[f"wide_step.{shape}.{key}"] = lambda load, s=shape, c=column: ratio(wide_row(load, s)[c])
+        figures[f"wide_step.{shape}.bf16_time"] = lambda load, s=shape: ratio(
+            wide_row(load, s, precision="bfloat16 autocast")["time / AdamW"]
+        )
+    return figures
+
+
+def step_profile_table(load: Load) -> str:
+    """The everything-on step's time by part, beside AdamW's with checkpointing (docs/benchmarks.md)."""
+    rows = [
+        [r["variant"], r["part"], f"{r['seconds']:.2f}", f"{100 * r['share']:.0f} %"]
+        for r in load("step_profile")["rows"]
+    ]
+    return markdown_table(["step", "part", "seconds", "share of the step"], rows)
+
+
+def profile_part(load: Load, variant: str, part: str) -> dict[str, Any]:
+    return next(r for r in load("step_profile")["rows"] if (r["variant"], r["part"]) == (variant, part))
+
+
 STEP_TABLES: dict[str, Callable[[Load], str]] = {
+    "step_profile": step_profile_table,
+    "wide_step": wide_step_table,
     "pretrain_step": pretrain_step_table,
     "pretrain_step_planned": pretrain_step_planned_table,
     "pretrain_step_accumulation": pretrain_step_accumulation_table,
     "training_modes": training_modes_table,
 }
 
+PROFILED = {  # figure key -> (variant, part) of `step_profile`
+    "adamw.products": ("AdamW, checkpointing", "matrix products"),
+    "poet.products": ("POET-BS, everything on", "matrix products"),
+    "poet.gathers": ("POET-BS, everything on", "gathers and copies"),
+    "poet.dequantize": ("POET-BS, everything on", "dequantizing W0"),
+    "poet.elementwise": ("POET-BS, everything on", "element-wise and the rest"),
+    "poet.optimizer": ("POET-BS, everything on", "optimizer steps"),
+    "recompute": ("POET-BS, plain", "forward recomputed (checkpointing on minus off)"),
+}
+
+
+def profile_figures() -> dict[str, Callable[[Load], str]]:
+    """Each profiled part's seconds and share of its step (docs/benchmarks.md)."""
+    figures: dict[str, Callable[[Load], str]] = {
+        "step_profile.source": lambda load: provenance(load("step_profile")),
+        "step_profile.time_ratio": lambda load: ratio(
+            profile_part(load, *PROFILED["poet.products"])["step_s"]
+            / profile_part(load, *PROFILED["adamw.products"])["step_s"]
+        ),
+    }
+    for key, (variant, part) in PROFILED.items():
+        figures[f"step_profile.{key}.seconds"] = lambda load, v=variant, p=part: (
+            f"{profile_part(load, v, p)['seconds']:.1f} s"
+        )
+        figures[f"step_profile.{key}.share"] = lambda load, v=variant, p=part: (
+            f"{100 * profile_part(load, v, p)['share']:.0f} %"
+        )
+    return figures
+
+
 STEP_FIGURES: dict[str, Callable[[Load], str]] = {
+    **wide_figures(),
+    **profile_figures(),
     "pretrain_step.source": lambda load: provenance(load("pretrain_step")),
     "pretrain_step.accumulation_bs_time": lambda load: ratio(accumulated(load, "poet-bs", "time ratio")),
     "pretrain_step.accumulation_bs_cache_off_time": lambda load: ratio(

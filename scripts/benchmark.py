@@ -28,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = (
     "poet_layer",
+    "wide_step",
+    "step_profile",
     "pretrain_step",
     "finetune_step",
     "finetune_quality",

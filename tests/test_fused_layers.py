@@ -298,7 +298,7 @@ def test_bfloat16_autocast_runs_products_in_bfloat16_and_keeps_float32_gradients
 
 
 # --- the cost model ---------------------------------------------------------------------------------------------------
-def test_counts_match_by_hand_and_auto_keeps_h_only_where_it_saves_a_tenth_within_w0s_size():
+def test_counts_match_by_hand_and_auto_keeps_h_only_where_it_saves_a_tenth_within_half_of_w0():
     block = SideSpec("block", 768, 256)
     costs = strategy_costs(1024, 768, 768, block, block, training=True)
     n, rotation_w, rotation_t = 768 * 768, 768 * 768 * 256, 1024 * 768 * 256
@@ -307,17 +307,17 @@ def test_counts_match_by_hand_and_auto_keeps_h_only_where_it_saves_a_tenth_withi
     assert costs["activation-recompute"]["macs"] == 3 * 1024 * n + 7 * rotation_t
     # By hand at b = 256, 2048 tokens (in units of T·N): at 4096² activation 2 + 6·256/4096 = 2.375, the weight
     # strategy 3 + 7·256/2048 = 3.875 and recompute 3 + 7·256/4096 = 3.4375, so keeping h saves 31 % and h (T·d_out)
-    # is half of W0. At 8192 tokens h would be twice W0: not kept, and the weight strategy (3 + 7·256/8192 = 3.22)
-    # beats recompute (3.4375). At 1024² and 512 tokens activation (3.5) saves 26 % on recompute (4.75), but the
-    # layer is narrower than 2048: nothing is kept.
+    # is half of W0, the most allowed. At 8192 tokens h would be twice W0: not kept, and the weight strategy
+    # (3 + 7·256/8192 = 3.22) beats recompute (3.4375). At 1024² and 512 tokens activation (3.5) saves 26 % on
+    # recompute (4.75), but the layer is narrower than 2048: nothing is kept.
     wide, narrow = SideSpec("block", 4096, 256), SideSpec("block", 1024, 256)
     assert auto_strategy(strategy_costs(2048, 4096, 4096, wide, wide, True), 4096, 4096) == "activation"
     assert auto_strategy(strategy_costs(8192, 4096, 4096, wide, wide, True), 4096, 4096) == "weight"
     assert auto_strategy(strategy_costs(512, 1024, 1024, narrow, narrow, True), 1024, 1024) == "activation-recompute"
     square = rotation_layers(get_peft_model(nn.Sequential(nn.Linear(2048, 2048)), PoetConfig(target_modules=["0"])))
     layer = square[0][1]  # b = 256 (the default), polynomial counted as an uncached call pays it
-    assert layer.choose_strategy("default", tokens=2048, training=True) == "activation"  # h: exactly W0's size
-    assert layer.choose_strategy("default", tokens=2049, training=True) != "activation"  # one row more than W0
+    assert layer.choose_strategy("default", tokens=1024, training=True) == "activation"  # h: exactly half of W0
+    assert layer.choose_strategy("default", tokens=1025, training=True) != "activation"  # one row more
     tiny = rotation_layers(get_peft_model(tiny_llama(), PoetConfig(block_size=16)))[0][1]  # 64 wide
     assert tiny.choose_strategy("default", tokens=4096, training=True) == "weight"
     assert tiny.choose_strategy("default", tokens=4, training=True) == "activation-recompute"

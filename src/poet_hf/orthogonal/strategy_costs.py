@@ -83,11 +83,12 @@ def auto_strategy(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> 
     """``forward="auto"``'s strategy from `strategy_costs`: the fewest multiply-adds, memory kept bounded.
 
     The cheapest strategy that keeps only the layer input, unless one that keeps more (``activation``, which keeps
-    ``h``, ``T × d_out``) needs at least `KEEP_MIN_SAVING` fewer multiply-adds, keeps no more floats than ``W0`` has
-    entries (``T ≤ d_in``: the layer then still holds at most half of what an AdamW-trained one holds, its weight,
-    gradient and two moments), and both widths are at least `KEEP_MIN_WIDTH`. Narrower, the activation strategy's
-    gathers and small block products eat its counted saving (measured: at 1024 wide it is slower than the weight
-    strategy), so there it keeps nothing. On a tie the strategy listed first wins.
+    ``h``, ``T × d_out``) needs at least `KEEP_MIN_SAVING` fewer multiply-adds, keeps at most half as many floats as
+    ``W0`` has entries (``T ≤ d_in / 2``: the layer then holds at most 1.5 ``W0``'s worth, against the four of an
+    AdamW-trained layer's weight, gradient and two moments), and both widths are at least `KEEP_MIN_WIDTH`.
+    Narrower, the activation strategy's gathers and small block products eat its counted saving (measured: at 1024
+    wide it is no faster than the weight strategy), so there it keeps nothing. On a tie the strategy listed first
+    wins.
 
     Args:
         costs: `strategy_costs` of the call.
@@ -99,7 +100,7 @@ def auto_strategy(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> 
     if min(d_in, d_out) < KEEP_MIN_WIDTH:
         return frugal[2]
     bounded = min(
-        [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] <= d_in * d_out]
+        [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] <= d_in * d_out / 2]
     )
     return bounded[2] if bounded[0] <= (1 - KEEP_MIN_SAVING) * frugal[0] else frugal[2]
 

@@ -85,7 +85,7 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
             "help": "'weight' materialises the rotated weight; 'activation' rotates activations around the base op "
             "and keeps the pre-rotation output h for the backward; 'activation-recompute' recomputes h instead; "
             "'auto' takes the fewest multiply-adds, keeping h only where that saves at least a tenth of the layer's "
-            "work, h is no larger than W0 (tokens <= in_features) and both widths are at least 2048 "
+            "work, h is at most half of W0 (tokens <= in_features / 2) and both widths are at least 2048 "
             "(strategy_costs.auto_strategy). Conv2d always uses 'weight'."
         },
     )
