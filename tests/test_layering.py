@@ -13,14 +13,13 @@ PACKAGE = ROOT / "src" / "poet_hf"
 
 # Which parts of poet_hf each part may import (itself always). A part is the first name below `poet_hf.`.
 ALLOWED = {
-    "_moved": set(),  # old module names that still import for one release
     "_version": set(),
     "_quiet_imports": set(),  # optional packages' logging no POET user acts on (kernels at import, DeepSpeed's probe)
     "allocator": set(),  # the C allocator's setting: ctypes only
     "dtypes": set(),  # one reading of a dtype's name (bf16 and bfloat16 alike)
     "orthogonal": set(),  # the mathematics, FeedbackGD and weight spectra included
     "sharded": set(),  # whole views of FSDP2-sharded tensors and models: torch and PEFT only
-    "tuners": {"orthogonal", "sharded", "_moved"},
+    "tuners": {"orthogonal", "sharded"},
     "data": set(),
     "initialization": {"allocator", "orthogonal", "tuners", "sharded"},  # materializes meta models, sharded or not
     "checkpoints": {"tuners", "_quiet_imports"},

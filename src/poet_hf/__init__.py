@@ -11,28 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._moved import install_moved_modules
 from ._quiet_imports import quiet_optional_kernels
 
 with quiet_optional_kernels():  # PEFT imports torchao and bitsandbytes where installed: see _quiet_imports
     from .tuners.registry import register_tuners
-
-MOVED_MODULES = {  # old name under poet_hf -> where it lives now (runs apart from the library)
-    "training.pretrain": "recipes.pretrain",
-    "training.pretrain_arguments": "recipes.pretrain_arguments",
-    "training.finetune": "recipes.finetune",
-    "training.presets": "recipes.presets",
-    "training.model_source": "recipes.model_source",
-    "memory_plan": "recipes.memory_plan",
-    "run_plan": "recipes.run_plan",
-    "activation_trace": "recipes.activation_trace",
-    "vision.train": "recipes.vision_run",
-    "cli": "recipes.cli",
-    "distributed": "training.distributed",
-    "optim": "orthogonal",
-    "optim.feedback_gd": "orthogonal.feedback_gd",
-}
-install_moved_modules(__name__, MOVED_MODULES)
 
 register_tuners()
 

@@ -106,16 +106,3 @@ class PoetTrainingArguments(TrainingArguments):
             raise ValueError(f"`post_merge_clip_steps` must be >= 0, got {self.post_merge_clip_steps!r}")
         if not 0 < self.post_merge_clip_factor <= 1:
             raise ValueError(f"`post_merge_clip_factor` must be in (0, 1], got {self.post_merge_clip_factor!r}")
-
-
-def __getattr__(name: str) -> object:
-    """``ScriptArguments`` and ``JOB_DEFAULTS`` moved to `poet_hf.recipes.script_arguments` (runs sit above training);
-    the old names resolve there for one release, with a ``FutureWarning``."""
-    if name not in ("ScriptArguments", "JOB_DEFAULTS"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    new = "poet_hf.recipes.script_arguments"
-    warnings.warn(f"`{__name__}.{name}` moved to `{new}.{name}`", FutureWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)  # by name: a deprecated alias, not a dependency on runs

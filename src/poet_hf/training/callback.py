@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import logging
-import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, cast
 
 from torch import nn
@@ -139,17 +138,17 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
 
     Args:
         adapter_name: the adapter to merge.
-        **deprecated: ``merge_every``, deprecated: set it in the adapter config, or
-            ``PoetTrainingArguments.merge_every`` for one run.
+
+    Raises:
+        TypeError: ``adapter_name`` is not a string (the interval is not an argument: it is the config's).
     """
 
-    def __init__(self, adapter_name: str = "default", **deprecated: Any) -> None:
-        if isinstance(adapter_name, int):  # the former first argument, merge_every, given by position
-            adapter_name, deprecated = (
-                deprecated.pop("adapter_name", "default"),
-                {**deprecated, "merge_every": adapter_name},
+    def __init__(self, adapter_name: str = "default") -> None:
+        if not isinstance(adapter_name, str):
+            raise TypeError(
+                f"`adapter_name` must be the name of an adapter (a str), got {adapter_name!r}; the merge interval is "
+                "the adapter config's `merge_every`, or `PoetTrainingArguments.merge_every` for one run"
             )
-        self.forced_interval: int | None = _deprecated_interval(deprecated)
         self.adapter_name = adapter_name
         self.schedule: MergeSchedule | None = None  # read when training begins
         self.base_max_grad_norm: float | None = None
@@ -170,10 +169,7 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
             The schedule.
         """
         if self.schedule is None:
-            schedule = MergeSchedule.of_run(unwrap(model), args, self.adapter_name)
-            if self.forced_interval:
-                schedule = replace(schedule, interval=self.forced_interval)
-            self.schedule = schedule
+            self.schedule = MergeSchedule.of_run(unwrap(model), args, self.adapter_name)
         return self.schedule
 
     def interval(self, args: TrainingArguments, model: nn.Module) -> int | None:
@@ -250,19 +246,3 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state: TrainerState, control: TrainerControl, **kwargs):
         if self.base_max_grad_norm is not None:
             args.max_grad_norm = self.base_max_grad_norm
-
-
-def _deprecated_interval(deprecated: dict[str, Any]) -> int | None:
-    """The interval of ``MergeReinitCallback(merge_every=...)``, with a ``FutureWarning``; other keywords raise."""
-    unknown = set(deprecated) - {"merge_every"}
-    if unknown:
-        raise TypeError(f"MergeReinitCallback got unexpected keyword arguments {sorted(unknown)}")
-    interval = deprecated.get("merge_every")
-    if interval is not None:
-        warnings.warn(
-            "`MergeReinitCallback(merge_every=...)` is deprecated and will be removed in the next release; set "
-            "`merge_every` in the adapter config, or `PoetTrainingArguments.merge_every` to override it for a run",
-            FutureWarning,
-            stacklevel=3,
-        )
-    return interval

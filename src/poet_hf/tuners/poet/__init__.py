@@ -2,7 +2,7 @@
 
 from .config import POET_FINETUNE_RECIPES, PoetConfig, PoetFinetuneRecipe
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
-from .model import PoetModel, merge_and_reinit, poet_layers
+from .model import PoetModel, merge_and_reinit
 
 __all__ = [
     "PoetConfig",
@@ -14,5 +14,4 @@ __all__ = [
     "Conv1D",
     "Conv2d",
     "merge_and_reinit",
-    "poet_layers",
 ]

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
-from torch import nn
-
 from ..config_utils import DEFAULT_TARGET_MODULES
-from ..rotation.layer import RotationLayer, rotation_layers
 from ..rotation.model import RotationModel, merge_and_reinit
 from .layer import Conv1D, Conv2d, Linear, PoetLayer
 
-__all__ = ["PoetModel", "merge_and_reinit", "poet_layers"]
+__all__ = ["PoetModel", "merge_and_reinit"]
 
 
 class PoetModel(RotationModel):
@@ -26,16 +21,3 @@ class PoetModel(RotationModel):
     tuner_layer_cls = PoetLayer
     target_module_mapping = DEFAULT_TARGET_MODULES  # type: ignore[assignment]  # PEFT annotates lists; it matches regex strings too
     layer_classes = (Linear, Conv1D, Conv2d)
-
-
-def poet_layers(model: nn.Module, adapter_name: str | None = None) -> list[tuple[str, RotationLayer]]:
-    """Deprecated alias of [`rotation_layers`][poet_hf.tuners.rotation.layer.rotation_layers].
-
-    It always returned OFT's layers too."""
-    warnings.warn(
-        "`poet_layers` is deprecated and will be removed in the next release; use "
-        "`poet_hf.tuners.rotation.layer.rotation_layers`, which it always returned",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return rotation_layers(model, adapter_name)

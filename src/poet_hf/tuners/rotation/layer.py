@@ -14,7 +14,6 @@ where their tensors live, how a config becomes sides, and their forward options.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, cast
 
 import torch
@@ -32,7 +31,7 @@ from ...orthogonal.linalg import invert_blocks
 from ...orthogonal.rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE
 from ...orthogonal.rotation_sides import side_blocks
 from ...orthogonal.spo import SideSpec
-from ...orthogonal.statistics import block_statistics, largest_rotation_angle, rotation_metrics
+from ...orthogonal.statistics import block_statistics
 from ...sharded import full_tensor, write_full
 from ..config_utils import SIDE_INPUT
 from ..tuner_base import ModuleMixin
@@ -55,46 +54,7 @@ PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEF
 SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-class _DeprecatedNames:
-    """The layer's names of the last release, kept for one release with a ``FutureWarning``."""
-
-    rotation_specs: dict[str, dict[str, SideSpec]]
-    rotation_settings: dict[str, RotationSettings]
-    sides: Any
-    skew_parameter: Any
-    float64_rotations: Any
-
-    @property
-    def poet_specs(self) -> dict[str, dict[str, SideSpec]]:
-        _deprecated("RotationLayer.poet_specs", "RotationLayer.rotation_specs")
-        return self.rotation_specs
-
-    @property
-    def poet_settings(self) -> dict[str, RotationSettings]:
-        _deprecated("RotationLayer.poet_settings", "RotationLayer.rotation_settings")
-        return self.rotation_settings
-
-    def rotation_stats(self, adapter_name: str, rotations: SideRotations | None = None) -> dict[str, float]:
-        _deprecated("RotationLayer.rotation_stats", "poet_hf.diagnostics.rotation_stats")
-        terms = self.rotation_settings[adapter_name].neumann_terms
-        return block_statistics(rotations or self.float64_rotations(adapter_name), terms)
-
-    def paper_metrics(self, adapter_name: str, rotations: SideRotations | None = None) -> dict[str, dict[str, float]]:
-        _deprecated("RotationLayer.paper_metrics", "poet_hf.diagnostics.paper_metrics")
-        rotations = rotations or self.float64_rotations(adapter_name)
-        return {side: rotation_metrics(rotations[side][1], spec) for side, spec in self.sides(adapter_name).items()}
-
-    def rotation_angle(self, adapter_name: str) -> float:
-        _deprecated("RotationLayer.rotation_angle", "poet_hf.diagnostics.rotation_angle")
-        return largest_rotation_angle(
-            {
-                s: (full_tensor(self.skew_parameter(adapter_name, s)), spec)
-                for s, spec in self.sides(adapter_name).items()
-            }
-        )
-
-
-class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMixin):
+class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
     """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them.
 
     A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
@@ -392,12 +352,6 @@ class RotationLayer(BaseWeightMixin, _DeprecatedNames, BaseTunerLayer, ModuleMix
             params[adapter_name].zero_()
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
         return stats
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(
-        f"`{old}` is deprecated and will be removed in the next release; use `{new}`", FutureWarning, stacklevel=3
-    )
 
 
 def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
