@@ -138,8 +138,8 @@ def measure(
         trainable_params=trainable,
         whole_peak_mb=max(report[f"{name}_whole_peak_mb"] for name in ("build", "steps", "merge", "after_merge")),
         allocator_bounded=bound_allocator_slack(),
-        residual_folder=residual_folder(),
-        residual_file_mb=residual_file_mb(),
+        residual_folder=residual_folder(layers_),
+        residual_file_mb=residual_file_mb(layers_),
         states_mb=sum(
             t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
         )
@@ -148,17 +148,15 @@ def measure(
     return report
 
 
-def residual_folder() -> str | None:
-    """The folder of this process's residual files (`poet_hf.tuners.rotation.residual_folder`), if any were written."""
-    from poet_hf.tuners.rotation.residual_folder import current_folder
-
-    folder = current_folder()
+def residual_folder(layers: list) -> str | None:
+    """The folder of the model's residual files (`poet_hf.tuners.rotation.residual_folder`), if any were written."""
+    folder = layers[0].step_state.residual_folder.current() if layers else None
     return str(folder) if folder is not None else None
 
 
-def residual_file_mb() -> float:
+def residual_file_mb(layers: list) -> float:
     """What the residual files hold on disk, in MB."""
-    folder = residual_folder()
+    folder = residual_folder(layers)
     return sum(p.stat().st_size for p in Path(folder).iterdir()) / 2**20 if folder else 0.0
 
 

@@ -120,12 +120,9 @@ def side_blocks(model) -> dict[tuple[str, str], int]:
 def test_default_arguments_train_a_recipe_config_at_the_recipes_rate(tmp_path, caplog, monkeypatch, recipe):
     """`PoetTrainer` with ``PoetTrainingArguments(output_dir=…)`` alone (transformers' learning_rate 5e-5, no
     poet_learning_rate) trains a `PoetConfig.for_finetuning` adapter at its recipe's rate: 5e-4 at a 32-block side,
-    5e-4 · 32/b at a b-block side, and says so once in the log."""
+    5e-4 · 32/b at a b-block side, and says so once per model in the log."""
     from models import tiny_llama
 
-    from poet_hf.training import optimizer as optimizer_module
-
-    monkeypatch.setattr(optimizer_module, "_LOGGED_RATES", set())  # once per process: this test's process
     blocks = {"input": 32, "output": 64} if recipe != "default" else 32
     config = PoetConfig.for_finetuning(block_size=blocks, target_modules=["q_proj", "up_proj"])
     model = get_peft_model(tiny_llama(), config)

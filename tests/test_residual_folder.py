@@ -1,5 +1,5 @@
-"""The residual files' folder (poet_hf.tuners.rotation.residual_folder): its free-space check, its tmpfs warning, and
-the folders of killed processes removed at the next start.
+"""The residual files' folder (poet_hf.tuners.rotation.residual_folder): its free-space check, its tmpfs warning, the
+folders of killed processes removed at the next start, and each model's folder its own.
 
 References: the files the merges actually write (their sizes on disk), ``stat -f`` for a file system's type, and
 processes killed with SIGKILL.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -25,9 +26,10 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig, merge_and_reinit, plan_memory
-from poet_hf.tuners.rotation import residual_folder, residual_store
+from poet_hf.tuners.rotation import residual_folder
 from poet_hf.tuners.rotation.layer import rotation_layers
-from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError, set_residual_folder
+from poet_hf.tuners.rotation.model import set_residual_folder
+from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"up": (128, 256), "down": (256, 128)}  # (in, out) of each target
@@ -44,17 +46,21 @@ class TwoLayers(nn.Module):
 
 @pytest.fixture
 def parent(tmp_path):
-    """A parent folder of this test's own; the process-wide setting restored after it."""
-    folder = tmp_path / "residuals"
-    set_residual_folder(folder)
-    yield folder
-    set_residual_folder(None)
+    """A parent folder of this test's own."""
+    return tmp_path / "residuals"
 
 
-def nf4_model() -> nn.Module:
+def nf4_model(parent: Path | None = None) -> nn.Module:
+    """A two-layer POET model with an nf4 ``W0`` whose residual files go under ``parent`` (default: the temp folder)."""
     torch.manual_seed(0)
     config = PoetConfig(target_modules=list(SHAPES), block_size=32, base_quantization="nf4", residual_storage="disk")
-    return get_peft_model(TwoLayers(), config)
+    model = get_peft_model(TwoLayers(), config)
+    set_residual_folder(model, parent)
+    return model
+
+
+def folder_of(model: nn.Module) -> residual_folder.ResidualFolder:
+    return rotation_layers(model)[0][1].step_state.residual_folder
 
 
 def residual_files(parent: Path) -> list[Path]:
@@ -65,8 +71,7 @@ def test_the_free_space_check_refuses_before_any_file_and_names_the_folder_and_b
     """A disk with one byte less than the residual files need refuses the first merge before anything is folded or
     written; the message names the folder and the bytes, which are the int8 codes and float32 scale per 64 entries of
     every W0. With exactly enough the merge runs."""
-    gc.collect()  # the stores of earlier tests' models count while they live
-    model = nf4_model()
+    model = nf4_model(parent)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     needed = sum(i * o + 4 * math.ceil(i * o / 64) for i, o in SHAPES.values())
     usage = shutil.disk_usage(parent.parent)
@@ -87,11 +92,10 @@ def test_the_free_space_check_refuses_before_any_file_and_names_the_folder_and_b
 def test_the_counted_bytes_are_what_the_files_take_and_what_plan_memory_reports(parent):
     """After a merge, the residual files hold the counted bytes (plus one safetensors header each, under 1 KiB);
     `plan_memory` reports the same count beside the memory for the tiny preset's nf4 run."""
-    gc.collect()
-    model = nf4_model()
+    model = nf4_model(parent)
     merge_and_reinit(model)
     files = residual_files(parent)
-    counted, written = residual_store.disk_bytes()
+    counted, written = folder_of(model).disk_bytes()
     on_disk = sum(f.stat().st_size for f in files)
     assert written == on_disk
     assert 0 <= on_disk - counted < 1024 * len(files)
@@ -105,6 +109,26 @@ def test_the_counted_bytes_are_what_the_files_take_and_what_plan_memory_reports(
     assert on_layer.residual_bytes == 0  # counted in W0 instead
 
 
+def test_each_model_counts_and_keeps_its_own_files_and_takes_them_when_freed(tmp_path):
+    """Two models with residual files under two parents: each counts its own two files (not the other's), a copy
+    writes under its original's parent, and a freed model's folder goes with it."""
+    needed = sum(i * o + 4 * math.ceil(i * o / 64) for i, o in SHAPES.values())
+    first, second = nf4_model(tmp_path / "first"), nf4_model(tmp_path / "second")
+    merge_and_reinit(first)
+    merge_and_reinit(second)
+    assert len(residual_files(tmp_path / "first")) == len(residual_files(tmp_path / "second")) == len(SHAPES)
+    assert folder_of(first).disk_bytes()[0] == folder_of(second).disk_bytes()[0] == needed
+    copy = pickle.loads(pickle.dumps(first))
+    assert folder_of(copy).parent == tmp_path / "first" and folder_of(copy) is not folder_of(first)
+    assert folder_of(copy).disk_bytes()[0] == needed  # the copy's stores count in the copy's folder
+    folder = folder_of(first).current()
+    assert folder is not None and folder.is_dir()
+    del first
+    gc.collect()
+    assert not folder.exists()
+    assert len(residual_files(tmp_path / "second")) == len(SHAPES)
+
+
 def filesystem_of(path: Path) -> str:
     """The file system type of ``path`` as coreutils' ``stat -f`` names it."""
     return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()
@@ -114,28 +138,24 @@ def test_a_parent_on_tmpfs_warns_that_the_files_are_ram(tmp_path):
     shm = Path("/dev/shm")
     if not shm.is_dir() or filesystem_of(shm) != "tmpfs" or filesystem_of(tmp_path) == "tmpfs":
         pytest.skip("needs /dev/shm on a tmpfs and a temp folder on a disk")
-    model = nf4_model()
     try:
-        set_residual_folder(shm / f"poet-test-{os.getpid()}")
         with pytest.warns(UserWarning, match="tmpfs"):
-            merge_and_reinit(model)
-        set_residual_folder(tmp_path)
+            merge_and_reinit(nf4_model(shm / f"poet-test-{os.getpid()}"))
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            merge_and_reinit(nf4_model())  # on a disk: no warning
+            merge_and_reinit(nf4_model(tmp_path))  # on a disk: no warning
     finally:
-        set_residual_folder(None)
         shutil.rmtree(shm / f"poet-test-{os.getpid()}", ignore_errors=True)
 
 
 HOLDER = """
 import sys, time
 import torch
-from poet_hf.tuners.rotation.residual_folder import set_residual_folder, process_folder
-set_residual_folder(sys.argv[1])
-folder = process_folder()
+from poet_hf.tuners.rotation.residual_folder import ResidualFolder
+owner = ResidualFolder(sys.argv[1])
+folder = owner.path()
 (folder / "residual-x.safetensors").write_bytes(b"0" * 1000)
 print(folder, flush=True)
 time.sleep(600)
@@ -156,11 +176,11 @@ def test_only_the_folders_of_dead_processes_are_removed(parent):
         foreign = parent / f"{PREFIX}not-ours"
         foreign.mkdir()
         assert dead.exists() and alive.exists()
-        model = nf4_model()  # a run whose residuals go to disk starts: its stores count the files it will write
+        model = nf4_model(parent)  # a run whose residuals go to disk starts: its stores count the files it will write
         for _, layer in rotation_layers(model):
             layer.attach_residual_store("default")
-        assert residual_store.disk_bytes()[0] > 0
-        residual_store.check_disk_space()  # what a start runs
+        assert folder_of(model).disk_bytes()[0] > 0
+        folder_of(model).check_disk_space()  # what a start runs
         del model
         assert not dead.exists()
         assert alive.exists() and foreign.exists()

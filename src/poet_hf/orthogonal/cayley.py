@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .norm_cap import _cached_norm_scale
+from .norm_cap import NormCap, capped_scale
 
 __all__ = [
     "num_skew_params",
@@ -289,10 +289,13 @@ class SkewRotation:
     """
 
     @classmethod
-    def from_vector(cls, vec: torch.Tensor, block_size: int, terms: int) -> SkewRotation:
-        """The rotation of the skew vectors ``vec``, with the norm cap of `skew_norm_scale` applied."""
+    def from_vector(
+        cls, vec: torch.Tensor, block_size: int, terms: int, norm_cap: NormCap | None = None
+    ) -> SkewRotation:
+        """The rotation of the skew vectors ``vec``, with the norm cap of `skew_norm_scale` applied (its factor kept
+        in ``norm_cap`` while ``vec``'s value lasts, where one is given)."""
         q = skew_from_vector(vec, block_size)
-        scale = _cached_norm_scale(vec, q, terms)
+        scale = capped_scale(vec, q, terms, norm_cap)
         evaluation = cls(q if scale is None else q * scale, terms)
         evaluation.scale = scale
         return evaluation

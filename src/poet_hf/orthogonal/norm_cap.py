@@ -2,20 +2,21 @@
 
 The truncated series only approximates ``(I − Q)^{-1}`` for ``||Q||_2 < 1``; `skew_norm_scale` gives the per-block
 factors that bring ``||Q||_2`` down to `MAX_SKEW_NORM`, from cheap certified bounds first
-(`skew_spectral_norm_bounds`).
+(`skew_spectral_norm_bounds`). A `NormCap`, which a model's rotation layers share, keeps each skew vector's factor
+while its value lasts and logs the first rescaling.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_SKEW_NORM", "skew_spectral_norm_bounds", "skew_spectral_norm", "skew_norm_scale"]
+__all__ = ["MAX_SKEW_NORM", "NormCap", "skew_spectral_norm_bounds", "skew_spectral_norm", "skew_norm_scale"]
 
 # The truncated series only approximates (I − Q)^{-1} for ||Q||_2 < 1; at ||Q||_2 = 1 the k = 5 polynomial is
 # singular (its singular values are |1 − (iθ)^4|), and beyond it the polynomial grows like ||Q||^(k−1), so one large
@@ -27,7 +28,6 @@ MAX_SKEW_NORM = 0.75
 # 7 batched matrix products instead of 64 memory-bound matrix-vector products. The first 2 squarings already give a
 # certified upper bound.
 _SQUARINGS, _SQUARINGS_FOR_BOUND = 6, 2
-_cap_warned = False
 
 
 @torch.no_grad()
@@ -78,7 +78,6 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: float | None = None) -> to
     process computes the same factor. The factor carries no gradient: beyond the cap the rotation is that of the
     rescaled block, like a norm clip.
     """
-    global _cap_warned
     cap = MAX_SKEW_NORM if cap is None else cap
     if terms == 0 or math.isinf(cap):
         return None
@@ -91,48 +90,62 @@ def skew_norm_scale(q: torch.Tensor, terms: int, cap: float | None = None) -> to
         scale = torch.where(spectral > cap, cap / spectral, torch.ones_like(spectral))
         if not bool((scale < 1).any()):
             return None
-    if not _cap_warned:
-        _cap_warned = True
-        logger.warning(
-            "a skew block reached ||Q||_2 = %.3g > %.3g, outside the Cayley–Neumann series' domain; it is rescaled to "
-            "the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. (Logged once.)",
-            float(spectral.max()),
-            cap,
-        )
     return scale[..., None, None]
 
 
-# The cap's factor per skew-vector tensor, its in-place version and its norm: the forward and the backward's rebuild
-# of one step (and every micro-batch until the optimizer changes the vector) share one evaluation, and so agree.
-_scale_cache: dict[int, tuple] = {}  # id(vec) -> (weak reference, key, scale); entries leave with their tensor
+class NormCap:
+    """The norm cap of one model's rotations (`skew_norm_scale`), remembered per skew vector.
+
+    The forward and the backward's rebuild of one step (and every micro-batch until the optimizer changes the vector)
+    share one factor, and so agree. The first rescaling is logged, once per `NormCap`: a `RotationStepState` holds
+    one for all of its model's layers.
+    """
+
+    def __init__(self) -> None:
+        self.logged = False
+        self._scales: WeakIdKeyDictionary = WeakIdKeyDictionary()  # skew vector -> (key, factor); leaves with it
+
+    def scale(self, vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor | None:
+        """`skew_norm_scale` of ``q``, the blocks of ``vec``: the one kept for ``vec``'s current value, if any."""
+        # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
+        key = (
+            vec._version,
+            float(torch.linalg.vector_norm(vec.detach())),
+            tuple(q.shape),
+            terms,
+            MAX_SKEW_NORM,
+            q.dtype,
+            q.device,
+        )
+        hit = self._scales.get(vec)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        scale = skew_norm_scale(q, terms)
+        self._scales[vec] = (key, scale)
+        if scale is not None and not self.logged:
+            self.logged = True
+            logger.warning(
+                "a skew block reached ||Q||_2 = %.3g > %.3g, outside the Cayley–Neumann series' domain; it is "
+                "rescaled to the cap (MAX_SKEW_NORM). The learning rate of the rotations is probably too large. "
+                "(Logged once per model.)",
+                MAX_SKEW_NORM / float(scale.min()),
+                MAX_SKEW_NORM,
+            )
+        return scale
 
 
-def _cached_norm_scale(vec: torch.Tensor, q: torch.Tensor, terms: int) -> torch.Tensor | None:
-    if vec.device.type == "meta":  # a trace by shapes (the memory planner): no values to cap
+def capped_scale(
+    vec: torch.Tensor, q: torch.Tensor, terms: int, norm_cap: NormCap | None = None
+) -> torch.Tensor | None:
+    """The factors of `skew_norm_scale` for ``q``, the blocks of ``vec``, kept in ``norm_cap`` where one is given.
+
+    ``None`` on the meta device (a trace by shapes: no values to cap); under ``torch.compile`` the factor is computed
+    without data-dependent branches (1 where below the cap)."""
+    if vec.device.type == "meta":
         return None
-    if torch.compiler.is_compiling():  # no data-dependent branch: the factor is computed, 1 where below the cap
+    if torch.compiler.is_compiling():
         return _traced_norm_scale(q, terms)
-    # The version counter misses writes through ``.data``; the norm (one cheap reduction) catches those.
-    key = (
-        vec._version,
-        float(torch.linalg.vector_norm(vec.detach())),
-        tuple(q.shape),
-        terms,
-        MAX_SKEW_NORM,
-        q.dtype,
-        q.device,
-    )
-    hit = _scale_cache.get(id(vec))
-    if hit is not None and hit[0]() is vec and hit[1] == key:
-        return hit[2]
-    scale = skew_norm_scale(q, terms)
-    ident = id(vec)
-
-    def forget(_: weakref.ref) -> None:
-        _scale_cache.pop(ident, None)
-
-    _scale_cache[ident] = (weakref.ref(vec, forget), key, scale)
-    return scale
+    return skew_norm_scale(q, terms) if norm_cap is None else norm_cap.scale(vec, q, terms)
 
 
 def _traced_norm_scale(q: torch.Tensor, terms: int) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from .cayley import SkewRotation, cayley_neumann, orthogonal_from_vector, skew_from_vector
-from .norm_cap import skew_norm_scale
+from .norm_cap import NormCap, skew_norm_scale
 from .spo import (
     BLOCK,
     FULL,
@@ -70,13 +70,18 @@ class RotationCache:
         self.pending: torch.Tensor | None = None
         self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
         self.grad_version: int | None = None  # the owner's note of the gradient the pending sum belongs to
+        self.anchor: Any = None  # the owner's weak reference to that gradient, which clears the cache when it dies
 
     def accumulate(self, grad_blocks: torch.Tensor) -> None:
         """Add one micro-batch's ``∂L/∂blocks`` (a fresh tensor the cache may keep and write into)."""
         self.pending = grad_blocks if self.pending is None else self.pending.add_(grad_blocks)
 
+    def __getstate__(self) -> dict:
+        """Copied and pickled without the owner's weak reference (a copy's gradient is another tensor)."""
+        return {**self.__dict__, "anchor": None}
+
     def clear(self) -> None:
-        self.blocks = self.pending = self.key = self.grad_version = None
+        self.blocks = self.pending = self.key = self.grad_version = self.anchor = None
 
     @property
     def nbytes(self) -> int:
@@ -93,7 +98,8 @@ class SideRotation:
 
     With a ``cache`` the blocks are read from it (built and stored there by the forward if it is empty); with
     ``defer`` the backward adds ``∂L/∂blocks`` to the cache and returns a zero gradient for the skew vector, and
-    without it the backward runs the VJP of the cached sum plus its own and empties the cache.
+    without it the backward runs the VJP of the cached sum plus its own and empties the cache. ``norm_cap`` keeps
+    the norm cap's factor of the skew vector between the forward and the backward (`NormCap`).
     """
 
     spec: SideSpec
@@ -102,10 +108,11 @@ class SideRotation:
     keep: torch.Tensor | None = None
     cache: RotationCache | None = None
     defer: bool = False
+    norm_cap: NormCap | None = None
 
     def _evaluate(self, vec: torch.Tensor) -> SkewRotation:
         polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
-        return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms)
+        return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms, self.norm_cap)
 
     def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, SkewRotation | None]:
         """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP.

@@ -38,7 +38,7 @@ from ..training.trainer import PoetTrainer
 from ..tuners.config_utils import DEFAULT_TARGET_MODULES, check_choice
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
-from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, bits_and_bytes_config
+from ..tuners.rotation import quantization, storage_kinds
 from .cli import check_cpu_mixed_precision, parse_arguments, run_defaults
 from .script_arguments import ScriptArguments
 
@@ -149,7 +149,7 @@ class FinetuneArguments(ScriptArguments):
             self.method = "poet"
         check_choice("method", self.method, METHODS + tuple(METHOD_ALIASES))
         check_choice("task", self.task, TASKS)
-        check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
+        check_choice("base_quantization", self.base_quantization, (None, *storage_kinds.BASE_QUANTIZATIONS))
         check_choice("recipe", self.recipe, tuple(POET_FINETUNE_RECIPES))
         if self.method != "poet" and self.recipe != "default":
             raise ValueError(
@@ -226,7 +226,7 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
     quantized = (
         {}
         if args.base_quantization is None
-        else {"quantization_config": bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
+        else {"quantization_config": quantization.bits_and_bytes_config(args.base_quantization), "dtype": torch.float32}
     )
     sharded = fsdp_requested() and torch.cuda.is_available()  # Accelerate shards on accelerators only
     if args.task == "causal-lm" and args.method != "lora" and not quantized and sharded:

@@ -36,9 +36,10 @@ import torch
 from torch import nn
 
 from ..dtypes import dtype_name, parse_dtype
-from ..tuners.rotation.quantization import BASE_QUANTIZATIONS, residual_bytes
+from ..tuners.rotation.quantization import residual_bytes
 from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
+from ..tuners.rotation.storage_kinds import BASE_QUANTIZATIONS, storage_kind
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
 from .rotation_cache_plan import plan_rotation_caches
@@ -246,8 +247,8 @@ def plan_memory(
         cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation:
             ``"auto"`` decides per layer as the run does (`poet_hf.recipes.rotation_cache_plan`), from
             ``batch_size·seq_len`` tokens, the sharding and ``dtype``.
-        base_quantization: POET's ``W0`` stored by bitsandbytes (``"nf4"``, ``"fp4"``: 4-bit codes and
-            double-quantised block scales, 0.516 B per entry; ``"int8"``: 1 B and a float32 scale per row).
+        base_quantization: POET's ``W0`` stored by bitsandbytes, a kind of `storage_kinds.KINDS`, which gives its
+            bytes (4-bit: codes and double-quantised block scales, 0.516 B per entry; 8-bit: 1 B and a row scale).
         residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
             ([`PoetConfig`][poet_hf.PoetConfig]): ``"layer"`` counts it in ``W0`` (1.06 B per entry quantised, 1 B
             16-bit); ``"auto"``, ``"cpu"`` and ``"disk"`` keep it off the steps' memory.
@@ -400,18 +401,12 @@ def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.M
     checkpointed = outside + block_count * block_input + largest_block
     working["activations"] = checkpointed if settings["checkpointing"] else everything
     if settings["base_quantization"] is not None and method.startswith("poet"):  # one layer's W0, dequantised
-        if settings["base_quantization"] in (
-            "nf4",
-            "fp4",
-        ):  # a block of its rows at a time (quantized_rows.py)
+        if storage_kind(settings["base_quantization"]).row_blocks:  # a block of its rows at a time
             largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary = built.get_output_embeddings().weight.shape[0]
     working["loss working set"] = batch * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
     return working
-
-
-FOUR_BIT_LAYER_BYTES = 16 * 4 + 256 * 4 + 170  # code book, nested code book, packed quant-state header
 
 
 def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_size: int, shards: int) -> int:
@@ -423,10 +418,7 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
     if quantization is None:
         rounding = value_size == 2 and storage == "layer" and shards == 1  # an int8 byte per entry
         return entries * (value_size + int(rounding))
-    if quantization == "int8":
-        stored = entries + 4 * shape[0]  # codes and a float32 scale per row
-    else:  # codes, an int8 absmax per 64 entries and a float32 scale per 256 of those (double quantisation)
-        stored = entries // 2 + math.ceil(entries / 64) + 4 * math.ceil(entries / 64 / 256) + FOUR_BIT_LAYER_BYTES
+    stored = storage_kind(quantization).stored_bytes(shape[0], entries)  # codes and scales
     return stored + (residual_bytes(entries) if storage == "layer" else 0)
 
 

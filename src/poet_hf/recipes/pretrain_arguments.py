@@ -9,7 +9,7 @@ from ..data import EMBEDDED_CORPUS
 from ..orthogonal.base_init import BASE_INIT_SCHEMES
 from ..tuners.config_utils import check_choice, check_positive_int
 from ..tuners.poet import PoetConfig
-from ..tuners.rotation.quantization import BASE_QUANTIZATIONS
+from ..tuners.rotation.storage_kinds import BASE_QUANTIZATIONS
 from .presets import PRESETS
 from .script_arguments import ScriptArguments
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..tuners.rotation.layer import RotationLayer
+from ..tuners.rotation.layer import RotationLayer, rotation_layers
 from .eight_bit import own_override_index, weights_keeping_32bit_states
 
 if TYPE_CHECKING:
@@ -139,13 +139,7 @@ def adapter_rotation_rate(model: nn.Module) -> tuple[float, int | None, str] | N
     return rate, reference_block, "the pretraining recipe's (1e-3 at a 256-block side, POET Tables 8–9)"
 
 
-_LOGGED_RATES: set[tuple] = set()
-
-
-def _log_rotation_rate_once(rate: float, reference_block: int | None, source: str) -> None:
-    if (rate, reference_block, source) in _LOGGED_RATES:
-        return
-    _LOGGED_RATES.add((rate, reference_block, source))
+def _log_rotation_rate(rate: float, reference_block: int | None, source: str) -> None:
     per_side = f" at a {reference_block}-block side (scaled by {reference_block}/b per side)" if reference_block else ""
     logger.warning(
         "poet_learning_rate is not set: the rotations train at %g%s, %s. Set poet_learning_rate (and "
@@ -241,14 +235,18 @@ def create_poet_optimizer(
 def _rotation_rate(
     model: nn.Module, args: TrainingArguments, rate: float | None, reference_block: int | None
 ) -> tuple[float | None, int | None]:
-    """The rotations' rate and reference block: as given, else ``args``', else the adapter's (logged once)."""
+    """The rotations' rate and reference block: as given, else ``args``', else the adapter's (logged once per model)."""
     rate = getattr(args, "poet_learning_rate", None) if rate is None else rate
     reference_block = getattr(args, "poet_reference_block", None) if reference_block is None else reference_block
     built_for = adapter_rotation_rate(model) if rate is None else None
     if built_for is None:
         return rate, reference_block
     rate, reference_block, source = built_for  # a rate goes with its own reference block
-    _log_rotation_rate_once(rate, reference_block, source)
+    layers = rotation_layers(model)
+    logged = layers[0][1].step_state.logged if layers else set()
+    if built_for not in logged:  # once per model, however many optimizers it gets
+        logged.add(built_for)
+        _log_rotation_rate(rate, reference_block, source)
     return rate, reference_block
 
 

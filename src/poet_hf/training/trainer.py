@@ -15,7 +15,7 @@ from ..export.card import render_adapter_card
 from ..export.source import RUN_INFO_NAME, active_config
 from ..initialization import has_meta_tensors, materialize_model
 from ..tuners.rotation.layer import rotation_layers
-from ..tuners.rotation.residual_folder import set_residual_folder
+from ..tuners.rotation.model import set_residual_folder
 from ..tuners.tuner_base import base_model_of
 from .callback import MergeReinitCallback, unwrap
 from .distributed import fsdp_requested, shard_model
@@ -87,7 +87,7 @@ class PoetTrainer(CrashSafeTrainer):
         super().__init__(*args, **kwargs)
         residual_folder = getattr(self.args, "residual_folder", None)
         if residual_folder:
-            set_residual_folder(residual_folder)
+            set_residual_folder(self._unwrapped_model(), residual_folder)
         self.run_info = dict(run_info or {})
         self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:

@@ -17,7 +17,7 @@ from ..config_utils import (
 )
 from ..registry import peft_type_member
 from ..rotation.config import RotationConfig
-from ..rotation.quantization import BASE_QUANTIZATIONS
+from ..rotation.storage_kinds import BASE_QUANTIZATIONS
 
 POET_PEFT_TYPE = "POET"
 

@@ -18,6 +18,7 @@ from ...orthogonal import spo_generator
 from ...orthogonal.base_ops import Conv2dOp, LinearOp
 from ...orthogonal.rotation_sides import WeightSource
 from . import quantization, residual_store
+from .caches import RotationStepState
 from .frozen_weight import FrozenWeight, frozen_weight
 from .quantization import HoldsBaseLayer
 
@@ -35,6 +36,7 @@ class BaseWeightMixin:
     get_base_layer: Callable[[], nn.Module]
     base_layer: nn.Module
     rotation_settings: dict[str, Any]
+    step_state: RotationStepState
     requantization_error: float | None
     pending_quantization: str | None
 
@@ -51,7 +53,7 @@ class BaseWeightMixin:
 
     @property
     def base_quantization(self) -> str | None:
-        """``"nf4"``, ``"fp4"`` or ``"int8"`` when the base is a bitsandbytes layer, else ``None``."""
+        """The storage kind's name (`storage_kinds.KINDS`) when the base is a bitsandbytes layer, else ``None``."""
         return quantization.quantization_of(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
@@ -101,7 +103,7 @@ class BaseWeightMixin:
             )
 
     def quantize_base(self, base_quantization: str) -> None:
-        """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (``"nf4"``, ``"fp4"``, ``"int8"``)."""
+        """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (a kind of `storage_kinds.KINDS`)."""
         if self.base_quantization is None:
             self.base_layer = quantization.quantize_linear(cast(nn.Linear, self.get_base_layer()), base_quantization)
         self.pending_quantization = None
@@ -126,7 +128,13 @@ class BaseWeightMixin:
         settings = self.rotation_settings[adapter_name]
         frozen = self.frozen
         expected = frozen.expected_residual_bytes() if settings.requantize == "feedback" else 0
-        residual_store.attach(self.get_base_layer(), settings.residual_storage, frozen.residual_names(), expected)
+        residual_store.attach(
+            self.get_base_layer(),
+            settings.residual_storage,
+            frozen.residual_names(),
+            self.step_state.residual_folder,
+            expected,
+        )
 
     @property
     def is_conv2d(self) -> bool:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -30,9 +30,11 @@ import torch
 from accelerate.state import GradientState
 from torch.utils.hooks import RemovableHandle
 
+from ...orthogonal.norm_cap import NormCap
 from ...orthogonal.rotated_linear import RotationCache
 from ...orthogonal.strategy_costs import CacheChoice
 from ...sharded import shard_count
+from .residual_folder import ResidualFolder
 
 logger = logging.getLogger(__name__)
 _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
@@ -40,6 +42,8 @@ _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth",
 
 class StepCaches(Protocol):
     """One layer's rotation caches (`FusedForward`), as the step hooks see them."""
+
+    caches: dict[tuple[str, str], RotationCache]  # by (adapter, side)
 
     def has_deferred_grads(self) -> bool: ...
 
@@ -104,7 +108,8 @@ class RotationStepState:
     ``cache_rotations="auto"`` chose per layer (`cache_choices`, logged at the first optimizer step after a choice),
     whether the layers run the plain autograd reference (`reference`) instead of the fused forward, and whether a
     training engine moves every gradient off its parameter during the backward (`engine_takes_gradients`, DeepSpeed
-    ZeRO: an empty ``.grad`` then says nothing about ``zero_grad``). A
+    ZeRO: an empty ``.grad`` then says nothing about ``zero_grad``), the norm cap's factors (`norm_cap`), where the
+    error-feedback residual files go (`residual_folder`), and what was logged about the model once (`logged`). A
     `RotationModel` owns one and hands it to every layer it injects; a layer built on its own holds its own.
 
     Args:
@@ -114,6 +119,9 @@ class RotationStepState:
     def __init__(self, root: torch.nn.Module | None = None) -> None:
         self.reference = False
         self.engine_takes_gradients = False
+        self.norm_cap = NormCap()
+        self.residual_folder = ResidualFolder()
+        self.logged: set[Any] = set()  # messages logged once per model, by key
         self.cache_choices: dict[str, CacheChoice] = {}
         self._unlogged: list[str] = []
         self._root = None if root is None else weakref.ref(root)
@@ -121,8 +129,9 @@ class RotationStepState:
         self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """A copy (``copy.deepcopy``, pickling) keeps `reference` and starts with no cache, choice, hook or engine."""
-        return _fresh_state, (self.reference,)
+        """A copy (``copy.deepcopy``, pickling) keeps `reference` and the residual folder's parent (one folder object
+        with the copied layers' stores) and starts with no cache, choice, hook or engine."""
+        return _fresh_state, (self.reference, self.residual_folder)
 
     def process_shards(self) -> int:
         """Processes the model's parameters are sharded over (FSDP2, ZeRO-3), 1 when replicated or unknown."""
@@ -197,9 +206,9 @@ class RotationStepState:
             layer.fused.drop()
 
 
-def _fresh_state(reference: bool) -> RotationStepState:
+def _fresh_state(reference: bool, residual_folder: ResidualFolder) -> RotationStepState:
     state = RotationStepState()
-    state.reference = reference
+    state.reference, state.residual_folder = reference, residual_folder
     return state
 
 
@@ -223,37 +232,55 @@ def _remove_hooks(hooks: tuple[RemovableHandle, RemovableHandle]) -> None:
         hook.remove()
 
 
-class _GradAnchor:
-    """Hung on a skew parameter's ``.grad``, so that ``zero_grad()`` releases the deferred part of the gradient too.
+class StatefulLayer(Protocol):
+    """A layer that shares its model's `RotationStepState`."""
 
-    The deferred part is the cache's pending sum."""
-
-    def __init__(self, cache: Any) -> None:
-        weakref.finalize(self, _drop_pending, weakref.ref(cache))
+    @property
+    def step_state(self) -> RotationStepState: ...
 
 
-def _drop_pending(cache_ref: weakref.ref[Any]) -> None:
-    cache = cache_ref()
-    if cache is not None:
-        cache.clear()
+def gradient_anchor(
+    step_caches: StepCaches, layer: StatefulLayer, adapter_name: str, side: str
+) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of one skew parameter: it ties its cache's pending sum to ``param.grad``.
 
-
-def anchor_to_gradient(param: torch.Tensor) -> None:
-    """Post-accumulate-grad hook of every skew parameter: tie its cache's pending sum to ``param.grad``.
-
-    The pending sum is part of that gradient. The gradient's version is noted too, so that an in-place
-    ``zero_grad(set_to_none=False)`` is seen.
+    The pending sum is part of that gradient, so a ``zero_grad()`` that frees the gradient frees the sum too (a weak
+    reference to the gradient, held by the cache, clears it). The gradient's version is noted too, so that an
+    in-place ``zero_grad(set_to_none=False)`` is seen (`gradient_was_reset`). Nothing is tied where a training
+    engine takes every gradient off its parameter (``engine_takes_gradients``, ZeRO).
 
     Registered on the layer's own parameter object. FSDP2 replaces it by sharded and unsharded copies, on which the
-    hook never runs: there the cache is freed by the step's last micro-batch, a merge or the step only."""
-    cache: RotationCache | None = getattr(param, "_poet_rotation_cache", None)
-    grad = param.grad
-    if cache is None or cache.pending is None or grad is None:
-        return
-    cache.grad_version = grad._version
-    if getattr(grad, "_poet_anchor_cache", None) is not cache:
-        grad._poet_anchor = _GradAnchor(cache)  # type: ignore[attr-defined]  # kept alive by the gradient tensor
-        grad._poet_anchor_cache = cache  # type: ignore[attr-defined]
+    hook never runs: there the cache is freed by the step's last micro-batch, a merge or the step only.
+
+    Args:
+        step_caches: the layer's rotation caches (held weakly).
+        layer: the layer that owns the parameter (held weakly).
+        adapter_name: the adapter of the parameter.
+        side: its side.
+    """
+    caches_ref, layer_ref = weakref.ref(step_caches), weakref.ref(layer)
+
+    def anchor(param: torch.Tensor) -> None:
+        live, live_caches, grad = layer_ref(), caches_ref(), param.grad
+        if live is None or live_caches is None or grad is None or live.step_state.engine_takes_gradients:
+            return
+        cache = live_caches.caches.get((adapter_name, side))
+        if cache is None or cache.pending is None:
+            return
+        cache.grad_version = grad._version
+        if cache.anchor is None or cache.anchor() is not grad:
+            cache.anchor = weakref.ref(grad, _pending_dropper(weakref.ref(cache)))
+
+    return anchor
+
+
+def _pending_dropper(cache_ref: weakref.ref[RotationCache]) -> Callable[[Any], None]:
+    def drop(_: Any) -> None:
+        cache = cache_ref()
+        if cache is not None:
+            cache.clear()
+
+    return drop
 
 
 def gradient_was_reset(param: torch.Tensor, cache: Any) -> bool:

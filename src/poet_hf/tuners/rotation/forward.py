@@ -11,6 +11,8 @@ the fused path is tested against.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, compute_dtypes, rotated_forward
@@ -23,8 +25,9 @@ from ...orthogonal.strategy_costs import (
 )
 from ...sharded import full_tensor
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
-from . import caches, quantization
+from . import caches
 from .base_weight import at_least_float32
+from .storage_kinds import storage_kind
 from .view import RotatedLayerView
 
 
@@ -36,6 +39,7 @@ class FusedForward:
 
     def __init__(self) -> None:
         self.caches: dict[tuple[str, str], RotationCache] = {}
+        self.anchored: dict[tuple[str, str], weakref.ref] = {}  # the skew parameter holding each side's anchor hook
         self.cache_choices: dict[str, CacheChoice] = {}  # cache_rotations="auto", per adapter, at its first window
 
     def side_rotation(
@@ -50,7 +54,8 @@ class FusedForward:
         """One side's rotation as the fused functions take it; ``keep`` flags the blocks OFT's dropout keeps."""
         settings = layer.rotation_settings[adapter_name]
         spec = layer.sides(adapter_name)[side]
-        return SideRotation(spec, layer.index_buffer(adapter_name, side), settings.neumann_terms, keep, cache, defer)
+        index = layer.index_buffer(adapter_name, side)
+        return SideRotation(spec, index, settings.neumann_terms, keep, cache, defer, layer.step_state.norm_cap)
 
     def choose_strategy(
         self,
@@ -174,8 +179,7 @@ class FusedForward:
             if not defer:
                 return None, False
             cache = self.caches[(adapter_name, side)] = RotationCache(dtype)
-            if not layer.step_state.engine_takes_gradients:  # ZeRO empties .grad itself: nothing to tie the sum to
-                vec._poet_rotation_cache = cache  # type: ignore[attr-defined]  # on the tensor, for anchor_to_gradient
+            self._anchor_gradient(layer, adapter_name, side)
             layer.step_state.track(layer)
         if caches.gradient_was_reset(vec, cache):
             cache.clear()  # zero_grad(set_to_none=False) since the last micro-batch: the step was abandoned
@@ -190,6 +194,19 @@ class FusedForward:
             cache.clear()
         cache.key = key
         return cache, defer
+
+    def _anchor_gradient(self, layer: RotatedLayerView, adapter_name: str, side: str) -> None:
+        """Hook the layer's skew parameter (once) so that ``zero_grad`` drops its deferred gradient too
+        (`caches.gradient_anchor`)."""
+        param = layer.skew_parameter(adapter_name, side)
+        anchored = self.anchored.get((adapter_name, side))
+        if anchored is None or anchored() is not param:
+            param.register_post_accumulate_grad_hook(caches.gradient_anchor(self, layer, adapter_name, side))
+            self.anchored[(adapter_name, side)] = weakref.ref(param)
+
+    def __getstate__(self) -> dict:
+        """Copied and pickled without its hooks' record: a copy's parameters carry no hook until it caches."""
+        return {**self.__dict__, "anchored": {}}
 
     def nbytes(self) -> int:
         """Bytes the caches hold (blocks and deferred gradients)."""
@@ -279,7 +296,7 @@ def reference_forward(
 
 def quantization_cost(base_quantization: str | None) -> float:
     """Multiply-adds per ``W0`` entry of dequantising it once (0 for a float ``W0``)."""
-    return quantization.DEQUANTIZE_COST[base_quantization] if base_quantization else 0.0
+    return storage_kind(base_quantization).dequantize_cost if base_quantization else 0.0
 
 
 def _polynomial_phase(cache: RotationCache | None, defer: bool) -> str:

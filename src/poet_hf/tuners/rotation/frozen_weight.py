@@ -29,7 +29,7 @@ class FrozenWeight(ABC):
         module: the base layer that stores it.
     """
 
-    quantization: str | None = None  # "nf4", "fp4" or "int8" for a bitsandbytes base
+    quantization: str | None = None  # the storage kind's name (storage_kinds.KINDS) for a bitsandbytes base
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module

@@ -35,7 +35,6 @@ from ...orthogonal.statistics import block_statistics
 from ...sharded import full_tensor, write_full
 from ..config_utils import SIDE_INPUT
 from ..tuner_base import ModuleMixin
-from . import caches
 from .base_weight import BaseWeightMixin, QuantizedMergeWarning
 from .caches import RotationStepState
 from .config import RotationConfig
@@ -145,10 +144,6 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
             params, indices = self.side_containers(side)
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, merge_count=0))
             params[adapter_name].zero_()
-            if not getattr(params[adapter_name], "_poet_anchored", False):
-                # so that zero_grad drops a deferred gradient with the rest of the gradient (caches.py)
-                params[adapter_name].register_post_accumulate_grad_hook(caches.anchor_to_gradient)
-                params[adapter_name]._poet_anchored = True
         if not settings.init_weights:
             self.randomize_skew(
                 adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -15,7 +16,6 @@ from torch import nn
 
 from ..config_utils import holds_full_model
 from ..tuner_base import LayerReplacingTuner
-from . import residual_store
 from .block_sizes import record_adjusted_block_sizes
 from .caches import RotationStepState
 from .config import RotationConfig
@@ -188,7 +188,7 @@ def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) ->
 @torch.no_grad()
 def prepare_residual_files(model: nn.Module, adapter_name: str = "default") -> None:
     """Give every POET layer of ``model`` its residual store and check the residual folder's free space against what
-    their files will take (`residual_store.check_disk_space_once`); before training and before a merge.
+    their files will take (`ResidualFolder.check_disk_space_once`); before training and before a merge.
 
     Args:
         model: the model with POET (or OFT) layers.
@@ -197,9 +197,27 @@ def prepare_residual_files(model: nn.Module, adapter_name: str = "default") -> N
     Raises:
         ResidualSpaceError: the residual files would not fit (`poet_hf.tuners.rotation.residual_folder`).
     """
-    for _, layer in rotation_layers(model, adapter_name):
+    layers = rotation_layers(model, adapter_name)
+    for _, layer in layers:
         layer.attach_residual_store(adapter_name)
-    residual_store.check_disk_space_once()
+    for folder in {
+        id(layer.step_state.residual_folder): layer.step_state.residual_folder for _, layer in layers
+    }.values():
+        folder.check_disk_space_once()
+
+
+def set_residual_folder(model: nn.Module, path: str | os.PathLike | None) -> None:
+    """Write ``model``'s error-feedback residual files under ``path`` from now on (``None``: the system temp folder).
+
+    Args:
+        model: the model with POET (or OFT) layers.
+        path: the parent folder of the model's ``poet-residuals-<pid>-*`` folder, created if missing.
+
+    Raises:
+        ValueError: ``path`` exists and is not a folder.
+    """
+    for _, layer in rotation_layers(model):
+        layer.step_state.residual_folder.set_parent(path)
 
 
 def merge_and_reinit(

@@ -26,19 +26,15 @@ import torch
 from torch import nn
 
 from . import residual_store
+from .storage_kinds import EIGHT_BIT, storage_kind
 
 logger = logging.getLogger(__name__)
 
-BASE_QUANTIZATIONS = ("nf4", "fp4", "int8")
 REQUANTIZE_MODES = ("feedback", "nearest", "stochastic")
 RESIDUAL_BLOCK = 64  # entries per scale of the int8 requantisation residual (error feedback)
 RESIDUAL_CODES, RESIDUAL_SCALES = "poet_residual_codes", "poet_residual_scales"  # buffers on the quantised base
 RESIDUAL_NAMES = (RESIDUAL_CODES, RESIDUAL_SCALES)
 _INSTALL_HINT = "pip install 'poet_hf[quant]' (the `quant` extra: bitsandbytes)"
-
-# Multiply-add equivalents per entry of one dequantisation (cost model): a table look-up and a scale for 4-bit,
-# a scale for int8. Measured on this project's CPU, dequantising costs about 1/100 of a matmul over 1024 tokens.
-DEQUANTIZE_COST = {"nf4": 2.0, "fp4": 2.0, "int8": 1.0}
 
 
 # A bnb.nn.Linear4bit or Linear8bitLt: bitsandbytes ships no type information, so its layers are typed loosely.
@@ -62,7 +58,8 @@ def is_bnb_module(module: nn.Module) -> bool:
 
 
 def quantization_of(module: nn.Module) -> str | None:
-    """``"nf4"``, ``"fp4"`` or ``"int8"`` for a ``Linear4bit`` / ``Linear8bitLt``; ``None`` outside bitsandbytes.
+    """The storage kind's name (`storage_kinds.KINDS`) of a ``Linear4bit`` / ``Linear8bitLt``; ``None`` outside
+    bitsandbytes.
 
     Any other bitsandbytes module raises a ``ValueError`` naming its type."""
     if not is_bnb_module(module):
@@ -76,7 +73,7 @@ def quantization_of(module: nn.Module) -> str | None:
                 "a bnb.nn.Linear8bitLt with has_fp16_weights=True keeps a trainable float weight; "
                 "rotation adapters need a frozen int8 base (has_fp16_weights=False)"
             )
-        return "int8"
+        return EIGHT_BIT.name
     raise ValueError(
         f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
         "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt"
@@ -185,7 +182,7 @@ class QuantizedWeight:
     def __init__(self, module: BnbLayer, dtype: torch.dtype) -> None:
         self.module = module
         self.dtype = dtype
-        self.dequantize_cost = DEQUANTIZE_COST[cast(str, quantization_of(module))]
+        self.dequantize_cost = storage_kind(cast(str, quantization_of(module))).dequantize_cost
 
     def __call__(self) -> torch.Tensor:
         return dequantize(self.module).to(self.dtype)
@@ -232,7 +229,7 @@ def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Gener
     Requantising it then keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over
     the code book) or per row (int8, 127 levels each way)."""
     work = matrix.float()
-    if quantization_of(module) == "int8":
+    if storage_kind(cast(str, quantization_of(module))).bits == 8:
         scale = work.half().float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
         grid = torch.arange(-127, 128, dtype=work.dtype, device=work.device)
         return stochastic_round(work, grid, scale, generator)
@@ -267,7 +264,7 @@ def requantize(
         if generator is None:
             raise ValueError("requantize='stochastic' needs a seeded generator")
         matrix = _grid_rounded(module, matrix, generator)
-    dtype = compute_dtype(module) if quantization_of(module) != "int8" else matrix.dtype
+    dtype = compute_dtype(module) if storage_kind(cast(str, quantization_of(module))).bits == 4 else matrix.dtype
     _restore_packed(module)
     buffers = {name: b for name in RESIDUAL_NAMES if (b := module._buffers.get(name)) is not None}
     _backend(module).set_base_weight(peft_layer, matrix.to(dtype).contiguous())
@@ -322,13 +319,12 @@ def quantize_linear(
 ) -> BnbLayer:
     """A bitsandbytes layer holding ``linear``'s weight, quantised, and its bias, on ``linear``'s device.
 
-    ``"nf4"`` and ``"fp4"`` give a ``bnb.nn.Linear4bit``, ``"int8"`` a ``bnb.nn.Linear8bitLt``."""
-    if quantization not in BASE_QUANTIZATIONS:
-        raise ValueError(f"`base_quantization` must be one of {(None, *BASE_QUANTIZATIONS)}, got {quantization!r}")
+    A 4-bit kind (`storage_kinds.KINDS`) gives a ``bnb.nn.Linear4bit``, an 8-bit one a ``bnb.nn.Linear8bitLt``."""
+    kind = storage_kind(quantization)
     bnb = import_bitsandbytes()
     weight = linear.weight.detach()
     has_bias = linear.bias is not None
-    if quantization == "int8":
+    if kind.bits == 8:
         module = bnb.nn.Linear8bitLt(
             linear.in_features, linear.out_features, bias=has_bias, has_fp16_weights=False, device="meta"
         )
@@ -341,13 +337,13 @@ def quantize_linear(
             bias=has_bias,
             compute_dtype=dtype,
             compress_statistics=double_quant,
-            quant_type=quantization,
+            quant_type=kind.name,
             device="meta",
         )
         module.weight = bnb.nn.Params4bit(
             weight.to("cpu", dtype),
             requires_grad=False,
-            quant_type=quantization,
+            quant_type=kind.name,
             compress_statistics=double_quant,
             module=module,
         )
@@ -469,17 +465,16 @@ def bits_and_bytes_config(
 ) -> Any:
     """The ``transformers.BitsAndBytesConfig`` that loads a checkpoint's Linear layers quantised, the QLoRA way.
 
-    ``"nf4"`` and ``"fp4"`` are 4-bit with ``compute_dtype``; ``"int8"`` is 8-bit."""
+    A 4-bit kind (`storage_kinds.KINDS`) loads with ``compute_dtype``; an 8-bit one loads 8-bit."""
     from transformers import BitsAndBytesConfig
 
-    if quantization not in BASE_QUANTIZATIONS:
-        raise ValueError(f"`base_quantization` must be one of {BASE_QUANTIZATIONS}, got {quantization!r}")
+    kind = storage_kind(quantization)
     import_bitsandbytes()
-    if quantization == "int8":
+    if kind.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=quantization,
+        bnb_4bit_quant_type=kind.name,
         bnb_4bit_use_double_quant=double_quant,
         bnb_4bit_compute_dtype=compute_dtype,
     )

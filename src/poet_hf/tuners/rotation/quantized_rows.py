@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .storage_kinds import KINDS
+
 ROW_BLOCK_ENTRIES = 1 << 22  # entries of a 4-bit W0 dequantised at once (16 MB in float32)
 
 
@@ -25,7 +27,7 @@ def rows_per_block(module: Any) -> int | None:
     weight = module.weight
     state = getattr(weight, "quant_state", None)
     cols, total = module.in_features, module.out_features * module.in_features
-    if state is None or state.quant_type not in ("nf4", "fp4") or total <= ROW_BLOCK_ENTRIES:
+    if state is None or not getattr(KINDS.get(state.quant_type), "row_blocks", False) or total <= ROW_BLOCK_ENTRIES:
         return None
     if weight.data.numel() * 2 != total:  # not the packed layout this module reads
         return None

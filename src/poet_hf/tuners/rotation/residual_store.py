@@ -7,10 +7,11 @@ is read and written only at a fold, once every ``merge_every`` steps, so it need
 - ``"layer"``: buffers on the base layer, beside the weight (1.06 bytes per entry of a 4-bit ``W0``, 1 of a 16-bit
   one);
 - ``"cpu"``: host memory, for a ``W0`` on an accelerator (the accelerator holds only the codes);
-- ``"disk"``: one ``safetensors`` file per layer in this process's residual folder (`residual_folder`: under the
-  system temp folder unless ``residual_folder`` names another), deleted with the layer; a fold reads one layer's
-  residual into memory and frees it, so the process holds at most one layer's residual at a time. Before the first
-  file is written, the disk's free space is checked against what every layer's file will take;
+- ``"disk"``: one ``safetensors`` file per layer in the model's residual folder
+  (`residual_folder.ResidualFolder`: under the system temp folder unless ``residual_folder`` names another),
+  deleted with the layer; a fold reads one layer's residual into memory and frees it, so the process holds at most
+  one layer's residual at a time. Before the first file is written, the disk's free space is checked against what
+  every layer's file will take;
 - ``"auto"`` (the default): ``"cpu"`` for a ``W0`` on an accelerator, ``"disk"`` for one on the CPU.
 
 Wherever it lives, the residual is part of the layer's ``state_dict`` (read from its store when saved, put back
@@ -30,15 +31,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 from torch import nn
 
-from . import residual_folder
+from .residual_folder import ResidualFolder
 
 __all__ = [
     "RESIDUAL_STORAGES",
     "ResidualStore",
     "attach",
     "carry",
-    "check_disk_space",
-    "check_disk_space_once",
     "drop",
     "keep",
     "load_from_state_dict",
@@ -53,16 +52,18 @@ STORE_ATTRIBUTE = "poet_residual_store"
 class ResidualStore:
     """A base layer's rounding residual, kept off the layer: in host memory (``"cpu"``) or in a file (``"disk"``).
 
-    ``"auto"`` picks by the device of the residual it is given (`RESIDUAL_STORAGES`)."""
+    ``"auto"`` picks by the device of the residual it is given (`RESIDUAL_STORAGES`); a file goes into ``folder``,
+    the model's, which counts the store in its free-space check."""
 
-    def __init__(self, storage: str, expected_bytes: int = 0) -> None:
+    def __init__(self, storage: str, folder: ResidualFolder, expected_bytes: int = 0) -> None:
         self.storage = storage
+        self.folder = folder
         self.expected_bytes = expected_bytes  # what the residual will take (the free-space check counts it)
         self.module: weakref.ref[nn.Module] | None = None  # the base layer it serves (`_install`)
         self._tensors: dict[str, torch.Tensor] | None = None
         self._path: Path | None = None
         self._kept = False
-        _STORES.add(self)
+        folder.register(self)
 
     @property
     def on_disk(self) -> bool:
@@ -89,8 +90,8 @@ class ResidualStore:
                 self._tensors = {name: t.pin_memory() for name, t in self._tensors.items()}
             return
         if self._path is None:
-            check_disk_space_once()
-            handle, path = tempfile.mkstemp(prefix="residual-", suffix=".safetensors", dir=_folder())
+            self.folder.check_disk_space_once()
+            handle, path = tempfile.mkstemp(prefix="residual-", suffix=".safetensors", dir=str(self.folder.path()))
             os.close(handle)
             self._path = Path(path)
             weakref.finalize(self, self._path.unlink, missing_ok=True)
@@ -110,10 +111,15 @@ class ResidualStore:
 
     def __getstate__(self) -> dict:
         """Pickled and deep-copied with the tensors it keeps: a copy gets a file of its own."""
-        return {"storage": self.storage, "expected_bytes": self.expected_bytes, "tensors": self.get()}
+        return {
+            "storage": self.storage,
+            "folder": self.folder,
+            "expected_bytes": self.expected_bytes,
+            "tensors": self.get(),
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["storage"], state.get("expected_bytes", 0))  # type: ignore[misc]
+        self.__init__(state["storage"], state["folder"], state["expected_bytes"])  # type: ignore[misc]
         if state["tensors"] is not None:
             self.put(state["tensors"])
 
@@ -122,45 +128,6 @@ class ResidualStore:
         self._tensors, self._kept = None, False
         if self._path is not None:
             self._path.write_bytes(b"")
-
-
-_STORES: weakref.WeakSet[ResidualStore] = weakref.WeakSet()  # every live store, for the free-space check
-_CHECKED_PARENT: list[Path | None] = [None]  # the parent folder whose free space was checked
-
-
-def _folder() -> str:
-    """This process's folder for residual files (removed at exit; `residual_folder`)."""
-    return str(residual_folder.process_folder())
-
-
-def disk_bytes() -> tuple[int, int]:
-    """What the residual files of every live store bound for disk will take, and what their files hold now."""
-    stores = [store for store in list(_STORES) if store.on_disk]
-    return sum(store.expected_bytes for store in stores), sum(store.file_bytes() for store in stores)
-
-
-def check_disk_space() -> None:
-    """Check the residual folder's free space against what the residual files will take (`disk_bytes`).
-
-    Where any file is to be written, removes the folders of dead processes first
-    (`residual_folder.remove_stale_folders`). Runs before the first merge (and file), and whenever the folder
-    changes; ``PoetTrainer`` also runs it before training.
-
-    Raises:
-        residual_folder.ResidualSpaceError: the disk cannot hold them (the message names the folder and the bytes).
-    """
-    needed, written = disk_bytes()
-    if not needed:  # no residual file is to be written: nothing to check, nothing to clean
-        return
-    residual_folder.remove_stale_folders(residual_folder.residual_parent())  # their space is free again
-    residual_folder.check_free_space(needed, written)
-    _CHECKED_PARENT[0] = residual_folder.residual_parent()
-
-
-def check_disk_space_once() -> None:
-    """`check_disk_space`, unless it passed for the current residual folder already."""
-    if _CHECKED_PARENT[0] != residual_folder.residual_parent():
-        check_disk_space()
 
 
 def _store(module: nn.Module) -> ResidualStore | None:
@@ -175,18 +142,20 @@ def _add_to_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_m
 
 
 def _install(module: nn.Module, store: ResidualStore) -> None:
+    if not hasattr(module, STORE_ATTRIBUTE):  # the first store of this module: its state_dict hook (kept for good)
+        module.register_state_dict_post_hook(_add_to_state_dict)
     setattr(module, STORE_ATTRIBUTE, store)
     store.module = weakref.ref(module)
-    if not getattr(module, "_poet_residual_hooked", False):
-        module.register_state_dict_post_hook(_add_to_state_dict)
-        setattr(module, "_poet_residual_hooked", True)  # noqa: B010  (an attribute, not a submodule)
 
 
-def attach(module: nn.Module, storage: str, names: tuple[str, ...], expected_bytes: int = 0) -> None:
+def attach(
+    module: nn.Module, storage: str, names: tuple[str, ...], folder: ResidualFolder, expected_bytes: int = 0
+) -> None:
     """Keep ``module``'s residual (its tensors ``names``) in ``storage`` from now on.
 
-    ``storage`` is one of `RESIDUAL_STORAGES`; a residual the layer already holds moves there. ``expected_bytes``:
-    what the residual will take (0: none is expected), counted by the free-space check of the files."""
+    ``storage`` is one of `RESIDUAL_STORAGES`; a residual the layer already holds moves there. ``folder``: the
+    model's residual folder. ``expected_bytes``: what the residual will take (0: none is expected), counted by the
+    free-space check of the files."""
     if storage not in RESIDUAL_STORAGES:
         raise ValueError(f"`residual_storage` must be one of {RESIDUAL_STORAGES}, got {storage!r}")
     current = _store(module)
@@ -197,9 +166,9 @@ def attach(module: nn.Module, storage: str, names: tuple[str, ...], expected_byt
     held = read(module, names)
     if current is not None:
         current.clear()
-        delattr(module, STORE_ATTRIBUTE)
+        setattr(module, STORE_ATTRIBUTE, None)
     if storage != "layer":
-        _install(module, ResidualStore(storage, expected_bytes))
+        _install(module, ResidualStore(storage, folder, expected_bytes))
     if held is not None:
         keep(module, held)
 
@@ -264,7 +233,7 @@ def drop(module: nn.Module, names: tuple[str, ...]) -> None:
     store = _store(module)
     if store is not None:
         store.clear()
-        delattr(module, STORE_ATTRIBUTE)
+        setattr(module, STORE_ATTRIBUTE, None)
 
 
 def resident_bytes(module: nn.Module, names: tuple[str, ...]) -> int:

@@ -30,6 +30,7 @@ from ...orthogonal.spo import BLOCK, FULL, SideSpec
 from ..config_utils import SIDE_INPUT, SIDE_OUTPUT
 from . import quantization, residual_store
 from .quantized_rows import RequantizedRows, dequantize_rows, dequantized_scales, rows_per_block
+from .storage_kinds import storage_kind
 from .view import RotatedLayerView
 
 __all__ = ["RowGroup", "fold_by_rows", "foldable_by_rows", "output_row_groups"]
@@ -91,7 +92,7 @@ def _untouched(rows: torch.Tensor, per: int) -> Iterator[RowGroup]:
 def foldable_by_rows(layer: RotatedLayerView, adapter_name: str) -> bool:
     """Whether `fold_by_rows` folds this layer: a 4-bit ``W0`` in bitsandbytes' byte layout, larger than one group,
     rows of whole quantisation and residual blocks, requantised to nearest (with or without error feedback)."""
-    if layer.base_quantization not in ("nf4", "fp4"):
+    if layer.base_quantization is None or not storage_kind(layer.base_quantization).row_blocks:
         return False
     if layer.rotation_settings[adapter_name].requantize not in ROW_FOLD_MODES:
         return False
