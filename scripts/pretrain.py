@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         return print_plan(args, training)
     if args.print_recipe:
         recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(run_tokenizer(args)))
-        print(json.dumps(recipe, indent=2))
-        return recipe
+        print(json.dumps(recipe.as_dict(), indent=2))
+        return recipe.as_dict()
     results = run_pretraining(args, training)
     summary = run_summary(results)
     print(json.dumps(summary, indent=2))

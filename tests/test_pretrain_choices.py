@@ -25,7 +25,7 @@ EXPECTED = {
 def test_each_variant_is_the_reference_with_its_one_choice_changed(tmp_path: Path, variant: str) -> None:
     argv = pretrain_choices.job_argv(pretrain_choices.VARIANTS[variant], quick=False)
     args, training = parse_pretrain_arguments([*argv, "--output_dir", str(tmp_path)])
-    recipe = resolve_recipe(args, recipe_flags(training), world_size=1, vocab_size=4096)
+    recipe = resolve_recipe(args, recipe_flags(training), world_size=1, vocab_size=4096).as_dict()
     assert {key: recipe[key] for key in REFERENCE} == REFERENCE | EXPECTED[variant]
     assert (recipe["method"], recipe["spo"], recipe["steps"]) == ("poet-fs", "full", pretrain_choices.STEPS)
     assert (recipe["learning_rate"], recipe["poet_learning_rate"]) == (5e-3, 4e-3)  # the tiny preset's rates

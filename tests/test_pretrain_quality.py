@@ -31,7 +31,7 @@ def test_each_method_runs_what_it_names_at_the_swept_rate(tmp_path: Path, method
     rate = 1.234e-3  # on no grid: it can only come from the command line
     argv = pretrain_quality.job_argv(method, rate, quick=False)
     args, training = parse_pretrain_arguments([*argv, "--output_dir", str(tmp_path)])
-    recipe = resolve_recipe(args, recipe_flags(training), world_size=1, vocab_size=4096)
+    recipe = resolve_recipe(args, recipe_flags(training), world_size=1, vocab_size=4096).as_dict()
     expected_method, optimizer, rate_field = EXPECTED[method]
     assert (recipe["method"], recipe["optimizer"], recipe[rate_field]) == (expected_method, optimizer, rate)
     if rate_field == "poet_learning_rate":  # the embeddings and head keep the preset's rate

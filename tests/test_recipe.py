@@ -157,7 +157,7 @@ def test_flags_override_every_recipe_value():
     assert (recipe["learning_rate"], recipe["poet_learning_rate"], recipe["neumann_terms"]) == (3e-3, 5e-4, 5)
     assert (recipe["batch_size"], recipe["gradient_accumulation_steps"], recipe["steps"]) == (16, 16, 77)
     two_processes = resolve_recipe(PretrainArguments(preset="llama-130m"), world_size=2)
-    assert two_processes["batch_size"] * two_processes["gradient_accumulation_steps"] * 2 == 512
+    assert two_processes.batch_size * two_processes.gradient_accumulation_steps * 2 == 512
 
 
 # --- Table 2: every cell the paper's numbers determine -------------------------------------------------------------
@@ -179,14 +179,15 @@ CELLS = [(p, m, size, value) for (p, m), row in TABLE_2.items() for size, value 
 def test_every_determined_table_2_count_is_reproduced(preset, method, size, millions):
     flag = "--block_size" if method == "poet-bs" else "--budget"
     recipe = resolve_recipe(PretrainArguments(preset=preset, method=method, **{flag[2:]: size}), vocab_size=32000)
-    assert abs(recipe["trainable_block_params"] / 1e6 - millions) <= 0.005 + 1e-9
+    assert recipe.parameters is not None
+    assert abs(recipe.parameters["trainable_block_params"] / 1e6 - millions) <= 0.005 + 1e-9
 
 
 def test_the_llama_2_7b_preset_has_the_checkpoints_shape_and_table_1s_block_count():
     """Llama-2-7B's shape (configs/models/llama-2-7b.json) and POET-BS-256's skew count by Table 1: each side of an
     ``m × n`` weight has ``dim/b`` blocks of ``b(b−1)/2`` entries (11008 = 43·256)."""
     config = json.loads((ROOT / "configs" / "models" / "llama-2-7b.json").read_text())
-    recipe = resolve_recipe(PretrainArguments(preset="llama-2-7b"), vocab_size=config["vocab_size"])
+    recipe = resolve_recipe(PretrainArguments(preset="llama-2-7b"), vocab_size=config["vocab_size"]).as_dict()
     model = recipe["model"]
     assert (model["hidden"], model["intermediate"], model["heads"], model["layers"]) == (
         config["hidden_size"],
@@ -203,7 +204,7 @@ def test_the_llama_2_7b_preset_has_the_checkpoints_shape_and_table_1s_block_coun
 def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
     recipe = resolve_recipe(
         PretrainArguments(preset="llama-60m", method="poet-fs", budget_input=0.75, budget_output=0.25), vocab_size=32000
-    )
+    ).as_dict()
     hidden, ffn, layers = 512, 1376, 8
     shapes = [(hidden, hidden)] * 4 + [(hidden, ffn)] * 2 + [(ffn, hidden)]
     expected = layers * sum(
@@ -360,3 +361,31 @@ def test_presets_stay_hashable_with_the_adapter_fields_they_set():
     assert len({preset: name for name, preset in PRESETS.items()}) == len(PRESETS)  # frozen and hashable
     assert PRESETS["tiny"].adapter_fields == {"merge_every": 50}
     assert PRESETS["llama-60m"].adapter_fields == {}  # PoetConfig's merge_every, 400
+
+
+@pytest.mark.parametrize("method", ["poet-bs", "poet-fs", "lora", "adamw"])
+def test_the_printed_recipe_is_the_typed_one_flat_with_the_methods_own_settings(method):
+    recipe = resolve_recipe(PretrainArguments(preset="tiny", method=method))
+    printed = print_recipe("--preset", "tiny", "--method", method)  # with the parameter counts beside it
+    flat = json.loads(json.dumps(recipe.as_dict()))
+    flat["model"]["vocab"] = printed["model"]["vocab"]  # the run's tokenizer's (resolved here without one)
+    assert {key: printed[key] for key in flat} == flat and "trainable_params" in printed
+    assert ("block_size" in printed, "budget" in printed) == (method == "poet-bs", method == "poet-fs")
+    assert ("spo" in printed, "lora_rank" in printed) == (method.startswith("poet"), method == "lora")
+    if recipe.rotation is not None:
+        assert printed["spo"] == recipe.rotation.spo == ("block" if method == "poet-bs" else "full")
+        assert printed["neumann_terms"] - printed["paper_neumann_k"] == 2
+    assert printed["tokens_per_step"] == recipe.sequences_per_step * recipe.model["seq_len"]
+
+
+@pytest.mark.parametrize("method", ["adamw", "lora", "poet-bs"])
+def test_a_plan_of_any_method_reads_the_typed_recipe(method):
+    """``--plan_only`` of a method without rotations raised ``KeyError: 'cache_rotations'`` while the recipe was a
+    dict; the plan now takes each method's settings from the typed recipe (the tiny preset: micro-batch 8, 1 process,
+    block 32)."""
+    from poet_hf.recipes.run_plan import plan_settings
+
+    args, training = parse_pretrain_arguments(["--preset", "tiny", "--method", method])
+    settings = plan_settings(args, training)
+    assert (settings["batch_size"], settings["processes"], settings["cache_rotations"]) == (8, 1, "auto")
+    assert ("block_size" in settings, "rank" in settings) == (method == "poet-bs", method == "lora")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -22,6 +22,7 @@ from ..initialization import materialize_model
 from ..training.optimizer import tied_poet_learning_rate
 from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 from ..tuners.poet import PoetConfig
+from .recipe import PretrainRecipe
 
 __all__ = [
     "PRESETS",
@@ -183,7 +184,7 @@ def non_target_modules(model: nn.Module, targets: list[str] | str) -> list[str]:
 
 
 def apply_recipe(
-    model: torch.nn.Module, recipe: dict[str, Any], base_init: str | None = "recipe", seed: int = 0
+    model: torch.nn.Module, recipe: PretrainRecipe, base_init: str | None = "recipe", seed: int = 0
 ) -> torch.nn.Module:
     """Wrap the model for the recipe's method: POET via `PoetConfig`, LoRA via PEFT, AdamW and GaLore unchanged.
 
@@ -207,18 +208,20 @@ def apply_recipe(
     from ..tuners.tuner_base import get_peft_model_quietly
 
     targets = targets_for(cast(PretrainedConfig, model.config))
-    method = recipe["method"]
-    if method in ("poet-bs", "poet-fs"):
-        rotation = {"block_size": recipe["block_size"]} if method == "poet-bs" else {"budget": recipe["budget"]}
+    method, rotation = recipe.method, recipe.rotation
+    if rotation is not None:
+        sides: dict[str, Any] = (
+            {"block_size": rotation.block_size} if method == "poet-bs" else {"budget": rotation.budget}
+        )
         config: PeftConfig = PoetConfig(
-            spo=recipe["spo"],
-            **rotation,
-            neumann_terms=recipe["neumann_terms"],
-            merge_every=recipe["merge_every"],
+            spo=rotation.spo,
+            **sides,
+            neumann_terms=rotation.neumann_terms,
+            merge_every=rotation.merge_every,
             seed=seed,
-            base_init=recipe["base_init"] if base_init == "recipe" else base_init,
-            base_quantization=recipe.get("base_quantization"),
-            cache_rotations=recipe.get("cache_rotations", "auto"),
+            base_init=rotation.base_init if base_init == "recipe" else base_init,
+            base_quantization=cast(Any, rotation.base_quantization),  # a storage kind's name, checked by the config
+            cache_rotations=rotation.cache_rotations,
             train_other_params=True,
         )
         wrapped = get_peft_model_quietly(model, config)
@@ -226,8 +229,8 @@ def apply_recipe(
         return wrapped
     if method == "lora":
         config = LoraConfig(
-            r=recipe["lora_rank"],
-            lora_alpha=recipe["lora_rank"],
+            r=cast(int, recipe.lora_rank),
+            lora_alpha=cast(int, recipe.lora_rank),
             target_modules=targets,
             modules_to_save=non_target_modules(model, targets),
         )
@@ -288,7 +291,7 @@ def count_trainable(model: nn.Module) -> dict[str, int]:
 
 
 def recipe_parameter_counts(
-    recipe: dict[str, Any], vocab_size: int, config: PretrainedConfig | None = None
+    recipe: PretrainRecipe, vocab_size: int, config: PretrainedConfig | None = None
 ) -> dict[str, Any]:
     """What a recipe's method trains, counted on a model built on the ``meta`` device.
 
@@ -306,15 +309,16 @@ def recipe_parameter_counts(
     """
     from ..tuners.rotation.layer import rotation_layers
 
-    preset = PRESETS[recipe["preset"]]
-    config = config or preset_config(preset, recipe["method"], vocab_size, recipe["model"]["seq_len"])
-    model = apply_recipe(meta_model(config), {**recipe, "base_quantization": None}, None)
+    preset = PRESETS[recipe.preset]
+    config = config or preset_config(preset, recipe.method, vocab_size, recipe.model["seq_len"])
+    unquantized = replace(recipe.rotation, base_quantization=None) if recipe.rotation is not None else None
+    model = apply_recipe(meta_model(config), replace(recipe, rotation=unquantized), None)
     targets = targets_for(config)
     report: dict[str, Any] = {**count_trainable(model), "targets": targets}
     report["trained_in_full"] = sorted(
         {_module_of(name) for name, p in model.named_parameters() if p.requires_grad and not _in_adapter(name)}
     )
-    if recipe.get("spo") == "block":
+    if recipe.rotation is not None and recipe.rotation.spo == "block":
         report["block_sizes"] = {
             re.split(r"\.\d+\.", name)[-1]: {side: spec.block for side, spec in layer.sides("default").items()}
             for name, layer in rotation_layers(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -46,6 +47,7 @@ from .pretrain_arguments import (  # noqa: F401 (public here too)
     RUN_FLAGS,
     PretrainArguments,
 )
+from .recipe import PretrainRecipe, RotationRecipe
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
@@ -62,10 +64,11 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
         ``PoetTrainingArguments`` field values.
     """
     recipe = resolve_recipe(args, given)
-    values: dict[str, Any] = {flag: recipe[key] for key, flag in RECIPE_FLAGS.items() if key in recipe}
+    flat = recipe.as_dict()
+    values: dict[str, Any] = {flag: flat[key] for key, flag in RECIPE_FLAGS.items() if key in flat}
     values.update(
         output_dir="outputs/pretrain",
-        per_device_eval_batch_size=recipe["batch_size"],
+        per_device_eval_batch_size=recipe.batch_size,
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": args.min_lr_ratio},
         logging_steps=10,
@@ -114,7 +117,7 @@ def resolve_recipe(
     given: dict[str, Any] | None = None,
     world_size: int | None = None,
     vocab_size: int | None = None,
-) -> dict[str, Any]:
+) -> PretrainRecipe:
     """Every value of the run: the options and training flags given, else the preset's.
 
     The presets hold the paper's Tables 7–9 and appendix E.
@@ -128,7 +131,7 @@ def resolve_recipe(
             layers of the blocks).
 
     Returns:
-        What ``--print_recipe`` prints and ``results.json`` records under ``"recipe"``.
+        The recipe; its `PretrainRecipe.as_dict` is what ``--print_recipe`` prints and ``results.json`` records.
 
     Raises:
         ValueError: ``global_batch_size`` is not a multiple of the micro-batch times the processes.
@@ -143,34 +146,32 @@ def resolve_recipe(
     model = model_summary(config, args.seq_len, args.model_name_or_path or args.config_name or args.preset)
     if not (args.model_name_or_path or args.config_name):
         model["vocab"] = vocab_size  # a preset's vocabulary is the tokenizer's
-    recipe: dict[str, Any] = {
-        "preset": args.preset,
-        "method": args.method,
-        "model": model,
-        "learning_rate": given.get("learning_rate", preset.learning_rate),
-        "max_grad_norm": given.get("max_grad_norm", preset.max_grad_norm),
-        "weight_decay": given.get("weight_decay", preset.weight_decay),
-        "optimizer": flag_value(given, "optim", "galore_adamw" if args.method == "galore" else None),
-        "fused_optimizer_step": bool(given.get("fused_optimizer_step", False)),
-        "vocab_weights_dtype": given.get("vocab_weights_dtype", "float32"),
-        "schedule": flag_value(given, "lr_scheduler_type", "cosine_with_min_lr"),
-        "min_lr_ratio": args.min_lr_ratio,
-        "warmup_steps": given.get("warmup_steps", 0),
-        "steps": steps,
-        "sequences_per_step": global_batch,
-        "batch_size": micro,
-        "gradient_accumulation_steps": accumulation,
-        "processes": world,
-        "packing": args.packing,
-        "tokens_per_step": global_batch * args.seq_len,
-        "total_tokens": global_batch * args.seq_len * steps,
-    }
-    if args.method.startswith("poet"):
-        recipe.update(_rotation_recipe(args, given, preset, config.hidden_size))
-    elif args.method == "lora":
-        recipe["lora_rank"] = args.lora_rank
+    recipe = PretrainRecipe(
+        preset=args.preset,
+        method=args.method,
+        model=model,
+        learning_rate=given.get("learning_rate", preset.learning_rate),
+        max_grad_norm=given.get("max_grad_norm", preset.max_grad_norm),
+        weight_decay=given.get("weight_decay", preset.weight_decay),
+        optimizer=flag_value(given, "optim", "galore_adamw" if args.method == "galore" else None),
+        fused_optimizer_step=bool(given.get("fused_optimizer_step", False)),
+        vocab_weights_dtype=given.get("vocab_weights_dtype", "float32"),
+        schedule=flag_value(given, "lr_scheduler_type", "cosine_with_min_lr"),
+        min_lr_ratio=args.min_lr_ratio,
+        warmup_steps=given.get("warmup_steps", 0),
+        steps=steps,
+        sequences_per_step=global_batch,
+        batch_size=micro,
+        gradient_accumulation_steps=accumulation,
+        processes=world,
+        packing=args.packing,
+        tokens_per_step=global_batch * args.seq_len,
+        total_tokens=global_batch * args.seq_len * steps,
+        rotation=_rotation_recipe(args, given, preset, config.hidden_size) if args.method.startswith("poet") else None,
+        lora_rank=args.lora_rank if args.method == "lora" else None,
+    )
     if vocab_size is not None:
-        recipe.update(recipe_parameter_counts(recipe, vocab_size, config))
+        recipe = replace(recipe, parameters=recipe_parameter_counts(recipe, vocab_size, config))
     return recipe
 
 
@@ -210,7 +211,7 @@ def _batch_plan(
     return steps, micro, global_batch // (micro * world), global_batch
 
 
-def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset, hidden: int) -> dict[str, Any]:
+def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset, hidden: int) -> RotationRecipe:
     """POET's part of the recipe: the SPO sides, Cayley–Neumann terms, merge interval and rotation learning rate.
 
     A preset's shape takes its block size; a config's or a checkpoint's takes `PoetConfig`'s, which each layer fits to
@@ -230,25 +231,21 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
     mean_size = sum(rotation.values()) / 2
     if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
         mean_size = mean_size / hidden
-    return {
-        "spo": "block" if args.method == "poet-bs" else "full",
-        **(
-            {"block_size": _collapse(sides["block_size"])}
-            if args.method == "poet-bs"
-            else {"budget": _collapse(sides["budget"])}
-        ),
-        "neumann_terms": terms,
-        "paper_neumann_k": paper_neumann_k(terms),
-        "merge_every": given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
-        "base_init": args.base_init,
-        "base_quantization": args.base_quantization,
-        "cache_rotations": {"true": True, "false": False}.get(args.cache_rotations, "auto"),
-        "poet_learning_rate": given.get("poet_learning_rate")
+    blockwise = args.method == "poet-bs"
+    return RotationRecipe(
+        spo="block" if blockwise else "full",
+        block_size=_collapse(sides["block_size"]) if blockwise else None,
+        budget=None if blockwise else _collapse(sides["budget"]),
+        neumann_terms=terms,
+        paper_neumann_k=paper_neumann_k(terms),
+        merge_every=given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
+        base_init=args.base_init,
+        base_quantization=args.base_quantization,
+        cache_rotations={"true": True, "false": False}.get(args.cache_rotations, "auto"),
+        poet_learning_rate=given.get("poet_learning_rate")
         or preset.poet_learning_rate
         or tied_poet_learning_rate(args.method, mean_size),
-        "post_merge_clip_steps": 10,
-        "post_merge_clip_factor": 0.1,
-    }
+    )
 
 
 def _collapse(per_side: dict[str, Any]) -> Any:
@@ -295,7 +292,7 @@ def _perplexity(loss: float) -> float:
 def _trainer(
     args: PretrainArguments,
     training: PoetTrainingArguments,
-    recipe: dict[str, Any],
+    recipe: PretrainRecipe,
     model: torch.nn.Module,
     tokenizer: Any,
     train: Any,
@@ -307,7 +304,7 @@ def _trainer(
         "preset": args.preset,
         "dataset": args.dataset,
         "seq_len": args.seq_len,
-        **{k: recipe[k] for k in ("block_size", "budget", "neumann_terms", "merge_every") if k in recipe},
+        **{k: v for k, v in recipe.as_dict().items() if k in ("block_size", "budget", "neumann_terms", "merge_every")},
     }
     return PoetTrainer(
         model=model,
@@ -378,10 +375,10 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
     seed = training.seed
     train, validation = load_data(args, tokenizer, seed)
-    if not args.streaming and len(validation) < recipe["batch_size"]:
+    if not args.streaming and len(validation) < recipe.batch_size:
         raise ValueError(
             f"the validation set has {len(validation)} sequences, fewer than one batch "
-            f"(`batch_size`={recipe['batch_size']}); use more validation data or a smaller batch"
+            f"(`batch_size`={recipe.batch_size}); use more validation data or a smaller batch"
         )
     # Built on the meta device (a checkpoint is read); PoetTrainer materializes it (under FSDP2 each process its own
     # shards only; a quantised W0 one layer at a time). LoRA's adapters are added to materialized weights.
@@ -402,7 +399,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     spectra_after = singular_values(model, targets, gathered_layer if trainer.is_deepspeed_enabled else None)
     results = {
         **trainer.run_info,
-        "recipe": recipe,
+        "recipe": recipe.as_dict(),
         "val_loss": final_loss,
         "val_perplexity": _perplexity(final_loss),
         "initial_val_loss": initial_loss,

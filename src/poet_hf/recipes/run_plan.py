@@ -27,8 +27,8 @@ def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainAr
     args, training = parse_pretrain_arguments(argv)
     if processes:  # the batch plan as the launch's parse would make it
         recipe = resolve_recipe(args, given_training_flags(argv, PoetTrainingArguments), world_size=processes)
-        training.per_device_train_batch_size = recipe["batch_size"]
-        training.gradient_accumulation_steps = recipe["gradient_accumulation_steps"]
+        training.per_device_train_batch_size = recipe.batch_size
+        training.gradient_accumulation_steps = recipe.gradient_accumulation_steps
     return args, training
 
 
@@ -53,15 +53,16 @@ def plan_settings(
         dtype: the weights' and activations' dtype (`poet_hf.recipes.memory_plan.DTYPES`).
     """
     recipe = resolve_recipe(args, recipe_flags(training), world_size=processes)
+    rotation = recipe.rotation
     settings: dict[str, Any] = {
         "dtype": dtype,
-        "batch_size": recipe["batch_size"],
+        "batch_size": recipe.batch_size,
         "seq_len": args.seq_len,
-        "processes": recipe["processes"],
+        "processes": recipe.processes,
         "sharding": sharding,
         "checkpointing": bool(training.activation_checkpointing),
-        "accumulation": recipe["gradient_accumulation_steps"],
-        "cache_rotations": recipe["cache_rotations"],
+        "accumulation": recipe.gradient_accumulation_steps,
+        "cache_rotations": "auto" if rotation is None else rotation.cache_rotations,
         "base_quantization": args.base_quantization,
         "fused_step": bool(training.fused_optimizer_step),
         "vocab_weights_dtype": training.vocab_weights_dtype,
@@ -69,11 +70,11 @@ def plan_settings(
     }
     if args.method == "lora":
         settings["rank"] = args.lora_rank
-    if args.method == "poet-bs":
-        sizes = recipe["block_size"]
-        settings["block_size"] = sizes if isinstance(sizes, int) else max(sizes.values())
-    elif args.method == "poet-fs":
-        budget = recipe["budget"]
+    if rotation is not None and rotation.block_size is not None:
+        sizes = rotation.block_size
+        settings["block_size"] = max(sizes.values()) if isinstance(sizes, dict) else sizes
+    elif rotation is not None:
+        budget = rotation.budget
         settings["budget"] = max(budget.values()) if isinstance(budget, dict) else budget
     return settings
 
