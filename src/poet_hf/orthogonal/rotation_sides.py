@@ -9,6 +9,7 @@ activations or to ``W0`` in contiguous block coordinates. ``W0`` arrives as a `W
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -70,7 +71,7 @@ class RotationCache:
         self.pending: torch.Tensor | None = None
         self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
         self.grad_version: int | None = None  # the owner's note of the gradient the pending sum belongs to
-        self.anchor: Any = None  # the owner's weak reference to that gradient, which clears the cache when it dies
+        self.anchor: weakref.ref[torch.Tensor] | None = None  # the owner's, to that gradient: clears the cache with it
 
     def accumulate(self, grad_blocks: torch.Tensor) -> None:
         """Add one micro-batch's ``∂L/∂blocks`` (a fresh tensor the cache may keep and write into)."""
