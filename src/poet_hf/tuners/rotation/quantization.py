@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import residual_store
-from .storage_kinds import EIGHT_BIT, storage_kind
+from .storage_kinds import EIGHT_BIT, StorageKind, storage_kind
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,11 @@ def quantization_of(module: nn.Module) -> str | None:
         f"{type(module).__name__} from bitsandbytes is not supported as a rotation base; supported "
         "quantised types are bnb.nn.Linear4bit (nf4, fp4) and bnb.nn.Linear8bitLt"
     )
+
+
+def _kind_of(module: BnbLayer) -> StorageKind:
+    """The storage kind of a bitsandbytes layer (`quantization_of`)."""
+    return storage_kind(cast(str, quantization_of(module)))
 
 
 class HoldsBaseLayer(Protocol):
@@ -182,7 +187,7 @@ class QuantizedWeight:
     def __init__(self, module: BnbLayer, dtype: torch.dtype) -> None:
         self.module = module
         self.dtype = dtype
-        self.dequantize_cost = storage_kind(cast(str, quantization_of(module))).dequantize_cost
+        self.dequantize_cost = _kind_of(module).dequantize_cost
 
     def __call__(self) -> torch.Tensor:
         return dequantize(self.module).to(self.dtype)
@@ -229,7 +234,7 @@ def _grid_rounded(module: BnbLayer, matrix: torch.Tensor, generator: torch.Gener
     Requantising it then keeps the chosen codes: per block of ``blocksize`` (4-bit, scaled by the block's absmax over
     the code book) or per row (int8, 127 levels each way)."""
     work = matrix.float()
-    if storage_kind(cast(str, quantization_of(module))).bits == 8:
+    if _kind_of(module).bits == 8:
         scale = work.half().float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
         grid = torch.arange(-127, 128, dtype=work.dtype, device=work.device)
         return stochastic_round(work, grid, scale, generator)
@@ -264,7 +269,7 @@ def requantize(
         if generator is None:
             raise ValueError("requantize='stochastic' needs a seeded generator")
         matrix = _grid_rounded(module, matrix, generator)
-    dtype = compute_dtype(module) if storage_kind(cast(str, quantization_of(module))).bits == 4 else matrix.dtype
+    dtype = compute_dtype(module) if _kind_of(module).bits == 4 else matrix.dtype
     _restore_packed(module)
     buffers = {name: b for name in RESIDUAL_NAMES if (b := module._buffers.get(name)) is not None}
     _backend(module).set_base_weight(peft_layer, matrix.to(dtype).contiguous())
