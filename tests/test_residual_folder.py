@@ -129,6 +129,23 @@ def test_each_model_counts_and_keeps_its_own_files_and_takes_them_when_freed(tmp
     assert len(residual_files(tmp_path / "second")) == len(SHAPES)
 
 
+def test_a_folder_its_owner_removes_during_the_scan_is_left_alone(tmp_path, monkeypatch):
+    """Folders now go with their model, so another process may remove one between the scan seeing its lock file and
+    opening it (seen as a FileNotFoundError in a 2-process test run); the scan leaves it to its owner."""
+    folder = tmp_path / f"{PREFIX}{os.getpid()}-x"
+    folder.mkdir()
+    (folder / residual_folder.LOCK_FILE).write_bytes(b"")
+    real_open = os.open
+
+    def vanished(path, *args, **kwargs):
+        if str(path).endswith(residual_folder.LOCK_FILE):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(residual_folder.os, "open", vanished)
+    assert residual_folder.remove_stale_folders(tmp_path) == []
+
+
 def filesystem_of(path: Path) -> str:
     """The file system type of ``path`` as coreutils' ``stat -f`` names it."""
     return subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True).stdout.strip()

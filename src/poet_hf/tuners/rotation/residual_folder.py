@@ -178,7 +178,10 @@ def _owner_alive(folder: Path) -> bool:
         except PermissionError:
             return True
         return True
-    handle = os.open(lock, os.O_RDWR)
+    try:
+        handle = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:  # its owner removed it since: a model was freed in that process
+        return True
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
