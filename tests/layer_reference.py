@@ -11,7 +11,7 @@ def dense_side(layer, side: str, adapter: str = "default") -> torch.Tensor:
     """The ``side`` rotation of ``layer`` (``"input"``/``"output"``) as a dense float64 matrix."""
     spec = layer.sides(adapter)[side]
     vec = layer.skew_parameter(adapter, side).detach().cpu().double()
-    terms = layer.rotation_settings[adapter].neumann_terms
+    terms = layer.rotation_settings[adapter].orthogonal_map.terms
     blocks = torch.stack([neumann_series(skew_dense(row, spec.block), terms) for row in vec])
     index = layer.index_buffer(adapter, side).cpu()
     return block_rotation_dense(index if spec.kind == "block" else None, blocks.expand(spec.num_blocks, -1, -1))

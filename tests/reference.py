@@ -1,5 +1,6 @@
 """Independent dense float64 references for the tests: explicit permutation, selection and block-diagonal
-matrices, and the Cayley transform through an explicit inverse. Nothing here calls poet_hf."""
+matrices, the Cayley transform through an explicit inverse and
+Householder products as explicit matrices. Nothing here calls poet_hf."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def neumann_series(q: torch.Tensor, k: int) -> torch.Tensor:
         total = total + power
         power = power @ q.double()
     return (eye + q.double()) @ total
+
+
+def householder_dense(vec: torch.Tensor, b: int) -> torch.Tensor:
+    """H(v_1) H(v_2) ⋯ H(v_k) for the k = len(vec) / b consecutive vectors of ``vec``, each
+    H(v) = I − 2 v vᵀ / (vᵀ v) formed as a matrix and multiplied in order."""
+    eye = torch.eye(b, dtype=torch.float64)
+    product = eye.clone()
+    for v in vec.double().reshape(-1, b):
+        product = product @ (eye - 2 * torch.outer(v, v) / (v @ v))
+    return product
 
 
 def permutation_matrix(perm: torch.Tensor) -> torch.Tensor:

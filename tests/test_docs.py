@@ -151,6 +151,19 @@ def _overrides_foreign_method(obj) -> bool:
     return any(obj.name in vars(base) for base in cls.__mro__[1:] if not base.__module__.startswith("poet_hf"))
 
 
+def _implements_protocol_method(obj) -> bool:
+    """A method of a class that subclasses one of the package's protocols (`OrthogonalMap`): its contract is
+    documented on the protocol, which this test checks as a public object of its own."""
+    if not (obj.parent and obj.parent.is_class):
+        return False
+    cls = _runtime(obj.parent)
+    return any(
+        getattr(base, "_is_protocol", False) and obj.name in vars(base)
+        for base in cls.__mro__[1:]
+        if base.__module__.startswith("poet_hf")
+    )
+
+
 def _help_fields(obj) -> set[str]:
     """The dataclass fields of a class that document themselves (``metadata={"help": ...}``, PEFT's convention)."""
     import dataclasses
@@ -164,7 +177,7 @@ def _help_fields(obj) -> set[str]:
 def docstring_problems(obj) -> list[str]:
     if obj.is_class:
         return [] if obj.docstring else ["no docstring"]
-    if obj.name != "__init__" and _overrides_foreign_method(obj):
+    if obj.name != "__init__" and (_overrides_foreign_method(obj) or _implements_protocol_method(obj)):
         return []
     owner = obj.parent if obj.name == "__init__" else obj
     if not owner.docstring and not obj.docstring:

@@ -8,7 +8,14 @@ import pytest
 import torch
 from models import TinyCNN, tiny_llama
 from peft import get_peft_model
-from reference import block_rotation_dense, cayley_inverse, neumann_series, skew_dense, subset_rotation_dense
+from reference import (
+    block_rotation_dense,
+    cayley_inverse,
+    householder_dense,
+    neumann_series,
+    skew_dense,
+    subset_rotation_dense,
+)
 from tolerances import tiny_model_tolerance
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -16,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.diagnostics import rotation_stats
-from poet_hf.orthogonal import num_skew_params, orthogonal_from_vector
+from poet_hf.orthogonal import CayleyNeumann, HouseholderProduct, num_skew_params, orthogonal_from_vector
 from poet_hf.orthogonal.base_ops import Conv2dOp
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
 from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
@@ -28,25 +35,35 @@ from poet_hf.tuners.rotation.model import plain_autograd
 pytestmark = pytest.mark.numerics  # float64 / dense references at tolerances from the math
 
 
-def make_side(kind: str, dim: int, block: int, terms: int, seed: int, shared: bool = False, keep=None):
+HOUSEHOLDER = "householder"  # in place of a term count: the Householder-product map
+
+
+def make_side(kind: str, dim: int, block: int, terms: int | str, seed: int, shared: bool = False, keep=None):
     spec = SideSpec(kind, dim, block)
     index = spec.sample_index(torch.Generator().manual_seed(seed))
     rows = 1 if shared else spec.num_blocks
+    generator = torch.Generator().manual_seed(seed + 1)
+    if terms == HOUSEHOLDER:  # unit-scale vectors: reflections well away from v = 0, where H(v) is undefined
+        orthogonal_map = HouseholderProduct(wy_block=2)  # two compact-WY products per block of 4
+        vec = torch.randn(rows, orthogonal_map.num_params(block), dtype=torch.float64, generator=generator)
+        return SideRotation(spec, index, orthogonal_map, keep), vec.requires_grad_()
     # ||Q||_2 ≈ 2·std·√b ≈ 0.4: well inside the Cayley–Neumann domain (MAX_SKEW_NORM), where the math is exact.
-    vec = torch.randn(
-        rows, num_skew_params(block), dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1)
-    ) * (0.2 / block**0.5)
-    return SideRotation(spec, index, terms, keep), vec.requires_grad_()
+    vec = torch.randn(rows, num_skew_params(block), dtype=torch.float64, generator=generator) * (0.2 / block**0.5)
+    return SideRotation(spec, index, CayleyNeumann(terms), keep), vec.requires_grad_()
+
+
+def dense_block(side: SideRotation, row: torch.Tensor) -> torch.Tensor:
+    """One block in float64 from the map's definition: an explicit inverse, powers, or reflection matrices."""
+    b = side.spec.block
+    if isinstance(side.orthogonal_map, HouseholderProduct):
+        return householder_dense(row, b)
+    terms = side.orthogonal_map.terms
+    return cayley_inverse(skew_dense(row, b)) if terms == 0 else neumann_series(skew_dense(row, b), terms)
 
 
 def dense_rotation(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
     """The side's d × d rotation in float64 from explicit loops, powers / inverses and selection matrices."""
-    blocks = torch.stack(
-        [
-            cayley_inverse(q) if side.terms == 0 else neumann_series(q, side.terms)
-            for q in (skew_dense(row, side.spec.block) for row in vec.detach())
-        ]
-    )
+    blocks = torch.stack([dense_block(side, row) for row in vec.detach()])
     if blocks.shape[0] != side.spec.num_blocks:
         blocks = blocks.expand(side.spec.num_blocks, -1, -1)
     if side.keep is not None:
@@ -56,7 +73,9 @@ def dense_rotation(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
     return block_rotation_dense(side.index if side.spec.kind == "block" else None, blocks)
 
 
-CASES = list(itertools.product(["block", "contiguous", "full"], STRATEGIES, ["both", "input", "output"], [0, 5]))
+CASES = list(
+    itertools.product(["block", "contiguous", "full"], STRATEGIES, ["both", "input", "output"], [0, 5, HOUSEHOLDER])
+)
 
 
 @pytest.mark.parametrize("kind,strategy,sides,terms", CASES)

@@ -61,7 +61,7 @@ def dense_rotation(layer, adapter="default") -> torch.Tensor:
     """R (in × in, float64) from the layer's raw parameters, by loops and explicit powers / inverses."""
     param = layer.poet_oft_R[adapter].detach().double()
     spec = layer.rotation_specs[adapter]["input"]
-    terms = layer.rotation_settings[adapter].neumann_terms
+    terms = layer.rotation_settings[adapter].orthogonal_map.terms
     qs = [skew_dense(row, spec.block) for row in param]
     blocks = torch.stack([cayley_inverse(q) if terms == 0 else neumann_series(q, terms) for q in qs])
     if blocks.shape[0] == 1:

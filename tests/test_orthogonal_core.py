@@ -6,6 +6,7 @@ from reference import block_rotation_dense, cayley_inverse, neumann_series, skew
 from tolerances import gamma
 
 from poet_hf.orthogonal import (
+    CayleyNeumann,
     block_matmul_left,
     block_matmul_right,
     cayley,
@@ -88,8 +89,10 @@ def test_neumann_singular_values_follow_the_closed_form():
 
 @pytest.mark.parametrize("terms", [1, -1, 2.5])
 def test_bad_neumann_terms_rejected(terms):
-    with pytest.raises(ValueError, match="neumann_terms"):
+    with pytest.raises(ValueError, match="`terms` must be 0"):
         cayley_neumann(torch.zeros(1, 3, 3), terms)
+    with pytest.raises(ValueError, match="`neumann_terms` must be 0"):  # the map names the config's field
+        CayleyNeumann(terms)
 
 
 @pytest.mark.parametrize("permuted", [True, False])

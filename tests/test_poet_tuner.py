@@ -102,7 +102,7 @@ def test_default_targets_cover_block_linears_only():
 def dense_effective_weight(layer: PoetLayer, adapter="default"):
     """P^T W0 R^T in float64 from explicit permutation / selection / block-diagonal matrices."""
     w = layer.weight_matrix().detach().double()
-    terms = layer.rotation_settings[adapter].neumann_terms
+    terms = layer.rotation_settings[adapter].orthogonal_map.terms
     rotations = {}
     for side, spec in layer.rotation_specs[adapter].items():
         param = (layer.poet_R if side == "input" else layer.poet_P)[adapter].detach().double()

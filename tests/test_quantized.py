@@ -24,6 +24,7 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
+from poet_hf.orthogonal import CayleyNeumann
 from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners.rotation import layer as rotation_layer_module
@@ -125,7 +126,7 @@ class CountingWeight:
 def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(strategy):
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 12, dtype=torch.float64, generator=gen)
-    sides = [SideRotation(SideSpec("block", d, 4), torch.randperm(d, generator=gen), 5) for d in (12, 8)]
+    sides = [SideRotation(SideSpec("block", d, 4), torch.randperm(d, generator=gen), CayleyNeumann(5)) for d in (12, 8)]
     vecs = [
         torch.randn(spec.spec.num_blocks, 6, dtype=torch.float64, generator=gen).mul(0.05).requires_grad_()
         for spec in sides
@@ -161,7 +162,9 @@ def test_the_cost_model_counts_each_dequantisation_of_w0():
 
 
 def dense_rotation_of(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
-    blocks = torch.stack([neumann_series(skew_dense(row, side.spec.block), side.terms) for row in vec.detach()])
+    blocks = torch.stack(
+        [neumann_series(skew_dense(row, side.spec.block), side.orthogonal_map.terms) for row in vec.detach()]
+    )
     return block_rotation_dense(side.index, blocks)
 
 

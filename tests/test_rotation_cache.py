@@ -322,14 +322,18 @@ def test_the_cost_model_counts_the_polynomial_as_each_micro_batch_pays_it():
     """k = 5 terms: 2 products forward, 3 for the VJP (neumann_product_count). An uncached call pays 2·2 + 3, the
     window's first micro-batch 2, the others none, the last 2 + 3: per optimizer step as much as one uncached call.
     The amount is the same in every strategy, so the choice does not move."""
+    from poet_hf.orthogonal import CayleyNeumann, HouseholderProduct
     from poet_hf.orthogonal.spo import SideSpec
     from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_costs
 
     block = SideSpec("block", 768, 256)
     per_product = 2 * 3 * 256**3  # two sides of three 256-blocks
     base = strategy_costs(1024, 768, 768, block, block, training=True)
-    products = {phase: polynomial_products(5, phase) for phase in ("uncached", "building", "deferred", "closing")}
+    phases = ("uncached", "building", "deferred", "closing")
+    products = {phase: polynomial_products(CayleyNeumann(5), 256, phase) for phase in phases}
     assert products == {"uncached": 7, "building": 2, "deferred": 0, "closing": 5}
+    # 256 Householder reflections per 256-block: 2·b²·k = 2 products forward, twice that for autograd's VJP.
+    assert polynomial_products(HouseholderProduct(), 256, "uncached") == 2 * 2 + 4
     for count in products.values():
         costs = strategy_costs(1024, 768, 768, block, block, training=True, polynomial=count)
         assert {name: cost["macs"] - base[name]["macs"] for name, cost in costs.items()} == dict.fromkeys(
@@ -358,6 +362,7 @@ def test_cache_rotations_false_rebuilds_per_micro_batch_and_holds_nothing(count_
 def test_the_cache_choice_weighs_the_polynomial_and_the_state_as_counted_by_hand():
     """``rotation_cache_choice`` against the multiply-adds and bytes written out: a 512 × 512 POET-BS 256 layer, six
     terms (3 products forward, 5 for the VJP: 2·3 + 5 per uncached micro-batch), 512 tokens."""
+    from poet_hf.orthogonal import CayleyNeumann, HouseholderProduct
     from poet_hf.orthogonal.spo import SideSpec
     from poet_hf.orthogonal.strategy_costs import rotation_cache_choice
 
@@ -369,16 +374,27 @@ def test_the_cache_choice_weighs_the_polynomial_and_the_state_as_counted_by_hand
     layer = min(weight_strategy, activation_strategy + tokens * n + 256 * tokens * 512)  # the recompute keeps nothing
     cache = 2 * (2 * 256**2) * (4 + 4)  # blocks and pending gradient, float32, both sides
     state = 16 * 2 * (2 * 256 * 255 // 2)  # parameter, gradient, two moments per skew entry
-    choice = rotation_cache_choice(tokens, 512, 512, side, side, 6)
+    choice = rotation_cache_choice(tokens, 512, 512, side, side, CayleyNeumann(6))
     assert choice.saving == pytest.approx(polynomial / (layer + polynomial), rel=1e-12)
     assert choice.hold == pytest.approx(cache / state, rel=1e-12) and choice.cache_bytes == cache
     assert choice.cache and choice.reason.startswith("on:")
-    sharded = rotation_cache_choice(tokens, 512, 512, side, side, 6, shards=2)  # the state halves, the cache does not
+    sharded = rotation_cache_choice(
+        tokens, 512, 512, side, side, CayleyNeumann(6), shards=2
+    )  # the state halves, the cache does not
     assert sharded.hold == pytest.approx(2 * cache / state) and not sharded.cache and "above the 2x" in sharded.reason
-    long = rotation_cache_choice(64 * tokens, 512, 512, side, side, 6)  # the layer's products grow, the polynomial not
+    long = rotation_cache_choice(
+        64 * tokens, 512, 512, side, side, CayleyNeumann(6)
+    )  # the layer's products grow, the polynomial not
     assert long.saving < 0.10 and not long.cache and "below 10%" in long.reason
-    half = rotation_cache_choice(tokens, 512, 512, side, side, 6, shards=2, block_bytes=2)  # bfloat16 blocks
+    half = rotation_cache_choice(
+        tokens, 512, 512, side, side, CayleyNeumann(6), shards=2, block_bytes=2
+    )  # bfloat16 blocks
     assert half.cache_bytes == 2 * (2 * 256**2) * (2 + 4) and half.cache
+    # Householder products: 256 vectors of 256 entries per block (16 B of state each), 2 + 4 + 2 + 4 products.
+    householder = rotation_cache_choice(tokens, 512, 512, side, side, HouseholderProduct())
+    assert householder.hold == pytest.approx(cache / (16 * 2 * (2 * 256 * 256)), rel=1e-12)
+    hh_polynomial = 8 * 2 * (2 * 256**3)
+    assert householder.saving == pytest.approx(hh_polynomial / (layer + hh_polynomial), rel=1e-12)
 
 
 def test_auto_decides_once_per_layer_logs_at_the_step_and_keeps_the_gradients(caplog, count_polynomials):

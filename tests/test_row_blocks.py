@@ -11,6 +11,7 @@ from peft.utils.integrations import dequantize_bnb_weight
 from reference import block_rotation_dense, neumann_series, skew_dense
 from torch import nn
 
+from poet_hf.orthogonal import CayleyNeumann
 from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners.rotation import quantization as quant
@@ -35,7 +36,9 @@ class RowBlockWeight:
 
 
 def dense_rotation_of(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
-    blocks = torch.stack([neumann_series(skew_dense(row, side.spec.block), side.terms) for row in vec.detach()])
+    blocks = torch.stack(
+        [neumann_series(skew_dense(row, side.spec.block), side.orthogonal_map.terms) for row in vec.detach()]
+    )
     return block_rotation_dense(side.index, blocks)
 
 
@@ -47,7 +50,7 @@ def test_a_weight_read_by_row_blocks_gives_the_dense_function_and_gradients(stra
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 12, dtype=torch.float64, generator=gen)
     bias = torch.randn(8, dtype=torch.float64, generator=gen)
-    sides = [SideRotation(SideSpec("block", d, 4), torch.randperm(d, generator=gen), 5) for d in (12, 8)]
+    sides = [SideRotation(SideSpec("block", d, 4), torch.randperm(d, generator=gen), CayleyNeumann(5)) for d in (12, 8)]
     vecs = [
         torch.randn(spec.spec.num_blocks, 6, dtype=torch.float64, generator=gen).mul(0.05).requires_grad_()
         for spec in sides

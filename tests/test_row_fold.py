@@ -92,7 +92,7 @@ def _dense_side(layer, side: str) -> torch.Tensor:
     """The layer's ``side`` rotation as a dense float64 matrix (block, contiguous or full)."""
     spec = layer.sides("default")[side]
     vec = layer.skew_parameter("default", side).detach().double()
-    terms = layer.rotation_settings["default"].neumann_terms
+    terms = layer.rotation_settings["default"].orthogonal_map.terms
     blocks = torch.stack([neumann_series(skew_dense(row, spec.block), terms) for row in vec])
     index = layer.index_buffer("default", side)
     if spec.kind == "full":

@@ -174,7 +174,7 @@ def rotation_stats(
         ``{"q_norm", "orth_error", "neumann_bound"}``.
     """
     rotations = rotations if rotations is not None else layer.float64_rotations(adapter)
-    return block_statistics(rotations, layer.rotation_settings[adapter].neumann_terms)
+    return block_statistics(rotations, layer.rotation_settings[adapter].orthogonal_map)
 
 
 @torch.no_grad()
@@ -211,10 +211,7 @@ def rotation_angle(layer: RotationLayer, adapter: str = "default") -> float:
     Returns:
         The angle in degrees.
     """
-    sides = layer.sides(adapter).items()
-    return largest_rotation_angle(
-        {side: (full_tensor(layer.skew_parameter(adapter, side)), spec) for side, spec in sides}
-    )
+    return largest_rotation_angle({side: norms for side, (norms, _) in layer.float64_rotations(adapter).items()})
 
 
 def neumann_drift_bound(model: nn.Module, merge_history: list[dict]) -> float | None:

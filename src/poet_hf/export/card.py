@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..model_cards import render_card
+from ..orthogonal.maps import map_from_config
 
 CARD_TEMPLATE = "poet.md"
 ADAPTER_CARD_TEMPLATE = "adapter.md"
@@ -154,8 +155,8 @@ def _hyperparameter_rows(peft_config: Any, run: dict) -> list[tuple[str, str]]:
         fields.pop("budget", None)
     if "merge_every" in run:  # PoetTrainingArguments.merge_every overrides the config's
         fields["merge_every"] = run.pop("merge_every")
-    if fields.get("neumann_terms") == 0:
-        fields["neumann_terms"] = "0 (exact Cayley transform)"
+    if "orthogonal_map" in fields:
+        fields["orthogonal_map"] = map_from_config(peft_config).describe()
     if isinstance(fields.get("target_modules"), (list, set, tuple)):
         fields["target_modules"] = ", ".join(sorted(fields["target_modules"]))
     return [(name, _fmt(value)) for name, value in fields.items()]

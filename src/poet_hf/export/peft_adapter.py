@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..orthogonal.cayley_map import CayleyNeumann
 from ..tuners.oft import OftConfig, our_oft_state_dict_to_peft
 from ..tuners.rotation.layer import rotation_layers
 from .card import render_adapter_card
@@ -147,6 +148,11 @@ def _check_representable(model: Any, config: OftConfig, adapter_name: str) -> No
         raise ExportError(
             f"`spo`={config.spo!r}: the blocks act on a permutation of the input, and PEFT's OFT has contiguous "
             "blocks only; export the merged model with export_merged instead"
+        )
+    if config.orthogonal_map != CayleyNeumann.name:
+        raise ExportError(
+            f"`orthogonal_map`={config.orthogonal_map!r}: PEFT's OFT builds its blocks by the Cayley–Neumann map "
+            f"only (orthogonal_map={CayleyNeumann.name!r}); export the merged model with export_merged instead"
         )
     if config.neumann_terms in (2, 3):
         raise ExportError(

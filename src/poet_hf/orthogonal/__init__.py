@@ -4,13 +4,13 @@ from .base_init import BASE_INIT_SCHEMES, init_base_weight
 from .cayley import (
     cayley,
     cayley_neumann,
-    check_neumann_terms,
     neumann_error_bound,
     num_skew_params,
     orthogonal_from_vector,
     random_skew_params,
     skew_from_vector,
 )
+from .cayley_map import CayleyNeumann
 from .eco import EcoConv2d, construct_index_map, eco_kernel
 from .feedback_gd import FeedbackGD, stiefel_deviation
 from .householder import (
@@ -21,7 +21,10 @@ from .householder import (
     householder_product_sequential,
     householder_reflect,
 )
+from .householder_map import HouseholderProduct
 from .linalg import orthogonality_error, polar_factor, power_iteration, random_orthogonal, taylor_exp
+from .map_protocol import OrthogonalMap
+from .maps import MAPS, map_from_config
 from .reflection import (
     AuxiliaryReflection,
     NewtonConvergenceError,
@@ -44,13 +47,17 @@ from .spo import (
 )
 
 __all__ = [
+    "OrthogonalMap",
+    "MAPS",
+    "map_from_config",
+    "CayleyNeumann",
+    "HouseholderProduct",
     "FeedbackGD",
     "stiefel_deviation",
     "BASE_INIT_SCHEMES",
     "init_base_weight",
     "cayley",
     "cayley_neumann",
-    "check_neumann_terms",
     "neumann_error_bound",
     "num_skew_params",
     "orthogonal_from_vector",

@@ -4,7 +4,7 @@ Convention (shared with PEFT OFTv2 and the POET-X kernel, so adapters interopera
 
 - ``Q = M - M^T`` where ``M`` holds the parameter vector on its strict upper triangle.
 - Exact Cayley (``terms == 0``): ``R = (I + Q)(I - Q)^{-1}``.
-- Cayley–Neumann with ``n`` *terms*, counted as PEFT counts them (``num_cayley_neumann_terms``) so OFT checkpoints
+- Cayley–Neumann with ``n`` *terms*, counted as PEFT's OFT counts them so OFT checkpoints
   interoperate: ``R = (I + Q)(I + Q + ... + Q^{n-2}) = I + 2Q + ... + 2Q^{n-2} + Q^{n-1}``.
   The POET paper's eq. 6, ``R ≈ (I + Q)(I + Σ_{i=1..k} Q^i)``, counts the Neumann terms after the identity: its
   ``k`` is ``n − 2``. The paper's recipe (appendix J) is ``k = 4``, i.e. ``n = 6``; its ``k = 1`` (``n = 3``)
@@ -38,7 +38,7 @@ __all__ = [
     "orthogonal_from_vector",
     "neumann_error_bound",
     "random_skew_params",
-    "check_neumann_terms",
+    "check_terms",
 ]
 
 
@@ -88,7 +88,7 @@ def paper_neumann_k(terms: int) -> int | None:
     return None if terms == 0 else terms - 2
 
 
-def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
+def check_terms(terms: int, field: str = "terms") -> None:
     """Raise ``ValueError`` unless ``terms`` is 0 (exact Cayley) or at least 2.
 
     The count is PEFT's; the paper's ``k`` is ``terms − 2``.
@@ -104,8 +104,8 @@ def check_neumann_terms(terms: int, field: str = "neumann_terms") -> None:
         raise ValueError(
             f"`{field}` must be 0 (the exact Cayley transform) or an integer >= 2, got {terms!r}. It counts the terms "
             "of R = I + 2Q + … + 2Q^(n−2) + Q^(n−1) as PEFT does; the POET paper's eq. 6 counts k = n − 2 Neumann "
-            "terms after the identity, so the paper's recipe k = 4 is neumann_terms=6 and its diverging k = 1 is "
-            "neumann_terms=3. n = 1 would be R = 2I, not a rotation."
+            f"terms after the identity, so the paper's recipe k = 4 is {field}=6 and its diverging k = 1 is "
+            f"{field}=3. n = 1 would be R = 2I, not a rotation."
         )
 
 
@@ -206,7 +206,7 @@ def cayley_neumann(q: torch.Tensor, terms: int) -> torch.Tensor:
     Returns:
         The rotation blocks ``(..., b, b)``.
     """
-    check_neumann_terms(terms)
+    check_terms(terms)
     if terms == 0:
         return cayley(q)
     eye = torch.eye(q.shape[-1], dtype=q.dtype, device=q.device)
@@ -270,7 +270,7 @@ def neumann_product_count(terms: int) -> tuple[int, int]:
     The exact transform (``terms == 0``) is counted as three products each way (an LU factorisation and two
     triangular solves are about that much work).
     """
-    check_neumann_terms(terms)
+    check_terms(terms)
     if terms == 0:
         return 3, 3
     pairs = _neumann_pairs(terms)
@@ -308,7 +308,7 @@ class SkewRotation:
     scale: torch.Tensor | None = None
 
     def __init__(self, q: torch.Tensor, terms: int) -> None:
-        check_neumann_terms(terms)
+        check_terms(terms)
         self.terms, self._shape = terms, q.shape
         b = q.shape[-1]
         self.q = q.reshape(-1, b, b)
@@ -369,7 +369,7 @@ def _groups(count: int, size: int) -> list[slice]:
 
 def rotation_from_skew(q: torch.Tensor, terms: int) -> torch.Tensor:
     """``cayley_neumann(q, terms)`` by the fused evaluation (no autograd graph; same polynomial, fewer products)."""
-    check_neumann_terms(terms)
+    check_terms(terms)
     if terms == 0:
         return cayley(q)
     b = q.shape[-1]
@@ -408,7 +408,7 @@ def orthogonal_from_vector(vec: torch.Tensor, block_size: int, terms: int) -> to
     Returns:
         The rotation blocks ``(..., b, b)``.
     """
-    check_neumann_terms(terms)
+    check_terms(terms)
     if torch.is_grad_enabled() and vec.requires_grad:
         return OrthogonalFromVector.apply(vec, block_size, terms)
     return SkewRotation.from_vector(vec, block_size, terms).rotation
@@ -436,7 +436,7 @@ def neumann_error_bound_at_norm(theta: torch.Tensor, terms: int) -> torch.Tensor
     """`neumann_error_bound` of blocks whose spectral norms ``||Q||_2`` are ``theta`` (elementwise).
 
     A caller that has the norms already spares an SVD per block."""
-    check_neumann_terms(terms)
+    check_terms(terms)
     if terms == 0:
         return torch.zeros_like(theta)
     return ((1 - (1j * theta.to(torch.complex128)) ** (terms - 1)).abs() - 1).abs().to(theta.dtype)

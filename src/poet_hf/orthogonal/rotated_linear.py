@@ -12,7 +12,7 @@ be absent (OFT is the input side alone). Two strategies compute the same functio
 
 What each costs is in `strategy_costs`.
 
-Both rebuild the rotation blocks in the backward (`SkewRotation`) instead of
+Both rebuild the rotation blocks in the backward (the map's `BlockEvaluation`) instead of
 keeping them, except across the micro-batches of one optimizer step, which share them through a
 `RotationCache` and run the polynomial's VJP once. Every block product runs on contiguous blocks: the weight strategy
 folds the block permutations into ``W0`` (one ``d_out × d_in`` gather per pass), the activation strategies

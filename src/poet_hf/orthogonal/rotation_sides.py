@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .cayley import SkewRotation, cayley_neumann, orthogonal_from_vector, skew_from_vector
-from .norm_cap import NormCap, skew_norm_scale
+from .map_protocol import BlockEvaluation, OrthogonalMap
+from .norm_cap import NormCap
 from .spo import (
     BLOCK,
     FULL,
@@ -33,17 +33,17 @@ from .spo import (
 __all__ = ["RotationCache", "SideRotation", "DenseWeight", "WeightSource", "side_blocks"]
 
 
-def side_blocks(param: torch.Tensor, spec: SideSpec, terms: int, plain: bool = False) -> torch.Tensor:
-    """The ``(num_blocks, b, b)`` orthogonal blocks of one side from its skew vector (POET eq. 6, ``terms`` terms).
+def side_blocks(
+    param: torch.Tensor, spec: SideSpec, orthogonal_map: OrthogonalMap, plain: bool = False
+) -> torch.Tensor:
+    """The ``(num_blocks, b, b)`` orthogonal blocks of one side from its parameters (POET eq. 6 for Cayley–Neumann).
 
-    ``plain`` composes the skew map, the norm cap and the Cayley–Neumann series under plain autograd, the reference
-    the fused `orthogonal_from_vector` is tested against. A single row (one block shared by all) is expanded."""
-    if not plain:
-        blocks = orthogonal_from_vector(param, spec.block, terms)
+    ``plain`` composes the map from its definition under plain autograd (`OrthogonalMap.reference_blocks`), the
+    reference the fast path is tested against. A single row (one block shared by all) is expanded."""
+    if plain:
+        blocks = orthogonal_map.reference_blocks(param, spec.block)
     else:
-        q = skew_from_vector(param, spec.block)
-        scale = skew_norm_scale(q, terms)
-        blocks = cayley_neumann(q if scale is None else q * scale, terms)
+        blocks = orthogonal_map.blocks(param, spec.block)
     if blocks.shape[0] != spec.num_blocks:  # one block shared by all
         blocks = blocks.expand(spec.num_blocks, -1, -1)
     return blocks
@@ -52,13 +52,13 @@ def side_blocks(param: torch.Tensor, spec: SideSpec, terms: int, plain: bool = F
 class RotationCache:
     """One side's rotation blocks, kept across the micro-batches of one optimizer step.
 
-    Also the ``∂L/∂blocks`` those micro-batches accumulated while the polynomial's vector-Jacobian product waits for
-    the last one.
+    Also the ``∂L/∂blocks`` those micro-batches accumulated while the map's vector-Jacobian product waits for the
+    last one.
 
-    The Cayley–Neumann polynomial depends only on the skew vector, which changes only at an optimizer step, and its
-    VJP is linear in ``∂L/∂R``: ``Σ_i Jᵀ g_i = Jᵀ Σ_i g_i``. So the blocks are built once per step and the VJP runs
-    once, on the sum, in the backward of the step's last micro-batch. Holds ``2·rows·b²`` entries at most (the blocks,
-    in ``dtype``, and the pending gradient, in float32 or wider).
+    The blocks depend only on the side's parameters (the skew vector of Cayley–Neumann), which change only at an
+    optimizer step, and the map's VJP is linear in ``∂L/∂R``: ``Σ_i Jᵀ g_i = Jᵀ Σ_i g_i``. So the blocks are built
+    once per step and the VJP runs once, on the sum, in the backward of the step's last micro-batch. Holds
+    ``2·rows·b²`` entries at most (the blocks, in ``dtype``, and the pending gradient, in float32 or wider).
 
     Args:
         dtype: what the blocks are kept in: the compute dtype of the calls that read them, which cast them to it
@@ -69,7 +69,7 @@ class RotationCache:
         self.dtype = dtype
         self.blocks: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
-        self.key: Any = None  # what the owner checks the blocks against (the skew vector's state)
+        self.key: Any = None  # what the owner checks the blocks against (the parameters' state)
         self.grad_version: int | None = None  # the owner's note of the gradient the pending sum belongs to
         self.anchor: weakref.ref[torch.Tensor] | None = None  # the owner's, to that gradient: clears the cache with it
 
@@ -91,31 +91,31 @@ class RotationCache:
 
 @dataclass(frozen=True)
 class SideRotation:
-    """One side of a layer's rotation, as the fused functions see it (the skew vector is passed beside it).
+    """One side of a layer's rotation, as the fused functions see it (its parameter vector is passed beside it).
 
     ``index`` is the permutation (block), the sorted index subset (full) or empty (contiguous). ``keep`` (optional,
     one flag per block) replaces the blocks flagged ``False`` by the identity (OFT's multiplicative dropout). A skew
     vector with one row and ``spec.num_blocks > 1`` is shared by every block (OFT's ``block_share``).
 
     With a ``cache`` the blocks are read from it (built and stored there by the forward if it is empty); with
-    ``defer`` the backward adds ``∂L/∂blocks`` to the cache and returns a zero gradient for the skew vector, and
+    ``defer`` the backward adds ``∂L/∂blocks`` to the cache and returns a zero gradient for the parameters, and
     without it the backward runs the VJP of the cached sum plus its own and empties the cache. ``norm_cap`` keeps
-    the norm cap's factor of the skew vector between the forward and the backward (`NormCap`).
+    the Cayley–Neumann norm cap's factor of the parameters between the forward and the backward (`NormCap`).
     """
 
     spec: SideSpec
     index: torch.Tensor
-    terms: int
+    orthogonal_map: OrthogonalMap
     keep: torch.Tensor | None = None
     cache: RotationCache | None = None
     defer: bool = False
     norm_cap: NormCap | None = None
 
-    def _evaluate(self, vec: torch.Tensor) -> SkewRotation:
-        polynomial_dtype = torch.promote_types(vec.dtype, torch.float32)
-        return SkewRotation.from_vector(vec.to(polynomial_dtype), self.spec.block, self.terms, self.norm_cap)
+    def _evaluate(self, vec: torch.Tensor) -> BlockEvaluation:
+        map_dtype = torch.promote_types(vec.dtype, torch.float32)
+        return self.orthogonal_map.evaluate(vec.to(map_dtype), self.spec.block, self.norm_cap)
 
-    def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, SkewRotation | None]:
+    def blocks(self, vec: torch.Tensor, store: bool = False) -> tuple[torch.Tensor, BlockEvaluation | None]:
         """The ``(nb, b, b)`` rotation blocks (float32 or wider) and the evaluation that gives their VJP.
 
         The evaluation is ``None`` when the blocks came from the cache; ``store`` puts freshly built blocks there."""
@@ -134,7 +134,7 @@ class SideRotation:
         return blocks, evaluation
 
     def vector_grad(
-        self, evaluation: SkewRotation | None, grad_blocks: torch.Tensor, vec: torch.Tensor
+        self, evaluation: BlockEvaluation | None, grad_blocks: torch.Tensor, vec: torch.Tensor
     ) -> torch.Tensor:
         """``dL/dvec`` from ``dL/dblocks`` (deferred into the cache, or with the cache's pending sum added)."""
         grad_blocks = grad_blocks.to(torch.promote_types(vec.dtype, torch.float32))

@@ -6,33 +6,39 @@ import math
 
 import torch
 
-from .cayley import neumann_error_bound_at_norm, skew_from_vector
 from .linalg import orthogonality_error
-from .norm_cap import skew_spectral_norm
+from .map_protocol import OrthogonalMap
 from .spo import SideSpec
 
 __all__ = ["block_statistics", "rotation_metrics", "largest_rotation_angle"]
 
 
 @torch.no_grad()
-def block_statistics(rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], neumann_terms: int) -> dict[str, float]:
-    """The largest ``||Q||_2``, orthogonality error and Cayley–Neumann bound over every block of every side.
+def block_statistics(
+    rotations: dict[str, tuple[torch.Tensor, torch.Tensor]], orthogonal_map: OrthogonalMap
+) -> dict[str, float]:
+    """The largest ``||Q||_2``, orthogonality error and truncation bound over every block of every side.
 
-    ``q_norm`` is the largest ``||Q||_2``, ``orth_error`` the largest ``||B Bᵀ − I||_F/√b``, and ``neumann_bound`` the
-    bound on any singular value's relative change the rotations cause (POET §5).
+    ``q_norm`` is the largest generator norm ``||Q||_2`` (`OrthogonalMap.generator_norms`), ``orth_error`` the
+    largest ``||B Bᵀ − I||_F/√b``, and ``neumann_bound`` the bound on any singular value's relative change the
+    rotations cause (POET §5; 0 for a map that is orthogonal for any parameters).
 
     Args:
-        rotations: per side, ``(Q, blocks)``: the skew blocks and their ``(num_blocks, b, b)`` rotations.
-        neumann_terms: the Cayley–Neumann terms the rotations were built with.
+        rotations: per side, ``(norms, blocks)``: the blocks' generator norms and their ``(num_blocks, b, b)``
+            rotations.
+        orthogonal_map: the map the rotations were built with.
+
+    Returns:
+        ``{"q_norm", "orth_error", "neumann_bound"}``.
     """
     stats = {"q_norm": 0.0, "orth_error": 0.0}
     bound = 1.0
-    for q, blocks in rotations.values():
-        largest_norm = torch.linalg.matrix_norm(q, ord=2).max()
+    for norms, blocks in rotations.values():
+        largest_norm = norms.max()
         stats["q_norm"] = max(stats["q_norm"], float(largest_norm))
         stats["orth_error"] = max(stats["orth_error"], float(orthogonality_error(blocks).max()))
         # The bound grows with ||Q||_2, so the block with the largest norm has the largest bound.
-        bound *= 1 + float(neumann_error_bound_at_norm(largest_norm, neumann_terms))
+        bound *= 1 + float(orthogonal_map.deviation_bound(largest_norm))
     stats["neumann_bound"] = bound - 1
     return stats
 
@@ -55,18 +61,16 @@ def rotation_metrics(blocks: torch.Tensor, spec: SideSpec) -> dict[str, float]:
     return {"e_orth": math.sqrt(squared_error / spec.dim), "trace": trace / spec.dim}
 
 
-@torch.no_grad()
-def largest_rotation_angle(skews: dict[str, tuple[torch.Tensor, SideSpec]]) -> float:
+def largest_rotation_angle(norms: dict[str, torch.Tensor]) -> float:
     """How far, in degrees, the rotations of all sides together can turn a vector.
 
     Over sides, the sum of ``2·atan(||Q||_2)``: the largest angle of a Cayley rotation, whose eigenvalues are
     ``e^{±2i·atan θ}``.
 
     Args:
-        skews: per side, the skew parameter (one row per block) and the side's layout.
+        norms: per side, the blocks' generator norms (`OrthogonalMap.generator_norms`).
+
+    Returns:
+        The angle in degrees.
     """
-    angle = 0.0
-    for vector, spec in skews.values():
-        norm = float(skew_spectral_norm(skew_from_vector(vector.float(), spec.block)).max())
-        angle += math.degrees(2 * math.atan(norm))
-    return angle
+    return sum((math.degrees(2 * math.atan(float(side_norms.max()))) for side_norms in norms.values()), 0.0)

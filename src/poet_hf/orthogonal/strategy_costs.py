@@ -1,7 +1,8 @@
 """What each fused strategy of `rotated_linear` costs: multiply-adds and kept bytes, from the shapes alone.
 
 `strategy_costs` counts them and `auto_strategy` is how ``forward="auto"`` chooses a strategy per call;
-`polynomial_products` counts the Cayley–Neumann polynomial by the call's place in an optimizer step;
+`polynomial_products` counts the orthogonal map's evaluation (the Cayley–Neumann polynomial) by the call's place in
+an optimizer step;
 `rotation_cache_choice` is how ``cache_rotations="auto"`` decides whether a layer keeps its rotations across the
 micro-batches of a step.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cayley import neumann_product_count, num_skew_params
+from .map_protocol import OrthogonalMap
 from .rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT
 from .spo import SideSpec
 
@@ -20,11 +21,11 @@ CACHE_MIN_SAVING = 0.10  # a deferred micro-batch must skip at least this share 
 CACHE_MAX_HOLD = 2.0  # and the cache may hold at most this multiple of the rotations' state on the process
 KEEP_MIN_SAVING = 0.10  # forward="auto" keeps h only where that skips at least this share of the layer's work
 KEEP_MIN_WIDTH = 2048  # and both of the layer's widths are at least this (docs/benchmarks.md, POET layer)
-ROTATION_STATE_BYTES = 16  # per skew entry: float32 parameter, gradient and Adam's two moments
+ROTATION_STATE_BYTES = 16  # per rotation parameter: float32 parameter, gradient and Adam's two moments
 
 
-def polynomial_products(terms: int, phase: str) -> int:
-    """Batched ``b × b`` products of the Cayley–Neumann polynomial that one training call pays.
+def polynomial_products(orthogonal_map: OrthogonalMap, block_size: int, phase: str) -> int:
+    """Batched ``b × b`` products of the orthogonal map (the Cayley–Neumann polynomial) that one training call pays.
 
     They depend on the call's place in the optimizer step (`RotationCache`):
 
@@ -34,8 +35,16 @@ def polynomial_products(terms: int, phase: str) -> int:
     - ``"closing"``: the window's last micro-batch rebuilds once for the VJP of the accumulated sum.
 
     Over a window of ``k`` micro-batches that is ``2·forward + VJP`` per optimizer step, as for one uncached call.
+
+    Args:
+        orthogonal_map: the map (`OrthogonalMap.product_count`).
+        block_size: the blocks' side ``b``.
+        phase: the call's place in the step, one of the four above.
+
+    Returns:
+        The number of products.
     """
-    forward, vjp = neumann_product_count(terms)
+    forward, vjp = orthogonal_map.product_count(block_size)
     return {"uncached": 2 * forward + vjp, "building": forward, "deferred": 0, "closing": forward + vjp}[phase]
 
 
@@ -177,7 +186,7 @@ def rotation_cache_choice(
     d_out: int,
     input_side: SideSpec | None,
     output_side: SideSpec | None,
-    terms: int,
+    orthogonal_map: OrthogonalMap,
     shards: int = 1,
     block_bytes: int = 4,
     dequantize_cost: float = 0.0,
@@ -191,7 +200,7 @@ def rotation_cache_choice(
     - it saves: the polynomial is at least `CACHE_MIN_SAVING` of the layer's multiply-adds per micro-batch (the
       cheapest strategy that keeps only the input, `strategy_costs`, plus the polynomial);
     - it is small: its bytes are at most `CACHE_MAX_HOLD` times the rotations' state on this process,
-      `ROTATION_STATE_BYTES` per skew entry divided by ``shards`` (FSDP2 and ZeRO-3 shard the state, not the cache).
+      `ROTATION_STATE_BYTES` per parameter divided by ``shards`` (FSDP2 and ZeRO-3 shard the state, not the cache).
 
     At the paper's 1 × 4096-token micro-batch and a 2048-wide layer the polynomial is about 2 % of a POET-BS layer's
     work, so the cache is off; at a few hundred tokens and a 512-wide layer it is about half, and the cache is on
@@ -203,7 +212,7 @@ def rotation_cache_choice(
         d_out: the layer's output width.
         input_side: R's primitive, or ``None``.
         output_side: P's primitive, or ``None``.
-        terms: the Cayley–Neumann terms (PEFT's count; 0: the exact transform).
+        orthogonal_map: the sides' map (its products and its parameters per block).
         shards: processes the skew parameters are sharded over (1: replicated).
         block_bytes: bytes per entry of a cached block (the compute dtype's).
         dequantize_cost: a quantised ``W0``'s dequantisation cost per entry (`strategy_costs`).
@@ -212,13 +221,16 @@ def rotation_cache_choice(
         The [`CacheChoice`][poet_hf.orthogonal.strategy_costs.CacheChoice].
     """
     sides = [spec for spec in (input_side, output_side) if spec is not None]
-    polynomial = polynomial_products(terms, "uncached")
+    block = max(spec.block for spec in sides)
+    polynomial = polynomial_products(orthogonal_map, block, "uncached")
     costs = strategy_costs(
         tokens, d_in, d_out, input_side, output_side, True, dequantize_cost=dequantize_cost, polynomial=polynomial
     )
     layer = min(cost["macs"] for cost in costs.values() if cost["kept"] == 0)
     saved = polynomial * sum(spec.num_blocks * spec.block**3 for spec in sides)
     cache_bytes = sum(spec.num_blocks * spec.block**2 for spec in sides) * (block_bytes + 4)
-    state = ROTATION_STATE_BYTES * sum(spec.num_blocks * num_skew_params(spec.block) for spec in sides) / shards
+    state = (
+        ROTATION_STATE_BYTES * sum(spec.num_blocks * orthogonal_map.num_params(spec.block) for spec in sides) / shards
+    )
     saving, hold = saved / layer if layer else 0.0, cache_bytes / state if state else float("inf")
     return CacheChoice(saving >= CACHE_MIN_SAVING and hold <= CACHE_MAX_HOLD, saving, hold, cache_bytes)

@@ -73,10 +73,10 @@ def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
     heavy: list[tuple[float, str]] = []
     for name, layer in rotation_layers(built):
         for adapter, specs in layer.rotation_specs.items():
-            terms = layer.rotation_settings[adapter].neumann_terms
+            orthogonal_map = layer.rotation_settings[adapter].orthogonal_map
             sides = (specs.get(SIDE_INPUT), specs.get(SIDE_OUTPUT))
             dims = (layer.in_features, layer.out_features)
-            choice = rotation_cache_choice(tokens, *dims, *sides, terms, shards, block_bytes, quantization)
+            choice = rotation_cache_choice(tokens, *dims, *sides, orthogonal_map, shards, block_bytes, quantization)
             cached = _cached(plan.setting, choice, settings["accumulation"])
             plan.layers += 1
             plan.cached += cached

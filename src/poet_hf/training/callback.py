@@ -15,7 +15,14 @@ from ..tuners.poet import POET_FINETUNE_RECIPES, merge_and_reinit
 from ..tuners.rotation.layer import rotation_layers
 from ..tuners.rotation.model import prepare_residual_files
 from .optimizer import poet_parameters, reset_optimizer_state
-from .zero import gathered_layer, gathered_rotations, reset_rotation_partitions, set_clip_threshold, zero_optimizer
+from .zero import (
+    check_zero_resettable,
+    gathered_layer,
+    gathered_rotations,
+    reset_rotation_partitions,
+    set_clip_threshold,
+    zero_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +194,8 @@ class MergeReinitCallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         if model is not None and rotation_layers(unwrap(model), self.adapter_name):
             prepare_residual_files(unwrap(model), self.adapter_name)  # before any merge writes a residual file
+            if zero_optimizer(kwargs.get("optimizer")) is not None:
+                check_zero_resettable(unwrap(model), self.adapter_name)
         self.base_max_grad_norm = args.max_grad_norm
         self.schedule = None
         if model is not None:

@@ -141,6 +141,27 @@ def master_partitions(zero: Any, group_index: int) -> list[torch.Tensor]:
     return [zero.single_partition_of_fp32_groups[group_index]]
 
 
+def check_zero_resettable(model: nn.Module, adapter: str = "default") -> None:
+    """Refuse, before training, a map whose reset at a merge is not all zeros: `reset_rotation_partitions` zeroes
+    ZeRO's master partitions in place.
+
+    Args:
+        model: the model with rotation layers.
+        adapter: the adapter the run merges.
+
+    Raises:
+        ValueError: a layer's ``orthogonal_map`` starts from parameters that are not zero.
+    """
+    for name, layer in rotation_layers(model, adapter):
+        orthogonal_map = layer.rotation_settings[adapter].orthogonal_map
+        if not orthogonal_map.zero_is_identity:
+            raise ValueError(
+                f"`orthogonal_map`={orthogonal_map.name!r} (layer '{name}') resets to non-zero parameters at a merge, "
+                "and DeepSpeed ZeRO's merge resets its master partitions to zero; train it without ZeRO (DDP or "
+                "FSDP2), or with orthogonal_map='cayley_neumann'"
+            )
+
+
 @torch.no_grad()
 def reset_rotation_partitions(optimizer: Any) -> int:
     """After a merge: zero the master partitions of the POET groups and their optimizer state, step count included.

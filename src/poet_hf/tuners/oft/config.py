@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ...orthogonal.cayley_map import CayleyNeumann
 from ...orthogonal.spo import nearest_divisor
 from ..config_utils import (
     BIAS_CHOICES,
@@ -98,6 +99,11 @@ class OftConfig(RotationConfig):
             raise ValueError("`module_dropout` has no effect with `block_share`=True (one shared block); set it to 0")
         check_choice("spo", self.spo, OFT_SPO_CHOICES)
         check_choice("bias", self.bias, BIAS_CHOICES["oft"])
+        if self.coft and self.orthogonal_map != CayleyNeumann.name:
+            raise ValueError(
+                f"`coft`=True keeps each skew block Q in a ball: it needs orthogonal_map='{CayleyNeumann.name}', "
+                f"got orthogonal_map={self.orthogonal_map!r}"
+            )
 
     def check_block_size(self) -> None:
         """Exactly one of ``r`` and ``block_size`` is non-zero, and a block size is at least 2.

@@ -7,12 +7,12 @@ from typing import Literal
 
 from peft.config import PeftConfig
 
-from ...orthogonal import check_neumann_terms
+from ...orthogonal.maps import MAPS, map_from_config
 from ..config_utils import BIAS_CHOICES, check_choice, check_positive_int, normalize_peft_target_fields, peft_field
 from ..registry import peft_type_member
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
-PARAMETERIZATIONS = ("cayley", "householder", "reflection", "fgd")
+PARAMETERIZATIONS = (*sorted(MAPS), "reflection", "fgd")  # a registered orthogonal map, or one of two layers
 ECO_MAPS = ("matrix_exp", "taylor")
 
 
@@ -28,8 +28,10 @@ class OrthogonalConfig(PeftConfig):
 
     ``parameterization`` (Linear targets), with ``d = max(in, out)``:
 
-    - ``"cayley"``: ``O = O0 R`` (or ``R O0`` when ``out > in``), ``R`` the Cayley(–Neumann) map of a skew ``d x d``;
-    - ``"householder"``: ``R`` a product of ``num_reflections`` Householder reflections (compact-WY blocks);
+    - an orthogonal map of `poet_hf.orthogonal.maps` (``"cayley_neumann"``, ``"householder"``): ``O = O0 R`` (or
+      ``R O0`` when ``out > in``), ``R`` the map's ``d x d`` rotation: the Cayley transform of a skew matrix
+      (``neumann_terms``, exact by default), or a product of ``num_reflections`` Householder reflections
+      (compact-WY blocks of ``householder_block_size``);
     - ``"reflection"``: ``y = -O0 H(W x) x`` with one auxiliary reflection on the input (``W = I`` at start, where
       ``H(x) x = -x``). Input-dependent, so it cannot be merged into a plain weight;
     - ``"fgd"``: a plain weight ``O0``, kept orthogonal by [`FeedbackGD`][poet_hf.orthogonal.FeedbackGD] (pass
@@ -41,15 +43,18 @@ class OrthogonalConfig(PeftConfig):
         metadata={"help": "Module names or a regex to rewrite; default per model_type (the Linears of the blocks)."},
     )
     exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules to leave out."})
-    parameterization: Literal["cayley", "householder", "reflection", "fgd"] = field(
-        default="cayley", metadata={"help": f"One of {PARAMETERIZATIONS}; see the class docstring."}
+    parameterization: str = field(
+        default="cayley_neumann", metadata={"help": f"One of {PARAMETERIZATIONS}; see the class docstring."}
     )
     neumann_terms: int = field(
         default=0,
-        metadata={"help": "cayley: 0 = exact Cayley transform (orthogonal to rounding); k >= 2 = Neumann terms."},
+        metadata={
+            "help": "cayley_neumann: 0 = exact Cayley transform (orthogonal to rounding); n >= 2 = Neumann terms."
+        },
     )
     num_reflections: int | None = field(
-        default=None, metadata={"help": "householder: reflections per layer; None = the largest even number <= d."}
+        default=None,
+        metadata={"help": "householder: reflections per layer, even; None = the largest even number <= d."},
     )
     householder_block_size: int = field(default=32, metadata={"help": "householder: reflections per WY block."})
     conv_input_size: int | dict[str, int] | None = field(
@@ -81,15 +86,11 @@ class OrthogonalConfig(PeftConfig):
         self.peft_type = peft_type_member(ORTHOGONAL_PEFT_TYPE)  # the enum member; adapter_config.json keeps the string
         normalize_peft_target_fields(self)
         check_choice("parameterization", self.parameterization, PARAMETERIZATIONS)
-        check_neumann_terms(self.neumann_terms)
         if self.num_reflections is not None:
             check_positive_int("num_reflections", self.num_reflections)
-            if self.init_weights and self.num_reflections % 2:
-                raise ValueError(
-                    f"`num_reflections` must be even with init_weights=True (the identity start pairs equal "
-                    f"reflections, H(v) H(v) = I), got {self.num_reflections}"
-                )
         check_positive_int("householder_block_size", self.householder_block_size)
+        if self.parameterization in MAPS:
+            map_from_config(self, self.parameterization)  # the map checks the settings it reads
         if self.conv_input_size is not None and not isinstance(self.conv_input_size, dict):
             check_positive_int("conv_input_size", self.conv_input_size)
         if isinstance(self.conv_input_size, dict):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -19,16 +20,9 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
-from ...orthogonal import (
-    auxiliary_reflection,
-    cayley_neumann,
-    householder_matrix,
-    num_skew_params,
-    polar_factor,
-    random_skew_params,
-    skew_from_vector,
-    spo_generator,
-)
+from ...orthogonal import auxiliary_reflection, polar_factor, spo_generator
+from ...orthogonal.map_protocol import OrthogonalMap
+from ...orthogonal.maps import MAPS, map_from_config
 from ..tuner_base import ModuleMixin
 
 if TYPE_CHECKING:
@@ -43,6 +37,15 @@ def _relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
     return float(torch.linalg.norm(new.double() - old) / torch.linalg.norm(old).clamp_min(1e-30))
 
 
+@dataclass(frozen=True)
+class OrthogonalSettings:
+    """What a layer keeps of an adapter's config: its parameterization and, for a rotation, the map."""
+
+    parameterization: str  # an orthogonal map's name, "reflection", "fgd" or "eco"
+    layer_name: str
+    orthogonal_map: OrthogonalMap | None = None  # where the parameterization is a registered map
+
+
 class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
     """Adapter state of one rewritten module; one adapter can be active at a time (each replaces the weight)."""
 
@@ -55,7 +58,7 @@ class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
         self.orthogonal_eco = nn.ModuleDict({})
         self.orthogonal_polar = BufferDict({}, persistent=True)
         self.orthogonal_init_change = BufferDict({}, persistent=True)
-        self.orthogonal_settings: dict[str, dict[str, Any]] = {}
+        self.orthogonal_settings: dict[str, OrthogonalSettings] = {}
         self._stash: dict[str, dict[str, Any]] = {}
         self._disable_adapters = False
         self.merged_adapters: list[str] = []
@@ -95,7 +98,7 @@ class OrthogonalLayer(BaseTunerLayer, ModuleMixin):
 
     def extra_repr(self) -> str:
         parts = [
-            f"{a}: {s['parameterization']}, init_change={self.init_change(a):.3g}"
+            f"{a}: {s.parameterization}, init_change={self.init_change(a):.3g}"
             for a, s in self.orthogonal_settings.items()
         ]
         return "; ".join(parts)
@@ -154,18 +157,14 @@ class Linear(_OrthogonalModule):
         kind = config.parameterization
         d = self.rotation_dim
         generator = spo_generator(config.seed, 0, layer_name, "orthogonal", adapter_name)
-        settings: dict[str, Any] = {"parameterization": kind, "layer_name": layer_name}
-        if kind == "cayley":
-            param = torch.zeros(num_skew_params(d), dtype=torch.float64)
-            if not config.init_weights:
-                param = random_skew_params(param.shape, d, generator, dtype=torch.float64)
-            settings["neumann_terms"] = config.neumann_terms
-        elif kind == "householder":
-            k = config.num_reflections or d - d % 2
-            param = torch.randn(k, d, generator=generator, dtype=torch.float64)
-            if config.init_weights:
-                param[1::2] = param[0::2]  # H(v) H(v) = I: the product starts at the identity (as HRA does)
-            settings["block_size"] = config.householder_block_size
+        settings = OrthogonalSettings(kind, layer_name, map_from_config(config, kind) if kind in MAPS else None)
+        if settings.orthogonal_map is not None:  # R from the map's parameters: the identity, or near it
+            orthogonal_map, shape = settings.orthogonal_map, (settings.orthogonal_map.num_params(d),)
+            param = (
+                orthogonal_map.identity_params(shape, d, generator)
+                if config.init_weights
+                else orthogonal_map.random_params(shape, d, generator, op_norm=0.1)
+            )
         elif kind == "reflection":
             # -O0 H(W x) x with W = I is O0 x (H(x) x = -x) and has a non-zero gradient in W (W = 0 would not).
             param = torch.eye(self.in_features, dtype=torch.float64)
@@ -190,7 +189,7 @@ class Linear(_OrthogonalModule):
 
     def _initial_map_matrix(self, adapter_name: str) -> torch.Tensor:
         """The matrix the layer computes at creation (the reflection is linear there: ``O0`` or near it)."""
-        if self.orthogonal_settings[adapter_name]["parameterization"] != "reflection":
+        if self.orthogonal_settings[adapter_name].parameterization != "reflection":
             return self.orthogonal_matrix(adapter_name).detach()
         eye = torch.eye(self.in_features, dtype=torch.float32, device=self.orthogonal_polar[adapter_name].device)
         return self._orthogonal_forward(eye, adapter_name, with_bias=False).detach().T
@@ -201,19 +200,17 @@ class Linear(_OrthogonalModule):
         return polar @ rotation if self.in_features >= self.out_features else rotation @ polar
 
     def rotation(self, adapter_name: str) -> torch.Tensor:
-        """The ``d x d`` rotation ``R`` of the cayley / householder parameterisations (float32)."""
+        """The ``d x d`` rotation ``R`` of a parameterization that is an orthogonal map (float32 or wider)."""
         settings = self.orthogonal_settings[adapter_name]
+        if settings.orthogonal_map is None:
+            raise ValueError(f"adapter '{adapter_name}' is {settings.parameterization!r}; it has no rotation R")
         param = self.orthogonal_weight[adapter_name]
         param = param.to(torch.promote_types(param.dtype, torch.float32))  # half-precision adapters: float32 math
-        if settings["parameterization"] == "cayley":
-            return cayley_neumann(skew_from_vector(param, self.rotation_dim), settings["neumann_terms"])
-        if settings["parameterization"] == "householder":
-            return householder_matrix(param, block_size=settings["block_size"])
-        raise ValueError(f"adapter '{adapter_name}' is {settings['parameterization']!r}; it has no rotation R")
+        return settings.orthogonal_map.blocks(param, self.rotation_dim)
 
     def orthogonal_matrix(self, adapter_name: str) -> torch.Tensor:
-        """The out x in orthogonal weight of a linear parameterisation (cayley, householder, fgd)."""
-        kind = self.orthogonal_settings[adapter_name]["parameterization"]
+        """The out x in orthogonal weight of a linear parameterisation (an orthogonal map, or fgd)."""
+        kind = self.orthogonal_settings[adapter_name].parameterization
         if kind == "fgd":
             return self.orthogonal_weight[adapter_name]
         if kind == "reflection":
@@ -226,7 +223,7 @@ class Linear(_OrthogonalModule):
     def _orthogonal_forward(self, x: torch.Tensor, adapter_name: str, with_bias: bool = True) -> torch.Tensor:
         base_bias = self._linear().bias if with_bias else None
         bias = None if base_bias is None else base_bias.to(x.dtype)
-        kind = self.orthogonal_settings[adapter_name]["parameterization"]
+        kind = self.orthogonal_settings[adapter_name].parameterization
         if kind != "reflection":
             return F.linear(x, self.orthogonal_matrix(adapter_name).to(x.dtype), bias)
         compute = torch.promote_types(x.dtype, torch.float32)
@@ -297,7 +294,7 @@ class Conv2d(_OrthogonalModule):
             device=base.weight.device,
         )
         eco.reset_parameters(spo_generator(config.seed, 0, layer_name, "eco", adapter_name))
-        self.orthogonal_settings[adapter_name] = {"parameterization": "eco", "layer_name": layer_name}
+        self.orthogonal_settings[adapter_name] = OrthogonalSettings("eco", layer_name)
         self.orthogonal_eco[adapter_name] = eco
         with torch.no_grad():
             eco.eval()

@@ -81,5 +81,5 @@ class OrthogonalModel(LayerReplacingTuner):
             for m in self.model.modules()
             if isinstance(m, OrthogonalLayer)
             and adapter_name in m.orthogonal_settings
-            and m.orthogonal_settings[adapter_name]["parameterization"] == "fgd"
+            and m.orthogonal_settings[adapter_name].parameterization == "fgd"
         ]

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from peft.config import PeftConfig
 
-from ...orthogonal import check_neumann_terms
+from ...orthogonal.maps import DEFAULT_MAP, MAPS, map_from_config
 from ..config_utils import (
     FORWARD_CHOICES,
     CheckedLoadConfig,
@@ -31,7 +31,7 @@ PATTERN_FIELD = "block_size_pattern"
 
 @dataclass
 class RotationConfig(CheckedLoadConfig, PeftConfig):
-    """What every rotation adapter's config holds: targets, block sizes, the Cayley–Neumann map, merges and folds.
+    """What every rotation adapter's config holds: targets, block sizes, the orthogonal map, merges and folds.
 
     POET (`PoetConfig`) and OFT (`OftConfig`) subclass it, set their own defaults for ``block_size``,
     ``neumann_terms`` and ``merge_every``, and add their own fields; `RotationSettings` is what a layer keeps of it.
@@ -67,10 +67,18 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
             "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = the exact Cayley transform."
         },
     )
+    orthogonal_map: str = field(
+        default=DEFAULT_MAP,
+        metadata={
+            "help": f"The map from parameters to orthogonal blocks, one of {sorted(MAPS)}: 'cayley_neumann' (POET "
+            "eq. 6, with neumann_terms) or 'householder' (products of b Householder reflections per block, HRA's "
+            "map). PEFT's OFT format holds 'cayley_neumann' only."
+        },
+    )
     merge_every: int | None = field(
         default=None,
         metadata={
-            "help": "Optimizer steps between merge-then-reinitialize (fold the rotations into W0, zero Q, "
+            "help": "Optimizer steps between merge-then-reinitialize (fold the rotations into W0, reset them, "
             "resample); None: never merged during training. PoetTrainingArguments.merge_every overrides it for "
             "one run."
         },
@@ -101,7 +109,7 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
         normalize_peft_target_fields(self)
         self.check_block_size()
         check_block_size_pattern(self.block_size_pattern, per_side_allowed=self.per_side_block_sizes)
-        check_neumann_terms(self.neumann_terms)
+        map_from_config(self)  # the map's name and the settings it reads (neumann_terms)
         if self.merge_every is not None:
             check_positive_int("merge_every", self.merge_every)
         check_choice("forward", self.forward, FORWARD_CHOICES)

@@ -15,7 +15,9 @@ import weakref
 
 import torch
 
+from ...orthogonal.map_protocol import OrthogonalMap
 from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, compute_dtypes, rotated_forward
+from ...orthogonal.spo import SideSpec
 from ...orthogonal.strategy_costs import (
     CacheChoice,
     auto_strategy,
@@ -55,7 +57,7 @@ class FusedForward:
         settings = layer.rotation_settings[adapter_name]
         spec = layer.sides(adapter_name)[side]
         index = layer.index_buffer(adapter_name, side)
-        return SideRotation(spec, index, settings.neumann_terms, keep, cache, defer, layer.step_state.norm_cap)
+        return SideRotation(spec, index, settings.orthogonal_map, keep, cache, defer, layer.step_state.norm_cap)
 
     def choose_strategy(
         self,
@@ -85,7 +87,7 @@ class FusedForward:
             sides.get(SIDE_OUTPUT),
             training,
             dequantize_cost=quantization_cost(base_quantization),
-            polynomial=polynomial_products(settings.neumann_terms, polynomial_phase) if training else 0,
+            polynomial=_map_products(settings.orthogonal_map, sides, polynomial_phase) if training else 0,
         )
         return auto_strategy(costs, layer.in_features, layer.out_features)
 
@@ -145,7 +147,7 @@ class FusedForward:
                 layer.out_features,
                 sides.get(SIDE_INPUT),
                 sides.get(SIDE_OUTPUT),
-                layer.rotation_settings[adapter_name].neumann_terms,
+                layer.rotation_settings[adapter_name].orthogonal_map,
                 shards=layer.step_state.process_shards(),
                 block_bytes=torch.finfo(rotation_dtype or torch.float32).bits // 8,
                 dequantize_cost=quantization_cost(quantization),
@@ -306,3 +308,8 @@ def _polynomial_phase(cache: RotationCache | None, defer: bool) -> str:
     if not defer:
         return "closing"
     return "building" if cache.blocks is None else "deferred"
+
+
+def _map_products(orthogonal_map: OrthogonalMap, sides: dict[str, SideSpec], phase: str) -> int:
+    """`polynomial_products` of the map at the sides' largest block."""
+    return polynomial_products(orthogonal_map, max(spec.block for spec in sides.values()), phase)

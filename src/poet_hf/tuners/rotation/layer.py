@@ -21,12 +21,7 @@ from peft.tuners._buffer_dict import BufferDict
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
-from ...orthogonal import (
-    num_skew_params,
-    random_skew_params,
-    skew_from_vector,
-    spo_generator,
-)
+from ...orthogonal import spo_generator
 from ...orthogonal.linalg import invert_blocks
 from ...orthogonal.rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE
 from ...orthogonal.rotation_sides import side_blocks
@@ -49,7 +44,7 @@ __all__ = ["RotationLayer", "RotationSettings", "QuantizedMergeWarning", "rotati
 
 PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEFT's merge / unmerge
 
-# Per side, ``(Q, blocks)`` in float64 (`RotationLayer.float64_rotations`).
+# Per side, ``(generator norms, blocks)`` in float64 (`RotationLayer.float64_rotations`).
 SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -124,7 +119,8 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         self.merge_counts[adapter_name] = torch.zeros((), dtype=torch.long, device=device)
         for side, spec in specs.items():
             params, indices = self.side_containers(side)
-            params[adapter_name] = nn.Parameter(torch.zeros(rows[side], num_skew_params(spec.block), device=device))
+            width = settings.orthogonal_map.num_params(spec.block)
+            params[adapter_name] = nn.Parameter(torch.zeros(rows[side], width, device=device))
             indices[adapter_name] = torch.empty(spec.index_shape, dtype=torch.long, device=device)
         self._move_adapter_to_device_of_base_layer(adapter_name)  # PEFT then upcasts half adapters (autocast)
         if device.type != "meta":
@@ -137,13 +133,13 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
         The draws come from generators keyed by (seed, adapter, layer, side), so they are the same on every process
         and on every way of building the layer; sharded (FSDP2) tensors keep their own shard of each. With
-        ``init_weights=False`` the skew vectors are random instead of zero."""
+        ``init_weights=False`` the rotations are random instead of the identity."""
         settings = self.rotation_settings[adapter_name]
         self.merge_counts[adapter_name].zero_()
         for side in self.sides(adapter_name):
-            params, indices = self.side_containers(side)
+            _, indices = self.side_containers(side)
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, merge_count=0))
-            params[adapter_name].zero_()
+            _reset_to_identity(self, adapter_name, side, merge_count=0)
         if not settings.init_weights:
             self.randomize_skew(
                 adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name)
@@ -156,10 +152,11 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
     @torch.no_grad()
     def randomize_skew(self, adapter_name: str, generator: torch.Generator, op_norm: float = 0.1) -> None:
-        """Random skew parameters whose blocks have operator norm about ``op_norm`` (non-identity adapter)."""
+        """Random parameters whose blocks turn vectors by about ``2·atan(op_norm)`` (a non-identity adapter)."""
+        orthogonal_map = self.rotation_settings[adapter_name].orthogonal_map
         for side, spec in self.sides(adapter_name).items():
             param = self.skew_parameter(adapter_name, side)
-            write_full(param, random_skew_params(param.shape, spec.block, generator, op_norm))
+            write_full(param, orthogonal_map.random_params(tuple(param.shape), spec.block, generator, op_norm))
 
     def rotation_blocks(
         self,
@@ -171,11 +168,11 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
     ) -> torch.Tensor:
         """The ``(num_blocks, b, b)`` orthogonal blocks of one side, in ``dtype`` (float32 or wider).
 
-        Blocks flagged ``False`` in ``keep`` are the identity. ``plain`` composes the skew map, norm cap and
-        Cayley–Neumann series under plain autograd instead of the fused `orthogonal_from_vector`."""
+        Blocks flagged ``False`` in ``keep`` are the identity. ``plain`` composes the map from its definition under
+        plain autograd instead of its fast path (`OrthogonalMap.reference_blocks`)."""
         param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
-        terms = self.rotation_settings[adapter_name].neumann_terms
-        blocks = side_blocks(param, self.sides(adapter_name)[side], terms, plain)
+        orthogonal_map = self.rotation_settings[adapter_name].orthogonal_map
+        blocks = side_blocks(param, self.sides(adapter_name)[side], orthogonal_map, plain)
         if keep is not None:
             eye = torch.eye(blocks.shape[-1], dtype=dtype, device=blocks.device)
             blocks = torch.where(keep[:, None, None], blocks, eye)
@@ -183,13 +180,14 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
     @torch.no_grad()
     def float64_rotations(self, adapter_name: str) -> SideRotations:
-        """Per side, ``(Q, blocks)``: the skew blocks and their orthogonal blocks, in float64.
+        """Per side, ``(norms, blocks)``: the blocks' generator norms ``||Q||_2`` and the blocks, in float64.
 
         Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
-        rotations, terms = {}, self.rotation_settings[adapter_name].neumann_terms
+        rotations, orthogonal_map = {}, self.rotation_settings[adapter_name].orthogonal_map
         for side, spec in self.sides(adapter_name).items():
             param = full_tensor(self.skew_parameter(adapter_name, side)).double()
-            rotations[side] = (skew_from_vector(param, spec.block), side_blocks(param, spec, terms))
+            blocks = side_blocks(param, spec, orthogonal_map)
+            rotations[side] = (orthogonal_map.generator_norms(param, spec.block, blocks), blocks)
         return rotations
 
     def rotate_weight(
@@ -317,7 +315,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
     @torch.no_grad()
     def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
-        """Fold R and P into ``W0``, zero the skew parameters, and draw fresh permutations / index sets.
+        """Fold R and P into ``W0``, reset the rotations to the identity, and draw fresh permutations / index sets.
 
         A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
         (`requantize`); a large 4-bit one a group of rows at a time (`poet_hf.tuners.rotation.row_fold`).
@@ -329,7 +327,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         self.flush_rotation_caches()  # deferred gradients belong to the rotations about to be folded
         stats = block_statistics(
-            self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].neumann_terms
+            self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].orthogonal_map
         )
         count = int(self.merge_counts[adapter_name]) + 1
         if foldable_by_rows(self, adapter_name):  # a large 4-bit W0: a group of rows at a time
@@ -343,10 +341,18 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
             stats["requantization_error"] = self.requantization_error
         self.merge_counts[adapter_name].fill_(count)
         for side in self.sides(adapter_name):
-            params, indices = self.side_containers(side)
-            params[adapter_name].zero_()
+            _, indices = self.side_containers(side)
+            _reset_to_identity(self, adapter_name, side, count)
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
         return stats
+
+
+def _reset_to_identity(layer: RotationLayer, adapter_name: str, side: str, merge_count: int) -> None:
+    """Give one side the map's identity parameters (zero for Cayley–Neumann, drawn for some maps)."""
+    settings = layer.rotation_settings[adapter_name]
+    param, block = layer.skew_parameter(adapter_name, side), layer.sides(adapter_name)[side].block
+    generator = spo_generator(settings.seed, merge_count, settings.layer_name, f"{side}-identity", adapter_name)
+    write_full(param, settings.orthogonal_map.identity_params(tuple(param.shape), block, generator))
 
 
 def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...orthogonal.map_protocol import OrthogonalMap
+from ...orthogonal.maps import map_from_config
 from .config import RotationConfig
 
 
@@ -13,7 +15,7 @@ class RotationSettings:
 
     layer_name: str
     seed: int
-    neumann_terms: int
+    orthogonal_map: OrthogonalMap  # the blocks' map, with its own settings (orthogonal/maps.py)
     forward: str  # "auto", "weight", "activation" or "activation-recompute"
     source: str | None = None  # the adapter file it was loaded from, for errors that name the file
     requantize: str = "feedback"  # how a fold rounds a quantised or 16-bit W0 (quantization.py, low_precision.py)
@@ -28,7 +30,7 @@ class RotationSettings:
         return cls(
             layer_name=layer_name,
             seed=config.seed,
-            neumann_terms=config.neumann_terms,
+            orthogonal_map=map_from_config(config),
             forward=config.forward,
             source=getattr(config, "loaded_from", None),
             requantize=config.requantize,

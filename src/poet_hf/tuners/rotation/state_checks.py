@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from peft.tuners._buffer_dict import BufferDict
 
 
-__all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "skew_problem", "merge_count_problem"]
+__all__ = ["AdapterStateError", "check_safetensors_file", "index_problem", "parameter_problem", "merge_count_problem"]
 
 
 class AdapterStateError(ValueError):
@@ -102,16 +102,16 @@ def index_problem(index: torch.Tensor, spec: SideSpec) -> str | None:
     return None
 
 
-def skew_problem(skew: torch.Tensor, expected_shape: torch.Size, spec: SideSpec) -> str | None:
-    """What is wrong with a loaded skew parameter against the shape the side's block size implies."""
-    if tuple(skew.shape) != tuple(expected_shape):
+def parameter_problem(param: torch.Tensor, expected_shape: torch.Size, spec: SideSpec) -> str | None:
+    """What is wrong with a loaded rotation parameter against the shape the side's block size and map imply."""
+    if tuple(param.shape) != tuple(expected_shape):
         return (
-            f"has shape {tuple(skew.shape)}, but block size {spec.block} on a {spec.dim}-dimensional side implies "
-            f"{tuple(expected_shape)} (rows × b(b−1)/2)"
+            f"has shape {tuple(param.shape)}, but block size {spec.block} on a {spec.dim}-dimensional side implies "
+            f"{tuple(expected_shape)} (rows × the orthogonal map's parameters per block)"
         )
-    if not skew.dtype.is_floating_point:
-        return f"has dtype {skew.dtype}; skew parameters are floating point"
-    if not bool(torch.isfinite(skew).all()):
+    if not param.dtype.is_floating_point:
+        return f"has dtype {param.dtype}; rotation parameters are floating point"
+    if not bool(torch.isfinite(param).all()):
         return "holds non-finite values"
     return None
 
@@ -150,7 +150,7 @@ class LoadCheckedLayer(Protocol):
 def check_loaded_state(layer: LoadCheckedLayer, state_dict: dict[str, torch.Tensor], prefix: str, *args: Any) -> None:
     """A rotation layer's ``load_state_dict`` pre-hook: each incoming tensor must be what the math needs.
 
-    Index, skew and merge-count tensors are checked; raises
+    Index, rotation-parameter and merge-count tensors are checked; raises
     [`AdapterStateError`][poet_hf.tuners.rotation.state_checks.AdapterStateError] naming the first that is not."""
     names = {id(child): name for name, child in layer.named_children()}
     for adapter_name, specs in layer.rotation_specs.items():
@@ -161,7 +161,7 @@ def check_loaded_state(layer: LoadCheckedLayer, state_dict: dict[str, torch.Tens
             params, indices = layer.side_containers(side)
             checks.append((indices, functools.partial(index_problem, spec=spec)))
             shape = params[adapter_name].shape
-            checks.append((params, functools.partial(skew_problem, expected_shape=shape, spec=spec)))
+            checks.append((params, functools.partial(parameter_problem, expected_shape=shape, spec=spec)))
         for container, problem_of in checks:
             key = f"{prefix}{names[id(container)]}.{adapter_name}"
             problem = problem_of(state_dict[key]) if key in state_dict else None
