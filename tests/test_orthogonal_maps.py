@@ -258,3 +258,24 @@ def test_a_new_map_is_one_class_and_one_registry_line(monkeypatch):
     torch.testing.assert_close(blocks, expected, rtol=0, atol=block_tolerance(16))
     model(input_ids=IDS, labels=IDS).loss.backward()
     assert layer.skew_parameter("default", "input").grad.abs().max() > 0
+
+
+def test_both_scripts_take_the_map_flags_and_the_pretraining_recipe_applies_and_prints_them():
+    from poet_hf.recipes.finetune import FinetuneArguments, method_config
+    from poet_hf.recipes.presets import apply_recipe
+    from poet_hf.recipes.pretrain import PretrainArguments, resolve_recipe
+
+    recipe = resolve_recipe(PretrainArguments(preset="tiny", orthogonal_map="householder"))
+    printed = recipe.as_dict()
+    assert (printed["orthogonal_map"], printed["paper_neumann_k"], printed["block_size"]) == ("householder", None, 32)
+    default = resolve_recipe(PretrainArguments(preset="tiny")).as_dict()
+    assert (default["orthogonal_map"], default["neumann_terms"], default["paper_neumann_k"]) == ("cayley_neumann", 6, 4)
+    model = apply_recipe(tiny_llama(), recipe, base_init=None, seed=3)
+    layer = rotation_layers(model)[0][1]
+    assert layer.rotation_settings["default"].orthogonal_map == HouseholderProduct()
+    assert model.peft_config["default"].seed == 3 and model.peft_config["default"].block_size == 32
+    base = tiny_llama()  # the fine-tuning config reads its targets
+    for method in ("poet", "oft"):
+        args = FinetuneArguments(model_name_or_path="x", method=method, orthogonal_map="householder", neumann_terms=0)
+        config = method_config(args, base)
+        assert (config.orthogonal_map, config.neumann_terms) == ("householder", 0)

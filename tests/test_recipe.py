@@ -359,8 +359,10 @@ def test_presets_stay_hashable_with_the_adapter_fields_they_set():
     from poet_hf.recipes.presets import PRESETS
 
     assert len({preset: name for name, preset in PRESETS.items()}) == len(PRESETS)  # frozen and hashable
-    assert PRESETS["tiny"].adapter_fields == {"merge_every": 50}
-    assert PRESETS["llama-60m"].adapter_fields == {}  # PoetConfig's merge_every, 400
+    assert PRESETS["tiny"].adapter_fields == {"merge_every": 50, "block_size": 32}
+    assert PRESETS["tiny"].block_size == 32
+    assert PRESETS["llama-60m"].adapter_fields == {}  # PoetConfig's merge_every, 400, and block_size, 256
+    assert PRESETS["llama-60m"].block_size == 256
 
 
 @pytest.mark.parametrize("method", ["poet-bs", "poet-fs", "lora", "adamw"])
@@ -373,7 +375,7 @@ def test_the_printed_recipe_is_the_typed_one_flat_with_the_methods_own_settings(
     assert ("block_size" in printed, "budget" in printed) == (method == "poet-bs", method == "poet-fs")
     assert ("spo" in printed, "lora_rank" in printed) == (method.startswith("poet"), method == "lora")
     if recipe.rotation is not None:
-        assert printed["spo"] == recipe.rotation.spo == ("block" if method == "poet-bs" else "full")
+        assert printed["spo"] == recipe.rotation.config.spo == ("block" if method == "poet-bs" else "full")
         assert printed["neumann_terms"] - printed["paper_neumann_k"] == 2
     assert printed["tokens_per_step"] == recipe.sequences_per_step * recipe.model["seq_len"]
 

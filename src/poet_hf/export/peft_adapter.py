@@ -114,7 +114,7 @@ def to_peft_oft_config(config: OftConfig) -> Any:
     exact = config.neumann_terms == 0
     return OFTConfig(
         r=config.r,
-        oft_block_size=0 if config.r else config.block_size,
+        oft_block_size=0 if config.r else config.side_block_size,
         use_cayley_neumann=not exact,
         num_cayley_neumann_terms=5 if exact else config.neumann_terms,  # PEFT ignores it without the series
         inference_mode=True,

@@ -104,20 +104,6 @@ class FinetuneArguments(ScriptArguments):
             "(docs/finetuning.md has the measured figures)"
         },
     )
-    block_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "POET / OFT block size (a size that does not divide a layer becomes its nearest divisor); "
-            f"default: the POET recipe's, OftConfig's ({OftConfig.block_size}) for OFT"
-        },
-    )
-    neumann_terms: int | None = field(
-        default=None,
-        metadata={
-            "help": "Cayley–Neumann terms, PEFT's count (the paper's k = n − 2; 0 = exact Cayley); default: the "
-            f"config's (POET {PoetConfig.neumann_terms}, OFT {OftConfig.neumann_terms})"
-        },
-    )
     spo: str | None = field(
         default=None,
         metadata={
@@ -333,11 +319,8 @@ def method_config(
         "modules_to_save": list(new_modules or []) or None,
     }
     # Only what the command line (or the POET recipe) set; everything else is the config class's default.
-    chosen = {
-        name: getattr(args, name)
-        for name in ("spo", "block_size", "budget", "neumann_terms")
-        if getattr(args, name) is not None
-    }
+    chosen = {name: getattr(args, name) for name in ("spo", "block_size", "budget") if getattr(args, name) is not None}
+    chosen.update(args.map_overrides())
     seed = 0 if training is None else training.seed
     if training is not None and training.merge_every is not None:
         chosen["merge_every"] = training.merge_every

@@ -59,17 +59,20 @@ class Preset:
     steps: int = 1000  # the default length: a short run of the paper's recipe
     batch_size: int = 32  # sequences per micro-batch per process (the official 60M script's)
     global_batch_size: int = 512  # sequences per optimizer step (appendix E: batch × accumulation × GPUs)
-    block_size: int | None = None  # None: PoetConfig's (256, the paper's)
     budget: float | None = None  # None: PoetConfig's (½, the paper's)
-    adapter_fields: Mapping[str, Any] = field(default_factory=dict, hash=False)  # other PoetConfig fields (merge_every)
+    adapter_fields: Mapping[str, Any] = field(default_factory=dict, hash=False)  # PoetConfig fields (block_size, …)
     max_grad_norm: float = 0.1  # appendix E
     weight_decay: float = 0.01  # appendix E
     poet_learning_rate: float | None = None  # None: tied to the rotation size, as Tables 8–9 (poet_learning_rate)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "budget"):  # one default, PoetConfig's
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, getattr(PoetConfig, name))
+        if self.budget is None:  # one default, PoetConfig's
+            object.__setattr__(self, "budget", PoetConfig.budget)
+
+    @property
+    def block_size(self) -> int:
+        """POET-BS's block size: the preset's ``adapter_fields``, else PoetConfig's (256, the paper's)."""
+        return int(self.adapter_fields.get("block_size", PoetConfig.block_size))
 
 
 PRESETS = {
@@ -86,8 +89,7 @@ PRESETS = {
         steps=200,
         batch_size=8,
         global_batch_size=8,
-        block_size=32,
-        adapter_fields={"merge_every": 50},
+        adapter_fields={"merge_every": 50, "block_size": 32},
         max_grad_norm=1.0,
         weight_decay=0.0,
         poet_learning_rate=4e-3,
@@ -210,18 +212,10 @@ def apply_recipe(
     targets = targets_for(cast(PretrainedConfig, model.config))
     method, rotation = recipe.method, recipe.rotation
     if rotation is not None:
-        sides: dict[str, Any] = (
-            {"block_size": rotation.block_size} if method == "poet-bs" else {"budget": rotation.budget}
-        )
-        config: PeftConfig = PoetConfig(
-            spo=rotation.spo,
-            **sides,
-            neumann_terms=rotation.neumann_terms,
-            merge_every=rotation.merge_every,
+        config: PeftConfig = replace(
+            rotation.config,
             seed=seed,
-            base_init=rotation.base_init if base_init == "recipe" else base_init,
-            base_quantization=cast(Any, rotation.base_quantization),  # a storage kind's name, checked by the config
-            cache_rotations=rotation.cache_rotations,
+            base_init=rotation.config.base_init if base_init == "recipe" else base_init,
             train_other_params=True,
         )
         wrapped = get_peft_model_quietly(model, config)
@@ -311,14 +305,18 @@ def recipe_parameter_counts(
 
     preset = PRESETS[recipe.preset]
     config = config or preset_config(preset, recipe.method, vocab_size, recipe.model["seq_len"])
-    unquantized = replace(recipe.rotation, base_quantization=None) if recipe.rotation is not None else None
+    unquantized = (
+        replace(recipe.rotation, config=replace(recipe.rotation.config, base_quantization=None))
+        if recipe.rotation is not None
+        else None
+    )
     model = apply_recipe(meta_model(config), replace(recipe, rotation=unquantized), None)
     targets = targets_for(config)
     report: dict[str, Any] = {**count_trainable(model), "targets": targets}
     report["trained_in_full"] = sorted(
         {_module_of(name) for name, p in model.named_parameters() if p.requires_grad and not _in_adapter(name)}
     )
-    if recipe.rotation is not None and recipe.rotation.spo == "block":
+    if recipe.rotation is not None and recipe.rotation.config.spo == "block":
         report["block_sizes"] = {
             re.split(r"\.\d+\.", name)[-1]: {side: spec.block for side, spec in layer.sides("default").items()}
             for name, layer in rotation_layers(model)

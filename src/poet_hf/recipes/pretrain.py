@@ -20,7 +20,6 @@ from transformers import default_data_collator
 from ..data import load_corpus, load_tokenizer, pack_sequences, pad_documents
 from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
-from ..orthogonal.cayley import paper_neumann_k
 from ..sharded import is_sharded
 from ..training.arguments import PoetTrainingArguments
 from ..training.trainer import PoetTrainer
@@ -48,6 +47,7 @@ from .pretrain_arguments import (  # noqa: F401 (public here too)
     PretrainArguments,
 )
 from .recipe import PretrainRecipe, RotationRecipe
+from .script_arguments import MAP_FLAGS
 
 
 def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
@@ -212,14 +212,13 @@ def _batch_plan(
 
 
 def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset, hidden: int) -> RotationRecipe:
-    """POET's part of the recipe: the SPO sides, Cayley–Neumann terms, merge interval and rotation learning rate.
+    """POET's part of the recipe: the resolved `PoetConfig` (sides, map, merges, ``W0``) and the rotations' rate.
 
     A preset's shape takes its block size; a config's or a checkpoint's takes `PoetConfig`'s, which each layer fits to
     its widths (the nearest divisor where it does not divide one)."""
     own_shape = args.config_name or args.model_name_or_path
     block = args.block_size or (PoetConfig.block_size if own_shape else preset.block_size)
     budget = _budget(args.budget) if args.budget is not None else preset.budget
-    terms = PoetConfig.neumann_terms if args.neumann_terms is None else args.neumann_terms
     sides: dict[str, dict[str, Any]] = {
         "block_size": {"input": args.block_size_input or block, "output": args.block_size_output or block},
         "budget": {
@@ -227,21 +226,22 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
             "output": _budget(args.budget_output) if args.budget_output else budget,
         },
     }
-    rotation = sides["block_size" if args.method == "poet-bs" else "budget"]
-    mean_size = sum(rotation.values()) / 2
-    if args.method == "poet-fs" and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
-        mean_size = mean_size / hidden
     blockwise = args.method == "poet-bs"
-    return RotationRecipe(
+    side = "block_size" if blockwise else "budget"
+    mean_size = sum(sides[side].values()) / 2
+    if not blockwise and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
+        mean_size = mean_size / hidden
+    config = PoetConfig(
         spo="block" if blockwise else "full",
-        block_size=_collapse(sides["block_size"]) if blockwise else None,
-        budget=None if blockwise else _collapse(sides["budget"]),
-        neumann_terms=terms,
-        paper_neumann_k=paper_neumann_k(terms),
+        **{side: _collapse(sides[side])},
+        **args.map_overrides(),
         merge_every=given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
         base_init=args.base_init,
-        base_quantization=args.base_quantization,
+        base_quantization=cast(Any, args.base_quantization),  # a storage kind's name, checked by the config
         cache_rotations={"true": True, "false": False}.get(args.cache_rotations, "auto"),
+    )
+    return RotationRecipe(
+        config=config,
         poet_learning_rate=given.get("poet_learning_rate")
         or preset.poet_learning_rate
         or tied_poet_learning_rate(args.method, mean_size),
@@ -304,7 +304,7 @@ def _trainer(
         "preset": args.preset,
         "dataset": args.dataset,
         "seq_len": args.seq_len,
-        **{k: v for k, v in recipe.as_dict().items() if k in ("block_size", "budget", "neumann_terms", "merge_every")},
+        **{k: v for k, v in recipe.as_dict().items() if k in ("block_size", "budget", "merge_every", *MAP_FLAGS)},
     }
     return PoetTrainer(
         model=model,

@@ -84,10 +84,6 @@ class PretrainArguments(ScriptArguments):
             "stochastic: budget ½ per side), adamw, lora or galore; the names finetune.py takes mean the same"
         },
     )
-    block_size: int | None = field(
-        default=None,
-        metadata={"help": f"POET-BS block size (default: the preset's, else PoetConfig's {PoetConfig.block_size})"},
-    )
     block_size_input: int | None = field(default=None, metadata={"help": "POET-BS block size of R only"})
     block_size_output: int | None = field(default=None, metadata={"help": "POET-BS block size of P only"})
     budget: float | None = field(
@@ -99,14 +95,6 @@ class PretrainArguments(ScriptArguments):
     )
     budget_input: float | None = field(default=None, metadata={"help": "POET-FS budget of R only (Fig. 5 splits)"})
     budget_output: float | None = field(default=None, metadata={"help": "POET-FS budget of P only"})
-    neumann_terms: int | None = field(
-        default=None,
-        metadata={
-            "help": "Cayley–Neumann terms n, PEFT's count "
-            f"(the paper's k = n − 2); default PoetConfig's {PoetConfig.neumann_terms}, the paper's "
-            f"k = {PoetConfig.neumann_terms - 2}; 0 = exact Cayley"
-        },
-    )
     base_init: str | None = field(
         default=None,
         metadata={

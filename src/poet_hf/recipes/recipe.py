@@ -7,45 +7,54 @@ mapping, the method's settings beside the run's.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any
+
+from ..orthogonal.cayley import paper_neumann_k
+from ..orthogonal.cayley_map import CayleyNeumann
+from ..orthogonal.maps import map_from_config
+from ..tuners.poet import PoetConfig
+from .script_arguments import MAP_FLAGS
 
 __all__ = ["PretrainRecipe", "RotationRecipe"]
-
-SideSizes = int | float | dict[str, Any]  # one size for both sides, or {"input": …, "output": …}
 
 
 @dataclass(frozen=True)
 class RotationRecipe:
-    """POET's part of a recipe: the sides, the Cayley–Neumann terms, the merges and the rotations' rate.
+    """POET's part of a recipe: the adapter's config as the run resolves it, the rotations' rate and the clip ramp.
 
     Args:
-        spo: ``"block"`` (POET-BS) or ``"full"`` (POET-FS).
-        block_size: POET-BS's block size (``None`` for POET-FS).
-        budget: POET-FS's budget (``None`` for POET-BS).
-        neumann_terms: Cayley–Neumann terms, PEFT's count (0: the exact transform).
-        paper_neumann_k: the same count as the POET paper's ``k`` (``neumann_terms − 2``; ``None`` for the exact
-            transform).
-        merge_every: optimizer steps between merges.
-        base_init: the initialisation of ``W0``.
-        base_quantization: the storage kind of ``W0`` (``None``: unquantised).
-        cache_rotations: ``True``, ``False`` or ``"auto"``.
+        config: the resolved `PoetConfig` (the sides, the orthogonal map, the merges, ``W0``'s initialisation and
+            storage, the rotation cache); `apply_recipe` gives it the run's seed.
         poet_learning_rate: the rotations' learning rate.
         post_merge_clip_steps: steps of the clip ramp after a merge.
         post_merge_clip_factor: the clip threshold's factor right after a merge.
     """
 
-    spo: Literal["block", "full"]
-    block_size: SideSizes | None
-    budget: SideSizes | None
-    neumann_terms: int
-    paper_neumann_k: int | None
-    merge_every: int
-    base_init: str | None
-    base_quantization: str | None
-    cache_rotations: bool | Literal["auto"]
+    config: PoetConfig
     poet_learning_rate: float
     post_merge_clip_steps: int = 10
     post_merge_clip_factor: float = 0.1
+
+    def as_dict(self) -> dict[str, Any]:
+        """The recipe's settings flat: the side's ``block_size`` (POET-BS) or ``budget`` (POET-FS), the map's settings
+        (with the POET paper's ``k`` of a Cayley–Neumann series), the merges, ``W0``'s, the cache and the rates."""
+        config = self.config
+        side = "block_size" if config.spo == "block" else "budget"
+        orthogonal_map = map_from_config(config)
+        paper_k = paper_neumann_k(orthogonal_map.terms) if isinstance(orthogonal_map, CayleyNeumann) else None
+        return {
+            "spo": config.spo,
+            side: getattr(config, side),
+            **{name: getattr(config, name) for name in MAP_FLAGS},
+            "paper_neumann_k": paper_k,
+            "merge_every": config.merge_every,
+            "base_init": config.base_init,
+            "base_quantization": config.base_quantization,
+            "cache_rotations": config.cache_rotations,
+            "poet_learning_rate": self.poet_learning_rate,
+            "post_merge_clip_steps": self.post_merge_clip_steps,
+            "post_merge_clip_factor": self.post_merge_clip_factor,
+        }
 
 
 @dataclass(frozen=True)
@@ -109,8 +118,7 @@ class PretrainRecipe:
             f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("rotation", "lora_rank", "parameters")
         }
         if self.rotation is not None:
-            rotation = {f.name: getattr(self.rotation, f.name) for f in fields(self.rotation)}
-            flat.update({k: v for k, v in rotation.items() if v is not None or k not in ("block_size", "budget")})
+            flat.update(self.rotation.as_dict())
         if self.lora_rank is not None:
             flat["lora_rank"] = self.lora_rank
         return {**flat, **(self.parameters or {})}

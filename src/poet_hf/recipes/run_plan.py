@@ -62,7 +62,7 @@ def plan_settings(
         "sharding": sharding,
         "checkpointing": bool(training.activation_checkpointing),
         "accumulation": recipe.gradient_accumulation_steps,
-        "cache_rotations": "auto" if rotation is None else rotation.cache_rotations,
+        "cache_rotations": "auto" if rotation is None else rotation.config.cache_rotations,
         "base_quantization": args.base_quantization,
         "fused_step": bool(training.fused_optimizer_step),
         "vocab_weights_dtype": training.vocab_weights_dtype,
@@ -70,12 +70,10 @@ def plan_settings(
     }
     if args.method == "lora":
         settings["rank"] = args.lora_rank
-    if rotation is not None and rotation.block_size is not None:
-        sizes = rotation.block_size
-        settings["block_size"] = max(sizes.values()) if isinstance(sizes, dict) else sizes
-    elif rotation is not None:
-        budget = rotation.budget
-        settings["budget"] = max(budget.values()) if isinstance(budget, dict) else budget
+    if rotation is not None:
+        side = "block_size" if rotation.config.spo == "block" else "budget"
+        size = getattr(rotation.config, side)
+        settings[side] = max(size.values()) if isinstance(size, dict) else size
     return settings
 
 

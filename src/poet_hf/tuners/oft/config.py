@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ...orthogonal.cayley_map import CayleyNeumann
 from ...orthogonal.spo import nearest_divisor
@@ -48,11 +48,11 @@ class OftConfig(RotationConfig):
             "nearest divisor, see strict_block_size). Set exactly one of `r` and `block_size`."
         },
     )
-    block_size: int = field(
-        default=32,
+    neumann_terms: int = field(
+        default=5,
         metadata={
-            "help": "Block size b of the input side (in·kh·kw for Conv2d); where it does not divide a target, the "
-            "nearest divisor is used (see strict_block_size). Set exactly one of `r` and `block_size`."
+            "help": "orthogonal_map='cayley_neumann': the terms n, PEFT's num_cayley_neumann_terms and its default "
+            "(R = I + 2Q + … + 2Q^(n-2) + Q^(n-1); 0 = the exact Cayley transform, PEFT's use_cayley_neumann=False)."
         },
     )
 
@@ -105,6 +105,11 @@ class OftConfig(RotationConfig):
                 f"got orthogonal_map={self.orthogonal_map!r}"
             )
 
+    @property
+    def side_block_size(self) -> int:
+        """``block_size``, an integer here: OFT rotates one side (`check_block_size` refuses a per-side mapping)."""
+        return cast(int, self.block_size)
+
     def check_block_size(self) -> None:
         """Exactly one of ``r`` and ``block_size`` is non-zero, and a block size is at least 2.
 
@@ -140,7 +145,7 @@ class OftConfig(RotationConfig):
                 ``block_size_pattern`` entry does not; or ``r`` gives 1 × 1 blocks.
         """
         if not self.r or layer_name in self.block_size_pattern:
-            return resolve_block_size(self, layer_name, "input", dim, self.block_size or dim, "block_size")
+            return resolve_block_size(self, layer_name, "input", dim, self.side_block_size or dim, "block_size")
         if dim % self.r and self.strict_block_size:
             raise ValueError(
                 f"`r`={self.r} does not divide the {dim}-dimensional input side of target module '{layer_name}'; "

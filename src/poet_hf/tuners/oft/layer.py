@@ -82,7 +82,7 @@ class OftLayer(RotationLayer):
         """Add adapter ``adapter_name`` described by an ``OftConfig``."""
         config = cast(OftConfig, config)  # the OFT tuner builds OFT layers only
         block_size = config.resolve_block_size(self.in_features, layer_name)
-        if is_adjusted(config, layer_name, SIDE_INPUT, self.in_features, config.r or config.block_size):
+        if is_adjusted(config, layer_name, SIDE_INPUT, self.in_features, config.r or config.side_block_size):
             self.adjusted_block_sizes[adapter_name] = {SIDE_INPUT: block_size}
         spec = make_side_spec(config.spo, self.in_features, block_size, 0, layer_name, "block_size")
         self.oft_options[adapter_name] = OftOptions(

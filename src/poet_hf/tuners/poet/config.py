@@ -53,15 +53,17 @@ POET_FINETUNE_RECIPES: dict[str, PoetFinetuneRecipe] = {
 class PoetConfig(RotationConfig):
     """Configuration of a POET adapter: every target weight becomes ``R·W0·P`` (torch: ``P^T W0 R^T``).
 
-    ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built by the Cayley–Neumann map from
-    skew-symmetric blocks that start at zero, so the wrapped model starts as the base model. Every
+    ``W0`` is frozen; ``R`` (in×in) and ``P`` (out×out) are orthogonal, built blockwise by the ``orthogonal_map``
+    (POET eq. 6's Cayley–Neumann map by default, from skew-symmetric blocks) from parameters that start at the
+    identity, so the wrapped model starts as the base model. Every
     ``merge_every`` optimizer steps [`merge_and_reinit`][poet_hf.merge_and_reinit] folds them into ``W0`` and draws new
     permutations / index sets.
 
-    ``neumann_terms`` counts as PEFT does (``R = I + 2Q + … + 2Q^(n−2) + Q^(n−1)``, ``n`` terms); the POET paper's
-    eq. 6 counts ``k = n − 2``. The default 6 is the paper's recipe ``k = 4`` (appendix J); ``merge_every=400`` is
-    its §5.2 default. ``block_size`` and ``budget`` may differ per side (``{"input": …, "output": …}``, R and P), as
-    in the paper's Fig. 5; a ``budget`` may be a fraction of the dimension or an absolute index-set size.
+    The Cayley–Neumann term count (declared by `RotationConfig`) counts as PEFT does (``R = I + 2Q + … + 2Q^(n−2) +
+    Q^(n−1)``, ``n`` terms); the POET paper's eq. 6 counts ``k = n − 2``. Its default 6 is the paper's recipe
+    ``k = 4`` (appendix J); ``merge_every=400`` is its §5.2 default. ``block_size`` and ``budget`` may differ per
+    side (``{"input": …, "output": …}``, R and P), as in the paper's Fig. 5; a ``budget`` may be a fraction of the
+    dimension or an absolute index-set size.
     """
 
     per_side_block_sizes: ClassVar[bool] = True
@@ -91,14 +93,6 @@ class PoetConfig(RotationConfig):
     )
     sides: Literal["both", "input", "output"] = field(
         default="both", metadata={"help": "'both' (R and P), 'input' (R only, OFT-like) or 'output' (P only)."}
-    )
-    neumann_terms: int = field(
-        default=6,
-        metadata={
-            "help": "Cayley–Neumann terms n, counted as PEFT does (R = I + 2Q + … + 2Q^(n-2) + "
-            "Q^(n-1)); the paper's eq. 6 counts k = n − 2 (its recipe k = 4 is n = 6, the default). "
-            "0 = the exact Cayley transform."
-        },
     )
     merge_every: int | None = field(
         default=400,

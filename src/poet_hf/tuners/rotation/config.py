@@ -33,8 +33,8 @@ PATTERN_FIELD = "block_size_pattern"
 class RotationConfig(CheckedLoadConfig, PeftConfig):
     """What every rotation adapter's config holds: targets, block sizes, the orthogonal map, merges and folds.
 
-    POET (`PoetConfig`) and OFT (`OftConfig`) subclass it, set their own defaults for ``block_size``,
-    ``neumann_terms`` and ``merge_every``, and add their own fields; `RotationSettings` is what a layer keeps of it.
+    POET (`PoetConfig`) and OFT (`OftConfig`) subclass it, set their own defaults (POET's ``block_size`` and
+    ``merge_every``, OFT's ``neumann_terms``), and add their own fields; `RotationSettings` is what a layer keeps of it.
     ``neumann_terms`` counts as PEFT does (``R = I + 2Q + … + 2Q^(n−2) + Q^(n−1)``, ``n`` terms); the POET paper's
     eq. 6 counts ``k = n − 2``.
     """
@@ -54,17 +54,19 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
     block_size: int | dict[str, int] = field(
         default=32,
         metadata={
-            "help": "Block size b of a rotated side; where b does not divide the side, the nearest divisor is used "
-            "(see strict_block_size)."
+            "help": "Block size b of a rotated side (OFT: of the input side, in·kh·kw for a Conv2d; set exactly one "
+            "of `r` and `block_size`); where b does not divide the side, the nearest divisor is used (see "
+            "strict_block_size)."
         },
     )
     strict_block_size: bool = strict_block_size_field()
     block_size_pattern: dict[str, Any] = block_size_pattern_field()
     neumann_terms: int = field(
-        default=5,
+        default=6,
         metadata={
-            "help": "Cayley–Neumann terms n, counted as PEFT's num_cayley_neumann_terms (R = I + 2Q + … + "
-            "2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2. 0 = the exact Cayley transform."
+            "help": "orthogonal_map='cayley_neumann': the terms n, counted as PEFT's num_cayley_neumann_terms (R = "
+            "I + 2Q + … + 2Q^(n-2) + Q^(n-1)); the POET paper's eq. 6 counts k = n − 2 (its recipe k = 4 is n = 6, "
+            "POET's default). 0 = the exact Cayley transform."
         },
     )
     orthogonal_map: str = field(
