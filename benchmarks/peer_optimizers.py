@@ -1,5 +1,5 @@
-"""The peers' low-memory optimizers, layer-wise, for `benchmarks.pretrain_step.measure` (``optim=``): GaLore 8-bit
-(galore-torch) and APOLLO-Mini (apollo-torch), the ``[bench]`` extra."""
+"""The peers' low-memory optimizers, layer-wise, for `benchmarks.suites.pretrain_step.measure` (``optim=``):
+GaLore 8-bit (galore-torch) and APOLLO-Mini (apollo-torch), the ``[bench]`` extra."""
 
 from __future__ import annotations
 

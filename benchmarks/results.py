@@ -1,7 +1,7 @@
 """Results files: each suite's rows, with the machine, date, commit and command that measured them.
 
 ``benchmarks/results/<suite>.json`` is written by ``python scripts/benchmark.py --suite <suite>`` and committed; the
-README's and the docs' measured figures are rendered from these files (`benchmarks.figures`), never typed.
+README's and the docs' measured figures are rendered from these files (`benchmarks.rendering.figures`), never typed.
 """
 
 from __future__ import annotations

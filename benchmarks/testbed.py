@@ -83,9 +83,9 @@ TRAINED_CAUSAL_LMS = {
         "patience": 3,
         "threshold": 0.002,
     },
-    # held out from every choice of a default (benchmarks/finetune_report.py): a wide, shallow LM on the plays, and
-    # one pretrained on another corpus with its own tokenizer (the top-level modules of this interpreter's standard
-    # library) and fine-tuned on its unit tests
+    # held out from every choice of a default (benchmarks/suites/finetune_report.py): a wide, shallow LM on the plays,
+    # and one pretrained on another corpus with its own tokenizer (the top-level modules of this interpreter's
+    # standard library) and fine-tuned on its unit tests
     "lm-384x3": {
         **CAUSAL_LM,
         "hidden": 384,

@@ -6,11 +6,13 @@
     python scripts/benchmark.py --check_figures             # exit 1, naming page and figure, where one differs
     python scripts/benchmark.py --plot benchmarks/results/pretrain_step.json   # redraw a suite's PNGs
 
-Each suite lives in ``benchmarks/<suite>.py`` and exposes ``run(quick: bool) -> list[dict]``; this script dispatches,
-prints a Markdown table per suite and writes each suite's results file (``benchmarks/results/<suite>.json``, with the
-machine, date and commit; not for ``--quick``, whose rows are a smoke run's), from which the README's and the docs'
-figures are rendered (`benchmarks.figures`). A suite with figures (`benchmarks.plots.PLOTTERS`) also draws its PNGs
-into ``--plot_dir``.
+Each suite is a module of ``benchmarks/suites/`` (``benchmarks/suites/<suite>.py``, found there: no list to keep)
+and exposes ``run(quick: bool) -> list[dict]``; this script dispatches, prints a Markdown table per suite and writes
+each suite's results file (``benchmarks/results/<suite>.json``, with the machine, date and commit; not for
+``--quick``, whose rows are a smoke run's), from which the README's and the docs' figures are rendered
+(`benchmarks.rendering.figures`). A suite with figures (`benchmarks.rendering.plots.PLOTTERS`) also draws its PNGs
+into ``--plot_dir``. Helpers the suites share (``common``, ``results``, ``run_cache``, ``testbed``, …) stay at
+``benchmarks/``.
 """
 
 from __future__ import annotations
@@ -26,37 +28,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITES = (
-    "poet_layer",
-    "wide_step",
-    "step_profile",
-    "pretrain_step",
-    "finetune_step",
-    "finetune_quality",
-    "finetune_sweep",
-    "finetune_choice",
-    "finetune_report",
-    "oft_layer",
-    "fsdp",
-    "fsdp_plan",
-    "sharding",
-    "eco",
-    "reflection",
-    "import_time",
-    "load_checks",
-    "quantized",
-    "fold",
-    "training_modes",
-    "memory_peers",
-    "pretrain_7b",
-    "pretrain_8b",
-    "savings_quality",
-    "pretrain_quality",
-    "pretrain_choices",
-    "svd_network",
-    "svd_network_mnist",
-    "lipconvnet",
-)
+# The suites are the modules of benchmarks/suites/: a new suite is one file there.
+SUITES = tuple(sorted(path.stem for path in (ROOT / "benchmarks" / "suites").glob("*.py") if path.stem != "__init__"))
 
 
 def machine_description() -> str:
@@ -108,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(ROOT))
     if args.render_figures or args.check_figures:
-        from benchmarks.figures import figures_command
+        from benchmarks.rendering.figures import figures_command
 
         return figures_command(ROOT, render=args.render_figures)
     if args.plot:
-        from benchmarks.plots import PLOTTERS
+        from benchmarks.rendering.plots import PLOTTERS
 
         data = json.loads(args.plot.read_text())
         plot = PLOTTERS[data.get("suite", "pretrain_step")]
@@ -130,13 +103,13 @@ def run_suites(args: argparse.Namespace, command: str) -> dict:
     import tempfile
 
     from benchmarks.common import to_markdown
-    from benchmarks.plots import PLOTTERS
+    from benchmarks.rendering.plots import PLOTTERS
     from benchmarks.results import save_results
 
     results = {"machine": machine_description()}
     print(f"machine: {results['machine']}")
     for suite in SUITES if args.suite == "all" else (args.suite,):
-        module = importlib.import_module(f"benchmarks.{suite}")
+        module = importlib.import_module(f"benchmarks.suites.{suite}")
         rows = module.run(quick=args.quick)
         results[suite] = rows
         print(f"\n## {suite}\n\n{to_markdown(rows)}")

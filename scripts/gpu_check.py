@@ -3,7 +3,7 @@
     python scripts/gpu_check.py --out gpu-check          # on the GPU machine: writes gpu_check.json and gpu_check.md
     python scripts/gpu_check.py --dry_run                # anywhere: prints what it would run
 
-See benchmarks/gpu_check.py for what each step measures.
+See benchmarks/gpu_plan.py for what each step measures.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu_check import check
+    from benchmarks.gpu_plan import check
 
     results = check(args.out, dry_run=args.dry_run)
     return 0 if all(result["ok"] for result in results) else 1

@@ -1,9 +1,15 @@
 import os
+import sys
+from pathlib import Path
 
-import pytest
-import tolerance_audit
-import torch
-from tolerance_audit import pytest_assertion_pass  # noqa: F401  (records figures when POET_TOLERANCE_AUDIT is set)
+# The tests' helpers (reference implementations, tiny models, tolerances, servers) live in tests/helpers/, the scripts
+# the multi-process tests launch in tests/workers/.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
+import pytest  # noqa: E402
+import tolerance_audit  # noqa: E402
+import torch  # noqa: E402
+from tolerance_audit import pytest_assertion_pass  # noqa: E402, F401  (records figures when POET_TOLERANCE_AUDIT is set)
 
 # The tests use tiny models: one thread avoids OpenMP spin-waits, which on 2 cores cost more than they give.
 # POET_TEST_THREADS runs the suite with more, to check that no tolerance depends on the reduction order.
@@ -57,7 +63,7 @@ def tiny_pretraining(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def stock_python():
-    """Runs snippets in new processes that never import poet_hf (tests/stock_python.py)."""
+    """Runs snippets in new processes that never import poet_hf (tests/helpers/stock_python.py)."""
     from stock_python import StockPython
 
     python = StockPython()
@@ -67,7 +73,7 @@ def stock_python():
 
 @pytest.fixture(scope="session")
 def testbed():
-    """The pretrained causal LM of the testbed and its fine-tuning domain (tests/testbed_runs.py)."""
+    """The pretrained causal LM of the testbed and its fine-tuning domain (tests/helpers/testbed_runs.py)."""
     from testbed_runs import testbed_model_and_corpus
 
     return testbed_model_and_corpus()

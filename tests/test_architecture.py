@@ -20,8 +20,9 @@ def room_imports() -> dict[str, set[str]]:
             used = {part_of(name) for name in imported_modules(path.read_text(), module, path.name == "__init__.py")}
             rooms.setdefault(own, set()).update(used - {None, own})
     for room, folder in OUTSIDE.items():
-        for path in folder.glob("*.py"):
-            names = imported_modules(path.read_text(), f"{room}.{path.stem}", False)
+        for path in folder.rglob("*.py"):
+            module = ".".join((room, *path.relative_to(folder).with_suffix("").parts))
+            names = imported_modules(path.read_text(), module, path.name == "__init__.py")
             used = {part_of(name) for name in names} | {name.split(".")[0] for name in names} & set(OUTSIDE)
             rooms.setdefault(room, set()).update(used - {None, room})
     return rooms

@@ -35,14 +35,15 @@ from poet_hf.orthogonal import sample_permutation, spo_generator
 from poet_hf.tuners.rotation.state_checks import AdapterStateError
 
 HERE = Path(__file__).resolve().parent
-WORKER = HERE / "chaos_worker.py"
+WORKER = HERE / "workers" / "chaos_worker.py"
 ENV = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONWARNINGS": "ignore"}
 
 
 # --- determinism across processes ------------------------------------------------------------------------------------
 def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
-    """A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py) draws the
-    permutations this one draws: what a restarted run needs to redraw the killed run's (SPO is keyed, not stateful)."""
+    """A new process that has drawn nothing (forked from the imports-only server of tests/helpers/prewarmed.py) draws
+    the permutations this one draws: what a restarted run needs to redraw the killed run's (SPO is keyed, not
+    stateful)."""
     (tmp_path / "draw.py").write_text(
         "import json, sys\n"
         "from poet_hf.orthogonal import sample_permutation, spo_generator\n"
@@ -57,7 +58,7 @@ def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
 # --- chaos -----------------------------------------------------------------------------------------------------------
 def _start(out: Path, point: str = "", ddp: bool = False) -> prewarmed.Ranks:
     """One run of the worker: a process, or 2 DDP ranks (gloo) set up as torchrun sets them up, forked from a server
-    that has done the imports (tests/prewarmed.py: 18 launches would otherwise spend minutes importing)."""
+    that has done the imports (tests/helpers/prewarmed.py: 18 launches would otherwise spend minutes importing)."""
     (out / "started").unlink(missing_ok=True)
     return prewarmed.start(WORKER, [out, point], out / "stderr.log", env=ENV, ranks=2 if ddp else 1)
 

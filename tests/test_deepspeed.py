@@ -19,7 +19,7 @@ pytest.importorskip("deepspeed")
 
 HERE = Path(__file__).resolve().parent
 CLUSTER = HERE.parent / "examples" / "cluster"
-WORKER = str(HERE / "deepspeed_worker.py")
+WORKER = str(HERE / "workers" / "deepspeed_worker.py")
 ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 SAFE = "model.safetensors"
 EXPORT_TOLERANCE = 1e-5

@@ -1,6 +1,6 @@
 """The fused layers and a mixed-precision training step on every device this machine has: the CPU here, and CUDA on a
 GPU machine (``scripts/gpu_check.py`` runs this file there). References: dense float64 rotations on the CPU
-(tests/reference.py) and the rounding bounds of tests/tolerances.py."""
+(tests/helpers/reference.py) and the rounding bounds of tests/helpers/tolerances.py."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_the_fused_layer_on_the_device_is_the_dense_float64_math(device, config_
     gap = (h.detach().cpu().double() - expected).abs()
     assert bool((gap <= bound).all()), float((gap / bound).max())
     h.square().sum().backward()
-    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in layer.skew_parameters())
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in layer.rotation_parameters())
 
 
 @pytest.mark.parametrize("device", DEVICES)

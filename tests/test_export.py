@@ -2,7 +2,7 @@
 
 Every exported model is checked in a fresh Python process that never imports poet_hf, with stock
 ``transformers`` Auto classes, against the logits of the POET model it came from (the reference).
-The Hub is replaced by ``StandInHub`` (tests/hub_stand_in.py), a small HTTP server on 127.0.0.1: a stand-in, not
+The Hub is replaced by ``StandInHub`` (tests/helpers/hub_stand_in.py), a small HTTP server on 127.0.0.1: a stand-in, not
 the Hub.
 """
 

@@ -1,5 +1,5 @@
-"""The README's and the docs' measured figures against the committed results files (`benchmarks.figures`): a clean
-checkout passes ``--check_figures``; a figure changed by hand fails it, naming the page and the figure."""
+"""The README's and the docs' measured figures against the committed results files (`benchmarks.rendering.figures`):
+a clean checkout passes ``--check_figures``; a figure changed by hand fails it, naming the page and the figure."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 
 from script_modules import load_module  # noqa: E402
 
-from benchmarks.figures import FIGURE, TABLE, check_figures, render_figures  # noqa: E402
+from benchmarks.rendering.figures import FIGURE, TABLE, check_figures, render_figures  # noqa: E402
 
 
 @pytest.fixture
@@ -97,8 +97,8 @@ def test_every_recorded_floor_is_registered_and_at_or_below_its_measurement():
 
 
 def test_eco_layers_and_the_import_cost_are_above_their_floors():
-    """The plain dilated convolution is the floor of any convolution of its shape (benchmarks/eco.py), and importing
-    poet_hf costs at least importing PEFT (benchmarks/import_time.py)."""
+    """The plain dilated convolution is the floor of any convolution of its shape (benchmarks/suites/eco.py), and
+    importing poet_hf costs at least importing PEFT (benchmarks/suites/import_time.py)."""
     groups: dict[tuple[str, str], dict[str, float]] = {}
     for row in _rows_with("eco", "ms_per_batch"):
         groups.setdefault((row["what"], row["shape"]), {})[row["layer"]] = row["ms_per_batch"]

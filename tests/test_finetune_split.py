@@ -1,5 +1,5 @@
-"""The fine-tuning testbed's split into a choosing and a reporting set (``benchmarks/finetune_choice.py``,
-``benchmarks/finetune_report.py``): the held-out data never overlaps what trains, and the best rate and the
+"""The fine-tuning testbed's split into a choosing and a reporting set (``benchmarks/suites/finetune_choice.py``,
+``benchmarks/suites/finetune_report.py``): the held-out data never overlaps what trains, and the best rate and the
 over-seed summaries are the numbers worked out by hand."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import testbed  # noqa: E402
-from benchmarks.finetune_choice import CHOOSING_TASKS, best_rates, rate_argv  # noqa: E402
-from benchmarks.finetune_report import REPORTING_TASKS, seed_summary  # noqa: E402
+from benchmarks.suites.finetune_choice import CHOOSING_TASKS, best_rates, rate_argv  # noqa: E402
+from benchmarks.suites.finetune_report import REPORTING_TASKS, seed_summary  # noqa: E402
 
 
 def _rows(path: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """POET under FSDP2: two CPU processes (gloo) shard a small POET LLaMA with torch's ``fully_shard`` and train it with
-poet_hf's merge, optimizer reset, checkpoint and export code (tests/fsdp_worker.py); the Trainer/Accelerate path needs
-an accelerator and runs where CUDA is available."""
+poet_hf's merge, optimizer reset, checkpoint and export code (tests/workers/fsdp_worker.py); the Trainer/Accelerate path
+needs an accelerator and runs where CUDA is available."""
 
 import json
 import os
@@ -22,11 +22,12 @@ import poet_hf  # noqa: F401
 pytestmark = pytest.mark.xdist_group("fsdp")
 
 HERE = Path(__file__).resolve().parent
-WORKER = str(HERE / "fsdp_worker.py")
+WORKER = str(HERE / "workers" / "fsdp_worker.py")
 
 
 def torchrun(out: Path, *args: str) -> list[dict]:
-    """tests/fsdp_worker.py in 2 ranks, as ``torchrun --nproc_per_node 2`` starts them (tests/prewarmed.py)."""
+    """tests/workers/fsdp_worker.py in 2 ranks, as ``torchrun --nproc_per_node 2`` starts them
+    (tests/helpers/prewarmed.py)."""
     prewarmed.run(WORKER, [out, *args], out.parent / f"{out.name}.log", ranks=2)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchmarks import fsdp_plan
+from benchmarks.suites import fsdp_plan
 
 
 def test_the_preset_plans_eight_processes_reaching_the_papers_global_batch() -> None:

@@ -211,7 +211,7 @@ def _step_by_step_gaps(config, dtype: torch.dtype, lr: float) -> tuple[float, fl
             floats = {k for k, v in merged["plain"].items() if v.is_floating_point()}
             assert all(torch.equal(merged["fused"][k], v) for k, v in merged["plain"].items() if k not in floats)
             gaps.append(_relative_gap(*({k: merged[name][k] for k in floats} for name in ("fused", "plain"))))
-            for p in [p for _, layer in rotation_layers(plain) for p in layer.skew_parameters()]:
+            for p in [p for _, layer in rotation_layers(plain) for p in layer.rotation_parameters()]:
                 optimizer.state.pop(p, None)
     return max(gaps), largest_q
 

@@ -14,7 +14,7 @@ from script_modules import load_module
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import gpu_check  # noqa: E402
+from benchmarks import gpu_plan as gpu_check  # noqa: E402
 
 
 def test_the_dry_run_prints_a_plan_of_tests_and_suites_that_exist(capsys):
@@ -29,7 +29,7 @@ def test_the_dry_run_prints_a_plan_of_tests_and_suites_that_exist(capsys):
                 assert (ROOT / path).exists(), path
                 assert not test or f"def {test}(" in (ROOT / path).read_text(), node
         else:
-            run = __import__(f"benchmarks.{step.suite}", fromlist=["run"]).run
+            run = __import__(f"benchmarks.suites.{step.suite}", fromlist=["run"]).run
             inspect.signature(run).bind(**step.options)  # the suite takes these options
 
 

@@ -1,8 +1,8 @@
 """Training the way GPU users do, on this CPU: 16-bit bases, bf16/fp16 autocast, gradient checkpointing.
 
-References: float64 dense rotations (tests/reference.py) for the merges, the float64 run without checkpointing for
-the recomputed gradients, the float32 run for mixed precision, and the rounding bounds of tests/tolerances.py.
-"""
+References: float64 dense rotations (tests/helpers/reference.py) for the merges, the float64 run without checkpointing
+for the recomputed gradients, the float32 run for mixed precision, and the rounding bounds of
+tests/helpers/tolerances.py."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def merge_drift(dtype: torch.dtype, requantize: str, merges: int = 50, dim: int 
     for _ in range(merges):
         with torch.no_grad():
             for side, spec in layer.sides("default").items():
-                param = layer.skew_parameter("default", side)
+                param = layer.rotation_parameter("default", side)
                 param.copy_(random_skew_params(param.shape, spec.block, generator, 0.17))
             exact = dense_side(layer, "output").T @ exact @ dense_side(layer, "input").T
             merge_and_reinit(model)

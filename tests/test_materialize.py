@@ -58,9 +58,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory, checkpoint):
-    """The four cases of tests/materialize_worker.py, run once by two processes: their output folder."""
+    """The four cases of tests/workers/materialize_worker.py, run once by two processes: their output folder."""
     out = tmp_path_factory.mktemp("sharded")
-    prewarmed.run(HERE / "materialize_worker.py", [out, checkpoint], out / "worker.log", ranks=2)
+    prewarmed.run(HERE / "workers" / "materialize_worker.py", [out, checkpoint], out / "worker.log", ranks=2)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The orthogonal core against dense float64 references (tests/reference.py)."""
+"""The orthogonal core against dense float64 references (tests/helpers/reference.py)."""
 
 import pytest
 import torch

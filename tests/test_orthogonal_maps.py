@@ -40,7 +40,7 @@ def block_tolerance(b: int) -> float:
 
 def dense_block(orthogonal_map: OrthogonalMap, row: torch.Tensor, b: int) -> torch.Tensor:
     """One block from the map's definition: reflection matrices multiplied in order, an explicit inverse, or the
-    series by explicit powers (tests/reference.py)."""
+    series by explicit powers (tests/helpers/reference.py)."""
     if isinstance(orthogonal_map, HouseholderProduct):
         return householder_dense(row, b)
     q = skew_dense(row, b)
@@ -129,7 +129,7 @@ def dense_effective_weight(layer) -> torch.Tensor:
     w = layer.weight_matrix().detach().double()
     rotations = {}
     for side, spec in layer.sides("default").items():
-        vec = layer.skew_parameter("default", side).detach().double()
+        vec = layer.rotation_parameter("default", side).detach().double()
         blocks = torch.stack([householder_dense(row, spec.block) for row in vec])
         rotations[side] = block_rotation_dense(layer.index_buffer("default", side), blocks)
     return rotations["output"].T @ w @ rotations["input"].T
@@ -147,7 +147,7 @@ def test_poet_on_householder_products_starts_as_the_base_and_rotates_as_the_dens
             effective = layer.effective_weight_matrix(dtype=torch.float64)
             torch.testing.assert_close(effective, dense_effective_weight(layer), rtol=0, atol=1e-12)
             spec = layer.sides("default")["input"]
-            assert layer.skew_parameter("default", "input").shape == (spec.num_blocks, 16 * 16)
+            assert layer.rotation_parameter("default", "input").shape == (spec.num_blocks, 16 * 16)
 
 
 def test_the_fused_householder_path_has_the_plain_autograd_gradients():
@@ -251,13 +251,13 @@ def test_a_new_map_is_one_class_and_one_registry_line(monkeypatch):
     layer = rotation_layers(model)[0][1]
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        layer.randomize_skew("default", generator, op_norm=0.3)
-    vec = layer.skew_parameter("default", "input").detach()
+        layer.randomize_adapter("default", generator, op_norm=0.3)
+    vec = layer.rotation_parameter("default", "input").detach()
     expected = torch.stack([torch.linalg.matrix_exp(skew_dense(row, 16)) for row in vec])
     blocks = layer.rotation_blocks("default", "input", dtype=torch.float64)
     torch.testing.assert_close(blocks, expected, rtol=0, atol=block_tolerance(16))
     model(input_ids=IDS, labels=IDS).loss.backward()
-    assert layer.skew_parameter("default", "input").grad.abs().max() > 0
+    assert layer.rotation_parameter("default", "input").grad.abs().max() > 0
 
 
 def test_both_scripts_take_the_map_flags_and_the_pretraining_recipe_applies_and_prints_them():

@@ -75,7 +75,7 @@ def test_sft_trainer_with_the_public_optimizer_has_poet_trainers_groups_and_lowe
     # Independently of poet_param_groups: every skew parameter sits in one group, at lr·32/b for its side's b.
     rate_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
     expected = {
-        id(layer.skew_parameter("default", side)): RECIPE.learning_rate * RECIPE.reference_block / spec.block
+        id(layer.rotation_parameter("default", side)): RECIPE.learning_rate * RECIPE.reference_block / spec.block
         for _, layer in rotation_layers(model)
         for side, spec in layer.sides("default").items()
     }
@@ -105,7 +105,7 @@ def skew_rates(optimizer: torch.optim.Optimizer, model) -> dict[tuple[str, str],
     """The learning rate of each layer side's skew parameter, read off the optimizer's groups."""
     rate_of = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
     return {
-        (name, side): rate_of[id(layer.skew_parameter("default", side))]
+        (name, side): rate_of[id(layer.rotation_parameter("default", side))]
         for name, layer in rotation_layers(model)
         for side in layer.sides("default")
     }

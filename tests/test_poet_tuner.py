@@ -45,7 +45,7 @@ def randomize(model, op_norm=0.1, seed=3):
     generator = torch.Generator().manual_seed(seed)
     for _, layer in rotation_layers(model):
         for a in layer.rotation_specs:
-            layer.randomize_skew(a, generator, op_norm)
+            layer.randomize_adapter(a, generator, op_norm)
 
 
 # --- 1. identity at init -------------------------------------------------------------------------------------------
@@ -169,7 +169,7 @@ def test_merge_permutations_reproduce_in_a_fresh_process(tmp_path):
     merge_and_reinit(model)
     merge_and_reinit(model)
     here = {n: layer.poet_P_index["default"].tolist() for n, layer in rotation_layers(model)}
-    # A new process that has drawn nothing (forked from the imports-only server of tests/prewarmed.py).
+    # A new process that has drawn nothing (forked from the imports-only server of tests/helpers/prewarmed.py).
     (tmp_path / "merges.py").write_text(
         textwrap.dedent(f"""
         import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r})

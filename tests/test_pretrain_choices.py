@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import pretrain_choices
+from benchmarks.suites import pretrain_choices
 from poet_hf.recipes.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe
 
 # the choice each variant changes from the reference: n, T_m, and the R (input) : P (output) budgets

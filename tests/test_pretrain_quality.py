@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import pretrain_quality
+from benchmarks.suites import pretrain_quality
 from poet_hf.recipes.pretrain import parse_pretrain_arguments, recipe_flags, resolve_recipe
 
 # what each method must train with: the optimizer transformers runs and the recipe field its swept rate sets

@@ -1,7 +1,7 @@
 """Quantised frozen bases (QOFT, QPOET): bitsandbytes 4-bit and 8-bit W0, against independent references.
 
 References: bitsandbytes' own layer forward and dequantisation (``peft.utils.integrations.dequantize_bnb_weight``),
-dense float64 rotations from explicit loops and powers (tests/reference.py), and float32 models whose W0 is the
+dense float64 rotations from explicit loops and powers (tests/helpers/reference.py), and float32 models whose W0 is the
 dequantised weight.
 """
 
@@ -205,7 +205,7 @@ def test_a_live_adapter_is_the_dense_math_on_the_dequantised_weight(quantization
     gap = (h.double() - expected).abs()
     assert bool((gap <= bound).all()), float((gap / bound).max())
     h.square().sum().backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.skew_parameters())
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.rotation_parameters())
     assert all(not p.requires_grad for p in layer.get_base_layer().parameters() if p.dtype != torch.float32)
 
 
@@ -247,7 +247,7 @@ def fold_training_sized_rotations(model, layer, exact: torch.Tensor, generator: 
     """Give ``layer`` random rotations of the size seen in training (‖Q‖₂ ≈ 0.17 per side), fold them into its
     ``W0`` (merge-then-reinitialise) and return ``exact`` rotated the same way in float64."""
     for side, spec in layer.sides("default").items():
-        param = layer.skew_parameter("default", side)
+        param = layer.rotation_parameter("default", side)
         param.copy_(torch.randn(param.shape, generator=generator) * 0.17 / (2 * spec.block**0.5))
     exact = dense_side(layer, "output").T @ exact @ dense_side(layer, "input").T
     merge_and_reinit(model)

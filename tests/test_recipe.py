@@ -276,13 +276,13 @@ def test_e_orth_and_the_trace_metric_are_those_of_the_whole_dense_rotation(spo):
     for _, layer in rotation_layers(model)[:4]:
         with torch.no_grad():
             for side in layer.rotation_specs["default"]:
-                layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
+                layer.rotation_parameter("default", side).mul_(4)  # a visibly inexact truncated series
         metrics = paper_metrics(layer)
         for side, spec in layer.rotation_specs["default"].items():
             blocks = torch.stack(
                 [
                     cayley_neumann(skew_from_vector(row.double(), spec.block), 3)
-                    for row in layer.skew_parameter("default", side).detach()
+                    for row in layer.rotation_parameter("default", side).detach()
                 ]
             )
             dense = dense_rotation(layer, side, blocks, spo)
@@ -304,12 +304,12 @@ def test_logged_statistics_are_those_of_the_dense_rotations(spo):
     with torch.no_grad():
         for _, layer in layers:
             for side in layer.rotation_specs["default"]:
-                layer.skew_parameter("default", side).mul_(4)  # a visibly inexact truncated series
+                layer.rotation_parameter("default", side).mul_(4)  # a visibly inexact truncated series
     q_norm, block_error, probe, e_orth = 0.0, 0.0, {"R": [], "P": []}, {"R": [], "P": []}
     for _, layer in layers:
         bound = 1.0
         for side, spec in layer.rotation_specs["default"].items():
-            qs = [skew_dense(row.double(), spec.block) for row in layer.skew_parameter("default", side).detach()]
+            qs = [skew_dense(row.double(), spec.block) for row in layer.rotation_parameter("default", side).detach()]
             blocks = torch.stack([neumann_series(q, terms) for q in qs])
             q_norm = max(q_norm, max(float(torch.linalg.svdvals(q).max()) for q in qs))
             eye_b = torch.eye(spec.block, dtype=torch.float64)

@@ -3,7 +3,7 @@
 Gradients of ``k`` accumulated micro-batches, every one but the last deferring its rotation gradients, are checked
 against the plain-autograd float64 reference (explicit Cayley–Neumann powers, autograd through them); the cache's
 lifetime (the last backward, an optimizer step, ``zero_grad``, an exception, ``eval()``); Trainer's accumulation;
-and 2-process DDP and FSDP2 (tests/accumulation_worker.py).
+and 2-process DDP and FSDP2 (tests/workers/accumulation_worker.py).
 """
 
 import contextlib
@@ -146,7 +146,7 @@ def test_the_cache_holds_the_blocks_and_their_gradient_and_nothing_more():
     model = build()
     backward(model, batches(1)[0], defer=True)
     expected = sum(
-        2 * 8 * layer.skew_parameter("default", side).shape[0] * spec.block**2
+        2 * 8 * layer.rotation_parameter("default", side).shape[0] * spec.block**2
         for _, layer in rotation_layers(model)
         for side, spec in layer.rotation_specs["default"].items()
     )
@@ -295,14 +295,14 @@ def test_trainer_accumulation_defers_and_gives_the_undeferred_gradients(tmp_path
 
 @pytest.mark.slow
 def test_ddp_and_fsdp2_accumulation_equals_the_single_process_reference(tmp_path):
-    """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first
-    k − 1 micro-batches, k = 1, 2, 4, and a merge inside the window (tests/accumulation_worker.py), each with the
+    """2 processes (gloo): DDP with ``no_sync`` and FSDP2 with ``set_requires_gradient_sync(False)`` on the first k − 1
+    micro-batches, k = 1, 2, 4, and a merge inside the window (tests/workers/accumulation_worker.py), each with the
     cache on and ``"auto"``.
 
     ``"auto"`` caches under DDP (the polynomial is most of this tiny model's work, and the cache holds b/(b−1) times
     the rotations' state) and not under FSDP2 (2·b/(b−1) times the sharded state, above the 2 allowed): the gradients
     are the reference's either way."""
-    prewarmed.run(HERE / "accumulation_worker.py", [tmp_path], tmp_path / "worker.log", ranks=2)
+    prewarmed.run(HERE / "workers" / "accumulation_worker.py", [tmp_path], tmp_path / "worker.log", ranks=2)
     tolerance = tiny_model_tolerance(torch.float64, backward=True) + gamma(8, torch.float64)
     cases = ("k1", "k2", "k4", "merge")
     for rank in (0, 1):

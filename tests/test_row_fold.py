@@ -91,7 +91,7 @@ class Up(nn.Module):
 def _dense_side(layer, side: str) -> torch.Tensor:
     """The layer's ``side`` rotation as a dense float64 matrix (block, contiguous or full)."""
     spec = layer.sides("default")[side]
-    vec = layer.skew_parameter("default", side).detach().double()
+    vec = layer.rotation_parameter("default", side).detach().double()
     terms = layer.rotation_settings["default"].orthogonal_map.terms
     blocks = torch.stack([neumann_series(skew_dense(row, spec.block), terms) for row in vec])
     index = layer.index_buffer("default", side)
@@ -144,7 +144,7 @@ def test_folds_by_rows_keep_the_error_feedback_contract_against_the_float64_fold
     for _ in range(3):
         with torch.no_grad():
             for side in layer.sides("default"):
-                param = layer.skew_parameter("default", side)
+                param = layer.rotation_parameter("default", side)
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
         w0, residual, _ = _w0_and_residual(module)
         p_t = _dense_side(layer, "output").T if "output" in sides else torch.eye(192, dtype=torch.float64)

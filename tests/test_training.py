@@ -184,7 +184,7 @@ class StopAt(TrainerCallback):
 @pytest.mark.parametrize("quantization", [None, "int8"])  # int8: W0 requantised at every merge, on every rank
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quantization):
     env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
-    worker = str(HERE / "ddp_worker.py")
+    worker = str(HERE / "workers" / "ddp_worker.py")
     extra = [quantization] if quantization else []
     if quantization is None:
         # As users launch: on a CPU-only machine `--multi_gpu` is what makes accelerate start several (gloo) processes.
@@ -209,7 +209,7 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quan
             capture_output=True,
             timeout=600,
         )
-    else:  # the same ranks, forked with torchrun's variables from the imports-only server (tests/prewarmed.py)
+    else:  # the same ranks, forked with torchrun's variables from the imports-only server (tests/helpers/prewarmed.py)
         prewarmed.run(worker, [tmp_path / "ddp", "2", *extra], tmp_path / "ddp.log", env=env, ranks=2)
     prewarmed.run(worker, [tmp_path / "single", "4", *extra], tmp_path / "single.log", env=env)
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -32,7 +32,7 @@ def poet_parameters(model: nn.Module) -> list[nn.Parameter]:
         p
         for module in model.modules()
         if isinstance(module, RotationLayer)
-        for p in module.skew_parameters()
+        for p in module.rotation_parameters()
         if p.requires_grad
     ]
 
@@ -46,7 +46,7 @@ def poet_parameters_by_block(model: nn.Module) -> dict[int, list[nn.Parameter]]:
         if isinstance(module, RotationLayer):
             for adapter, sides in module.rotation_specs.items():
                 for side, spec in sides.items():
-                    param = module.skew_parameter(adapter, side)
+                    param = module.rotation_parameter(adapter, side)
                     if param.requires_grad:
                         groups.setdefault(spec.block, []).append(param)
     return groups

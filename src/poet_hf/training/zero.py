@@ -128,7 +128,7 @@ def gathered_layer(layer: RotationLayer) -> contextlib.AbstractContextManager:
 @contextlib.contextmanager
 def gathered_rotations(model: nn.Module, adapter: str = "default") -> Iterator[None]:
     """Every rotation layer's skews gathered read-only, for statistics taken outside a forward."""
-    skews = [p for _, layer in rotation_layers(model, adapter) for p in layer.skew_parameters()]
+    skews = [p for _, layer in rotation_layers(model, adapter) for p in layer.rotation_parameters()]
     with gathered(skews, modify=False):
         yield
 

@@ -96,7 +96,8 @@ class FusedForward:
     ) -> torch.Tensor:
         """``base(x, Pᵀ W0 Rᵀ)`` for one adapter."""
         sides = layer.sides(adapter_name)
-        training = torch.is_grad_enabled() and any(layer.skew_parameter(adapter_name, s).requires_grad for s in sides)
+        trainable = any(layer.rotation_parameter(adapter_name, side).requires_grad for side in sides)
+        training = torch.is_grad_enabled() and trainable
         tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
         rotations, phases = {}, set()
         weight = layer.dense_weight()
@@ -105,7 +106,7 @@ class FusedForward:
         rotation_dtype = compute_dtypes(x, weight)[0] if deferring else None  # what a new cache keeps its blocks in
         caching = deferring and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
-            vec = layer.skew_parameter(adapter_name, side)
+            vec = layer.rotation_parameter(adapter_name, side)
             cache, defer = self.cache_for(layer, adapter_name, side, vec, caching and vec.requires_grad, rotation_dtype)
             phases.add(_polynomial_phase(cache, defer))
             side_keep = keep if side == SIDE_INPUT else None
@@ -200,7 +201,7 @@ class FusedForward:
     def _anchor_gradient(self, layer: RotatedLayerView, adapter_name: str, side: str) -> None:
         """Hook the layer's skew parameter (once) so that ``zero_grad`` drops its deferred gradient too
         (`caches.gradient_anchor`)."""
-        param = layer.skew_parameter(adapter_name, side)
+        param = layer.rotation_parameter(adapter_name, side)
         anchored = self.anchored.get((adapter_name, side))
         if anchored is None or anchored() is not param:
             param.register_post_accumulate_grad_hook(caches.gradient_anchor(self, layer, adapter_name, side))
@@ -232,7 +233,7 @@ class FusedForward:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         for (adapter_name, side), cache in self.caches.items():
-            param = layer.skew_parameter(adapter_name, side)
+            param = layer.rotation_parameter(adapter_name, side)
             sharded = isinstance(param, DTensor)
             if sharded and not collective:
                 continue

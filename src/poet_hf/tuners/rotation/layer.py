@@ -1,7 +1,7 @@
 """The PEFT layer shared by the POET and OFT tuners: adapters made of orthogonal side rotations.
 
 A `RotationLayer` wraps an ``nn.Linear``, a ``transformers`` ``Conv1D`` or an ``nn.Conv2d`` and holds, per adapter,
-up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × out). Each side is a skew parameter
+up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × out). Each side is a rotation parameter
 (one row per block) and an index buffer (permutation or subset) placing it. The effective weight is
 ``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation), with ``W_t0`` the base weight as an out × in matrix
 (`base_weight.py`).
@@ -49,7 +49,7 @@ SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
-    """Adapter state of one wrapped module: skew parameters per side and the index buffers that place them.
+    """Adapter state of one wrapped module: rotation parameters per side and the index buffers that place them.
 
     A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
     `_init_containers`, maps a side to them in `side_containers`, and adds adapters with
@@ -83,7 +83,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         raise NotImplementedError
 
     def side_containers(self, side: str) -> tuple[nn.ParameterDict, BufferDict]:
-        """The skew parameters and index buffers of ``side``, keyed by adapter name."""
+        """The rotation parameters and index buffers of ``side``, keyed by adapter name."""
         raise NotImplementedError
 
     @property
@@ -91,17 +91,18 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         """Per adapter, how many merge-then-reinitialize steps have been folded into ``W0``."""
         raise NotImplementedError
 
-    def skew_parameter(self, adapter_name: str, side: str) -> nn.Parameter:
-        """The skew parameter ``(rows, b(b-1)/2)`` of one adapter and side."""
+    def rotation_parameter(self, adapter_name: str, side: str) -> nn.Parameter:
+        """The parameter ``(rows, num_params(b))`` of one adapter and side: the skew vectors of Cayley–Neumann, the
+        reflection vectors of Householder products (`OrthogonalMap.num_params`)."""
         return self.side_containers(side)[0][adapter_name]
 
     def index_buffer(self, adapter_name: str, side: str) -> torch.Tensor:
         """The permutation (block), index subset (full) or empty tensor (contiguous) of one adapter and side."""
         return self.side_containers(side)[1][adapter_name]
 
-    def skew_parameters(self) -> list[nn.Parameter]:
-        """Every adapter's skew parameters."""
-        return [self.skew_parameter(a, side) for a, specs in self.rotation_specs.items() for side in specs]
+    def rotation_parameters(self) -> list[nn.Parameter]:
+        """Every adapter's rotation parameters."""
+        return [self.rotation_parameter(a, side) for a, specs in self.rotation_specs.items() for side in specs]
 
     def sides(self, adapter_name: str) -> dict[str, SideSpec]:
         return self.rotation_specs.get(adapter_name, {})
@@ -109,7 +110,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
     def add_rotation_adapter(
         self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec], rows: dict[str, int]
     ) -> None:
-        """Create an adapter's skew parameters (``rows[side]`` rows) and index buffers in their initial state.
+        """Create an adapter's rotation parameters (``rows[side]`` rows) and index buffers in their initial state.
 
         On the ``meta`` device the state (`reset_rotation_state`) waits for
         [`materialize_model`][poet_hf.initialization.materialize_model]."""
@@ -141,7 +142,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, merge_count=0))
             _reset_to_identity(self, adapter_name, side, merge_count=0)
         if not settings.init_weights:
-            self.randomize_skew(
+            self.randomize_adapter(
                 adapter_name, spo_generator(settings.seed, 0, settings.layer_name, "init", adapter_name)
             )
 
@@ -151,11 +152,11 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         return self.rotation_specs[adapter_name][side].sample_index(generator)
 
     @torch.no_grad()
-    def randomize_skew(self, adapter_name: str, generator: torch.Generator, op_norm: float = 0.1) -> None:
+    def randomize_adapter(self, adapter_name: str, generator: torch.Generator, op_norm: float = 0.1) -> None:
         """Random parameters whose blocks turn vectors by about ``2·atan(op_norm)`` (a non-identity adapter)."""
         orthogonal_map = self.rotation_settings[adapter_name].orthogonal_map
         for side, spec in self.sides(adapter_name).items():
-            param = self.skew_parameter(adapter_name, side)
+            param = self.rotation_parameter(adapter_name, side)
             write_full(param, orthogonal_map.random_params(tuple(param.shape), spec.block, generator, op_norm))
 
     def rotation_blocks(
@@ -170,7 +171,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
         Blocks flagged ``False`` in ``keep`` are the identity. ``plain`` composes the map from its definition under
         plain autograd instead of its fast path (`OrthogonalMap.reference_blocks`)."""
-        param = full_tensor(self.skew_parameter(adapter_name, side)).to(dtype)
+        param = full_tensor(self.rotation_parameter(adapter_name, side)).to(dtype)
         orthogonal_map = self.rotation_settings[adapter_name].orthogonal_map
         blocks = side_blocks(param, self.sides(adapter_name)[side], orthogonal_map, plain)
         if keep is not None:
@@ -185,7 +186,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
         rotations, orthogonal_map = {}, self.rotation_settings[adapter_name].orthogonal_map
         for side, spec in self.sides(adapter_name).items():
-            param = full_tensor(self.skew_parameter(adapter_name, side)).double()
+            param = full_tensor(self.rotation_parameter(adapter_name, side)).double()
             blocks = side_blocks(param, spec, orthogonal_map)
             rotations[side] = (orthogonal_map.generator_norms(param, spec.block, blocks), blocks)
         return rotations
@@ -350,7 +351,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 def _reset_to_identity(layer: RotationLayer, adapter_name: str, side: str, merge_count: int) -> None:
     """Give one side the map's identity parameters (zero for Cayley–Neumann, drawn for some maps)."""
     settings = layer.rotation_settings[adapter_name]
-    param, block = layer.skew_parameter(adapter_name, side), layer.sides(adapter_name)[side].block
+    param, block = layer.rotation_parameter(adapter_name, side), layer.sides(adapter_name)[side].block
     generator = spo_generator(settings.seed, merge_count, settings.layer_name, f"{side}-identity", adapter_name)
     write_full(param, settings.orthogonal_map.identity_params(tuple(param.shape), block, generator))
 
@@ -362,7 +363,7 @@ def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
 def flush_rotation_caches(model: nn.Module) -> None:
     """Apply every deferred rotation gradient of ``model`` to ``.grad`` and free the rotation caches.
 
-    Under FSDP2 this is a collective: every process calls it. It is needed only after changing skew parameters by
+    Under FSDP2 this is a collective: every process calls it. It is needed only after changing rotation parameters by
     hand in the middle of an accumulation window; steps, merges, ``eval()`` and exceptions in the forward do it.
 
     Args:

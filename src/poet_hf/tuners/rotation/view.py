@@ -1,7 +1,7 @@
 """What the fused forward, the rotation caches and the row-wise fold read of a rotation layer.
 
 `RotatedLayerView` is the typed view those collaborators take instead of the layer itself: the adapter's sides and
-skew parameters, how to build their blocks, and the frozen ``W0`` as the base operation uses it. `RotationLayer`
+rotation parameters, how to build their blocks, and the frozen ``W0`` as the base operation uses it. `RotationLayer`
 satisfies it; a test double or another layer class can too.
 """
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class RotatedLayerView(CachingLayer, Protocol):
-    """The rotation layer as its forward and folds read it: sides, skew parameters, blocks and the frozen weight."""
+    """The rotation layer as its forward and folds read it: sides, rotation parameters, blocks and the frozen weight."""
 
     @property
     def rotation_settings(self) -> dict[str, RotationSettings]: ...
@@ -50,7 +50,7 @@ class RotatedLayerView(CachingLayer, Protocol):
 
     def sides(self, adapter_name: str) -> dict[str, SideSpec]: ...
 
-    def skew_parameter(self, adapter_name: str, side: str) -> nn.Parameter: ...
+    def rotation_parameter(self, adapter_name: str, side: str) -> nn.Parameter: ...
 
     def index_buffer(self, adapter_name: str, side: str) -> torch.Tensor: ...
 

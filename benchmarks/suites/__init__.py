@@ -1,0 +1,1 @@
+"""The benchmark suites: each module is one suite (``run(quick) -> list[dict]``), found by `scripts/benchmark.py`."""

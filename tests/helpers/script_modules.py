@@ -1,0 +1,19 @@
+"""Scripts and examples loaded as modules, so that a test calls their ``main`` in its own process (a new interpreter
+would spend most of its time importing)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_module(path: Path) -> ModuleType:
+    """The Python file at ``path`` (e.g. ``ROOT / "scripts" / "pretrain.py"``), executed as a fresh module."""
+    spec = importlib.util.spec_from_file_location(f"loaded_{path.parent.name}_{path.stem}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,131 @@
+"""A tiny POET run that resumes with ``resume_from_checkpoint="auto"``, for the chaos tests of test_checkpoints.py.
+
+Usage: chaos_worker.py OUT_DIR [KILL_POINT]. Runs (or, started as DDP ranks, every rank runs) a POET training
+into OUT_DIR with checkpoints every 3 steps, merges every 5, and at most 2 checkpoints kept; at the end rank 0 writes
+OUT_DIR/result.json (per-step losses and a hash of every parameter and buffer).
+
+KILL_POINT names a moment at which the process SIGKILLs itself (test-only, patched in here):
+
+- ``staging``: inside a checkpoint write, after the weights and optimizer are written, before the trainer state;
+- ``publish``: after the manifest is written, just before the staged folder is renamed onto its checkpoint name;
+- ``rotate``: in the middle of deleting an old checkpoint (one file gone);
+- ``merge``: inside merge-then-reinitialize, after half of the layers are folded.
+
+``OUT_DIR/started`` appears when training starts (a parent kills at random moments after it).
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
+from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
+
+MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 60, 3, 5
+
+
+def die() -> None:
+    """SIGKILL this process; under DDP the launcher (torchrun's agent, or tests/helpers/prewarmed.py) then stops the
+    other ranks and the launch fails."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill_point(point: str) -> None:
+    import shutil
+
+    from transformers import Trainer
+
+    import poet_hf.checkpoints as checkpoints
+    from poet_hf.tuners.rotation.layer import RotationLayer
+
+    if point == "staging":
+        save_rng = Trainer._save_rng_state
+
+        def killed_after_rng(self, output_dir):
+            save_rng(self, output_dir)
+            die()
+
+        Trainer._save_rng_state = killed_after_rng
+    elif point == "publish":
+        replace = os.replace
+
+        def killed_replace(src, dst):
+            if Path(src).parent.name == checkpoints.STAGING_DIR:
+                die()
+            replace(src, dst)
+
+        checkpoints.os.replace = killed_replace
+    elif point == "rotate":
+        rmtree = shutil.rmtree
+
+        def killed_rmtree(path, *args, **kwargs):
+            if Path(path).name.startswith("deleting-") and Path(path).exists():
+                next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
+                die()
+            rmtree(path, *args, **kwargs)
+
+        checkpoints.shutil.rmtree = killed_rmtree
+    elif point == "merge":
+        merge, calls = RotationLayer.merge_and_reinit, []
+
+        def killed_merge(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:  # of the tiny model's 14 layers
+                die()
+            return merge(self, *args, **kwargs)
+
+        RotationLayer.merge_and_reinit = killed_merge
+    elif point:
+        raise ValueError(f"unknown kill point {point!r}")
+
+
+class MarkStarted(TrainerCallback):
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            (self.out / "started").write_text(str(state.global_step))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    install_kill_point(sys.argv[2] if len(sys.argv) > 2 else "")
+    dataset, tokenizer = tiny_dataset()
+    model = tiny_poet_model(len(tokenizer), merge_every=MERGE_EVERY)
+    trainer = tiny_trainer(
+        out / "run",
+        model,
+        dataset,
+        max_steps=MAX_STEPS,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+        save_total_limit=2,
+        per_device_train_batch_size=2,
+    )
+    trainer.add_callback(MarkStarted(out))
+    output = trainer.train(resume_from_checkpoint="auto")
+    if trainer.args.process_index == 0:
+        losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
+        (out / "result.json").write_text(
+            json.dumps(
+                {
+                    "losses": losses,
+                    "hash": state_hash(model),
+                    "global_step": trainer.state.global_step,
+                    "complete": bool(output.metrics.get("run_complete")),
+                    "world": trainer.args.world_size,
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
+    from poet_hf.training.distributed import end_distributed
+
+    end_distributed(exit_process=True)  # accelerate's gloo group: exit before it can abort the finalization

@@ -1,0 +1,141 @@
+"""Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): POET training under DDP or FSDP2 with poet_hf's own merge,
+optimizer reset, checkpoint and export code. Writes OUT/rank<k>.json.
+
+Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR]
+  ENGINE: ddp | fsdp2;  SPO: block | full.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
+
+MERGE_EVERY, GLOBAL_BATCH = 12, 4  # 30 steps: merges at 12 and 24
+
+
+def buffer_hash(model) -> str:
+    digest = hashlib.sha256()
+    for name, buffer in sorted(model.named_buffers()):
+        if "poet_" in name:
+            digest.update(name.encode())
+            digest.update(buffer.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def track_gathers():
+    """Record the most gathered-weight bytes alive at once while merges run (weakrefs, no copies kept)."""
+    import poet_hf.tuners.rotation.layer as rotation_layer
+
+    record = {"alive": 0, "peak": 0}
+    original = rotation_layer.full_tensor
+
+    def full_tensor(tensor):
+        result = original(tensor)
+        if result is not tensor:  # a gather happened
+            size = result.numel() * result.element_size()
+            record["alive"] += size
+            record["peak"] = max(record["peak"], record["alive"])
+            weakref.finalize(result, lambda n=size: record.__setitem__("alive", record["alive"] - n))
+        return result
+
+    rotation_layer.full_tensor = full_tensor
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("engine", choices=["ddp", "fsdp2"])
+    parser.add_argument("spo", choices=["block", "full"])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--resume-from", type=Path, default=None)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from training_utils import tiny_dataset, tiny_poet_model
+
+    import poet_hf  # noqa: F401
+    from poet_hf import export_merged, merge_and_reinit
+    from poet_hf.training import poet_parameters, reset_optimizer_state
+    from poet_hf.training.distributed import save_pretrained_unsharded, shard_model
+
+    dataset, tokenizer = tiny_dataset()
+    model = tiny_poet_model(len(tokenizer), spo=args.spo, budget=0.5, merge_every=MERGE_EVERY)
+    if args.engine == "fsdp2":
+        shard_model(model)
+        wrapped = model
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    rows = torch.tensor(dataset["input_ids"])
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(7))
+    data = rows[order[: args.steps * GLOBAL_BATCH]].reshape(args.steps, GLOBAL_BATCH, -1)
+    start = 0
+    if args.resume_from is not None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=str(args.resume_from))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        start = json.loads((args.resume_from / "step.json").read_text())["step"]
+    gathers = track_gathers()
+    losses, merges = {}, []
+    for step in range(start, args.steps):
+        batch = data[step].chunk(world)[rank]
+        loss = wrapped(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses[step + 1] = float(mean) / world
+        if (step + 1) % MERGE_EVERY == 0:
+            merges.append(merge_and_reinit(model)["merge_count"])
+            reset_optimizer_state(optimizer, poet_parameters(model))
+        if step + 1 == args.save_at:
+            model_state, optim_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(args.out / "ckpt"))
+            if rank == 0:
+                (args.out / "ckpt" / "step.json").write_text(json.dumps({"step": step + 1}))
+    report = {
+        "losses": losses,
+        "merges": merges,
+        "buffers": buffer_hash(model),
+        "world": world,
+        "peak_gathered_bytes": gathers["peak"],
+        "largest_weight_bytes": max(
+            p.numel() * p.element_size() for n, p in model.named_parameters() if "base_layer" in n
+        ),
+        "largest_skew_bytes": max(p.numel() * p.element_size() for p in poet_parameters(model)),
+        # the largest share of a skew parameter one process holds (1 when unsharded)
+        "skew_local_share": max(
+            (p.to_local() if hasattr(p, "to_local") else p).numel() / p.numel() for p in poet_parameters(model)
+        ),
+    }
+    if args.steps == 30 and args.resume_from is None:
+        export_merged(model, args.out / "export", overwrite=True, spectrum=False)
+        save_pretrained_unsharded(model, args.out / "adapter")
+    with torch.no_grad():  # the trained model's logits, to compare with the exports
+        ids = rows[:2, :12]
+        torch.save(wrapped(input_ids=ids).logits.detach(), args.out / f"logits{rank}.pt")
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+    from poet_hf.training.distributed import end_distributed
+
+    end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
