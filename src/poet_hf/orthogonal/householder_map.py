@@ -1,11 +1,11 @@
 """Products of Householder reflections as an `OrthogonalMap`: each block is ``H(v_1) ⋯ H(v_k)``.
 
 HRA (Yuan et al., 2024, "Bridging the gap between low-rank and orthogonal adaptation via Householder reflection
-adaptation", eq. 4) adapts a weight by such a product, ``H(v) = I − 2 v vᵀ / (vᵀ v)``, and starts it at the identity
-with the reflections in equal pairs (``H(v) H(v) = I``). Here the product is one block of POET's or OFT's rotation; it
-is orthogonal for any parameters, so nothing is truncated and no norm cap applies. The fast path is the compact-WY
-product of [`householder_matrix`][poet_hf.orthogonal.householder_matrix], its backward autograd's.
-"""
+adaptation"; not among this project's source papers) adapts a weight by such a product, ``H(v) = I − 2 v vᵀ / (vᵀ v)``,
+and starts it at the identity with the reflections in equal pairs (``H(v) H(v) = I``). Here the product is one block of
+POET's or OFT's rotation; it is orthogonal for any parameters, so nothing is truncated and no norm cap applies. The fast
+path is the compact-WY product of [`householder_matrix`][poet_hf.orthogonal.householder_matrix], its backward
+autograd's."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ __all__ = ["HouseholderProduct"]
 
 @dataclass(frozen=True)
 class HouseholderProduct(OrthogonalMap):
-    """``B = H(v_1) ⋯ H(v_k)`` per ``b × b`` block from ``k`` dense reflection vectors (HRA eq. 4).
+    """``B = H(v_1) ⋯ H(v_k)`` per ``b × b`` block from ``k`` dense reflection vectors (HRA's map).
 
     Args:
         reflections: reflections per block (``num_reflections``), even (pairs start at the identity); ``None``: ``b``
