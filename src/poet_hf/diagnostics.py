@@ -211,7 +211,14 @@ def rotation_angle(layer: RotationLayer, adapter: str = "default") -> float:
     Returns:
         The angle in degrees.
     """
-    return largest_rotation_angle({side: norms for side, (norms, _) in layer.float64_rotations(adapter).items()})
+    orthogonal_map = layer.rotation_settings[adapter].orthogonal_map  # estimated norms: no SVD per block
+    norms = {
+        side: orthogonal_map.generator_norms(
+            full_tensor(layer.rotation_parameter(adapter, side)).float(), spec.block, estimate=True
+        )
+        for side, spec in layer.sides(adapter).items()
+    }
+    return largest_rotation_angle(norms)
 
 
 def neumann_drift_bound(model: nn.Module, merge_history: list[dict]) -> float | None:

@@ -19,7 +19,7 @@ from .cayley import (
     skew_from_vector,
 )
 from .map_protocol import OrthogonalMap
-from .norm_cap import NormCap, skew_norm_scale
+from .norm_cap import NormCap, skew_norm_scale, skew_spectral_norm
 
 __all__ = ["CayleyNeumann"]
 
@@ -88,8 +88,11 @@ class CayleyNeumann(OrthogonalMap):
     def product_count(self, block_size: int) -> tuple[int, int]:
         return neumann_product_count(self.terms)
 
-    def generator_norms(self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.matrix_norm(skew_from_vector(vec, block_size), ord=2)
+    def generator_norms(
+        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+    ) -> torch.Tensor:
+        q = skew_from_vector(vec, block_size)
+        return skew_spectral_norm(q) if estimate else torch.linalg.matrix_norm(q, ord=2)
 
     def deviation_bound(self, generator_norm: torch.Tensor) -> torch.Tensor:
         return neumann_error_bound_at_norm(generator_norm, self.terms)

@@ -113,7 +113,10 @@ class HouseholderProduct(OrthogonalMap):
         forward = math.ceil(2 * self.count(block_size) / block_size)  # 2·b²·k multiply-adds, b³ per product
         return forward, 2 * forward
 
-    def generator_norms(self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
+    def generator_norms(
+        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+    ) -> torch.Tensor:
+        blocks = self.blocks(vec, block_size).detach() if blocks is None else blocks
         angles = torch.linalg.eigvals(blocks).angle().abs().amax(-1)
         return torch.tan(angles / 2).to(blocks.dtype)
 

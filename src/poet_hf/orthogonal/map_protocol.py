@@ -135,7 +135,9 @@ class OrthogonalMap(Protocol):
         """
         ...
 
-    def generator_norms(self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor) -> torch.Tensor:
+    def generator_norms(
+        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+    ) -> torch.Tensor:
         """Per block, the rotation's size as a Cayley generator norm ``||Q||_2``.
 
         A Cayley map reports its own ``Q`` (before any norm cap); another map ``tan`` of half the block's largest
@@ -144,7 +146,10 @@ class OrthogonalMap(Protocol):
         Args:
             vec: parameters ``(..., num_params(b))``.
             block_size: the side ``b``.
-            blocks: the blocks of ``vec``.
+            blocks: the blocks of ``vec``, where the caller has them (a map that reads the norms off the blocks
+                builds them otherwise).
+            estimate: a cheap estimate suffices (a warning's threshold, not a logged figure): Cayley–Neumann then
+                skips the SVD per block (`skew_spectral_norm`, within 2 %).
 
         Returns:
             The norms, shape ``vec.shape[:-1]``.
