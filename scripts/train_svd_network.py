@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from transformers import HfArgumentParser
 
-from poet_hf.vision.svd_network import SvdExperimentArgs, run_svd_experiment
+from poet_hf.vision.svd_experiment import SvdExperimentArgs, run_svd_experiment
 
 
 def build_parser() -> HfArgumentParser:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -146,13 +146,52 @@ def _error(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(-1) != y).float().mean())
 
 
+class _SvdRunMeasured(TypedDict):
+    method: str
+    val_error: list[float]
+    train_seconds: list[float]
+    seconds_per_epoch: float
+    final_val_error: float
+
+
+class SvdRun(_SvdRunMeasured, total=False):
+    """One network's training (`train_svd_network`).
+
+    Args:
+        method: the way its maps are kept orthogonal (`ORTHOGONAL_MAPS`).
+        val_error: the validation error after each epoch, epoch 0 at initialisation.
+        train_seconds: the cumulative training seconds after each epoch.
+        seconds_per_epoch: the mean training seconds of an epoch.
+        final_val_error: the last validation error.
+        time_vs_auxiliary: ``seconds_per_epoch`` over the auxiliary reflection's, where it ran.
+    """
+
+    time_vs_auxiliary: float
+
+
+class SvdResults(TypedDict):
+    """The experiment's results (`run_svd_experiment`, ``results.json``).
+
+    Args:
+        args: its `SvdExperimentArgs`, as a dict.
+        features: the input width.
+        threads: torch's threads.
+        runs: each method's `SvdRun`.
+    """
+
+    args: dict[str, object]
+    features: int
+    threads: int
+    runs: dict[str, SvdRun]
+
+
 def train_svd_network(
     method: str,
     train: tuple[torch.Tensor, torch.Tensor],
     test: tuple[torch.Tensor, torch.Tensor],
     args: SvdExperimentArgs,
-    progress: Callable[[Any], Any] = lambda it: it,
-) -> dict[str, Any]:
+    progress: Callable[[Iterable[int]], Iterable[int]] = lambda it: it,
+) -> SvdRun:
     """Train one `SvdNetwork`; return its validation errors and the training time.
 
     The validation error after every epoch (epoch 0: at initialisation) and the cumulative training seconds
@@ -180,7 +219,7 @@ def train_svd_network(
     }
 
 
-def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
+def run_svd_experiment(args: SvdExperimentArgs) -> SvdResults:
     """Train one network per method on the same data, seed and batch order; write ``results.json`` and the plot."""
     from tqdm.auto import tqdm
 
@@ -192,7 +231,7 @@ def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
         base = runs["auxiliary"]["seconds_per_epoch"]
         for run in runs.values():
             run["time_vs_auxiliary"] = run["seconds_per_epoch"] / base
-    results = {
+    results: SvdResults = {
         "args": asdict(args),
         "features": int(train[0].shape[1]),
         "threads": torch.get_num_threads(),
@@ -205,7 +244,7 @@ def run_svd_experiment(args: SvdExperimentArgs) -> dict[str, Any]:
     return results
 
 
-def plot_svd_experiment(results: dict[str, Any], path: str | Path) -> Path:
+def plot_svd_experiment(results: SvdResults, path: str | Path) -> Path:
     """Validation error against epochs (left) and against training wall time (right), as the paper's Figure 3."""
     import matplotlib
 
