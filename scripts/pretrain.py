@@ -25,12 +25,12 @@ from transformers import HfArgumentParser
 from poet_hf.recipes.cli import training_parser
 from poet_hf.recipes.pretrain import (
     PretrainArguments,
+    counted_recipe,
     parse_pretrain_arguments,
-    recipe_flags,
-    resolve_recipe,
     run_pretraining,
-    run_tokenizer,
+    run_summary,
 )
+from poet_hf.recipes.run_plan import print_plan
 from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.distributed import end_distributed
 
@@ -39,37 +39,16 @@ def build_parser() -> HfArgumentParser:
     return training_parser(PretrainArguments, PoetTrainingArguments)
 
 
-def print_plan(args, training) -> dict:
-    """``--plan_only``: the run's plan (`poet_hf.recipes.run_plan.plan_pretraining`), as plan_memory.py prints it."""
-    from poet_hf.recipes.memory_plan import format_plans
-    from poet_hf.recipes.run_plan import plan_pretraining
-
-    plan = plan_pretraining(args, training)[0]
-    print(format_plans([plan]))
-    return plan.to_dict()
-
-
-def run_summary(results: dict) -> dict:
-    """The figures of ``results.json`` the run prints when it ends."""
-    keys = ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen", "trainable_params")
-    summary = {k: results[k] for k in (*keys, "merges", "wall_time_s")}
-    summary["spectrum_max_drift"] = results["spectrum_drift"].get("max_drift")
-    if results.get("rotation_caches"):  # what cache_rotations="auto" chose, at the run's first window
-        summary["rotation_caches"] = results["rotation_caches"]["summary"]
-    return summary
-
-
 def main(argv: list[str] | None = None) -> dict:
     args, training = parse_pretrain_arguments(argv)
     if args.plan_only:
         return print_plan(args, training)
     if args.print_recipe:
-        recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(run_tokenizer(args)))
-        print(json.dumps(recipe.as_dict(), indent=2))
-        return recipe.as_dict()
+        recipe = counted_recipe(args, training).as_dict()
+        print(json.dumps(recipe, indent=2))
+        return recipe
     results = run_pretraining(args, training)
-    summary = run_summary(results)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(run_summary(results), indent=2))
     print(
         f"validation perplexity: {results['val_perplexity']:.2f} "
         f"(initial {results['initial_val_perplexity']:.1f}) -> {training.output_dir}/results.json"

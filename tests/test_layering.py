@@ -4,6 +4,7 @@ the pure-math layer needs no Hugging Face library, and the scripts stay thin com
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,23 @@ def test_files_classes_and_functions_of_the_package_stay_small():
 def test_the_size_check_sees_a_long_function():
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES["function"]))
     assert oversized(f"def f():\n{body}\n", "example") == ["example: function f 81 lines"]
+
+
+# Lines of src/ that spell `Any` (imports aside): half the 278 of 2026-12-01 (issue 71). What is left is forced by
+# generic signatures (PEFT's and Trainer's overrides, `**kwargs` forwarded to a dataclass) or untyped libraries
+# (bitsandbytes' quantisation state, DeepSpeed's engine).
+ANY_LINE_BUDGET = 139
+
+
+def lines_using_any(source: str) -> int:
+    """Lines of ``source`` where the name ``Any`` appears, import lines aside."""
+    return sum(1 for line in source.splitlines() if re.search(r"\bAny\b", line) and "import" not in line)
+
+
+def test_the_package_spells_any_on_at_most_its_budget_of_lines():
+    assert sum(lines_using_any(path.read_text()) for path in package_modules()) <= ANY_LINE_BUDGET
+
+
+def test_the_any_count_sees_annotations_and_skips_imports():
+    source = "from typing import Any\n\ndef f(x: Any) -> dict[str, Any]:\n    return cast('Any', x)\n"
+    assert lines_using_any(source) == 2

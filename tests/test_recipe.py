@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 from contextlib import redirect_stdout
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,12 @@ from poet_hf.diagnostics import _probe_vector, paper_metrics, poet_statistics, r
 from poet_hf.orthogonal import cayley_neumann, num_skew_params, orthogonal_from_vector, skew_from_vector
 from poet_hf.orthogonal.cayley import paper_neumann_k
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
-from poet_hf.recipes.pretrain import PretrainArguments, parse_pretrain_arguments, resolve_recipe
+from poet_hf.recipes.pretrain import (
+    PretrainArguments,
+    parse_pretrain_arguments,
+    recipe_parameter_counts,
+    resolve_recipe,
+)
 from poet_hf.tuners.rotation.layer import rotation_layers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,10 +181,16 @@ TABLE_2 = {  # trainable parameters of the blocks' Linear layers, in millions
 CELLS = [(p, m, size, value) for (p, m), row in TABLE_2.items() for size, value in row.items()]
 
 
+def counted(args: PretrainArguments, vocab_size: int):
+    """The recipe of ``args`` with what its method trains counted (as ``--print_recipe`` counts it)."""
+    recipe = resolve_recipe(args, vocab_size=vocab_size)
+    return replace(recipe, parameters=recipe_parameter_counts(recipe, vocab_size))
+
+
 @pytest.mark.parametrize("preset,method,size,millions", CELLS)
 def test_every_determined_table_2_count_is_reproduced(preset, method, size, millions):
     flag = "--block_size" if method == "poet-bs" else "--budget"
-    recipe = resolve_recipe(PretrainArguments(preset=preset, method=method, **{flag[2:]: size}), vocab_size=32000)
+    recipe = counted(PretrainArguments(preset=preset, method=method, **{flag[2:]: size}), vocab_size=32000)
     assert recipe.parameters is not None
     assert abs(recipe.parameters["trainable_block_params"] / 1e6 - millions) <= 0.005 + 1e-9
 
@@ -187,7 +199,7 @@ def test_the_llama_2_7b_preset_has_the_checkpoints_shape_and_table_1s_block_coun
     """Llama-2-7B's shape (configs/models/llama-2-7b.json) and POET-BS-256's skew count by Table 1: each side of an
     ``m × n`` weight has ``dim/b`` blocks of ``b(b−1)/2`` entries (11008 = 43·256)."""
     config = json.loads((ROOT / "configs" / "models" / "llama-2-7b.json").read_text())
-    recipe = resolve_recipe(PretrainArguments(preset="llama-2-7b"), vocab_size=config["vocab_size"]).as_dict()
+    recipe = counted(PretrainArguments(preset="llama-2-7b"), vocab_size=config["vocab_size"]).as_dict()
     model = recipe["model"]
     assert (model["hidden"], model["intermediate"], model["heads"], model["layers"]) == (
         config["hidden_size"],
@@ -202,7 +214,7 @@ def test_the_llama_2_7b_preset_has_the_checkpoints_shape_and_table_1s_block_coun
 
 # --- 3. configurations the paper uses --------------------------------------------------------------------------------
 def test_per_side_budgets_count_as_their_sides_and_symmetric_ones_as_table_2():
-    recipe = resolve_recipe(
+    recipe = counted(
         PretrainArguments(preset="llama-60m", method="poet-fs", budget_input=0.75, budget_output=0.25), vocab_size=32000
     ).as_dict()
     hidden, ffn, layers = 512, 1376, 8
@@ -385,9 +397,11 @@ def test_a_plan_of_any_method_reads_the_typed_recipe(method):
     """``--plan_only`` of a method without rotations raised ``KeyError: 'cache_rotations'`` while the recipe was a
     dict; the plan now takes each method's settings from the typed recipe (the tiny preset: micro-batch 8, 1 process,
     block 32)."""
-    from poet_hf.recipes.run_plan import plan_settings
+    from poet_hf.recipes.run_plan import plan_pretraining, plan_settings
 
-    args, training = parse_pretrain_arguments(["--preset", "tiny", "--method", method])
+    args, training = parse_pretrain_arguments(["--preset", "tiny", "--method", method, "--lora_rank", "16"])
     settings = plan_settings(args, training)
-    assert (settings["batch_size"], settings["processes"], settings["cache_rotations"]) == (8, 1, "auto")
-    assert ("block_size" in settings, "rank" in settings) == (method == "poet-bs", method == "lora")
+    assert (settings.method, settings.batch_size, settings.processes) == (method, 8, 1)
+    assert settings.cache_rotations == "auto"
+    block_size = plan_pretraining(args, training)[0].settings["block_size"]  # the plan's, from the recipe
+    assert (block_size == 32, settings.rank == 16) == (method == "poet-bs", method == "lora")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..model_cards import render_card
 from ..orthogonal.maps import map_from_config
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
+    from peft import PeftConfig
 
 CARD_TEMPLATE = "poet.md"
 ADAPTER_CARD_TEMPLATE = "adapter.md"
@@ -58,7 +62,7 @@ _METHODS = {  # peft_type family -> (title, summary, what the export folded)
 
 def render_model_card(
     model: nn.Module,
-    peft_config: Any,
+    peft_config: PeftConfig,
     *,
     export_dtype: torch.dtype = torch.float32,
     run_info: dict | None = None,
@@ -70,7 +74,7 @@ def render_model_card(
     license: str = "other",
     datasets: str | list[str] | None = None,
     from_scratch: bool = False,
-) -> Any:
+) -> ModelCard:
     """A ``huggingface_hub.ModelCard`` for an exported model, from the ``model_cards/poet.md`` template.
 
     ``spectrum_rows`` are [`spectrum_summary`][poet_hf.orthogonal.spectra.spectrum_summary] rows.
@@ -145,7 +149,7 @@ def _tags(peft_type: str) -> list[str]:
     return tags if method in tags else [*tags, method]
 
 
-def _hyperparameter_rows(peft_config: Any, run: dict) -> list[tuple[str, str]]:
+def _hyperparameter_rows(peft_config: PeftConfig, run: dict) -> list[tuple[str, str]]:
     """The method's config fields (block size or budget, whichever the SPO kind uses), run overrides applied."""
     fields = {k: v for k, v in peft_config.to_dict().items() if k not in _BOOKKEEPING_FIELDS}
     spo = fields.get("spo")
@@ -209,17 +213,17 @@ def _auto_class_name(model: nn.Module) -> str:
     return "AutoModel"
 
 
-def _is_hub_id(value: Any) -> bool:
+def _is_hub_id(value: object) -> bool:
     return isinstance(value, str) and bool(_HUB_ID.match(value)) and not Path(value).exists()
 
 
-def _as_list(value: Any) -> list[str]:
+def _as_list(value: str | list[str] | None) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
@@ -228,8 +232,8 @@ def _fmt(value: Any) -> str:
 
 
 def render_adapter_card(
-    model: nn.Module, peft_config: Any, *, model_id: str, native_peft: bool = False, base_written: bool = False
-) -> Any:
+    model: nn.Module, peft_config: PeftConfig, *, model_id: str, native_peft: bool = False, base_written: bool = False
+) -> ModelCard:
     """A ``huggingface_hub.ModelCard`` for an adapter folder, from the ``model_cards/adapter.md`` template.
 
     It says how to load the adapter: with ``pip install poet_hf`` and ``import poet_hf`` before PEFT for this

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,23 +12,24 @@ from ..tuners.rotation.quantization import dequantize_modules
 from .source import ExportError
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 
-def tuner_layer_names(model: Any) -> list[str]:
+def tuner_layer_names(model: PeftModel) -> list[str]:
     """Names (relative to the plain model) of every PEFT tuner layer that the fold will replace."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return [name for name, module in model.get_base_model().named_modules() if isinstance(module, BaseTunerLayer)]
 
 
-def max_merge_count(model: Any) -> int | None:
+def max_merge_count(model: PeftModel) -> int | None:
     """The most merge-then-reinitialize cycles any rotation layer has done; ``None`` without rotation layers."""
     counts = [int(count) for m in model.modules() if isinstance(m, RotationLayer) for count in m.merge_counts.values()]
     return max(counts) if counts else None
 
 
-def fold(model: Any, progress: bool | None) -> tuple[PreTrainedModel, dict | None]:
+def fold(model: PeftModel, progress: bool | None) -> tuple[PreTrainedModel, dict | None]:
     """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight.
 
     Quantised (bitsandbytes) layers are dequantised first, so the fold is ``R·dequant(W0)·P`` in full precision, the

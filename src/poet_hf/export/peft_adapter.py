@@ -11,7 +11,7 @@ adapter (``base_output_dir``), and the adapter applies to that base.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import save_file
@@ -24,6 +24,10 @@ from .card import render_adapter_card
 from .folding import max_merge_count
 from .source import ExportError
 from .writing import check_output_dir, write_atomically
+
+if TYPE_CHECKING:
+    from peft import OFTConfig, PeftModel
+    from transformers import PreTrainedModel
 
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 # OftConfig fields that mean in PEFT's OFTConfig what they mean in ours.
@@ -45,7 +49,7 @@ SAME_NAMED_FIELDS = (
 
 
 def export_peft_adapter(
-    model: Any,
+    model: PeftModel,
     output_dir: str | Path,
     *,
     adapter_name: str | None = None,
@@ -107,7 +111,7 @@ def export_peft_adapter(
     return output
 
 
-def to_peft_oft_config(config: OftConfig) -> Any:
+def to_peft_oft_config(config: OftConfig) -> OFTConfig:
     """PEFT's ``OFTConfig`` that computes what ``config`` computes (see `export_peft_adapter` for the mapping)."""
     from peft import OFTConfig
 
@@ -122,7 +126,7 @@ def to_peft_oft_config(config: OftConfig) -> Any:
     )
 
 
-def _oft_config_of(model: Any, adapter_name: str | None) -> tuple[OftConfig, str]:
+def _oft_config_of(model: nn.Module, adapter_name: str | None) -> tuple[OftConfig, str]:
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         raise ExportError(
@@ -142,7 +146,7 @@ def _oft_config_of(model: Any, adapter_name: str | None) -> tuple[OftConfig, str
     return config, name
 
 
-def _check_representable(model: Any, config: OftConfig, adapter_name: str) -> None:
+def _check_representable(model: PeftModel, config: OftConfig, adapter_name: str) -> None:
     """Raise an `ExportError` naming the first thing about the adapter that PEFT's OFT cannot hold."""
     if config.spo != "contiguous":
         raise ExportError(
@@ -173,13 +177,13 @@ def _check_representable(model: Any, config: OftConfig, adapter_name: str) -> No
             )
 
 
-def _adapter_state(model: Any, adapter_name: str) -> dict[str, torch.Tensor]:
+def _adapter_state(model: PeftModel, adapter_name: str) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(model, adapter_name=adapter_name)
 
 
-def _write_base(model: Any, folder: Path, overwrite: bool) -> Path:
+def _write_base(model: PeftModel, folder: Path, overwrite: bool) -> Path:
     """Write the model's current base (``W0`` with the merges folded in, no adapter) as a plain checkpoint."""
     if any(getattr(layer, "base_quantization", None) for _, layer in rotation_layers(model)):
         raise ExportError(
@@ -187,7 +191,7 @@ def _write_base(model: Any, folder: Path, overwrite: bool) -> Path:
             "export the merged model with export_merged instead"
         )
     check_output_dir(folder, overwrite, None)
-    base = model.get_base_model()
+    base = cast("PreTrainedModel", model.get_base_model())
     state = {}
     for key, value in base.state_dict().items():
         parts = key.split(".")

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, Union
 
 import torch
 from torch import nn
@@ -20,13 +20,18 @@ from ..sharded import is_sharded, unsharded_replica
 from ..tuners.config_utils import holds_full_model
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, Trainer
+
+    Processor: TypeAlias = PreTrainedTokenizerBase | ProcessorMixin
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 RUN_INFO_NAME = "poet_run.json"  # written by PoetTrainer beside each checkpoint
 TRAINER_STATE_NAME = "trainer_state.json"
 # PEFT types exported here. poet_hf's own tuners are also found at run time from PEFT's registry (their config
 # classes live in poet_hf), so types added later (OFT, orthogonal) need no change here. "OFT" is PEFT's OFT.
+# What export_merged folds: a model, a trainer holding one, or a directory.
+ExportSource = Union[str, "os.PathLike[str]", "Trainer", nn.Module]
 KNOWN_PEFT_TYPES = frozenset({"POET", "OFT", "ORTHOGONAL"})
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -46,8 +51,8 @@ class ExportError(ValueError):
 class LoadedSource:
     """A loaded POET/OFT model and what is known about how it was trained."""
 
-    model: nn.Module  # a peft.PeftModel
-    tokenizer: Any = None
+    model: PeftModel
+    tokenizer: Processor | None = None
     directory: Path | None = None
     dtype: torch.dtype = torch.float32  # dtype of the source's base weights (the default export dtype)
     run_info: dict = field(default_factory=dict)
@@ -81,7 +86,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ExportError(str(error)) from None
 
 
-def load_source(source: Any, inplace: bool) -> LoadedSource | None:
+def load_source(source: ExportSource, inplace: bool) -> LoadedSource | None:
     """Turn any accepted source into a float32 PeftModel (a copy unless ``inplace``) and its training facts.
 
     ``None`` on the ranks other than 0 for a model FSDP2 shards: rank 0 folds an unsharded copy."""
@@ -98,7 +103,7 @@ def load_source(source: Any, inplace: bool) -> LoadedSource | None:
     return _load_model(source, inplace)
 
 
-def _is_trainer(obj: Any) -> bool:
+def _is_trainer(obj: object) -> TypeGuard[Trainer]:
     try:
         from transformers import Trainer
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -106,13 +111,13 @@ def _is_trainer(obj: Any) -> bool:
     return isinstance(obj, Trainer)
 
 
-def is_sharded_source(source: Any) -> bool:
+def is_sharded_source(source: ExportSource) -> bool:
     """Whether ``source`` (a model or a trainer holding one) is sharded by FSDP2."""
     model = source.model if _is_trainer(source) else source
     return isinstance(model, nn.Module) and is_sharded(model)
 
 
-def _load_model(model: Any, inplace: bool) -> LoadedSource | None:
+def _load_model(model: object, inplace: bool) -> LoadedSource | None:
     from peft import PeftModel
 
     if isinstance(model, nn.Module) and is_sharded(model):  # FSDP2: fold an unsharded copy gathered on rank 0
@@ -132,7 +137,7 @@ def _load_model(model: Any, inplace: bool) -> LoadedSource | None:
     return LoadedSource(model=model.to(torch.float32), dtype=dtype, from_scratch=holds_full_model(active_config(model)))
 
 
-def _describe_plain_model(model: Any) -> str:
+def _describe_plain_model(model: object) -> str:
     if isinstance(model, nn.Module):
         return "with no PEFT adapter (nothing to fold: save it with save_pretrained instead)"
     return "(not a model)"
@@ -202,7 +207,7 @@ def _describe_directory(path: Path) -> str:
     return f"found: {shown}"
 
 
-def _check_peft_type(peft_type: Any, where: str) -> None:
+def _check_peft_type(peft_type: object, where: str) -> None:
     supported = supported_peft_types()
     if str(getattr(peft_type, "value", peft_type)) not in supported:
         raise ExportError(
@@ -211,7 +216,7 @@ def _check_peft_type(peft_type: Any, where: str) -> None:
         )
 
 
-def _build_base(path: Path, raw: dict, peft_config: Any) -> tuple[nn.Module, bool]:
+def _build_base(path: Path, raw: dict, peft_config: PeftConfig) -> tuple[PreTrainedModel, bool]:
     """The float32 base model: from ``config.json`` beside the adapter, or from ``base_model_name_or_path``.
 
     Returns ``(model, built_from_config)``; a model built from its config has random weights until the adapter
@@ -234,7 +239,7 @@ def _build_base(path: Path, raw: dict, peft_config: Any) -> tuple[nn.Module, boo
     return model, False
 
 
-def _model_class(config: Any, raw: dict) -> Any:
+def _model_class(config: PretrainedConfig, raw: dict) -> Any:
     """The concrete class named by ``config.architectures`` or PEFT's ``auto_mapping``, else an Auto class."""
     import transformers
 
@@ -246,7 +251,7 @@ def _model_class(config: Any, raw: dict) -> Any:
     return transformers.AutoModelForCausalLM
 
 
-def _instantiate(cls: Any, config: Any) -> nn.Module:
+def _instantiate(cls: Any, config: PretrainedConfig) -> PreTrainedModel:
     if hasattr(cls, "_from_config"):
         return cls._from_config(config).to(torch.float32)
     return cls.from_config(config).to(torch.float32)
@@ -284,7 +289,7 @@ def _saved_adapter_keys(path: Path) -> set[str] | None:
         return set(handle.keys())
 
 
-def _find_tokenizer(path: Path, base_name: str | None) -> Any:
+def _find_tokenizer(path: Path, base_name: str | None) -> Processor | None:
     """The tokenizer saved beside the adapter, else the base model's local one; ``None`` when there is none."""
     for candidate in (path, Path(base_name) if base_name else None):
         if candidate is not None and candidate.is_dir() and any((candidate / f).is_file() for f in TOKENIZER_FILES):
@@ -292,7 +297,7 @@ def _find_tokenizer(path: Path, base_name: str | None) -> Any:
     return None
 
 
-def _load_processor(path: Path) -> Any:
+def _load_processor(path: Path) -> Processor:
     from transformers import AutoProcessor, AutoTokenizer
 
     loader = (
@@ -310,14 +315,16 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _trainer_run_info(trainer: Any) -> dict:
+def _trainer_run_info(trainer: Trainer) -> dict:
     run = dict(getattr(trainer, "run_info", {}) or {})
     args, state = trainer.args, trainer.state
     run.setdefault("learning_rate", args.learning_rate)
-    if getattr(args, "poet_learning_rate", None) is not None:
-        run.setdefault("poet_learning_rate", args.poet_learning_rate)
-    if getattr(trainer, "merge_every", None):  # PoetTrainer: the interval the run merged at
-        run.setdefault("merge_every", trainer.merge_every)
+    poet_learning_rate = getattr(args, "poet_learning_rate", None)  # PoetTrainingArguments
+    if poet_learning_rate is not None:
+        run.setdefault("poet_learning_rate", poet_learning_rate)
+    merge_every = getattr(trainer, "merge_every", None)  # PoetTrainer: the interval the run merged at
+    if merge_every:
+        run.setdefault("merge_every", merge_every)
     run.setdefault("global_step", state.global_step)
     if state.num_input_tokens_seen:
         run.setdefault("num_input_tokens_seen", state.num_input_tokens_seen)
@@ -333,22 +340,22 @@ def _latest_eval(log_history: list[dict]) -> dict:
     return {}
 
 
-def active_config(model: Any) -> Any:
+def active_config(model: PeftModel) -> PeftConfig:
     """The ``PeftConfig`` of ``model``'s active adapter."""
     adapter = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapters[0]
     return model.peft_config[adapter]
 
 
-def _base_dtype(model: Any) -> torch.dtype:
+def _base_dtype(model: PeftModel) -> torch.dtype:
     dtypes = [
         p.dtype
         for n, p in model.get_base_model().named_parameters()
-        if p.is_floating_point() and model.base_model.prefix not in n
+        if p.is_floating_point() and str(model.base_model.prefix) not in n
     ]
     return dtypes[0] if dtypes else torch.float32
 
 
-def _config_dtype(config: Any) -> torch.dtype:
+def _config_dtype(config: PretrainedConfig) -> torch.dtype:
     value = getattr(config, "dtype", None)
     if isinstance(value, torch.dtype):
         return value

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,18 +17,24 @@ from ..orthogonal.spectra import module_singular_values, spectrum_summary
 from ..sharded import barrier
 from .card import render_model_card
 from .folding import fold, max_merge_count, show_progress, tuner_layer_names
-from .source import ExportError, active_config, is_sharded_source, load_source, parse_dtype
+from .source import ExportError, ExportSource, LoadedSource, active_config, is_sharded_source, load_source, parse_dtype
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
+    from transformers import PreTrainedModel
+
+    from .source import Processor
 
 
 def _fold_with_card(
-    loaded: Any,
+    loaded: LoadedSource,
     export_dtype: torch.dtype | None,
     spectrum: bool,
     progress: bool | None,
     record_quantization: bool,
     run: dict,
     card_fields: dict,
-) -> tuple[Any, Any]:
+) -> tuple[PreTrainedModel, ModelCard]:
     """The plain model, folded and cast, and its model card (see `export_merged` for the arguments)."""
     peft_config = active_config(loaded.model)
     target_names = tuner_layer_names(loaded.model)
@@ -57,12 +63,12 @@ def _fold_with_card(
 
 
 def export_merged(
-    source: Any,
+    source: ExportSource,
     output_dir: str | os.PathLike,
     *,
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
-    tokenizer: Any = None,
+    tokenizer: Processor | None = None,
     run_info: dict | None = None,
     repo_id: str | None = None,
     license: str = "other",

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
 
 TEMPLATES = ("poet.md", "lipconvnet.md", "adapter.md")
 
@@ -16,7 +19,7 @@ def template_path(name: str) -> Path:
     return Path(str(resources.files(__name__) / name))
 
 
-def render_card(template: str, card_data: dict[str, Any], **variables: Any) -> Any:
+def render_card(template: str, card_data: dict[str, Any], **variables: Any) -> ModelCard:
     """A ``huggingface_hub.ModelCard`` from the packaged ``template``.
 
     ``card_data`` becomes the YAML metadata (``library_name`` is ``transformers`` unless it says otherwise);

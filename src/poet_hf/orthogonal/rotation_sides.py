@@ -69,7 +69,7 @@ class RotationCache:
         self.dtype = dtype
         self.blocks: torch.Tensor | None = None
         self.pending: torch.Tensor | None = None
-        self.key: Any = None  # what the owner checks the blocks against (the parameters' state)
+        self.key: object = None  # what the owner checks the blocks against (the parameters' state)
         self.grad_version: int | None = None  # the owner's note of the gradient the pending sum belongs to
         self.anchor: weakref.ref[torch.Tensor] | None = None  # the owner's, to that gradient: clears the cache with it
 

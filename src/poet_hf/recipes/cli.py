@@ -17,23 +17,49 @@ import contextlib
 import dataclasses
 import io
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypedDict, TypeVar, cast
 
 from transformers import HfArgumentParser, TrainingArguments
 
 ScriptArgs = TypeVar("ScriptArgs")
 TrainingArgs = TypeVar("TrainingArgs", bound=TrainingArguments)
 SCRIPT_SEED = 0  # the scripts' default --seed (transformers' is 42): data order, initialisation, permutations
+
+
+class TrainingFlags(TypedDict, total=False):
+    """The training flags a command line (or a caller) set, by ``TrainingArguments`` field name.
+
+    The flags a recipe reads are typed here; any other flag set rides along untyped (``--bf16``, ``--report_to``, …,
+    and ``--merge_every``, whose home is `poet_hf.training.PoetTrainingArguments`).
+    """
+
+    max_steps: int
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int | None
+    learning_rate: float
+    poet_learning_rate: float | None
+    max_grad_norm: float
+    weight_decay: float
+    warmup_steps: int
+    optim: str
+    lr_scheduler_type: str
+    fused_optimizer_step: bool
+    vocab_weights_dtype: str
+    seed: int
+    save_steps: float
+    eval_steps: float | None
+
+
 # (the script's options, the training flags the user gave) -> the defaults of the other training flags
-DefaultsFunction = Callable[[Any, dict[str, Any]], dict[str, Any]]
+DefaultsFunction = Callable[[ScriptArgs, TrainingFlags], dict[str, object]]
 
 
 def parse_arguments(
     script_class: type[ScriptArgs],
-    defaults: DefaultsFunction,
+    defaults: DefaultsFunction[ScriptArgs],
     argv: Sequence[str] | None = None,
-    fields: dict[str, Any] | None = None,
+    fields: dict[str, object] | None = None,
     training_class: type[TrainingArgs] = TrainingArguments,  # type: ignore[assignment]
 ) -> tuple[ScriptArgs, TrainingArgs]:
     """The script's options and its training arguments, from a command line or from keyword fields.
@@ -79,12 +105,12 @@ def training_parser(script_class: type, training_class: type = TrainingArguments
     return HfArgumentParser(cast(Any, (script_class, training_class)), usage=usage)
 
 
-def _init_fields(cls: Any, values: dict[str, Any]) -> dict[str, Any]:
+def _init_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     return {name: value for name, value in values.items() if name in names}
 
 
-def _readable(parser: argparse.ArgumentParser, name: str, value: Any) -> bool:
+def _readable(parser: argparse.ArgumentParser, name: str, value: object) -> bool:
     """Whether argparse can take ``value`` as the default of flag ``name``."""
     action = next((a for a in parser._actions if a.dest == name), None)
     if action is None or not isinstance(value, str) or action.type is None or not callable(action.type):
@@ -115,18 +141,18 @@ def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptAr
         return None
 
 
-def given_training_flags(argv: Sequence[str] | None, training_class: type = TrainingArguments) -> dict[str, Any]:
+def given_training_flags(argv: Sequence[str] | None, training_class: type = TrainingArguments) -> TrainingFlags:
     """The fields of ``training_class`` the command line sets, with their values (the others are absent)."""
     probe = HfArgumentParser(cast(Any, training_class), add_help=False)
     for action in probe._actions:
         action.default = argparse.SUPPRESS
-    return vars(probe.parse_known_args(args=argv)[0])
+    return cast(TrainingFlags, vars(probe.parse_known_args(args=argv)[0]))
 
 
 def _from_fields(
     script_class: type[ScriptArgs],
-    defaults: DefaultsFunction,
-    fields: dict[str, Any],
+    defaults: DefaultsFunction[ScriptArgs],
+    fields: dict[str, object],
     training_class: type[TrainingArgs],
 ) -> tuple[ScriptArgs, TrainingArgs]:
     script_names = {f.name for f in dataclasses.fields(script_class)}  # type: ignore[arg-type]
@@ -138,8 +164,21 @@ def _from_fields(
             f"{training_class.__name__}"
         )
     script_args = script_class(**{k: v for k, v in fields.items() if k in script_names})
-    given = {k: v for k, v in fields.items() if k in training_names and k not in script_names}
-    return script_args, training_class(**{**defaults(script_args, given), **given})
+    given = cast(TrainingFlags, {k: v for k, v in fields.items() if k in training_names and k not in script_names})
+    return script_args, training_arguments(training_class, {**defaults(script_args, given), **given})
+
+
+def training_arguments(training_class: type[TrainingArgs], values: Mapping[str, object]) -> TrainingArgs:
+    """``training_class(**values)``: field values of any type, which the dataclass's own checks read.
+
+    Args:
+        training_class: a ``TrainingArguments`` class.
+        values: its field values.
+
+    Returns:
+        The training arguments.
+    """
+    return training_class(**cast("dict[str, Any]", values))
 
 
 def check_cpu_mixed_precision(training: TrainingArguments) -> None:
@@ -174,14 +213,14 @@ def check_cpu_mixed_precision(training: TrainingArguments) -> None:
         )
 
 
-def flag_value(given: dict[str, Any], flag: str, default: Any = None) -> Any:
+def flag_value(given: TrainingFlags, flag: str, default: str | None = None) -> str:
     """A training flag of ``given`` as the command line spells it (``OptimizerNames.ADAMW_TORCH``: ``"adamw_torch"``);
     absent, ``default``, else ``TrainingArguments``' own default."""
     value = given.get(flag, default if default is not None else TrainingArguments.__dataclass_fields__[flag].default)
-    return getattr(value, "value", value)
+    return str(getattr(value, "value", value))
 
 
-def run_defaults(given: dict[str, Any], **values: Any) -> dict[str, Any]:
+def run_defaults(given: TrainingFlags, **values: object) -> dict[str, object]:
     """The defaults every training script shares, then ``values``.
 
     No checkpoints unless ``--save_steps`` or ``--save_strategy`` asks for them; seed `SCRIPT_SEED`, and ``data_seed``

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -39,11 +39,14 @@ from ..tuners.config_utils import DEFAULT_TARGET_MODULES, check_choice
 from ..tuners.oft import OftConfig
 from ..tuners.poet import POET_FINETUNE_RECIPES, PoetConfig
 from ..tuners.rotation import quantization, storage_kinds
-from .cli import check_cpu_mixed_precision, parse_arguments, run_defaults
+from .cli import TrainingFlags, check_cpu_mixed_precision, parse_arguments, run_defaults, training_arguments
 from .script_arguments import ScriptArguments
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from peft import PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from .pretrain import TextDataset
 
 METHODS = ("poet", "oft", "lora")
 # The pretraining script's names for POET's two layouts, accepted here too: the same method names in every script.
@@ -156,7 +159,7 @@ class FinetuneArguments(ScriptArguments):
         self.use_job_defaults("fine-tuning")
 
 
-def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[str, Any]:
+def finetune_defaults(args: FinetuneArguments, given: TrainingFlags) -> dict[str, object]:
     """The training flags the method's recipe decides, for those the user did not give.
 
     POET's rotation rate (``poet_learning_rate``, unless ``--learning_rate`` alone was given, which then sets every
@@ -171,7 +174,7 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
         ``PoetTrainingArguments`` field values.
     """
     batch = given.get("per_device_train_batch_size", 8)
-    values: dict[str, Any] = {
+    values: dict[str, object] = {
         "output_dir": "outputs/finetune",
         "max_steps": 200,
         "learning_rate": ADAPTER_LEARNING_RATE,
@@ -188,7 +191,7 @@ def finetune_defaults(args: FinetuneArguments, given: dict[str, Any]) -> dict[st
 
 
 def parse_finetune_arguments(
-    argv: list[str] | None = None, **fields: Any
+    argv: list[str] | None = None, **fields: object
 ) -> tuple[FinetuneArguments, PoetTrainingArguments]:
     """``scripts/finetune.py``'s options from a command line or from keyword ``fields``.
 
@@ -221,7 +224,7 @@ def load_model(args: FinetuneArguments, num_labels: int | None = None) -> tuple[
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_name_or_path)), []
     if args.task == "causal-lm":
         model, info = cast(  # output_loading_info: the model and what loading found
-            "tuple[PreTrainedModel, dict[str, Any]]",
+            "tuple[PreTrainedModel, dict[str, list[str]]]",
             AutoModelForCausalLM.from_pretrained(args.model_name_or_path, output_loading_info=True, **quantized),
         )
     else:
@@ -253,7 +256,9 @@ def load_model_tokenizer(args: FinetuneArguments):
     return tokenizer
 
 
-def load_finetune_data(args: FinetuneArguments, tokenizer, seed: int = 0) -> tuple[Any, Any, int | None]:
+def load_finetune_data(
+    args: FinetuneArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 0
+) -> tuple[TextDataset, TextDataset, int | None]:
     """Tokenized train and evaluation sets, and the number of labels (classification).
 
     ``seed`` draws the held-out twentieth of a dataset without an evaluation split."""
@@ -390,7 +395,7 @@ def _evaluate_after_training(trainer: PoetTrainer, last: _LastEvaluation) -> dic
 
 def run_finetuning(
     args: FinetuneArguments, training: PoetTrainingArguments | None = None, callbacks: list | None = None
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Evaluate, fine-tune, evaluate again; save the adapter (and the merged export).
 
     Returns the report, also written to ``output_dir/results.json``: ``{"before": {...}, "after": {...}, ...}``.
@@ -406,7 +411,7 @@ def run_finetuning(
     """
     started = time.time()
     if training is None:
-        training = PoetTrainingArguments(**finetune_defaults(args, {}))
+        training = training_arguments(PoetTrainingArguments, finetune_defaults(args, {}))
     check_cpu_mixed_precision(training)
     torch.manual_seed(training.seed)
     tokenizer = load_model_tokenizer(args)
@@ -438,7 +443,7 @@ def run_finetuning(
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     after = _metrics(_evaluate_after_training(trainer, last_evaluation), args.task)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    results: dict[str, Any] = {
+    results: dict[str, object] = {
         "method": args.method,
         "model": args.model_name_or_path,
         "task": args.task,
@@ -474,9 +479,9 @@ def export_model(trainer: PoetTrainer, export_dir: str, tokenizer) -> Path:
 
     from ..export import export_merged
 
-    model: Any = trainer.model  # a PeftModel
+    model = trainer.model  # a PeftModel
     if getattr(model, "peft_type", None) == "LORA":
-        merged = copy.deepcopy(model).merge_and_unload()
+        merged = cast("PeftModel", copy.deepcopy(model)).merge_and_unload()
         merged.save_pretrained(export_dir)
         tokenizer.save_pretrained(export_dir)
         return Path(export_dir)

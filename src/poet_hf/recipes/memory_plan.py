@@ -29,28 +29,27 @@ table leaves out, are a separate part here).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from ..dtypes import dtype_name, parse_dtype
+from ..dtypes import parse_dtype
 from ..tuners.rotation.quantization import residual_bytes
 from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
-from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
-from ..tuners.rotation.storage_kinds import BASE_QUANTIZATIONS, storage_kind
+from ..tuners.rotation.storage_kinds import storage_kind
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
+from .plan_settings import METHODS, SHARDINGS, PlanSettings, check_adapter_sizes
 from .rotation_cache_plan import plan_rotation_caches
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["METHODS", "SHARDINGS", "PARTS", "MemoryPlan", "plan_memory", "format_plans"]
 
-METHODS = ("poet-bs", "poet-fs", "oft", "lora", "adamw", "galore")
-SHARDINGS = ("ddp", "fsdp2")
 PARTS = (
     "W0",
     "other frozen weights",
@@ -84,7 +83,7 @@ class MemoryPlan:
 
     method: str
     parts: dict[str, int]
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, object] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # entries (not bytes), before any sharding
     residual_bytes: int = 0
 
@@ -92,7 +91,7 @@ class MemoryPlan:
     def total_bytes(self) -> int:
         return sum(self.parts.values())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The plan as JSON-ready data (what ``--json`` prints).
 
         Returns:
@@ -108,7 +107,7 @@ class MemoryPlan:
         }
 
 
-def _resolve_model_config(model: Any) -> Any:
+def _resolve_model_config(model: str | PretrainedConfig) -> str | PretrainedConfig:
     """The model config that ``model`` names.
 
     A preset name (`PRESETS`), a ``PretrainedConfig``, a ``config.json`` (or its folder), or a Hub id (its config is
@@ -125,7 +124,18 @@ def _resolve_model_config(model: Any) -> Any:
     return read_config(str(model))
 
 
-def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget: float, rank: int) -> Any:
+def _model_to_plan(
+    model: str | PretrainedConfig | nn.Module, settings: PlanSettings, block_size: int, budget: float
+) -> nn.Module:
+    """``model`` where it is one; else the model the config it names builds, wrapped for the method (with the
+    adapter's size, checked here)."""
+    check_adapter_sizes(block_size, budget)
+    if isinstance(model, nn.Module):
+        return model
+    return _build(_resolve_model_config(model), settings, block_size, budget)
+
+
+def _build(model_config: str | PretrainedConfig, settings: PlanSettings, block_size: int, budget: float) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from .presets import PRESETS, build_llama
@@ -134,18 +144,18 @@ def _build(model_config: Any, method: str, seq_len: int, block_size: int, budget
         if isinstance(model_config, str):
             model = build_llama(
                 PRESETS[model_config],
-                method if method.startswith("poet") else "adamw",
+                settings.method if settings.rotating else "adamw",
                 32000,
-                seq_len,
+                settings.seq_len,
                 seed=0,
                 device="meta",
             )
         else:
             model = AutoModelForCausalLM.from_config(model_config)
-        return _wrap(model, method, block_size, budget, rank)
+        return _wrap(model, settings, block_size, budget)
 
 
-def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, rank: int) -> Any:
+def _wrap(model: PreTrainedModel, settings: PlanSettings, block_size: int, budget: float) -> nn.Module:
     """Wrap the meta model for the method as the pretraining recipes apply it.
 
     POET and LoRA train every other parameter too (the paper's baselines), OFT fine-tunes its adapters alone, AdamW
@@ -157,13 +167,13 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
     from ..tuners.poet.config import PoetConfig
     from ..tuners.tuner_base import get_peft_model_quietly
 
+    method, rank = settings.method, settings.rank
     if method in ("adamw", "galore"):
         return model
-    if method in ("poet-bs", "poet-fs"):
-        rotation: dict[str, Any] = (
-            {"spo": "block", "block_size": block_size} if method == "poet-bs" else {"spo": "full", "budget": budget}
-        )
-        return get_peft_model_quietly(model, PoetConfig(**rotation, train_other_params=True))
+    if method == "poet-bs":
+        return get_peft_model_quietly(model, PoetConfig(spo="block", block_size=block_size, train_other_params=True))
+    if method == "poet-fs":
+        return get_peft_model_quietly(model, PoetConfig(spo="full", budget=budget, train_other_params=True))
     if method == "oft":
         return get_peft_model_quietly(model, OftConfig(block_size=block_size))
     targets = DEFAULT_TARGET_MODULES.get(model.config.model_type)
@@ -174,10 +184,10 @@ def _wrap(model: PreTrainedModel, method: str, block_size: int, budget: float, r
     return peft_model
 
 
-def _galore_targets(model: PreTrainedModel) -> set[str]:
+def _galore_targets(model: nn.Module) -> set[str]:
     from ..tuners.config_utils import DEFAULT_TARGET_MODULES
 
-    targets = DEFAULT_TARGET_MODULES.get(model.config.model_type) or []
+    targets = DEFAULT_TARGET_MODULES.get(base_model_of(model).config.model_type) or []
     return {
         f"{name}.weight"
         for name, module in model.named_modules()
@@ -206,7 +216,7 @@ def _shard(shape: torch.Size, processes: int) -> int:
 
 
 def plan_memory(
-    model: Any,
+    model: str | PretrainedConfig | nn.Module,
     method: str = "poet-bs",
     *,
     block_size: int = 256,
@@ -230,7 +240,8 @@ def plan_memory(
 
     Args:
         model: a preset name (``"llama-130m"``), a ``transformers.PretrainedConfig``, a path to a ``config.json``
-            (or its folder), or a Hub id whose config is read (from the local cache when offline).
+            (or its folder), or a Hub id whose config is read (from the local cache when offline); or a model on
+            ``meta`` already wrapped for ``method`` (`poet_hf.recipes.presets.meta_recipe_model`), planned as it is.
         method: one of `METHODS`.
         block_size: POET-BS's and OFT's block size ``b``.
         budget: POET-FS's sampling budget, a fraction of each dimension.
@@ -245,8 +256,7 @@ def plan_memory(
         checkpointing: activation checkpointing per transformer block.
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
         cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation:
-            ``"auto"`` decides per layer as the run does (`poet_hf.recipes.rotation_cache_plan`), from
-            ``batch_size·seq_len`` tokens, the sharding and ``dtype``.
+            ``"auto"`` decides per layer as a run does, from the plan's shapes (`poet_hf.recipes.rotation_cache_plan`).
         base_quantization: POET's ``W0`` stored by bitsandbytes, a kind of `storage_kinds.KINDS`, which gives its
             bytes (4-bit: codes and double-quantised block scales, 0.516 B per entry; 8-bit: 1 B and a row scale).
         residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
@@ -267,9 +277,8 @@ def plan_memory(
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
     """
-    settings: dict[str, Any] = {name: value for name, value in locals().items() if name != "model"}  # as given
-    _check_settings(settings)
-    built = _build(_resolve_model_config(model), method, seq_len, block_size, budget, rank)
+    settings = PlanSettings(**{k: v for k, v in locals().items() if k not in ("model", "block_size", "budget")})
+    built = _model_to_plan(model, settings, block_size, budget)
     blocks = _block_classes(built)
     parts, counts, largest, entry_bytes = _parameter_bytes(built, settings, blocks)
     all_gradients = parts["gradients"]
@@ -277,25 +286,26 @@ def plan_memory(
         parts["gradients"] = largest["head gradients"]  # the backward's start: only the head's gradients exist yet
     if sharding == "ddp" and processes > 1:
         parts["DDP gradient buckets"] = parts["trainable parameters"]  # the reducer's flat copy of every gradient
-    parts.update(_working_bytes(built, settings, blocks, largest["W0"]))
+    report: dict[str, object] = {**asdict(settings), "block_size": block_size, "budget": budget}  # then the plan's
+    parts.update(_working_bytes(built, settings, blocks, largest["W0"], report))
     if sharding == "fsdp2" and processes > 1:
         parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
     at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
     at_end["gradients"] = largest["gradient"] if fused_step else all_gradients
-    settings["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
-    peak = at_end if settings["peak"] == "backward end" else parts
-    return MemoryPlan(method, peak, settings, counts, _residual_off_memory(built, settings))
+    report["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
+    peak = at_end if report["peak"] == "backward end" else parts
+    return MemoryPlan(method, peak, report, counts, _residual_off_memory(built, settings))
 
 
-def _residual_off_memory(built: Any, settings: dict[str, Any]) -> int:
+def _residual_off_memory(built: nn.Module, settings: PlanSettings) -> int:
     """Bytes of the error-feedback residual kept off the steps' memory: every POET ``W0``'s, where ``W0`` is quantised
     or 16-bit, unsharded, and ``residual_storage`` is not ``"layer"``."""
-    sixteen_bit = settings["dtype"] != "float32" and not (settings["sharding"] == "fsdp2" and settings["processes"] > 1)
-    if not settings["method"].startswith("poet") or settings["residual_storage"] == "layer":
+    sixteen_bit = settings.dtype != "float32" and settings.shards == 1
+    if not settings.rotating or settings.residual_storage == "layer":
         return 0
-    if settings["base_quantization"] is None and not sixteen_bit:
+    if settings.base_quantization is None and not sixteen_bit:
         return 0
-    quantized = settings["base_quantization"] is not None
+    quantized = settings.base_quantization is not None
     weights = [
         p for name, p in built.named_parameters() if name.endswith(f"{BASE_LAYER}weight") and not p.requires_grad
     ]
@@ -303,46 +313,21 @@ def _residual_off_memory(built: Any, settings: dict[str, Any]) -> int:
     return sum(residual_bytes(n) if quantized else n for n in entries)
 
 
-def _check_settings(settings: dict[str, Any]) -> None:
-    """Raise a ``ValueError`` naming the first argument of `plan_memory` outside its allowed values.
-
-    The dtypes' short names (``bf16``) are read as torch's (``bfloat16``) in place."""
-    from ..tuners.config_utils import check_choice
-
-    for name in ("dtype", "vocab_weights_dtype"):
-        settings[name] = dtype_name(settings[name], name)
-    check_choice("method", settings["method"], METHODS)
-    check_choice("sharding", settings["sharding"], SHARDINGS)
-    for name in ("batch_size", "seq_len", "processes", "accumulation", "block_size", "rank"):
-        if not isinstance(settings[name], int) or settings[name] < 1:
-            raise ValueError(f"`{name}` must be a positive integer, got {settings[name]!r}")
-    if not 0 < settings["budget"] <= 1:
-        raise ValueError(f"`budget` must be in (0, 1], got {settings['budget']!r}")
-    check_choice("base_quantization", settings["base_quantization"], (None, *BASE_QUANTIZATIONS))
-    check_choice("residual_storage", settings["residual_storage"], RESIDUAL_STORAGES)
-    check_choice("optimizer_bits", settings["optimizer_bits"], (32, 8))
-    check_choice("vocab_weights_dtype", settings["vocab_weights_dtype"], ("float32", "bfloat16"))
-    if settings["vocab_weights_dtype"] != "float32" and not settings["fused_step"]:
-        raise ValueError(
-            "`vocab_weights_dtype='bfloat16'` needs `fused_step=True` (its row chunks step in the backward)"
-        )
-
-
 def _parameter_bytes(
-    built: Any, settings: dict[str, Any], blocks: tuple[type[nn.Module], ...]
+    built: nn.Module, settings: PlanSettings, blocks: tuple[type[nn.Module], ...]
 ) -> tuple[dict[str, int], dict[str, int], dict[str, int], dict[int, int]]:
     """The parameters' bytes by part, their entry counts, and the largest of each kind.
 
     Also each parameter's bytes per entry, for the FSDP2 gathers."""
-    method, value_size = settings["method"], torch.finfo(parse_dtype(settings["dtype"])).bits // 8
-    shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
+    method, value_size = settings.method, torch.finfo(parse_dtype(settings.dtype)).bits // 8
+    shards = settings.shards
     # FSDP2 with its gradient sync off between micro-batches (accelerate's no_sync) accumulates unsharded gradients
-    unsynced = shards > 1 and settings["accumulation"] > 1
+    unsynced = shards > 1 and settings.accumulation > 1
     from ..training.eight_bit import weights_keeping_32bit_states
     from ..training.row_gradients import largest_chunk_entries, row_chunked_modules
 
-    chunked = {id(m.weight) for m in row_chunked_modules(built)} if settings["fused_step"] else set()
-    narrow = settings["vocab_weights_dtype"] == "bfloat16"
+    chunked = {id(m.weight) for m in row_chunked_modules(built)} if settings.fused_step else set()
+    narrow = settings.vocab_weights_dtype == "bfloat16"
     bfloat16 = {id(m.weight) for m in row_chunked_modules(built, any_size=True)} if narrow else set()
     chunked |= bfloat16
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
@@ -361,7 +346,7 @@ def _parameter_bytes(
             counts[kind] += parameter.numel()
             if kind == "W0" and method.startswith("poet"):
                 largest["W0"] = max(largest["W0"], parameter.numel())
-                quantization, storage = settings["base_quantization"], settings["residual_storage"]
+                quantization, storage = settings.base_quantization, settings.residual_storage
                 local = _w0_bytes(parameter.shape, quantization, storage, value_size, shards)
             parts["W0" if kind == "W0" else "other frozen weights"] += local
             continue
@@ -375,10 +360,10 @@ def _parameter_bytes(
         states, local_states = 2 * parameter.numel(), 2 * _shard(parameter.shape, shards)  # shaped as the shard
         if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
             short, long = sorted(parameter.shape)
-            states = short * settings["rank"] + 2 * long * settings["rank"]
+            states = short * settings.rank + 2 * long * settings.rank
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
-        bits = 32 if id(parameter) in thirty_two_bit else settings["optimizer_bits"]
+        bits = 32 if id(parameter) in thirty_two_bit else settings.optimizer_bits
         parts["optimizer states"] += _state_bytes(local_states, size, bits)
         largest["gradient"] = max(largest["gradient"], gradient)
         if id(parameter) in bfloat16:  # float32 weight, gradient, two moments; the rounding's noise and sum
@@ -386,25 +371,33 @@ def _parameter_bytes(
     return parts, counts, largest, entry_bytes
 
 
-def _working_bytes(built: Any, settings: dict[str, Any], blocks: tuple[type[nn.Module], ...], largest_w0: int) -> dict:
-    """The step's working memory: rotation caches, activations (a dequantised W0 among them) and the loss's."""
-    method, batch, seq_len = settings["method"], settings["batch_size"], settings["seq_len"]
+def _working_bytes(
+    built: nn.Module,
+    settings: PlanSettings,
+    blocks: tuple[type[nn.Module], ...],
+    largest_w0: int,
+    report: dict[str, object],
+) -> dict[str, int]:
+    """The step's working memory: rotation caches, activations (a dequantised W0 among them) and the loss's.
+
+    What the caches chose, and the planner's notes, go into ``report``."""
+    batch, seq_len = settings.batch_size, settings.seq_len
     working = {}
-    if method.startswith("poet"):
+    if settings.rotating:
         caches = plan_rotation_caches(built, settings)
         working["rotation caches"] = caches.bytes
-        settings["rotation caches"] = caches.summary()
-        settings["notes"] = caches.notes
-    dtype = parse_dtype(settings["dtype"])
+        report["rotation caches"] = caches.summary()
+        report["notes"] = caches.notes
+    dtype = parse_dtype(settings.dtype)
     outside, largest_block, everything, block_input = trace_activations(built, batch, seq_len, dtype, blocks)
     block_count = sum(1 for m in built.modules() if isinstance(m, blocks))
     checkpointed = outside + block_count * block_input + largest_block
-    working["activations"] = checkpointed if settings["checkpointing"] else everything
-    if settings["base_quantization"] is not None and method.startswith("poet"):  # one layer's W0, dequantised
-        if storage_kind(settings["base_quantization"]).row_blocks:  # a block of its rows at a time
+    working["activations"] = checkpointed if settings.checkpointing else everything
+    if settings.base_quantization is not None and settings.rotating:  # one layer's W0, dequantised
+        if storage_kind(settings.base_quantization).row_blocks:  # a block of its rows at a time
             largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
-    vocabulary = built.get_output_embeddings().weight.shape[0]
+    vocabulary = base_model_of(built).get_output_embeddings().weight.shape[0]
     working["loss working set"] = batch * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
     return working
 
@@ -430,7 +423,7 @@ def _state_bytes(entries: int, value_size: int, bits: int) -> int:
 
 
 def _gathered_bytes(
-    model: Any, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], processes: int
+    model: nn.Module, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], processes: int
 ) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
 
@@ -439,7 +432,7 @@ def _gathered_bytes(
     gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted
     elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
 
-    def unsharded(parameters) -> int:
+    def unsharded(parameters: Iterable[nn.Parameter]) -> int:
         return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
 
     base = base_model_of(model)
@@ -462,9 +455,9 @@ def format_plans(plans: list[MemoryPlan]) -> str:
             lines.append(f"{part:<{width}}" + "".join(f"{plan.parts[part] / 2**20:>12.1f}" for plan in plans))
     lines.append(f"{'sum':<{width}}" + "".join(f"{plan.total_bytes / 2**20:>12.1f}" for plan in plans))
     settings = plans[0].settings
-    if settings.get("accumulation", 1) > 1 and settings.get("rotation caches"):
-        lines.append(settings["rotation caches"])
-    lines.extend(settings.get("notes", ()))
+    if settings.get("accumulation") != 1 and settings.get("rotation caches"):
+        lines.append(str(settings["rotation caches"]))
+    lines.extend(cast(list[str], settings.get("notes", [])))
     lines.append(f"total: {plans[0].total_bytes / 2**20:.0f} MiB per process")
     if plans[0].residual_bytes:
         lines.append(

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from ..initialization import materialize_model
 from .presets import PRESETS, meta_model, preset_config, without_zero3_init
+from .recipe import ModelSummary
 
 __all__ = ["apply_overrides", "build_model", "load_model_config", "model_summary", "read_config"]
 
@@ -57,7 +57,7 @@ def apply_overrides(config: PretrainedConfig, overrides: str) -> PretrainedConfi
     return type(config)(**{k: v for k, v in values.items() if k not in ("model_type", "transformers_version")})
 
 
-def _literal(text: str) -> Any:
+def _literal(text: str) -> bool | int | float | str | None:
     words = {"true": True, "false": False, "none": None, "null": None}
     if text.lower() in words:
         return words[text.lower()]
@@ -114,7 +114,7 @@ def load_model_config(
     return config
 
 
-def adopt_special_tokens(model: nn.Module, tokenizer: Any) -> None:
+def adopt_special_tokens(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> None:
     """Give a new model's config and generation config the tokenizer's BOS, EOS and PAD ids, those it defines.
 
     A preset's model is trained from scratch, so its special tokens are the tokenizer's; ``transformers.Trainer``
@@ -150,7 +150,7 @@ def build_model(
     return built if device == "meta" else materialize_model(built, seed=seed, device=device)
 
 
-def model_summary(config: PretrainedConfig, seq_len: int, source: str) -> dict[str, Any]:
+def model_summary(config: PretrainedConfig, seq_len: int, source: str) -> ModelSummary:
     """The model block of a recipe: where it comes from, its family and its shape."""
     hidden = config.hidden_size
     ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan_parser() -> argparse.ArgumentParser:
     """The options of a plan beside the training script's flags."""
-    from .memory_plan import METHODS, SHARDINGS
+    from .plan_settings import METHODS, SHARDINGS
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument(

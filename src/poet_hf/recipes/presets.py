@@ -31,7 +31,9 @@ __all__ = [
     "build_llama",
     "count_trainable",
     "intermediate_size",
+    "meta_recipe_model",
     "non_target_modules",
+    "parameter_counts",
     "preset_config",
     "recipe_parameter_counts",
     "targets_for",
@@ -286,8 +288,8 @@ def count_trainable(model: nn.Module) -> dict[str, int]:
 
 def recipe_parameter_counts(
     recipe: PretrainRecipe, vocab_size: int, config: PretrainedConfig | None = None
-) -> dict[str, Any]:
-    """What a recipe's method trains, counted on a model built on the ``meta`` device.
+) -> dict[str, object]:
+    """What a recipe's method trains, counted on a model built on the ``meta`` device (`parameter_counts`).
 
     Args:
         recipe: a resolved recipe (``preset``, ``method``, ``model.seq_len`` and the method's settings).
@@ -295,24 +297,53 @@ def recipe_parameter_counts(
         config: the model's config; ``None``: the preset's LLaMA.
 
     Returns:
-        `count_trainable`'s counts; ``targets`` (the block linears the method adapts); ``trained_in_full`` (the last
-        names of the other modules whose weights train, e.g. embeddings, norms, head); for POET-BS
-        ``block_sizes``, each target's ``{"input": b, "output": b}`` by its name inside a block (``self_attn.q_proj``)
-        as the layers resolved them (a size that does not
-        divide a side becomes its nearest divisor).
+        `parameter_counts` of the recipe's model.
     """
-    from ..tuners.rotation.layer import rotation_layers
-
     preset = PRESETS[recipe.preset]
     config = config or preset_config(preset, recipe.method, vocab_size, recipe.model["seq_len"])
+    model = meta_recipe_model(recipe, config)
+    return parameter_counts(model, recipe, config)
+
+
+def meta_recipe_model(recipe: PretrainRecipe, config: PretrainedConfig) -> nn.Module:
+    """The recipe's model on the ``meta`` device, wrapped for its method (`apply_recipe`), to count and plan.
+
+    Its ``W0`` stays unquantised: a storage kind changes what ``W0`` occupies, which the planner reads from the kind,
+    not which parameters exist.
+
+    Args:
+        recipe: a resolved recipe.
+        config: the model's config.
+
+    Returns:
+        The wrapped model, nothing initialised.
+    """
     unquantized = (
         replace(recipe.rotation, config=replace(recipe.rotation.config, base_quantization=None))
         if recipe.rotation is not None
         else None
     )
-    model = apply_recipe(meta_model(config), replace(recipe, rotation=unquantized), None)
+    return apply_recipe(meta_model(config), replace(recipe, rotation=unquantized), None)
+
+
+def parameter_counts(model: nn.Module, recipe: PretrainRecipe, config: PretrainedConfig) -> dict[str, object]:
+    """What ``model``, wrapped for ``recipe`` (`apply_recipe`), trains.
+
+    Args:
+        model: the wrapped model, on any device (``meta`` too).
+        recipe: its recipe.
+        config: the model's config.
+
+    Returns:
+        `count_trainable`'s counts; ``targets`` (the block linears the method adapts); ``trained_in_full`` (the last
+        names of the other modules whose weights train, e.g. embeddings, norms, head); for POET-BS
+        ``block_sizes``, each target's ``{"input": b, "output": b}`` by its name inside a block (``self_attn.q_proj``)
+        as the layers resolved them (a size that does not divide a side becomes its nearest divisor).
+    """
+    from ..tuners.rotation.layer import rotation_layers
+
     targets = targets_for(config)
-    report: dict[str, Any] = {**count_trainable(model), "targets": targets}
+    report: dict[str, object] = {**count_trainable(model), "targets": targets}
     report["trained_in_full"] = sorted(
         {_module_of(name) for name, p in model.named_parameters() if p.requires_grad and not _in_adapter(name)}
     )

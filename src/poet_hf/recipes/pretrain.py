@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 from transformers import default_data_collator
@@ -25,8 +25,16 @@ from ..training.arguments import PoetTrainingArguments
 from ..training.trainer import PoetTrainer
 from ..training.zero import gathered_layer, gathered_rotations
 from ..tuners.poet import PoetConfig
+from ..tuners.poet.config import BaseQuantization
 from ..tuners.rotation.layer import rotation_layers
-from .cli import check_cpu_mixed_precision, flag_value, parse_arguments, run_defaults
+from .cli import (
+    TrainingFlags,
+    check_cpu_mixed_precision,
+    flag_value,
+    parse_arguments,
+    run_defaults,
+    training_arguments,
+)
 from .model_source import adopt_special_tokens, build_model, load_model_config, model_summary
 from .presets import (  # noqa: F401 (public here too)
     PRESETS,
@@ -35,6 +43,7 @@ from .presets import (  # noqa: F401 (public here too)
     build_llama,
     count_trainable,
     intermediate_size,
+    parameter_counts,
     recipe_parameter_counts,
     targets_for,
     tied_poet_learning_rate,
@@ -49,8 +58,14 @@ from .pretrain_arguments import (  # noqa: F401 (public here too)
 from .recipe import PretrainRecipe, RotationRecipe
 from .script_arguments import MAP_FLAGS
 
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[str, Any]:
+    TextDataset: TypeAlias = Dataset | IterableDataset
+
+
+def pretrain_defaults(args: PretrainArguments, given: TrainingFlags) -> dict[str, object]:
     """The training flags of the preset's recipe (`resolve_recipe`), for those the user did not give.
 
     The length, batch and accumulation, the two learning rates, clipping and decay; a cosine schedule to
@@ -65,7 +80,7 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
     """
     recipe = resolve_recipe(args, given)
     flat = recipe.as_dict()
-    values: dict[str, Any] = {flag: flat[key] for key, flag in RECIPE_FLAGS.items() if key in flat}
+    values: dict[str, object] = {flag: flat[key] for key, flag in RECIPE_FLAGS.items() if key in flat}
     values.update(
         output_dir="outputs/pretrain",
         per_device_eval_batch_size=recipe.batch_size,
@@ -82,7 +97,7 @@ def pretrain_defaults(args: PretrainArguments, given: dict[str, Any]) -> dict[st
 
 
 def parse_pretrain_arguments(
-    argv: list[str] | None = None, **fields: Any
+    argv: list[str] | None = None, **fields: object
 ) -> tuple[PretrainArguments, PoetTrainingArguments]:
     """``scripts/pretrain.py``'s options from a command line or from keyword ``fields``.
 
@@ -98,9 +113,10 @@ def parse_pretrain_arguments(
     return parse_arguments(PretrainArguments, pretrain_defaults, argv, fields or None, PoetTrainingArguments)
 
 
-def recipe_flags(training: PoetTrainingArguments) -> dict[str, Any]:
+def recipe_flags(training: PoetTrainingArguments) -> TrainingFlags:
     """The recipe's values that ``training`` holds (`RECIPE_FLAGS`), to resolve the recipe of a run."""
-    return {flag: getattr(training, flag) for flag in (*RECIPE_FLAGS.values(), *CONFIG_FLAGS, *RUN_FLAGS)}
+    flags = (*RECIPE_FLAGS.values(), *CONFIG_FLAGS, *RUN_FLAGS)
+    return cast(TrainingFlags, {flag: getattr(training, flag) for flag in flags})
 
 
 def _budget(value: float) -> float | int:
@@ -114,7 +130,7 @@ def _budget(value: float) -> float | int:
 
 def resolve_recipe(
     args: PretrainArguments,
-    given: dict[str, Any] | None = None,
+    given: TrainingFlags | None = None,
     world_size: int | None = None,
     vocab_size: int | None = None,
 ) -> PretrainRecipe:
@@ -127,18 +143,17 @@ def resolve_recipe(
         given: training flags the user set (``PoetTrainingArguments`` names, e.g. ``max_steps``, ``learning_rate``);
             for a run, all of them (`recipe_flags`).
         world_size: the number of processes; default the ``WORLD_SIZE`` the launcher set (1 without one).
-        vocab_size: with it, the method's trainable parameters are counted too (Table 2's convention: the Linear
-            layers of the blocks).
+        vocab_size: the tokenizer's vocabulary, a preset model's; ``None`` before it is known.
 
     Returns:
-        The recipe; its `PretrainRecipe.as_dict` is what ``--print_recipe`` prints and ``results.json`` records.
+        The recipe, its ``parameters`` not yet counted (`counted_recipe`, `parameter_counts`).
 
     Raises:
         ValueError: ``global_batch_size`` is not a multiple of the micro-batch times the processes.
     """
     import os
 
-    given = {k: v for k, v in (given or {}).items() if v is not None}
+    given = cast(TrainingFlags, {k: v for k, v in (given or {}).items() if v is not None})
     preset = PRESETS[args.preset]
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     steps, micro, accumulation, global_batch = _batch_plan(args, given, preset, world)
@@ -170,12 +185,26 @@ def resolve_recipe(
         rotation=_rotation_recipe(args, given, preset, config.hidden_size) if args.method.startswith("poet") else None,
         lora_rank=args.lora_rank if args.method == "lora" else None,
     )
-    if vocab_size is not None:
-        recipe = replace(recipe, parameters=recipe_parameter_counts(recipe, vocab_size, config))
     return recipe
 
 
-def model_config(args: PretrainArguments, vocab_size: int | None = None) -> Any:
+def counted_recipe(args: PretrainArguments, training: PoetTrainingArguments) -> PretrainRecipe:
+    """The recipe ``--print_recipe`` prints: resolved, and what the method trains counted on its model built on
+    ``meta`` (`recipe_parameter_counts`; Table 2's convention: the Linear layers of the blocks).
+
+    Args:
+        args: the script's options.
+        training: the training flags.
+
+    Returns:
+        The recipe, with its ``parameters``.
+    """
+    vocab_size = len(run_tokenizer(args))
+    recipe = resolve_recipe(args, recipe_flags(training), vocab_size=vocab_size)
+    return replace(recipe, parameters=recipe_parameter_counts(recipe, vocab_size, model_config(args, vocab_size)))
+
+
+def model_config(args: PretrainArguments, vocab_size: int | None = None) -> PretrainedConfig:
     """The config of the model the run trains (`load_model_config`): the checkpoint's, ``--config_name``'s or the
     preset's, with ``--config_overrides``."""
     return load_model_config(
@@ -189,17 +218,15 @@ def model_config(args: PretrainArguments, vocab_size: int | None = None) -> Any:
     )
 
 
-def _batch_plan(
-    args: PretrainArguments, given: dict[str, Any], preset: Preset, world: int
-) -> tuple[int, int, int, int]:
+def _batch_plan(args: PretrainArguments, given: TrainingFlags, preset: Preset, world: int) -> tuple[int, int, int, int]:
     """``(steps, micro-batch, accumulation, global batch)`` from the flags given, else the preset's."""
     if "max_steps" in given and given["max_steps"] > 0:
         steps = given["max_steps"]
     else:
         steps = preset.paper_steps if args.paper_steps else preset.steps
     micro = given.get("per_device_train_batch_size") or preset.batch_size
-    if given.get("gradient_accumulation_steps") is not None:
-        accumulation = given["gradient_accumulation_steps"]
+    accumulation = given.get("gradient_accumulation_steps")
+    if accumulation is not None:
         return steps, micro, accumulation, micro * accumulation * world
     global_batch = args.global_batch_size or preset.global_batch_size
     micro = min(micro, max(1, global_batch // world))
@@ -211,7 +238,7 @@ def _batch_plan(
     return steps, micro, global_batch // (micro * world), global_batch
 
 
-def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Preset, hidden: int) -> RotationRecipe:
+def _rotation_recipe(args: PretrainArguments, given: TrainingFlags, preset: Preset, hidden: int) -> RotationRecipe:
     """POET's part of the recipe: the resolved `PoetConfig` (sides, map, merges, ``W0``) and the rotations' rate.
 
     A preset's shape takes its block size; a config's or a checkpoint's takes `PoetConfig`'s, which each layer fits to
@@ -231,13 +258,14 @@ def _rotation_recipe(args: PretrainArguments, given: dict[str, Any], preset: Pre
     mean_size = sum(sides[side].values()) / 2
     if not blockwise and mean_size > 1:  # absolute sizes: as a fraction of the hidden size
         mean_size = mean_size / hidden
+    merge_every = cast("int | None", dict(given).get("merge_every"))  # PoetTrainingArguments' field, typed there
     config = PoetConfig(
         spo="block" if blockwise else "full",
         **{side: _collapse(sides[side])},
         **args.map_overrides(),
-        merge_every=given.get("merge_every") or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
+        merge_every=merge_every or preset.adapter_fields.get("merge_every", PoetConfig.merge_every),
         base_init=args.base_init,
-        base_quantization=cast(Any, args.base_quantization),  # a storage kind's name, checked by the config
+        base_quantization=cast("BaseQuantization | None", args.base_quantization),  # checked by the config
         cache_rotations={"true": True, "false": False}.get(args.cache_rotations, "auto"),
     )
     return RotationRecipe(
@@ -252,7 +280,7 @@ def _collapse(per_side: dict[str, Any]) -> Any:
     return per_side["input"] if per_side["input"] == per_side["output"] else per_side
 
 
-def run_tokenizer(args: PretrainArguments) -> Any:
+def run_tokenizer(args: PretrainArguments) -> PreTrainedTokenizerBase:
     """The run's tokenizer (`load_tokenizer`): ``--tokenizer``; else the ``--model_name_or_path`` checkpoint's (a Hub
     id, or a folder that holds one); else the embedded BPE, with a warning where a checkpoint folder has none (its
     token ids may mean other text)."""
@@ -272,7 +300,9 @@ def run_tokenizer(args: PretrainArguments) -> Any:
     return load_tokenizer(None)
 
 
-def load_data(args: PretrainArguments, tokenizer, seed: int = 0) -> tuple[Any, Any]:
+def load_data(
+    args: PretrainArguments, tokenizer: PreTrainedTokenizerBase, seed: int = 0
+) -> tuple[TextDataset, TextDataset]:
     """Train and (capped) validation sets: packed rows, or one truncated / padded row per document.
 
     ``seed`` orders a streamed dataset and draws a held-out split where the dataset has none."""
@@ -294,12 +324,12 @@ def _trainer(
     training: PoetTrainingArguments,
     recipe: PretrainRecipe,
     model: torch.nn.Module,
-    tokenizer: Any,
-    train: Any,
-    validation: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    train: TextDataset,
+    validation: TextDataset,
 ) -> PoetTrainer:
     """The run's `PoetTrainer`, with what the model card and ``results.json`` record of the run."""
-    run_info: dict[str, Any] = {
+    run_info: dict[str, object] = {
         "method": args.method,
         "preset": args.preset,
         "dataset": args.dataset,
@@ -317,7 +347,7 @@ def _trainer(
     )
 
 
-def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dict[str, Any], plots: tuple) -> None:
+def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dict[str, object], plots: tuple) -> None:
     """Save the model, export it when ``--export_dir`` asks (into ``results``), write the spectra and the report."""
     output = Path(cast(str, trainer.args.output_dir))
     trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
@@ -343,14 +373,14 @@ def drift_bound(model: torch.nn.Module, trainer: PoetTrainer) -> float | None:
         return neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else [])
 
 
-def validation_curve(initial_loss: float, log_history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+def validation_curve(initial_loss: float, log_history: list[dict[str, float]]) -> list[tuple[int, float]]:
     """``(step, validation loss)`` from the evaluation before training (step 0) through every one in the Trainer's
     log (``--eval_strategy steps`` adds those between), in step order, the last at a step kept."""
-    curve = {0: initial_loss, **{log["step"]: log["eval_loss"] for log in log_history if "eval_loss" in log}}
+    curve = {0: initial_loss, **{int(log["step"]): log["eval_loss"] for log in log_history if "eval_loss" in log}}
     return sorted(curve.items())
 
 
-def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, Any]:
+def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | None = None) -> dict[str, object]:
     """Train, evaluate and report; writes ``results.json`` and ``spectra.png`` in ``training.output_dir``.
 
     Args:
@@ -369,7 +399,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     """
     started = time.time()
     if training is None:
-        training = PoetTrainingArguments(**pretrain_defaults(args, {}))
+        training = training_arguments(PoetTrainingArguments, pretrain_defaults(args, {}))
     check_cpu_mixed_precision(training)
     tokenizer = run_tokenizer(args)
     recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
@@ -389,9 +419,11 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     if args.method == "lora" and not args.model_name_or_path:
         materialize_model(base, seed=seed)
     model = apply_recipe(base, recipe, seed=seed)
-    trainer = _trainer(args, training, recipe, model, tokenizer, train, validation)
+    parameters = parameter_counts(model, recipe, config)  # what the run's own model trains
+    recipe = replace(recipe, parameters=parameters)
     family_targets = targets_for(config)
     targets = family_targets if isinstance(family_targets, list) else None  # a regex: the rotated layers' own
+    trainer = _trainer(args, training, recipe, model, tokenizer, train, validation)
     spectra_before = singular_values(model, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
@@ -406,7 +438,7 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
         "initial_val_perplexity": _perplexity(initial_loss),
         "tokens_seen": int(trainer.state.num_input_tokens_seen),
         "steps": trainer.state.global_step,
-        **count_trainable(model),
+        **{key: parameters[key] for key in ("trainable_params", "trainable_block_params")},
         "wall_time_s": time.time() - started,
         "merges": max((int(layer.merge_counts["default"]) for _, layer in rotation_layers(model)), default=0),
         "rotation_caches": next(  # what cache_rotations="auto" chose, where it decided
@@ -420,3 +452,22 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     }
     _save_and_export(args, trainer, results, plots=(spectra_before, spectra_after))
     return results
+
+
+def run_summary(results: dict[str, object]) -> dict[str, object]:
+    """The figures of a run's ``results.json`` (`run_pretraining`) that ``scripts/pretrain.py`` prints when it ends.
+
+    Args:
+        results: the run's report.
+
+    Returns:
+        The method and preset, the validation perplexity (initial and final), tokens seen, trainable parameters,
+        merges, wall time, the spectrum's largest drift and what ``cache_rotations="auto"`` chose.
+    """
+    keys = ("method", "preset", "initial_val_perplexity", "val_perplexity", "tokens_seen", "trainable_params")
+    summary = {key: results[key] for key in (*keys, "merges", "wall_time_s")}
+    summary["spectrum_max_drift"] = cast(dict, results["spectrum_drift"]).get("max_drift")
+    caches = cast("dict | None", results.get("rotation_caches"))
+    if caches:  # what cache_rotations="auto" chose, at the run's first window
+        summary["rotation_caches"] = caches["summary"]
+    return summary

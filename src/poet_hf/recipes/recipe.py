@@ -7,7 +7,7 @@ mapping, the method's settings beside the run's.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TypedDict
 
 from ..orthogonal.cayley import paper_neumann_k
 from ..orthogonal.cayley_map import CayleyNeumann
@@ -15,7 +15,33 @@ from ..orthogonal.maps import map_from_config
 from ..tuners.poet import PoetConfig
 from .script_arguments import MAP_FLAGS
 
-__all__ = ["PretrainRecipe", "RotationRecipe"]
+__all__ = ["ModelSummary", "PretrainRecipe", "RotationRecipe"]
+
+
+class ModelSummary(TypedDict):
+    """The model block of a recipe (`poet_hf.recipes.model_source.model_summary`).
+
+    Args:
+        source: the preset, ``--config_name`` or checkpoint the model comes from.
+        model_type: the config's ``model_type``.
+        hidden: the hidden size.
+        intermediate: the feed-forward width.
+        heads: attention heads.
+        layers: transformer blocks.
+        seq_len: tokens per sequence.
+        vocab: the vocabulary (a preset's: the tokenizer's; ``None`` before it is known).
+        tie_word_embeddings: whether the head shares the input embeddings.
+    """
+
+    source: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    heads: int
+    layers: int
+    seq_len: int
+    vocab: int | None
+    tie_word_embeddings: bool
 
 
 @dataclass(frozen=True)
@@ -35,7 +61,7 @@ class RotationRecipe:
     post_merge_clip_steps: int = 10
     post_merge_clip_factor: float = 0.1
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """The recipe's settings flat: the side's ``block_size`` (POET-BS) or ``budget`` (POET-FS), the map's settings
         (with the POET paper's ``k`` of a Cayley–Neumann series), the merges, ``W0``'s, the cache and the rates."""
         config = self.config
@@ -89,7 +115,7 @@ class PretrainRecipe:
 
     preset: str
     method: str
-    model: dict[str, Any]
+    model: ModelSummary
     learning_rate: float
     max_grad_norm: float
     weight_decay: float
@@ -109,9 +135,9 @@ class PretrainRecipe:
     total_tokens: int
     rotation: RotationRecipe | None = None
     lora_rank: int | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, object] | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         """One flat mapping: the run's values, then the method's (a side's ``block_size`` or ``budget``, whichever
         the method has) and the parameter counts."""
         flat = {

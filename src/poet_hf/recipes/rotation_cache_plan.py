@@ -9,13 +9,17 @@ than the layer's own products.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..orthogonal.strategy_costs import CacheChoice, rotation_cache_choice
 from ..tuners.config_utils import SIDE_INPUT, SIDE_OUTPUT
 from ..tuners.rotation.forward import quantization_cost
+
+if TYPE_CHECKING:
+    from .plan_settings import PlanSettings
 
 __all__ = ["CachePlan", "plan_rotation_caches"]
 
@@ -52,12 +56,12 @@ class CachePlan:
         return f"{line}; {self.example}" if self.example else line
 
 
-def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
+def plan_rotation_caches(built: nn.Module, settings: PlanSettings) -> CachePlan:
     """Which rotation layers of the meta model ``built`` cache across the window, and the bytes they hold.
 
     Args:
         built: the wrapped model on the ``meta`` device.
-        settings: `plan_memory`'s settings (``cache_rotations``, ``accumulation``, ``batch_size``, ``seq_len``,
+        settings: the plan's settings (``cache_rotations``, ``accumulation``, ``batch_size``, ``seq_len``,
             ``sharding``, ``processes``, ``dtype``, ``base_quantization``).
 
     Returns:
@@ -65,19 +69,20 @@ def plan_rotation_caches(built: Any, settings: dict[str, Any]) -> CachePlan:
     """
     from ..tuners.rotation.layer import rotation_layers
 
-    plan = CachePlan(setting=settings["cache_rotations"], accumulation=settings["accumulation"])
-    tokens = settings["batch_size"] * settings["seq_len"]
-    shards = settings["processes"] if settings["sharding"] == "fsdp2" else 1
-    block_bytes = torch.finfo(getattr(torch, settings["dtype"])).bits // 8
-    quantization = quantization_cost(settings["base_quantization"])
+    plan = CachePlan(setting=settings.cache_rotations, accumulation=settings.accumulation)
+    tokens = settings.batch_size * settings.seq_len
+    block_bytes = torch.finfo(getattr(torch, settings.dtype)).bits // 8
+    quantization = quantization_cost(settings.base_quantization)
     heavy: list[tuple[float, str]] = []
     for name, layer in rotation_layers(built):
         for adapter, specs in layer.rotation_specs.items():
             orthogonal_map = layer.rotation_settings[adapter].orthogonal_map
             sides = (specs.get(SIDE_INPUT), specs.get(SIDE_OUTPUT))
             dims = (layer.in_features, layer.out_features)
-            choice = rotation_cache_choice(tokens, *dims, *sides, orthogonal_map, shards, block_bytes, quantization)
-            cached = _cached(plan.setting, choice, settings["accumulation"])
+            choice = rotation_cache_choice(
+                tokens, *dims, *sides, orthogonal_map, settings.shards, block_bytes, quantization
+            )
+            cached = _cached(plan.setting, choice, settings.accumulation)
             plan.layers += 1
             plan.cached += cached
             plan.bytes += choice.cache_bytes if cached else 0

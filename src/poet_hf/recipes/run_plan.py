@@ -6,14 +6,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, TypeVar
+
+from torch import nn
 
 from ..training.arguments import PoetTrainingArguments
-from .memory_plan import MemoryPlan, plan_memory
+from .memory_plan import MemoryPlan, format_plans, plan_memory
+from .plan_settings import PlanSettings
+from .presets import meta_recipe_model
 from .pretrain import model_config, recipe_flags, resolve_recipe, run_tokenizer
 from .pretrain_arguments import PretrainArguments
+from .recipe import PretrainRecipe
 
-__all__ = ["parse_run", "plan_pretraining", "plan_settings"]
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+_Size = TypeVar("_Size", int, float)
+
+__all__ = ["parse_run", "plan_pretraining", "plan_settings", "print_plan"]
 
 
 def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainArguments, PoetTrainingArguments]:
@@ -38,8 +49,8 @@ def plan_settings(
     processes: int | None = None,
     sharding: str = "ddp",
     dtype: str = "float32",
-) -> dict[str, Any]:
-    """`plan_memory`'s keyword arguments for the run that ``args`` and ``training`` describe.
+) -> PlanSettings:
+    """The plan's settings (`plan_memory`'s arguments) for the run that ``args`` and ``training`` describe.
 
     The micro-batch, accumulation and rotation sizes are the resolved recipe's (`resolve_recipe`). The script's weights
     are float32 in every run (``--bf16`` is autocast), so the plan counts float32 unless ``dtype`` says otherwise (a
@@ -51,30 +62,51 @@ def plan_settings(
         processes: data-parallel processes; default the recipe's (the launcher's ``WORLD_SIZE``).
         sharding: ``"ddp"`` or ``"fsdp2"``.
         dtype: the weights' and activations' dtype (`poet_hf.recipes.memory_plan.DTYPES`).
+
+    Returns:
+        The `PlanSettings` of the run's own method (LoRA's rank the recipe's); the rotations' size is the recipe's.
     """
-    recipe = resolve_recipe(args, recipe_flags(training), world_size=processes)
+    return _settings_of(
+        resolve_recipe(args, recipe_flags(training), world_size=processes), args, training, sharding, dtype
+    )
+
+
+def _settings_of(
+    recipe: PretrainRecipe, args: PretrainArguments, training: PoetTrainingArguments, sharding: str, dtype: str
+) -> PlanSettings:
     rotation = recipe.rotation
-    settings: dict[str, Any] = {
-        "dtype": dtype,
-        "batch_size": recipe.batch_size,
-        "seq_len": args.seq_len,
-        "processes": recipe.processes,
-        "sharding": sharding,
-        "checkpointing": bool(training.activation_checkpointing),
-        "accumulation": recipe.gradient_accumulation_steps,
-        "cache_rotations": "auto" if rotation is None else rotation.config.cache_rotations,
-        "base_quantization": args.base_quantization,
-        "fused_step": bool(training.fused_optimizer_step),
-        "vocab_weights_dtype": training.vocab_weights_dtype,
-        "optimizer_bits": 8 if "8bit" in str(getattr(training.optim, "value", training.optim)) else 32,
-    }
+    settings = PlanSettings(
+        method=args.method,
+        dtype=dtype,
+        batch_size=recipe.batch_size,
+        seq_len=args.seq_len,
+        processes=recipe.processes,
+        sharding=sharding,
+        checkpointing=bool(training.activation_checkpointing),
+        accumulation=recipe.gradient_accumulation_steps,
+        cache_rotations="auto" if rotation is None else rotation.config.cache_rotations,
+        base_quantization=args.base_quantization,
+        fused_step=bool(training.fused_optimizer_step),
+        vocab_weights_dtype=training.vocab_weights_dtype,
+        optimizer_bits=8 if "8bit" in str(getattr(training.optim, "value", training.optim)) else 32,
+    )
     if args.method == "lora":
-        settings["rank"] = args.lora_rank
-    if rotation is not None:
-        side = "block_size" if rotation.config.spo == "block" else "budget"
-        size = getattr(rotation.config, side)
-        settings[side] = max(size.values()) if isinstance(size, dict) else size
+        settings.rank = args.lora_rank
     return settings
+
+
+def _plan(model: PretrainedConfig | nn.Module, settings: PlanSettings, recipe: PretrainRecipe) -> MemoryPlan:
+    """`plan_memory` of ``model`` with ``settings`` and the recipe's rotation size (a side's largest)."""
+    rotation = recipe.rotation
+    if rotation is None:
+        return plan_memory(model, **asdict(settings))
+    if rotation.config.spo == "block":
+        return plan_memory(model, **asdict(settings), block_size=_largest(rotation.config.block_size))
+    return plan_memory(model, **asdict(settings), budget=_largest(rotation.config.budget))
+
+
+def _largest(size: _Size | dict[str, _Size]) -> _Size:
+    return max(size.values()) if isinstance(size, dict) else size
 
 
 def plan_pretraining(
@@ -88,17 +120,36 @@ def plan_pretraining(
     """Plan the run's memory per process: its own method first, then ``methods`` with the same settings.
 
     The model is the run's (`model_config`: the preset's, ``--config_name``'s or the checkpoint's config, with the
-    tokenizer's vocabulary), built on ``meta``.
+    tokenizer's vocabulary), built on ``meta`` and wrapped as the run wraps it (`meta_recipe_model`); the other
+    methods wrap it as `plan_memory` does.
 
     Args:
         args: the script's options.
         training: the training flags.
-        methods: other methods of `poet_hf.recipes.memory_plan.METHODS` to plan beside it.
+        methods: other methods of `poet_hf.recipes.plan_settings.METHODS` to plan beside it.
         processes: data-parallel processes; default the launcher's.
         sharding: ``"ddp"`` or ``"fsdp2"``.
         dtype: the weights' and activations' dtype.
     """
-    config = model_config(args, len(run_tokenizer(args)))
-    settings = plan_settings(args, training, processes, sharding, dtype)
-    ordered = [args.method, *(m for m in methods if m != args.method)]
-    return [plan_memory(config, method, **settings) for method in ordered]
+    vocab_size = len(run_tokenizer(args))
+    config = model_config(args, vocab_size)
+    recipe = resolve_recipe(args, recipe_flags(training), world_size=processes, vocab_size=vocab_size)
+    settings = _settings_of(recipe, args, training, sharding, dtype)
+    plans = [_plan(meta_recipe_model(recipe, config), settings, recipe)]
+    others = [method for method in methods if method != args.method]
+    return plans + [_plan(config, replace(settings, method=method), recipe) for method in others]
+
+
+def print_plan(args: PretrainArguments, training: PoetTrainingArguments) -> dict[str, object]:
+    """``scripts/pretrain.py --plan_only``: print the run's plan (`plan_pretraining`) as ``plan_memory.py`` does.
+
+    Args:
+        args: the script's options.
+        training: the training flags.
+
+    Returns:
+        The plan, as `MemoryPlan.to_dict` gives it.
+    """
+    plan = plan_pretraining(args, training)[0]
+    print(format_plans([plan]))
+    return plan.to_dict()

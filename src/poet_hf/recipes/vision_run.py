@@ -10,16 +10,16 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import Trainer, TrainingArguments
 
 from ..model_cards import render_card
-from ..vision.certify import accuracy_at_radii, certified_accuracy, pgd_accuracy
+from ..vision.certify import CertifiedMetrics, accuracy_at_radii, certified_accuracy, pgd_accuracy
 from ..vision.data import DEFAULT_DATASET, channel_stats, collate_images, load_image_dataset, pixel_value_transform
 from ..vision.lipconvnet import LipConvNetConfig, LipConvNetForImageClassification
-from .cli import parse_arguments, run_defaults
+from .cli import TrainingFlags, parse_arguments, run_defaults
 
 __all__ = [
     "VisionTrainArgs",
@@ -189,7 +189,7 @@ class VisionTrainArgs:
         return QUICK_RECIPE if self.recipe is None else RECIPES[self.recipe]
 
 
-def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, Any]:
+def vision_defaults(args: VisionTrainArgs, given: TrainingFlags) -> dict[str, object]:
     """The ``TrainingArguments`` values of ``args``' recipe, for the flags the user did not give.
 
     Args:
@@ -205,7 +205,9 @@ def vision_defaults(args: VisionTrainArgs, given: dict[str, Any]) -> dict[str, A
     return run_defaults(given, **values)
 
 
-def parse_vision_arguments(argv: list[str] | None = None, **fields: Any) -> tuple[VisionTrainArgs, TrainingArguments]:
+def parse_vision_arguments(
+    argv: list[str] | None = None, **fields: object
+) -> tuple[VisionTrainArgs, TrainingArguments]:
     """``scripts/train_vision.py``'s options from a command line or from keyword ``fields``.
 
     ``argv`` ``None`` reads ``sys.argv``; ``fields`` may belong to either dataclass
@@ -261,13 +263,17 @@ def build_model(args: VisionTrainArgs, train_split, label_names: list[str]) -> L
     return LipConvNetForImageClassification(config)
 
 
+class _Logits(Protocol):
+    logits: torch.Tensor
+
+
 def certificate_regularized_loss(gamma: float, lipschitz: float):
     """The later SOC code's certificate-regularised loss, for ``Trainer(compute_loss_func=...)``.
 
     Cross-entropy minus ``gamma`` times the mean certified radius ``max(0, f_y − max_{j≠y} f_j) / (√2·L)``, with ``L``
     the network's nominal Lipschitz constant (its input normalisation; the orthogonal layers count as 1)."""
 
-    def loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    def loss(outputs: _Logits, labels: torch.Tensor, num_items_in_batch: int | None = None) -> torch.Tensor:
         logits = outputs.logits
         true = logits.gather(1, labels[:, None])[:, 0]
         other = logits.masked_fill(torch.nn.functional.one_hot(labels, logits.shape[1]).bool(), -math.inf)
@@ -289,7 +295,7 @@ def _step_decay(trainer: Trainer, milestones: list[float], decay: float, steps_p
 
 def train_lipconvnet(
     args: VisionTrainArgs, training: TrainingArguments
-) -> tuple[LipConvNetForImageClassification, dict[str, Any]]:
+) -> tuple[LipConvNetForImageClassification, CertifiedMetrics]:
     """Train with ``Trainer`` on ``args.dataset``; return the model (eval mode) and its metrics.
 
     The clean accuracy and the certified accuracy at ``args.eps`` and at `REPORTED_RADII` (with PGD accuracy there when
@@ -341,14 +347,12 @@ def train_lipconvnet(
     metrics["certified_curve"] = _certified_curve(radii, correct)
     if args.pgd_steps > 0:
         metrics["pgd_accuracy_at"] = pgd_accuracy(model, test_split, REPORTED_RADII, steps=args.pgd_steps)
-    metrics.update(
-        train_seconds=train_seconds,
-        train_loss=float(train_output.training_loss),
-        train_examples=len(train_split),
-        dataset=args.dataset,
-        recipe=args.recipe,
-        epochs=training.num_train_epochs,
-    )
+    metrics["train_seconds"] = train_seconds
+    metrics["train_loss"] = float(train_output.training_loss)
+    metrics["train_examples"] = len(train_split)
+    metrics["dataset"] = args.dataset
+    metrics["recipe"] = args.recipe
+    metrics["epochs"] = training.num_train_epochs
     return model, metrics
 
 
@@ -358,7 +362,7 @@ def _certified_curve(radii: torch.Tensor, correct: torch.Tensor, points: int = 5
     return [[float(eps), float((correct & (radii >= eps)).double().mean())] for eps in grid]
 
 
-def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) -> Path:
+def plot_certified_curve(metrics: CertifiedMetrics, path: str | Path, title: str) -> Path:
     """A PNG of certified accuracy against the ℓ2 radius, with the papers' radii marked."""
     import matplotlib
 
@@ -388,7 +392,7 @@ def plot_certified_curve(metrics: dict[str, Any], path: str | Path, title: str) 
     return Path(path)
 
 
-def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str, Any], args: VisionTrainArgs) -> str:
+def render_model_card(model: LipConvNetForImageClassification, metrics: CertifiedMetrics, args: VisionTrainArgs) -> str:
     """The model card text from ``poet_hf/model_cards/lipconvnet.md`` (a ``huggingface_hub.ModelCard`` template)."""
     config = model.config
     card_data = {
@@ -423,7 +427,7 @@ def render_model_card(model: LipConvNetForImageClassification, metrics: dict[str
     return str(card)
 
 
-def _radii_table(metrics: dict[str, Any]) -> str:
+def _radii_table(metrics: CertifiedMetrics) -> str:
     pgd = metrics.get("pgd_accuracy_at")
     header = "| ε | certified |" + (" PGD |" if pgd else "") + "\n|---|---|" + ("---|" if pgd else "")
     rows = [
@@ -433,7 +437,7 @@ def _radii_table(metrics: dict[str, Any]) -> str:
     return "\n".join([header, *rows])
 
 
-def summary_line(metrics: dict[str, Any]) -> str:
+def summary_line(metrics: CertifiedMetrics) -> str:
     """The console summary: clean accuracy, then certified accuracy at every reported radius."""
     radii = " | ".join(f"ε={name}: {100 * value:.2f}%" for name, value in metrics["certified_accuracy_at"].items())
     return f"clean {100 * metrics['clean_accuracy']:.2f}% | certified {radii} | L = {metrics['lipschitz_constant']:.4f}"
@@ -441,7 +445,7 @@ def summary_line(metrics: dict[str, Any]) -> str:
 
 def export_lipconvnet(
     model: LipConvNetForImageClassification,
-    metrics: dict[str, Any],
+    metrics: CertifiedMetrics,
     args: VisionTrainArgs,
     output_dir: str | Path,
     training: TrainingArguments | None = None,

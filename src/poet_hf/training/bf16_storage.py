@@ -18,7 +18,7 @@ chunk's gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -131,14 +131,14 @@ class BFloat16Step:
             shadow.data, shadow.grad = torch.empty(0, device=param.device), None
 
 
-def is_moment(value: Any, param: torch.Tensor) -> bool:
+def is_moment(value: object, param: torch.Tensor) -> TypeGuard[torch.Tensor]:
     """A floating state shaped like ``param`` (torch's ``exp_avg``, bitsandbytes' 32-bit ``state1``): a moment."""
     return type(value) is torch.Tensor and value.is_floating_point() and value.shape == param.shape
 
 
-def _widened(value: Any, param: torch.Tensor) -> Any:
+def _widened(value: object, param: torch.Tensor) -> object:
     return value.float() if is_moment(value, param) else value
 
 
-def _narrowed(value: Any, param: torch.Tensor) -> Any:
+def _narrowed(value: object, param: torch.Tensor) -> object:
     return stochastic_round(value) if is_moment(value, param) and value.dtype == torch.float32 else value

@@ -17,7 +17,7 @@ import contextlib
 import sys
 import types
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,9 @@ STATE_BLOCK = 256  # entries per absmax of bitsandbytes' blockwise 8-bit optimiz
 CHUNK_ENTRIES = 1 << 22  # entries per chunk (16 MB of float32), a whole number of blocks
 
 
-def _in_one_piece(chunk: int, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor, state2: Any) -> bool:
+def _in_one_piece(
+    chunk: int, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor | None
+) -> bool:
     """Whether a step runs as bitsandbytes runs it: off the CPU, small, or on tensors a flat view cannot split."""
     flat = (g, p, state1) + ((state2,) if state2 is not None else ())
     return (
@@ -46,7 +48,7 @@ def _in_one_piece(chunk: int, g: torch.Tensor, p: torch.Tensor, state1: torch.Te
     )
 
 
-def _chunked(update: Any, chunk: int) -> Any:
+def _chunked(update: Callable[..., None], chunk: int) -> Callable[..., None]:
     def chunked_update(name: str, g: torch.Tensor, p: torch.Tensor, state1: torch.Tensor, state2, *args: Any, **kwargs):
         if _in_one_piece(chunk, g, p, state1, state2):
             return update(name, g, p, state1, state2, *args, **kwargs)
@@ -71,7 +73,7 @@ def _chunked(update: Any, chunk: int) -> Any:
     return chunked_update
 
 
-def _chunked_32bit(update: Any, chunk: int) -> Any:
+def _chunked_32bit(update: Callable[..., None], chunk: int) -> Callable[..., None]:
     def chunked_update(name: str, g, p, state1, beta1, eps, step, lr, state2=None, *args: Any, **kwargs: Any):
         # The update norm (max_unorm > 0) is a whole-tensor reduction.
         if _in_one_piece(chunk, g, p, state1, state2) or kwargs.get("max_unorm", 0.0) > 0:

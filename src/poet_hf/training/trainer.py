@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
 from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, prepare_for_zero, whole_state_dict
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def check_sharding(fsdp: bool, fsdp_version: int | None = None, fsdp_requested: bool = False) -> None:
@@ -243,8 +246,9 @@ class PoetTrainer(CrashSafeTrainer):
         base = base_model_of(model)
         if hasattr(self.model, "peft_config") and hasattr(base, "config"):
             base.config.save_pretrained(output_dir)
-        config = active_config(model) if getattr(model, "peft_config", None) else None
-        if type(config).__module__.startswith("poet_hf."):  # PEFT's generic card would not say to import poet_hf
+        config = active_config(cast("PeftModel", model)) if getattr(model, "peft_config", None) else None
+        # PEFT's generic card would not say to import poet_hf
+        if config is not None and type(config).__module__.startswith("poet_hf."):
             card = render_adapter_card(base, config, model_id=self.args.hub_model_id or output_dir)
             card.save(os.path.join(output_dir, "README.md"))
         info = {

@@ -4,8 +4,9 @@ field and the allowed values."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal, Protocol, TypeVar
 
 from peft.config import PeftConfig
 
@@ -77,12 +78,21 @@ def check_budget(value: object, field_name: str = "budget", absolute: bool = Fal
 SIDE_NAMES = ("input", "output")
 
 
+_SideValue = TypeVar("_SideValue")
+
+
 def check_bool(field_name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"`{field_name}` must be True or False, got {value!r}")
 
 
-def requantize_field() -> Any:
+# The values of the rotation configs' fields defined here.
+Requantize = Literal["feedback", "nearest", "stochastic"]
+ResidualStorage = Literal["auto", "layer", "cpu", "disk"]
+CacheRotations = bool | Literal["auto"]
+
+
+def requantize_field() -> Requantize:
     """The ``requantize`` field of the rotation configs: how a fold into a quantised or 16-bit ``W0`` rounds.
 
     See `poet_hf.tuners.rotation.quantization.requantize` and `poet_hf.tuners.rotation.low_precision.store`."""
@@ -99,7 +109,7 @@ def requantize_field() -> Any:
     )
 
 
-def residual_storage_field() -> Any:
+def residual_storage_field() -> ResidualStorage:
     """The ``residual_storage`` field of the rotation configs: where error feedback keeps its residual.
 
     See `poet_hf.tuners.rotation.residual_store`."""
@@ -132,7 +142,7 @@ def peft_field(name: str) -> Any:
     return field(default=None, metadata={"help": _PEFT_FIELD_HELP[name]})
 
 
-def strict_block_size_field() -> Any:
+def strict_block_size_field() -> bool:
     """The ``strict_block_size`` field of the rotation configs (`block_sizes`)."""
     return field(
         default=False,
@@ -144,7 +154,7 @@ def strict_block_size_field() -> Any:
     )
 
 
-def block_size_pattern_field() -> Any:
+def block_size_pattern_field() -> dict[str, int | dict[str, int]]:
     """The ``block_size_pattern`` field of the rotation configs (`block_sizes`)."""
     return field(
         default_factory=dict,
@@ -157,7 +167,7 @@ def block_size_pattern_field() -> Any:
     )
 
 
-def cache_rotations_field() -> Any:
+def cache_rotations_field() -> CacheRotations:
     """The ``cache_rotations`` field of the rotation configs (`poet_hf.tuners.rotation.caches`)."""
     return field(
         default="auto",
@@ -181,9 +191,9 @@ def check_cache_rotations(value: object) -> None:
         raise ValueError(f"`cache_rotations` must be 'auto', True or False, got {value!r}")
 
 
-def per_side(field_name: str, value: Any) -> dict[str, Any]:
+def per_side(field_name: str, value: _SideValue | Mapping[str, _SideValue]) -> dict[str, _SideValue]:
     """``{"input": v, "output": v}`` from a scalar, or the validated per-side dict (R is "input", P "output")."""
-    if not isinstance(value, dict):
+    if not isinstance(value, Mapping):
         return dict.fromkeys(SIDE_NAMES, value)
     unknown = set(value) - set(SIDE_NAMES)
     if unknown or not value:
@@ -191,7 +201,16 @@ def per_side(field_name: str, value: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def normalize_peft_target_fields(config: Any) -> None:  # any of the three tuners' configs
+class TargetingConfig(Protocol):
+    """PEFT's standard targeting fields, which each of the three tuners' configs has."""
+
+    target_modules: list[str] | set[str] | str | None
+    exclude_modules: list[str] | set[str] | str | None
+    layers_pattern: list[str] | str | None
+    layers_to_transform: list[int] | int | None
+
+
+def normalize_peft_target_fields(config: TargetingConfig) -> None:
     """Apply PEFT's conventions to the standard targeting fields.
 
     Lists become sets, and ``layers_pattern`` needs ``layers_to_transform``."""

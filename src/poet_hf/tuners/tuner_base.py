@@ -5,16 +5,18 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from peft.config import PeftConfig
-from peft.tuners.tuners_utils import BaseTuner
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from torch import nn
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
+    from peft import PeftModel
     from torch.utils.hooks import RemovableHandle
+    from transformers import PreTrainedModel
     from typing_extensions import Self
 
     class ModuleMixin:
@@ -48,7 +50,7 @@ def base_model_of(model: nn.Module) -> Any:
     return model if get_base_model is None else get_base_model()
 
 
-def get_peft_model_quietly(model: nn.Module, config: PeftConfig, **kwargs: Any) -> Any:
+def get_peft_model_quietly(model: nn.Module, config: PeftConfig, **kwargs: Any) -> PeftModel:
     """``peft.get_peft_model(model, config, **kwargs)`` without transformers 5's ``FutureWarning`` about
     ``is_gradient_checkpointing``.
 
@@ -59,7 +61,13 @@ def get_peft_model_quietly(model: nn.Module, config: PeftConfig, **kwargs: Any) 
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(cast(Any, model), config, **kwargs)
+        return cast("PeftModel", get_peft_model(cast("PreTrainedModel", model), config, **kwargs))
+
+
+class AdapterHolder(Protocol):
+    """A tuner layer, which takes one more adapter in place."""
+
+    def update_layer(self, adapter_name: str, config: PeftConfig, layer_name: str) -> None: ...
 
 
 class LayerReplacingTuner(BaseTuner):
@@ -68,7 +76,7 @@ class LayerReplacingTuner(BaseTuner):
     A subclass makes its layers in `create_layer`, and may act on each in `after_layer_added`.
     """
 
-    def create_layer(self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str) -> Any:
+    def create_layer(self, config: PeftConfig, adapter_name: str, target: nn.Module, layer_name: str) -> BaseTunerLayer:
         """A new tuner layer around ``target``; raises a ``ValueError`` naming a type the tuner cannot wrap."""
         raise NotImplementedError
 
@@ -89,10 +97,12 @@ class LayerReplacingTuner(BaseTuner):
         if current_key is None:
             raise ValueError("current_key must not be None")
         if isinstance(target, self.tuner_layer_cls):
-            cast(Any, target).update_layer(adapter_name, peft_config, layer_name=current_key)
+            cast(AdapterHolder, target).update_layer(adapter_name, peft_config, layer_name=current_key)
             self.after_layer_added(target, adapter_name, current_key)
             return
-        new_module = self.create_layer(peft_config, adapter_name, target, current_key)
+        new_module = cast(
+            nn.Module, self.create_layer(peft_config, adapter_name, target, current_key)
+        )  # nn.Module and the mixin
         if adapter_name not in self.active_adapters:
             new_module.requires_grad_(False)
         self._replace_module(parent, target_name, new_module, target)

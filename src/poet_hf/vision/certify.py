@@ -10,17 +10,70 @@ w_j||·L_feat``. ``L`` includes the input normalisation (``1/min(std)``) because
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from .data import iterate_batches
 
-__all__ = ["certified_radius", "certified_accuracy", "accuracy_at_radii", "pgd_l2_attack", "pgd_accuracy"]
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .data import ImageData
+    from .lipconvnet import LipConvNetForImageClassification
+
+__all__ = [
+    "CertifiedMetrics",
+    "certified_radius",
+    "certified_accuracy",
+    "accuracy_at_radii",
+    "pgd_l2_attack",
+    "pgd_accuracy",
+]
+
+
+class CertifiedMetrics(TypedDict, total=False):
+    """What `certified_accuracy` measures, and what a training run adds to it (`poet_hf.recipes.vision_run`).
+
+    Args:
+        clean_accuracy: the fraction classified correctly.
+        certified_accuracy: the fraction classified correctly with radius at least ``eps``.
+        eps: the radius certified, in pixel space.
+        lipschitz_constant: the model's Lipschitz constant ``L``.
+        num_examples: the examples measured.
+        radii: each example's certified radius (``return_radii``).
+        correct: whether each example is classified correctly (``return_radii``).
+        certified_accuracy_at: certified accuracy at each reported radius, by its name.
+        certified_curve: ``[[eps, certified accuracy], ...]``.
+        pgd_accuracy_at: accuracy under PGD at each reported radius.
+        train_seconds: the training's wall time.
+        train_loss: the mean training loss.
+        train_examples: the training examples.
+        dataset: the dataset trained on.
+        recipe: the recipe trained with (``None``: the quick default).
+        epochs: the epochs trained.
+    """
+
+    clean_accuracy: float
+    certified_accuracy: float
+    eps: float
+    lipschitz_constant: float
+    num_examples: int
+    radii: torch.Tensor
+    correct: torch.Tensor
+    certified_accuracy_at: dict[str, float]
+    certified_curve: list[list[float]]
+    pgd_accuracy_at: dict[str, float]
+    train_seconds: float
+    train_loss: float
+    train_examples: int
+    dataset: str
+    recipe: str | None
+    epochs: float
 
 
 def certified_radius(
-    model: Any, logits: torch.Tensor, labels: torch.Tensor, lipschitz: float | None = None
+    model: LipConvNetForImageClassification, logits: torch.Tensor, labels: torch.Tensor, lipschitz: float | None = None
 ) -> torch.Tensor:
     """ℓ2 radius (pixel space) around each input within which the prediction provably stays ``labels``.
 
@@ -47,12 +100,12 @@ def certified_radius(
 
 @torch.no_grad()
 def certified_accuracy(
-    model: Any,
-    dataset: Any,
+    model: LipConvNetForImageClassification,
+    dataset: ImageData,
     eps: float = 36 / 255,
     batch_size: int = 256,
     return_radii: bool = False,
-) -> dict[str, Any]:
+) -> CertifiedMetrics:
     """Clean accuracy and certified robust accuracy at ℓ2 radius ``eps`` (pixel space), in eval mode.
 
     A point counts as certified when it is classified correctly and ``radius >= eps`` (the ECO paper's test with
@@ -94,7 +147,7 @@ def certified_accuracy(
         model.train(was_training)
     radii_t, correct_t = torch.cat(radii), torch.cat(correct)
     certified = correct_t & (radii_t >= eps)
-    result: dict[str, Any] = {
+    result: CertifiedMetrics = {
         "clean_accuracy": float(correct_t.double().mean()),
         "certified_accuracy": float(certified.double().mean()),
         "eps": float(eps),
@@ -115,7 +168,7 @@ def accuracy_at_radii(
 
 
 def pgd_l2_attack(
-    model: Any,
+    model: nn.Module,
     pixels: torch.Tensor,
     labels: torch.Tensor,
     eps: float,
@@ -149,7 +202,11 @@ def pgd_l2_attack(
 
 
 def pgd_accuracy(
-    model: Any, dataset: Any, radii_to_report: dict[str, float], steps: int = 20, batch_size: int = 256
+    model: LipConvNetForImageClassification,
+    dataset: ImageData,
+    radii_to_report: dict[str, float],
+    steps: int = 20,
+    batch_size: int = 256,
 ) -> dict[str, float]:
     """Accuracy under `pgd_l2_attack` at each radius (an upper bound on robust accuracy), in eval mode."""
     was_training = model.training

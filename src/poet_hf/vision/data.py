@@ -17,10 +17,17 @@ import sys
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from PIL.Image import Image as PILImage
+
+    # Images with labels: a ``(pixel_values, labels)`` tensor pair, a ``datasets.Dataset`` or a sequence of rows.
+    ImageData: TypeAlias = tuple[torch.Tensor, torch.Tensor] | Dataset | list[dict[str, object]]
 
 __all__ = [
     "DEFAULT_DATASET",
@@ -102,7 +109,7 @@ def load_image_dataset(name_or_path: str = DEFAULT_DATASET, test_fraction: float
     return datasets.DatasetDict({name: _standardise_columns(loaded[name]) for name in ("train", "test")})
 
 
-def image_to_tensor(image: Any, num_channels: int, image_size: int) -> torch.Tensor:
+def image_to_tensor(image: PILImage | np.ndarray | torch.Tensor, num_channels: int, image_size: int) -> torch.Tensor:
     """A ``[C, H, W]`` float tensor in ``[0, 1]`` from a PIL image, an array or a tensor.
 
     It is resized (bilinear) to ``image_size`` and converted to ``num_channels`` (1 = grey, 3 = RGB)."""
@@ -147,7 +154,7 @@ def pixel_value_transform(num_channels: int, image_size: int, augment: bool = Fa
 
     Each image is resized to ``image_size`` first, then (``augment``) randomly cropped and flipped."""
 
-    def transform(batch: dict[str, list]) -> dict[str, Any]:
+    def transform(batch: dict[str, list]) -> dict[str, list]:
         images = [image_to_tensor(im, num_channels, image_size) for im in batch["img"]]
         return {
             "pixel_values": [random_crop_and_flip(im) for im in images] if augment else images,
@@ -157,7 +164,7 @@ def pixel_value_transform(num_channels: int, image_size: int, augment: bool = Fa
     return transform
 
 
-def collate_images(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def collate_images(examples: list[dict[str, torch.Tensor | int]]) -> dict[str, torch.Tensor]:
     """Stack ``pixel_values`` and ``labels`` (the Trainer's ``data_collator``)."""
     return {
         "pixel_values": torch.stack([torch.as_tensor(e["pixel_values"]) for e in examples]),
@@ -166,19 +173,20 @@ def collate_images(examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def iterate_batches(
-    data: Any, num_channels: int, image_size: int, batch_size: int
+    data: ImageData, num_channels: int, image_size: int, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``(pixel_values, labels)`` batches from a tensor pair or a sequence of examples.
 
     The pair is ``(images, labels)``; the examples hold ``pixel_values``/``labels`` or ``img``/``label`` (PIL images are
     converted with `image_to_tensor`)."""
     if isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[0], torch.Tensor):
-        images, labels = data
-        for start in range(0, len(labels), batch_size):
-            yield images[start : start + batch_size], torch.as_tensor(labels[start : start + batch_size])
+        images, targets = cast("tuple[torch.Tensor, torch.Tensor]", data)
+        for start in range(0, len(targets), batch_size):
+            yield images[start : start + batch_size], torch.as_tensor(targets[start : start + batch_size])
         return
-    for start in range(0, len(data), batch_size):
-        rows: Iterable[dict] = data[start : start + batch_size]
+    examples = cast("Dataset | list[dict[str, object]]", data)
+    for start in range(0, len(examples), batch_size):
+        rows: Iterable[dict] = examples[start : start + batch_size]
         if isinstance(rows, dict):  # a datasets.Dataset slice is a dict of columns
             keys = list(rows)
             rows = [dict(zip(keys, values, strict=True)) for values in zip(*rows.values(), strict=True)]
@@ -186,13 +194,14 @@ def iterate_batches(
         for row in rows:
             image = row.get("pixel_values", row.get("img", row.get("image")))
             label = row.get("labels", row.get("label"))
+            if image is None or label is None:
+                raise ValueError(
+                    "an image row needs an image in `pixel_values`, `img` or `image` and a label in `labels` or "
+                    f"`label`; this row has the fields {sorted(row)}"
+                )
             pixels.append(
                 image_to_tensor(image, num_channels, image_size) if not isinstance(image, torch.Tensor) else image
             )
-            if label is None:
-                raise ValueError(
-                    f"an image row needs a label in `labels` or `label`; this row has the fields {sorted(row)}"
-                )
             labels.append(int(label))
         yield torch.stack(pixels), torch.tensor(labels, dtype=torch.long)
 

@@ -38,11 +38,11 @@ class OrthogonalConfig(PeftConfig):
       ``OrthogonalModel.stiefel_parameters()`` as its ``stiefel_params``).
     """
 
-    target_modules: list[str] | str | None = field(
+    target_modules: list[str] | set[str] | str | None = field(
         default=None,
         metadata={"help": "Module names or a regex to rewrite; default per model_type (the Linears of the blocks)."},
     )
-    exclude_modules: list[str] | str | None = field(default=None, metadata={"help": "Modules to leave out."})
+    exclude_modules: list[str] | set[str] | str | None = field(default=None, metadata={"help": "Modules to leave out."})
     parameterization: str = field(
         default="cayley_neumann", metadata={"help": f"One of {PARAMETERIZATIONS}; see the class docstring."}
     )

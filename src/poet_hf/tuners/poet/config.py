@@ -20,6 +20,8 @@ from ..rotation.config import RotationConfig
 from ..rotation.storage_kinds import BASE_QUANTIZATIONS
 
 POET_PEFT_TYPE = "POET"
+# The storage kinds of `W0` (`poet_hf.tuners.rotation.storage_kinds.KINDS`), as the field types them.
+BaseQuantization = Literal["nf4", "fp4", "int8"]
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ class PoetConfig(RotationConfig):
         default=None,
         metadata={"help": f"None keeps W0; one of {BASE_INIT_SCHEMES} re-initialises it (pretraining)."},
     )
-    base_quantization: Literal["nf4", "fp4", "int8"] | None = field(
+    base_quantization: BaseQuantization | None = field(
         default=None,
         metadata={
             "help": "Quantise every target W0 with bitsandbytes after base_init (QPOET pretraining; needs the "

@@ -93,7 +93,8 @@ def record_adjusted_block_sizes(
         return
     for name, sizes in adjusted.items():
         if config.per_side_block_sizes:  # beside a size the user gave for the other side
-            config.block_size_pattern.setdefault(name, {}).update(sizes)
+            entry = config.block_size_pattern.get(name, {})
+            config.block_size_pattern[name] = {**(entry if isinstance(entry, dict) else {}), **sizes}
         else:
             config.block_size_pattern[name] = sizes["input"]
     groups: dict[tuple[str, int, int], list[str]] = {}

@@ -22,9 +22,9 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 import torch
 from accelerate.state import GradientState
@@ -38,6 +38,22 @@ from .residual_folder import ResidualFolder
 
 logger = logging.getLogger(__name__)
 _DEFERRAL_DEPTH: ContextVar[int] = ContextVar("poet_hf_rotation_deferral_depth", default=0)
+
+
+class CacheSummary(TypedDict):
+    """What ``cache_rotations="auto"`` chose (`RotationStepState.cache_summary`).
+
+    Args:
+        cached: layers that cache.
+        decided: layers decided.
+        cache_mb: what the caching layers hold, in MiB.
+        summary: one line, with the first layer's reason.
+    """
+
+    cached: int
+    decided: int
+    cache_mb: float
+    summary: str
 
 
 class StepCaches(Protocol):
@@ -121,14 +137,14 @@ class RotationStepState:
         self.engine_takes_gradients = False
         self.norm_cap = NormCap()
         self.residual_folder = ResidualFolder()
-        self.logged: set[Any] = set()  # messages logged once per model, by key
+        self.logged: set[Hashable] = set()  # messages logged once per model, by key
         self.cache_choices: dict[str, CacheChoice] = {}
         self._unlogged: list[str] = []
         self._root = None if root is None else weakref.ref(root)
         self._layers: weakref.WeakSet[CachingLayer] = weakref.WeakSet()
         self._hooks: tuple[RemovableHandle, RemovableHandle] | None = None
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[object, ...]:
         """A copy (``copy.deepcopy``, pickling) keeps `reference` and the residual folder's parent (one folder object
         with the copied layers' stores) and starts with no cache, choice, hook or engine."""
         return _fresh_state, (self.reference, self.residual_folder)
@@ -151,7 +167,7 @@ class RotationStepState:
         if names:
             logger.info("cache_rotations='auto': %s", self.cache_summary(names)["summary"])
 
-    def cache_summary(self, names: list[str] | None = None) -> dict[str, Any]:
+    def cache_summary(self, names: list[str] | None = None) -> CacheSummary:
         """What ``cache_rotations="auto"`` chose: layers that cache, of those decided, their bytes, and why.
 
         Args:
@@ -216,11 +232,11 @@ def _register_step_hooks(state: weakref.ref[RotationStepState]) -> tuple[Removab
     """Process-wide optimizer hooks that reach ``state`` while it lives (every optimizer steps the model's layers)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    def before(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def before(optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if (live := state()) is not None:
             live.before_step()
 
-    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after(optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if (live := state()) is not None:
             live.after_step()
 
@@ -274,8 +290,8 @@ def gradient_anchor(
     return anchor
 
 
-def _pending_dropper(cache_ref: weakref.ref[RotationCache]) -> Callable[[Any], None]:
-    def drop(_: Any) -> None:
+def _pending_dropper(cache_ref: weakref.ref[RotationCache]) -> Callable[[object], None]:
+    def drop(_: object) -> None:
         cache = cache_ref()
         if cache is not None:
             cache.clear()
@@ -283,7 +299,7 @@ def _pending_dropper(cache_ref: weakref.ref[RotationCache]) -> Callable[[Any], N
     return drop
 
 
-def gradient_was_reset(param: torch.Tensor, cache: Any) -> bool:
+def gradient_was_reset(param: torch.Tensor, cache: RotationCache) -> bool:
     """Whether ``param.grad`` was zeroed in place since the cache's pending sum was added to it."""
     version = cache.grad_version
     return version is not None and (param.grad is None or param.grad._version != version)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from peft.config import PeftConfig
 
 from ...orthogonal.maps import DEFAULT_MAP, MAPS, map_from_config
 from ..config_utils import (
     FORWARD_CHOICES,
+    CacheRotations,
     CheckedLoadConfig,
+    Requantize,
+    ResidualStorage,
     block_size_pattern_field,
     cache_rotations_field,
     check_bool,
@@ -41,14 +44,14 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
 
     per_side_block_sizes: ClassVar[bool] = False  # whether block_size may be {"input": b_R, "output": b_P}
 
-    target_modules: list[str] | str | None = field(
+    target_modules: list[str] | set[str] | str | None = field(
         default=None,
         metadata={
             "help": "Module names or a regex to wrap. Default per model_type: every Linear inside the transformer "
             "blocks, never embeddings or lm_head."
         },
     )
-    exclude_modules: list[str] | str | None = field(
+    exclude_modules: list[str] | set[str] | str | None = field(
         default=None, metadata={"help": "Module names or a regex to leave out."}
     )
     block_size: int | dict[str, int] = field(
@@ -60,7 +63,7 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
         },
     )
     strict_block_size: bool = strict_block_size_field()
-    block_size_pattern: dict[str, Any] = block_size_pattern_field()
+    block_size_pattern: dict[str, int | dict[str, int]] = block_size_pattern_field()
     neumann_terms: int = field(
         default=6,
         metadata={
@@ -85,9 +88,9 @@ class RotationConfig(CheckedLoadConfig, PeftConfig):
             "one run."
         },
     )
-    requantize: Literal["feedback", "nearest", "stochastic"] = requantize_field()
-    residual_storage: Literal["auto", "layer", "cpu", "disk"] = residual_storage_field()
-    cache_rotations: bool | Literal["auto"] = cache_rotations_field()
+    requantize: Requantize = requantize_field()
+    residual_storage: ResidualStorage = residual_storage_field()
+    cache_rotations: CacheRotations = cache_rotations_field()
     seed: int = field(default=0, metadata={"help": "Seed of the permutations, index sets and random inits."})
     forward: Literal["auto", "weight", "activation", "activation-recompute"] = field(
         default="auto",

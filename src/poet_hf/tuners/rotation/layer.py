@@ -14,7 +14,7 @@ where their tensors live, how a config becomes sides, and their forward options.
 from __future__ import annotations
 
 import logging
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
@@ -37,6 +37,9 @@ from .forward import FusedForward, reference_forward
 from .row_fold import fold_by_rows, foldable_by_rows
 from .settings import RotationSettings
 from .state_checks import check_loaded_state
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 logger = logging.getLogger(__name__)
 
@@ -241,11 +244,12 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         """Bytes held by this layer's rotation caches (blocks and deferred gradients)."""
         return self.fused.nbytes()
 
-    def train(self, mode: bool = True) -> Any:
+    def train(self, mode: bool = True) -> Self:
         """``eval()`` ends any accumulation window: deferred gradients are applied and the caches freed."""
         if not mode:
             self.flush_rotation_caches(collective=False)
-        return nn.Module.train(cast(nn.Module, self), mode)  # the concrete layers are nn.Modules
+        nn.Module.train(cast(nn.Module, self), mode)  # the concrete layers are nn.Modules
+        return self
 
     def adapter_forward(
         self, x: torch.Tensor, adapter_names: list[str], keep: dict[str, torch.Tensor] | None = None

@@ -50,7 +50,7 @@ def create_tuner_module(
     )
 
 
-def _release_caches_if_raising(module: nn.Module, args: Any, output: Any) -> None:
+def _release_caches_if_raising(module: nn.Module, args: tuple[object, ...], output: object) -> None:
     """Forward hook (``always_call``): on an exception, apply the deferred rotation gradients and free the caches.
 
     The exception abandons the micro-batch; the earlier micro-batches' gradients go to ``.grad``, where a loop that
@@ -144,7 +144,7 @@ class RotationModel(LayerReplacingTuner):
             drop_rounding_residual(base)
         return model
 
-    def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, Any]:
+    def merge_and_reinit(self, adapter_name: str | None = None) -> dict[str, float]:
         """[`merge_and_reinit`][poet_hf.merge_and_reinit] on this model."""
         return merge_and_reinit(self.model, adapter_name or self.active_adapters[0])
 
@@ -165,7 +165,7 @@ def plain_autograd(model: nn.Module) -> Iterator[None]:
             state.reference = previous[key]
 
 
-def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: Any = None) -> None:
+def check_merge_counts_agree(tuner: nn.Module, incompatible_keys: object = None) -> None:
     """``load_state_dict`` post-hook: the layers of one adapter merge together, so their merge counts must agree.
 
     Raises [`AdapterStateError`][poet_hf.tuners.rotation.state_checks.AdapterStateError] naming two that disagree."""
@@ -224,7 +224,7 @@ def merge_and_reinit(
     model: nn.Module,
     adapter_name: str = "default",
     layer_context: Callable[[RotationLayer], AbstractContextManager] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, float]:
     """The POET merge-then-reinitialize step (Algorithm 1, step 5) over every POET layer of ``model``.
 
     Folds ``R`` and ``P`` into ``W0``, zeroes the skew parameters and draws fresh permutations / index sets from
