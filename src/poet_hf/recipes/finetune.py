@@ -93,9 +93,9 @@ class FinetuneArguments(ScriptArguments):
     base_quantization: str | None = field(
         default=None,
         metadata={
-            "help": "load the model's Linear layers "
-            "quantised by bitsandbytes (QOFT, QPOET, QLoRA): 'nf4' or 'fp4' (4-bit, "
-            "double quantisation) or 'int8'; needs pip install 'poet_hf[quant]'"
+            "help": "load the model's Linear layers quantised by bitsandbytes (QOFT, QPOET, QLoRA), as one of "
+            f"{', '.join(map(repr, storage_kinds.BASE_QUANTIZATIONS))} (4-bit kinds double-quantised); needs pip "
+            "install 'poet_hf[quant]'"
         },
     )
     recipe: str = field(

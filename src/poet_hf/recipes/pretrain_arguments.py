@@ -105,9 +105,8 @@ class PretrainArguments(ScriptArguments):
     base_quantization: str | None = field(
         default=None,
         metadata={
-            "help": "POET: quantise every W0 with "
-            "bitsandbytes after base_init (QPOET): 'nf4', 'fp4' or 'int8'; needs "
-            "pip install 'poet_hf[quant]'"
+            "help": "POET: quantise every W0 with bitsandbytes after base_init (QPOET), as one of "
+            f"{', '.join(map(repr, BASE_QUANTIZATIONS))}; needs pip install 'poet_hf[quant]'"
         },
     )
     cache_rotations: Literal["auto", "true", "false"] = field(
