@@ -192,3 +192,29 @@ def test_the_package_spells_any_on_at_most_its_budget_of_lines():
 def test_the_any_count_sees_annotations_and_skips_imports():
     source = "from typing import Any\n\ndef f(x: Any) -> dict[str, Any]:\n    return cast('Any', x)\n"
     assert lines_using_any(source) == 2
+
+
+def classes_declaring(source: str, field_name: str) -> list[str]:
+    """The classes of ``source`` that declare the annotated field ``field_name`` in their own body."""
+    return [
+        node.name
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef)
+        for statement in node.body
+        if isinstance(statement, ast.AnnAssign)
+        and isinstance(statement.target, ast.Name)
+        and statement.target.id == field_name
+    ]
+
+
+@pytest.mark.parametrize("field_name", ["block_size", "merge_every"])
+def test_a_setting_is_a_field_of_at_most_three_classes(field_name):
+    """Issue 71: a setting has one home; the two a user sets most are declared by at most three classes (the
+    script's options or the training arguments, the rotation config, and POET's config with its own default)."""
+    owners = [name for path in package_modules() for name in classes_declaring(path.read_text(), field_name)]
+    assert len(owners) <= 3, owners
+
+
+def test_the_field_count_sees_a_declaration_and_not_a_use():
+    source = "class A:\n    block_size: int = 2\n\nclass B:\n    def f(self):\n        block_size: int = 3\n"
+    assert classes_declaring(source, "block_size") == ["A"]
