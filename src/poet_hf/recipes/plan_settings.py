@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dtypes import dtype_name
-from ..tuners.config_utils import check_choice
+from ..tuners.config_utils import check_budget, check_choice, check_positive_int
 from ..tuners.rotation.residual_store import RESIDUAL_STORAGES
 from ..tuners.rotation.storage_kinds import BASE_QUANTIZATIONS
 
@@ -64,7 +64,7 @@ class PlanSettings:
         check_choice("method", self.method, METHODS)
         check_choice("sharding", self.sharding, SHARDINGS)
         for name in ("batch_size", "seq_len", "processes", "accumulation", "rank"):
-            _check_positive(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_choice("optimizer_bits", self.optimizer_bits, (32, 8))
@@ -93,13 +93,7 @@ def check_adapter_sizes(block_size: int, budget: float) -> None:
         budget: POET-FS's sampling budget.
 
     Raises:
-        ValueError: ``block_size`` is not a positive integer, or ``budget`` is not in (0, 1].
+        ValueError: ``block_size`` is not an integer >= 1, or ``budget`` is not in (0, 1].
     """
-    _check_positive("block_size", block_size)
-    if not 0 < budget <= 1:
-        raise ValueError(f"`budget` must be in (0, 1], got {budget!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    check_positive_int("block_size", block_size)
+    check_budget(budget)
