@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Plan the per-process memory of a training run, part by part, before running it (poet_hf.plan_memory).
 
-It takes ``scripts/pretrain.py``'s own flags and plans exactly that run (`poet_hf.recipes.run_plan.plan_pretraining`,
-what ``scripts/pretrain.py --plan_only`` prints), plus --compare, --processes, --sharding, --dtype and --json:
+It takes ``scripts/pretrain.py``'s own flags and plans exactly that run (`poet_hf.recipes.run_plan.plan_pretraining`),
+plus --compare, --processes, --sharding, --dtype and --json:
 
     python scripts/plan_memory.py --preset llama-130m --per_device_train_batch_size 4 --compare adamw,lora,galore
     python scripts/plan_memory.py --config_name configs/models/llama-2-7b.json --per_device_train_batch_size 1 \

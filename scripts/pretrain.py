@@ -9,7 +9,7 @@
     python scripts/pretrain.py --preset llama-130m --bf16 --activation_checkpointing --torch_compile
     python scripts/pretrain.py --config_name Qwen/Qwen2.5-0.5B --config_overrides num_hidden_layers=4  # any causal LM
     python scripts/pretrain.py --model_name_or_path ./my-checkpoint        # continued pretraining: its weights are W0
-    python scripts/pretrain.py --preset llama-2-7b --base_quantization nf4 --plan_only   # the memory plan of a run
+    python scripts/plan_memory.py --preset llama-2-7b --base_quantization nf4    # the memory plan of that run
 
 Every TrainingArguments flag works (--bf16, --activation_checkpointing, --torch_compile, --optim, --max_steps,
 --per_device_train_batch_size, --report_to, --push_to_hub, ...); a flag left out takes the preset's value.
@@ -30,7 +30,6 @@ from poet_hf.recipes.pretrain import (
     run_pretraining,
     run_summary,
 )
-from poet_hf.recipes.run_plan import print_plan
 from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.distributed import end_distributed
 
@@ -41,8 +40,6 @@ def build_parser() -> HfArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args, training = parse_pretrain_arguments(argv)
-    if args.plan_only:
-        return print_plan(args, training)
     if args.print_recipe:
         recipe = counted_recipe(args, training).as_dict()
         print(json.dumps(recipe, indent=2))

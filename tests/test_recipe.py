@@ -394,7 +394,7 @@ def test_the_printed_recipe_is_the_typed_one_flat_with_the_methods_own_settings(
 
 @pytest.mark.parametrize("method", ["adamw", "lora", "poet-bs"])
 def test_a_plan_of_any_method_reads_the_typed_recipe(method):
-    """``--plan_only`` of a method without rotations raised ``KeyError: 'cache_rotations'`` while the recipe was a
+    """The plan of a method without rotations raised ``KeyError: 'cache_rotations'`` while the recipe was a
     dict; the plan now takes each method's settings from the typed recipe (the tiny preset: micro-batch 8, 1 process,
     block 32)."""
     from poet_hf.recipes.run_plan import plan_pretraining, plan_settings

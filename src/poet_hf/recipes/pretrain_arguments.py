@@ -73,10 +73,6 @@ class PretrainArguments(ScriptArguments):
             "--base_init defaults to none) and whose other weights train on"
         },
     )
-    plan_only: bool = field(
-        default=False,
-        metadata={"help": "print the run's memory plan (poet_hf.plan_memory, per process) and exit"},
-    )
     method: str = field(
         default="poet-bs",
         metadata={

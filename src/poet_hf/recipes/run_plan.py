@@ -1,7 +1,7 @@
 """The memory plan of a ``scripts/pretrain.py`` run, read off the run's own flags.
 
-``scripts/pretrain.py --plan_only`` and ``scripts/plan_memory.py`` with the training script's flags both call
-`plan_pretraining`, so a plan and a run are one command line.
+``scripts/plan_memory.py`` takes the training script's flags and calls `plan_pretraining`, so a plan and a run are
+one command line with the script's name changed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import nn
 
 from ..training.arguments import PoetTrainingArguments
-from .memory_plan import MemoryPlan, format_plans, plan_memory
+from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
 from .presets import meta_recipe_model
 from .pretrain import model_config, recipe_flags, resolve_recipe, run_tokenizer
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _Size = TypeVar("_Size", int, float)
 
-__all__ = ["parse_run", "plan_pretraining", "plan_settings", "print_plan"]
+__all__ = ["parse_run", "plan_pretraining", "plan_settings"]
 
 
 def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainArguments, PoetTrainingArguments]:
@@ -138,18 +138,3 @@ def plan_pretraining(
     plans = [_plan(meta_recipe_model(recipe, config), settings, recipe)]
     others = [method for method in methods if method != args.method]
     return plans + [_plan(config, replace(settings, method=method), recipe) for method in others]
-
-
-def print_plan(args: PretrainArguments, training: PoetTrainingArguments) -> dict[str, object]:
-    """``scripts/pretrain.py --plan_only``: print the run's plan (`plan_pretraining`) as ``plan_memory.py`` does.
-
-    Args:
-        args: the script's options.
-        training: the training flags.
-
-    Returns:
-        The plan, as `MemoryPlan.to_dict` gives it.
-    """
-    plan = plan_pretraining(args, training)[0]
-    print(format_plans([plan]))
-    return plan.to_dict()
