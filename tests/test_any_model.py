@@ -276,6 +276,38 @@ def test_bad_model_flags_name_the_field(flags, message, tmp_path, capsys):
         print_recipe(capsys, ["--config_name", str(config), *flags] if "--config_name" not in flags else flags)
 
 
+def test_the_tuner_warns_of_untargeted_block_weights_only_where_they_train_in_full():
+    """The warning is the POET tuner's: `get_peft_model` with a config that trains the other parameters names Mixtral's
+    fused experts (2 experts of 3·512·1024 entries, and the 512·2 router, against 4 rotated 512×512 attention
+    weights); fine-tuning, which trains the rotations alone, says nothing."""
+    import warnings
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from poet_hf import PoetConfig
+    from poet_hf.tuners.poet import UntargetedWeightsWarning
+
+    config = MixtralConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        num_local_experts=2, vocab_size=128,
+    )  # fmt: skip
+
+    def wrap(**fields):
+        with torch.device("meta"):
+            return get_peft_model(AutoModelForCausalLM.from_config(config), PoetConfig(block_size=32, **fields))
+
+    with pytest.warns(UntargetedWeightsWarning) as caught:
+        wrap(train_other_params=True)
+    rotated, experts = 4 * 512 * 512, 2 * 3 * 512 * 1024 + 512 * 2
+    message = str(caught[0].message)
+    assert f"rotates {rotated / 1e6:.1f}M block weights and trains {experts / 1e6:.1f}M in full" in message
+    assert "experts (3.1M)" in message and "gate (0.0M)" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntargetedWeightsWarning)
+        wrap()
+
+
 def test_a_family_without_default_targets_is_refused_naming_the_supported_ones(tmp_path, capsys):
     from transformers import OPTConfig
 
@@ -332,7 +364,7 @@ def test_block_weights_that_are_not_linears_are_named_in_a_warning(tmp_path, cap
 
     from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig
 
-    from poet_hf.recipes.presets import UntargetedWeightsWarning
+    from poet_hf.tuners.poet import UntargetedWeightsWarning
 
     path = tmp_path / "mixtral.json"
     MixtralConfig().to_json_file(str(path))

@@ -36,9 +36,9 @@ __all__ = [
     "parameter_counts",
     "preset_config",
     "recipe_parameter_counts",
+    "recipe_peft_config",
     "targets_for",
     "tied_poet_learning_rate",
-    "warn_weights_outside_targets",
 ]
 
 
@@ -190,10 +190,7 @@ def non_target_modules(model: nn.Module, targets: list[str] | str) -> list[str]:
 def apply_recipe(
     model: torch.nn.Module, recipe: PretrainRecipe, base_init: str | None = "recipe", seed: int = 0
 ) -> torch.nn.Module:
-    """Wrap the model for the recipe's method: POET via `PoetConfig`, LoRA via PEFT, AdamW and GaLore unchanged.
-
-    The targets are the family's block linears (`targets_for`); LoRA trains the other modules with parameters in full
-    (`non_target_modules`: embeddings, norms, head), as the paper's LoRA baseline does.
+    """Wrap the model for the recipe's method (`recipe_peft_config`): POET and LoRA via PEFT, the others unchanged.
 
     Args:
         model: the causal LM to wrap.
@@ -205,68 +202,55 @@ def apply_recipe(
         The model to train.
 
     Raises:
+        ValueError: the model's family has no default targets (`targets_for`).
+        SystemExit: ``method="galore"`` without the ``galore-torch`` package.
+    """
+    from ..tuners.tuner_base import get_peft_model_quietly
+
+    config = recipe_peft_config(model, recipe, base_init, seed)
+    return model if config is None else get_peft_model_quietly(model, config)
+
+
+def recipe_peft_config(
+    model: torch.nn.Module, recipe: PretrainRecipe, base_init: str | None = "recipe", seed: int = 0
+) -> PeftConfig | None:
+    """The PEFT config that wraps ``model`` for the recipe's method; ``None`` for AdamW and GaLore.
+
+    POET's is the recipe's `PoetConfig`, training the other parameters in full (``train_other_params``). LoRA targets
+    the family's block linears (`targets_for`) and trains the other modules with parameters in full
+    (`non_target_modules`: embeddings, norms, head), as the paper's LoRA baseline does.
+
+    Args:
+        model: the causal LM to wrap.
+        recipe: a resolved recipe.
+        base_init: POET's ``W0`` initialisation; ``"recipe"``: the recipe's.
+        seed: the adapter's seed.
+
+    Returns:
+        The config, or ``None`` where the method trains the plain model.
+
+    Raises:
+        ValueError: the model's family has no default targets (`targets_for`).
         SystemExit: ``method="galore"`` without the ``galore-torch`` package.
     """
     from peft import LoraConfig
 
-    from ..tuners.tuner_base import get_peft_model_quietly
-
-    targets = targets_for(cast(PretrainedConfig, model.config))
-    method, rotation = recipe.method, recipe.rotation
+    targets = targets_for(cast(PretrainedConfig, model.config))  # a family the recipes know, for every method
+    rotation = recipe.rotation
     if rotation is not None:
-        config: PeftConfig = replace(
-            rotation.config,
-            seed=seed,
-            base_init=rotation.config.base_init if base_init == "recipe" else base_init,
-            train_other_params=True,
+        initial = rotation.config.base_init if base_init == "recipe" else base_init
+        return replace(rotation.config, seed=seed, base_init=initial, train_other_params=True)
+    if recipe.method == "lora":
+        rank = cast(int, recipe.lora_rank)
+        return LoraConfig(
+            r=rank, lora_alpha=rank, target_modules=targets, modules_to_save=non_target_modules(model, targets)
         )
-        wrapped = get_peft_model_quietly(model, config)
-        warn_weights_outside_targets(wrapped)
-        return wrapped
-    if method == "lora":
-        config = LoraConfig(
-            r=cast(int, recipe.lora_rank),
-            lora_alpha=cast(int, recipe.lora_rank),
-            target_modules=targets,
-            modules_to_save=non_target_modules(model, targets),
-        )
-        return get_peft_model_quietly(model, config)
-    if method == "galore":
+    if recipe.method == "galore":
         try:
             import galore_torch  # noqa: F401
         except ImportError as error:
             raise SystemExit("--method galore needs the `galore-torch` package: pip install galore-torch") from error
-    return model
-
-
-class UntargetedWeightsWarning(UserWarning):
-    """POET trains more block weights in full than it rotates (block weights that are not linears)."""
-
-
-def warn_weights_outside_targets(model: nn.Module) -> None:
-    """Warn where the weights trained in full, embeddings, head and norms aside, outnumber those POET rotates.
-
-    So it is for a family whose block weights are not ``nn.Linear`` modules, e.g. Mixtral's experts, one fused 3-D
-    parameter in transformers 5: they train as under AdamW, with its memory."""
-    from ..tuners.rotation.layer import rotation_layers
-
-    rotated = sum(layer.in_features * layer.out_features for _, layer in rotation_layers(model))
-    embeddings = [getattr(model, name)() for name in ("get_input_embeddings", "get_output_embeddings")]
-    skip = {id(p) for module in embeddings if module is not None for p in module.parameters()}
-    full: dict[str, int] = {}
-    for name, parameter in model.named_parameters():
-        if parameter.requires_grad and parameter.dim() >= 2 and id(parameter) not in skip and not _in_adapter(name):
-            full[_module_of(name)] = full.get(_module_of(name), 0) + parameter.numel()
-    if sum(full.values()) > rotated:
-        import warnings
-
-        names = ", ".join(f"{name} ({count / 1e6:.1f}M)" for name, count in sorted(full.items()))
-        warnings.warn(
-            f"POET rotates {rotated / 1e6:.1f}M block weights and trains {sum(full.values()) / 1e6:.1f}M in full "
-            f"as under AdamW: {names}; these are not nn.Linear targets (check --print_recipe's trained_in_full)",
-            UntargetedWeightsWarning,
-            stacklevel=2,
-        )
+    return None
 
 
 def count_trainable(model: nn.Module) -> dict[str, int]:

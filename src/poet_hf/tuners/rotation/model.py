@@ -25,6 +25,40 @@ from .quantization import adopt_base, drop_residual, quantization_of
 from .state_checks import AdapterStateError
 
 
+class UntargetedWeightsWarning(UserWarning):
+    """POET trains more block weights in full than it rotates (block weights that are not linears)."""
+
+
+def warn_weights_outside_targets(model: nn.Module, trained_in_full: list[tuple[str, nn.Parameter]]) -> None:
+    """Warn where the weights trained in full, embeddings, head and norms aside, outnumber those POET rotates.
+
+    So it is for a family whose block weights are not ``nn.Linear`` modules, e.g. Mixtral's experts, one fused 3-D
+    parameter in transformers 5: they train as under AdamW, with its memory.
+
+    Args:
+        model: the model the tuner wraps.
+        trained_in_full: ``(name, parameter)`` of every parameter outside the tuner's layers.
+    """
+    rotated = sum(layer.in_features * layer.out_features for _, layer in rotation_layers(model))
+    embeddings = [getattr(model, name, lambda: None)() for name in ("get_input_embeddings", "get_output_embeddings")]
+    skip = {id(p) for module in embeddings if module is not None for p in module.parameters()}
+    full: dict[str, int] = {}
+    for name, parameter in trained_in_full:
+        if parameter.dim() >= 2 and id(parameter) not in skip:
+            module = name.rsplit(".", 2)[-2] if "." in name else name
+            full[module] = full.get(module, 0) + parameter.numel()
+    if sum(full.values()) > rotated:
+        import warnings
+
+        names = ", ".join(f"{name} ({count / 1e6:.1f}M)" for name, count in sorted(full.items()))
+        warnings.warn(
+            f"POET rotates {rotated / 1e6:.1f}M block weights and trains {sum(full.values()) / 1e6:.1f}M in full "
+            f"as under AdamW: {names}; these are not nn.Linear targets",
+            UntargetedWeightsWarning,
+            stacklevel=2,
+        )
+
+
 def create_tuner_module(
     config: RotationConfig, adapter_name: str, target: nn.Module, layer_name: str, layer_classes: tuple[type, ...]
 ) -> RotationLayer:
@@ -105,14 +139,17 @@ class RotationModel(LayerReplacingTuner):
 
     def _mark_only_adapters_as_trainable(self, model: nn.Module) -> None:
         super()._mark_only_adapters_as_trainable(model)
-        if any(holds_full_model(self.peft_config[a]) for a in self.active_adapters):
+        configs = [self.peft_config[a] for a in self.active_adapters]
+        if any(holds_full_model(config) for config in configs):
             # Pretraining from scratch: embeddings, norms and lm_head train normally beside the POET layers.
             inside_tuner_layers = {
                 id(p) for m in model.modules() if isinstance(m, BaseTunerLayer) for p in m.parameters()
             }
-            for param in model.parameters():
-                if id(param) not in inside_tuner_layers:
-                    param.requires_grad = True
+            others = [(name, p) for name, p in model.named_parameters() if id(p) not in inside_tuner_layers]
+            for _, param in others:
+                param.requires_grad = True
+            if not all(config.inference_mode for config in configs):
+                warn_weights_outside_targets(model, others)
 
     @classmethod
     def _get_adapter_state_dict(cls, model, config, adapter_name, state_dict, unwanted_adapter_names):
