@@ -281,6 +281,48 @@ def test_spectrum_stays_within_neumann_error_and_adamw_drifts(tmp_path, local_co
     assert adamw["spectrum_drift"]["max_drift"] > 10 * poet["spectrum_drift"]["max_drift"]
 
 
+def test_spectrum_callback_in_a_stock_trainer_reads_the_weights_when_built_and_when_trained(tmp_path):
+    """`SpectrumCallback` in a plain `transformers.Trainer` (AdamW on a tiny LLaMA): its snapshots are the singular
+    values of the modules' dense weights when the Trainer is built and when training ends (float64 SVD of the float32
+    weights, read here from the modules), its drift is ``max |σ_after − σ_before| / σ_max(before)`` over them, the
+    plot is written, and a model without POET layers has no bound."""
+    from models import tiny_llama
+    from tolerances import gamma
+    from transformers import Trainer, TrainingArguments
+
+    from poet_hf.training import SpectrumCallback
+
+    dataset, tokenizer = tiny_dataset()
+    model = tiny_llama(0, hidden=32, intermediate=64, vocab=len(tokenizer), heads=2, max_position_embeddings=64)
+    names = ["q_proj", "down_proj"]
+
+    def dense_spectra():
+        return {
+            name: torch.linalg.svdvals(module.weight.detach().double())
+            for name, module in model.named_modules()
+            if name.endswith(tuple(names))
+        }
+
+    initial = dense_spectra()
+    callback = SpectrumCallback(names, title="adamw")
+    fields = {"max_steps": 3, "per_device_train_batch_size": 4, "learning_rate": 1e-2, "save_strategy": "no"}
+    args = TrainingArguments(str(tmp_path), report_to="none", use_cpu=True, seed=0, **fields)
+    trainer = Trainer(model=model.train(), args=args, train_dataset=dataset, callbacks=[callback])
+    assert callback.before is not None and callback.report is None  # taken when the Trainer was built
+    trainer.train()
+    final = dense_spectra()
+    assert set(callback.before) == set(callback.after) == set(initial) and len(initial) == 4  # 2 layers × 2 names
+    for name, s0 in initial.items():
+        bound = gamma(64, torch.float64) * float(s0.max())  # a backward-stable SVD of the same matrix
+        torch.testing.assert_close(callback.before[name], s0, rtol=0, atol=bound)
+        torch.testing.assert_close(callback.after[name], final[name], rtol=0, atol=bound)
+    drifts = [float((final[n] - initial[n]).abs().max() / initial[n].max()) for n in initial]
+    assert callback.report["spectrum_drift"]["max_drift"] == pytest.approx(max(drifts), rel=1e-12)
+    assert max(drifts) > 1e-3  # AdamW moved them, so the comparison above is not of two equal snapshots
+    assert callback.report["spectrum_bound"] is None
+    assert (tmp_path / "spectra.png").stat().st_size > 1000
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("tiny_pretraining")
 def test_pretraining_lowers_validation_perplexity_fivefold(tiny_pretraining):

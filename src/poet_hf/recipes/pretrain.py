@@ -18,12 +18,12 @@ import torch
 from transformers import default_data_collator
 
 from ..data import load_corpus, load_tokenizer, pack_sequences, pad_documents
-from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from ..initialization import materialize_model
 from ..sharded import is_sharded
 from ..training.arguments import PoetTrainingArguments
+from ..training.callback import MergeReinitCallback
+from ..training.spectrum import SpectrumCallback
 from ..training.trainer import PoetTrainer
-from ..training.zero import gathered_layer, gathered_rotations
 from ..tuners.poet import PoetConfig
 from ..tuners.poet.config import BaseQuantization
 from ..tuners.rotation.layer import rotation_layers
@@ -327,8 +327,10 @@ def _trainer(
     tokenizer: PreTrainedTokenizerBase,
     train: TextDataset,
     validation: TextDataset,
-) -> PoetTrainer:
-    """The run's `PoetTrainer`, with what the model card and ``results.json`` record of the run."""
+    targets: list[str] | None,
+) -> tuple[PoetTrainer, SpectrumCallback]:
+    """The run's `PoetTrainer`, with what the model card and ``results.json`` record of the run, and its
+    `SpectrumCallback` (over the rotated layers or, for a baseline, the modules named in ``targets``)."""
     run_info: dict[str, object] = {
         "method": args.method,
         "preset": args.preset,
@@ -336,7 +338,9 @@ def _trainer(
         "seq_len": args.seq_len,
         **{k: v for k, v in recipe.as_dict().items() if k in ("block_size", "budget", "merge_every", *MAP_FLAGS)},
     }
-    return PoetTrainer(
+    merges = MergeReinitCallback() if recipe.rotation is not None else None
+    spectra = SpectrumCallback(targets, merges, title=f"{args.method} on {args.preset}")
+    trainer = PoetTrainer(
         model=model,
         args=training,
         train_dataset=train,
@@ -344,11 +348,13 @@ def _trainer(
         data_collator=default_data_collator,
         processing_class=tokenizer,
         run_info=run_info,
+        callbacks=[callback for callback in (merges, spectra) if callback is not None],
     )
+    return trainer, spectra
 
 
-def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dict[str, object], plots: tuple) -> None:
-    """Save the model, export it when ``--export_dir`` asks (into ``results``), write the spectra and the report."""
+def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dict[str, object]) -> None:
+    """Save the model, export it when ``--export_dir`` asks (into ``results``), and write the report."""
     output = Path(cast(str, trainer.args.output_dir))
     trainer.save_model(str(output))  # every rank: under FSDP2 the state is gathered collectively
     if args.export_dir and (
@@ -363,14 +369,7 @@ def _save_and_export(args: PretrainArguments, trainer: PoetTrainer, results: dic
         )
     if trainer.is_world_process_zero():
         output.mkdir(parents=True, exist_ok=True)
-        plot_spectra(plots[0], plots[1], output / "spectra.png", f"{args.method} on {args.preset}")
         (output / "results.json").write_text(json.dumps(results, indent=2))
-
-
-def drift_bound(model: torch.nn.Module, trainer: PoetTrainer) -> float | None:
-    """`neumann_drift_bound` of the run's merges and live rotations (under ZeRO-3 with the skews gathered)."""
-    with gathered_rotations(model):
-        return neumann_drift_bound(model, trainer.merge_callback.history if trainer.merge_callback else [])
 
 
 def validation_curve(initial_loss: float, log_history: list[dict[str, float]]) -> list[tuple[int, float]]:
@@ -423,12 +422,10 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     recipe = replace(recipe, parameters=parameters)
     family_targets = targets_for(config)
     targets = family_targets if isinstance(family_targets, list) else None  # a regex: the rotated layers' own
-    trainer = _trainer(args, training, recipe, model, tokenizer, train, validation)
-    spectra_before = singular_values(model, targets)
+    trainer, spectra = _trainer(args, training, recipe, model, tokenizer, train, validation, targets)
     initial_loss = trainer.evaluate()["eval_loss"]
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     final_loss = trainer.evaluate()["eval_loss"]
-    spectra_after = singular_values(model, targets, gathered_layer if trainer.is_deepspeed_enabled else None)
     results = {
         **trainer.run_info,
         "recipe": recipe.as_dict(),
@@ -445,12 +442,11 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
             (layer.step_state.cache_summary() for _, layer in rotation_layers(model) if layer.step_state.cache_choices),
             None,
         ),
-        "spectrum_drift": spectrum_report(spectra_before, spectra_after),
-        "spectrum_bound": drift_bound(model, trainer),
+        **(spectra.report or {}),
         "train_losses": [log["loss"] for log in trainer.state.log_history if "loss" in log],
         "validation_losses": validation_curve(initial_loss, trainer.state.log_history),
     }
-    _save_and_export(args, trainer, results, plots=(spectra_before, spectra_after))
+    _save_and_export(args, trainer, results)
     return results
 
 
