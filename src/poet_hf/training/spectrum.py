@@ -7,7 +7,7 @@ from typing import TypedDict
 
 import torch
 from torch import nn
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import TrainerCallback, TrainerControl, TrainerState
 
 from ..diagnostics import neumann_drift_bound, plot_spectra, singular_values, spectrum_report
 from .callback import MergeReinitCallback, unwrap
@@ -61,14 +61,14 @@ class SpectrumCallback(TrainerCallback):
             raise ValueError("`SpectrumCallback` reads the `model` the Trainer passes its callbacks; none was passed")
         return singular_values(unwrap(model), self.names, gathered_layer)
 
-    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+    def on_init_end(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         self.before = self._snapshot(model)
 
     def on_train_begin(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         if self.before is None:
             self.before = self._snapshot(model)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+    def on_train_end(self, args, state: TrainerState, control: TrainerControl, model=None, **kwargs):
         self.after = self._snapshot(model)
         assert self.before is not None  # taken at on_init_end or on_train_begin
         with gathered_rotations(unwrap(model)):
