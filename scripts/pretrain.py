@@ -23,13 +23,8 @@ import json
 from transformers import HfArgumentParser
 
 from poet_hf.recipes.cli import training_parser
-from poet_hf.recipes.pretrain import (
-    PretrainArguments,
-    counted_recipe,
-    parse_pretrain_arguments,
-    run_pretraining,
-    run_summary,
-)
+from poet_hf.recipes.pretrain_arguments import PretrainArguments
+from poet_hf.recipes.pretrain_settings import counted_recipe, parse_pretrain_arguments
 from poet_hf.training import PoetTrainingArguments
 from poet_hf.training.distributed import end_distributed
 
@@ -44,6 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
         recipe = counted_recipe(args, training).as_dict()
         print(json.dumps(recipe, indent=2))
         return recipe
+    # The run's modules (the trainer, the data libraries) load after parsing, so --help does without them.
+    from poet_hf.recipes.pretrain import run_pretraining, run_summary
+
     results = run_pretraining(args, training)
     print(json.dumps(run_summary(results), indent=2))
     print(

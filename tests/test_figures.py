@@ -70,6 +70,7 @@ def test_a_figure_in_prose_changed_by_hand_fails_and_an_unknown_name_is_reported
 FLOORS = {
     ("fold", "floor_mb"): "peak_above_mb",  # the fold's memory above the layer's codes
     ("pretrain_step", "cache floor MB"): "POET cache MB",  # the rotation caches' blocks and pending gradients
+    ("import_time", "floor_s"): "seconds",  # a training script's --help imports what its parser's classes import
 }
 
 
@@ -96,9 +97,8 @@ def test_every_recorded_floor_is_registered_and_at_or_below_its_measurement():
             assert row[measured] >= row[floor], (name, row)
 
 
-def test_eco_layers_and_the_import_cost_are_above_their_floors():
-    """The plain dilated convolution is the floor of any convolution of its shape (benchmarks/suites/eco.py), and
-    importing poet_hf costs at least importing PEFT (benchmarks/suites/import_time.py)."""
+def test_eco_layers_are_above_their_floor():
+    """The plain dilated convolution is the floor of any convolution of its shape (benchmarks/suites/eco.py)."""
     groups: dict[tuple[str, str], dict[str, float]] = {}
     for row in _rows_with("eco", "ms_per_batch"):
         groups.setdefault((row["what"], row["shape"]), {})[row["layer"]] = row["ms_per_batch"]
@@ -106,7 +106,6 @@ def test_eco_layers_and_the_import_cost_are_above_their_floors():
     for group, layers in groups.items():
         if "plain_dilated" in layers:
             assert min(layers.values()) == layers["plain_dilated"], group
-    assert all(row["poet_hf/peft"] >= 1.0 for row in _rows_with("import_time", "poet_hf/peft"))
 
 
 def test_a_number_typed_into_the_prose_fails_the_check_naming_page_and_line(checkout):

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "src" / "poet_hf"
 # Which parts of poet_hf each part may import (itself always). A part is the first name below `poet_hf.`.
 ALLOWED = {
     "_version": set(),
-    "_quiet_imports": set(),  # optional packages' logging no POET user acts on (kernels at import, DeepSpeed's probe)
+    "_quiet_imports": set(),  # imports no feature asked for kept out: PEFT's hook, lazy names, optional packages' logs
     "allocator": set(),  # the C allocator's setting: ctypes only
     "dtypes": set(),  # one reading of a dtype's name (bf16 and bfloat16 alike)
     "orthogonal": set(),  # the mathematics, FeedbackGD and weight spectra included
@@ -39,6 +39,7 @@ ALLOWED = {
         "diagnostics",
         "export",
         "checkpoints",
+        "_quiet_imports",
     },
 }
 # Runs: pretraining, fine-tuning, presets, the vision run, the scripts' options, the planner; above all the library.

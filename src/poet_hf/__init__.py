@@ -1,31 +1,55 @@
 """poet_hf: orthogonal-equivalence training (POET, OFT, orthogonal layers) for the Hugging Face stack.
 
-Importing this package registers the POET, OFT and orthogonal tuners with stock PEFT, so
-``peft.get_peft_model(model, PoetConfig(...))`` and ``PeftModel.from_pretrained`` work unchanged. That and the
-config classes are all it imports; the trainer, export and Hub helpers load on first use (PEP 562), and the
-vision models register with the Auto classes when ``poet_hf.vision.lipconvnet`` is imported.
+The POET, OFT and orthogonal tuners register with stock PEFT as soon as PEFT is imported, by whom it does not matter,
+so ``peft.get_peft_model(model, PoetConfig(...))`` and ``PeftModel.from_pretrained`` work unchanged after
+``import poet_hf``. The import itself is light: every public name loads on first use (PEP 562), so it imports
+neither PEFT nor transformers' models, nor through them bitsandbytes, torchao, DeepSpeed or kernels (see
+``_quiet_imports``). The vision models register with the Auto classes when ``poet_hf.vision.lipconvnet`` is imported.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import sys
+from typing import TYPE_CHECKING
 
-from ._quiet_imports import quiet_optional_kernels
+from ._quiet_imports import lazy_attributes, run_after_peft_loads
+from ._version import __version__ as __version__
 
-with quiet_optional_kernels():  # PEFT imports torchao and bitsandbytes where installed: see _quiet_imports
-    from .tuners.registry import register_tuners
+if TYPE_CHECKING:  # what the names below resolve to, for type checkers and editors
+    from .export import export_merged as export_merged
+    from .export import export_peft_adapter as export_peft_adapter
+    from .export import push_merged_to_hub as push_merged_to_hub
+    from .recipes.memory_plan import plan_memory as plan_memory
+    from .training import MergeReinitCallback as MergeReinitCallback
+    from .training import PoetTrainer as PoetTrainer
+    from .training import PoetTrainingArguments as PoetTrainingArguments
+    from .training import create_poet_optimizer as create_poet_optimizer
+    from .tuners.oft import OftConfig as OftConfig
+    from .tuners.orthogonal_layers import OrthogonalConfig as OrthogonalConfig
+    from .tuners.poet import PoetConfig as PoetConfig
+    from .tuners.poet import merge_and_reinit as merge_and_reinit
+    from .tuners.rotation.caches import defer_rotation_grads as defer_rotation_grads
+    from .tuners.rotation.layer import flush_rotation_caches as flush_rotation_caches
+    from .tuners.rotation.quantization import keep_quantized_layout as keep_quantized_layout
 
-register_tuners()
 
-from ._version import __version__ as __version__  # noqa: E402
-from .tuners.oft import OftConfig  # noqa: E402
-from .tuners.orthogonal_layers import OrthogonalConfig  # noqa: E402
-from .tuners.poet import PoetConfig, merge_and_reinit  # noqa: E402
-from .tuners.rotation.caches import defer_rotation_grads  # noqa: E402
-from .tuners.rotation.layer import flush_rotation_caches  # noqa: E402
+def _register_tuners() -> None:
+    """Import ``poet_hf.tuners``, which registers the tuners with PEFT; a tuners package being imported already
+    registers them itself when its import completes."""
+    if "poet_hf.tuners" not in sys.modules:
+        importlib.import_module("poet_hf.tuners")
+
+
+run_after_peft_loads(_register_tuners)
 
 _LAZY_EXPORTS = {
+    "PoetConfig": "poet_hf.tuners.poet",
+    "merge_and_reinit": "poet_hf.tuners.poet",
+    "OftConfig": "poet_hf.tuners.oft",
+    "OrthogonalConfig": "poet_hf.tuners.orthogonal_layers",
+    "defer_rotation_grads": "poet_hf.tuners.rotation.caches",
+    "flush_rotation_caches": "poet_hf.tuners.rotation.layer",
     "PoetTrainer": "poet_hf.training",
     "PoetTrainingArguments": "poet_hf.training",
     "MergeReinitCallback": "poet_hf.training",
@@ -37,24 +61,5 @@ _LAZY_EXPORTS = {
     "keep_quantized_layout": "poet_hf.tuners.rotation.quantization",
 }
 
-__all__ = [
-    "PoetConfig",
-    "OftConfig",
-    "OrthogonalConfig",
-    "merge_and_reinit",
-    "defer_rotation_grads",
-    "flush_rotation_caches",
-    *_LAZY_EXPORTS,
-]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY_EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__ = list(_LAZY_EXPORTS)
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY_EXPORTS)

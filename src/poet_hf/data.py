@@ -12,8 +12,6 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
-
 EMBEDDED_DIR = Path(__file__).resolve().parent / "data"
 EMBEDDED_CORPUS = "embedded"
 EMBEDDED_TRAIN_PLAYS = (
@@ -32,14 +30,17 @@ EMBEDDED_TRAIN_PLAYS = (
 EMBEDDED_VALIDATION_PLAYS = ("as_you_like_it",)
 LOCAL_SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv"}
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # `datasets` (and with it pyarrow and pandas) loads with the first corpus, not with the options
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
     from transformers import PreTrainedTokenizerBase
 
-AnyDatasetDict: TypeAlias = DatasetDict | IterableDatasetDict
+    AnyDatasetDict: TypeAlias = DatasetDict | IterableDatasetDict
 
 
 def load_embedded_corpus() -> DatasetDict:
     """The bundled corpus as ``DatasetDict(train, validation)``, one row per play (column ``text``)."""
+    from datasets import Dataset, DatasetDict
+
     with gzip.open(EMBEDDED_DIR / "shakespeare.jsonl.gz", "rt", encoding="utf-8") as handle:
         rows = [json.loads(line) for line in handle]
     return DatasetDict(
@@ -68,6 +69,8 @@ def load_corpus(
     """
     if source == EMBEDDED_CORPUS:
         return load_embedded_corpus()
+    from datasets import DatasetDict, IterableDatasetDict, load_dataset
+
     path = Path(source)
     if path.exists():
         files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_SUFFIXES) if path.is_dir() else [path]
@@ -159,6 +162,8 @@ def pack_sequences(
         rows = [stream[i : i + seq_len] for i in range(0, usable, seq_len)]
         return {"input_ids": rows, "labels": [list(row) for row in rows]}
 
+    from datasets import IterableDataset
+
     kwargs = {} if isinstance(corpus, IterableDataset) else {"desc": f"packing into {seq_len}-token sequences"}
     return corpus.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=corpus.column_names, **kwargs)
 
@@ -184,6 +189,8 @@ def pad_documents(
             for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
         ]
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "labels": labels}
+
+    from datasets import IterableDataset
 
     kwargs = {} if isinstance(corpus, IterableDataset) else {"desc": f"truncating / padding to {seq_len} tokens"}
     return corpus.map(encode, batched=True, batch_size=1000, remove_columns=corpus.column_names, **kwargs)

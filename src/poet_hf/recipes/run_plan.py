@@ -15,7 +15,7 @@ from ..training.arguments import PoetTrainingArguments
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
 from .presets import meta_recipe_model
-from .pretrain import model_config, recipe_flags, resolve_recipe, run_tokenizer
+from .pretrain_settings import model_config, recipe_flags, resolve_recipe, run_tokenizer
 from .pretrain_arguments import PretrainArguments
 from .recipe import PretrainRecipe
 
@@ -33,7 +33,7 @@ def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainAr
     The recipe's defaults depend on the number of processes (the accumulation that reaches the global batch), which
     a launcher passes as ``WORLD_SIZE``; the flags left to the recipe take its values for ``processes``."""
     from .cli import given_training_flags
-    from .pretrain import parse_pretrain_arguments
+    from .pretrain_settings import parse_pretrain_arguments
 
     args, training = parse_pretrain_arguments(argv)
     if processes:  # the batch plan as the launch's parse would make it
