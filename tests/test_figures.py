@@ -70,7 +70,6 @@ def test_a_figure_in_prose_changed_by_hand_fails_and_an_unknown_name_is_reported
 FLOORS = {
     ("fold", "floor_mb"): "peak_above_mb",  # the fold's memory above the layer's codes
     ("pretrain_step", "cache floor MB"): "POET cache MB",  # the rotation caches' blocks and pending gradients
-    ("import_time", "floor_s"): "seconds",  # a training script's --help imports what its parser's classes import
 }
 
 
