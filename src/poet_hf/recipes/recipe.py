@@ -1,4 +1,4 @@
-"""A resolved pretraining recipe: every value of a run, typed (`poet_hf.recipes.pretrain_settings.resolve_recipe` builds it).
+"""A resolved pretraining recipe: every value of a run, typed (`pretrain_settings.resolve_recipe` builds it).
 
 `PretrainRecipe.as_dict` is what ``--print_recipe`` prints and ``results.json`` records under ``"recipe"``: one flat
 mapping, the method's settings beside the run's.

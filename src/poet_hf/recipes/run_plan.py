@@ -15,8 +15,8 @@ from ..training.arguments import PoetTrainingArguments
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
 from .presets import meta_recipe_model
-from .pretrain_settings import model_config, recipe_flags, resolve_recipe, run_tokenizer
 from .pretrain_arguments import PretrainArguments
+from .pretrain_settings import model_config, recipe_flags, resolve_recipe, run_tokenizer
 from .recipe import PretrainRecipe
 
 if TYPE_CHECKING:
