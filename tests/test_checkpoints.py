@@ -293,3 +293,31 @@ def test_a_damaged_checkpoint_fails_at_resume_naming_the_checkpoint(finished_run
     with pytest.raises(AdapterStateError, match="is not a permutation") as error:
         trainer.train(resume_from_checkpoint=str(copy))
     assert str(copy) in str(error.value)
+
+
+# --- a pretraining run rerun at its end --------------------------------------------------------------------------------
+PRETRAIN_WORKER = HERE / "workers" / "pretrain_worker.py"
+# Eight steps, a checkpoint at 4 and 8, merges at 3 and 6: the rerun must rebuild the merges' history too.
+PRETRAIN_ARGS = ["--max_steps", "8", "--save_steps", "4", "--merge_every", "3", "--max_eval_samples", "32"]
+PRETRAIN_ARGS += ["--logging_steps", "2", "--resume_from_checkpoint", "auto"]
+# What a rerun cannot reproduce: the time it took, and what cache_rotations="auto" chose at the first step it ran.
+NOT_REPRODUCED = {"wall_time_s", "rotation_caches"}
+
+
+@pytest.mark.slow
+def test_a_pretraining_run_killed_before_its_results_reruns_to_the_same_results(tmp_path):
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    prewarmed.run(PRETRAIN_WORKER, [*PRETRAIN_ARGS, "--output_dir", reference], tmp_path / "reference.log", env=ENV)
+    launch = prewarmed.start(
+        PRETRAIN_WORKER, ["--die_before_results", *PRETRAIN_ARGS, "--output_dir", killed], tmp_path / "kill.log", ENV
+    )
+    assert launch.wait(600) == -signal.SIGKILL, (tmp_path / "kill.log").read_text()[-3000:]
+    assert _checkpoint_names(killed) == ["checkpoint-4", "checkpoint-8"] and not (killed / "results.json").exists()
+    for attempt in ("rerun", "rerun of the finished run"):  # the job requeued, then the same command once more
+        prewarmed.run(PRETRAIN_WORKER, [*PRETRAIN_ARGS, "--output_dir", killed], tmp_path / f"{attempt}.log", env=ENV)
+        assert "the run is complete" in (tmp_path / f"{attempt}.log").read_text(), attempt
+        assert _checkpoint_names(killed) == ["checkpoint-4", "checkpoint-8"]  # no step taken
+        expected, got = (json.loads((folder / "results.json").read_text()) for folder in (reference, killed))
+        assert got["spectrum_drift"]["max_drift"] > 0 and got["merges"] == 2
+        differing = {key for key in expected.keys() | got.keys() if expected.get(key) != got.get(key)}
+        assert differing <= NOT_REPRODUCED, {key: (expected.get(key), got.get(key)) for key in differing}

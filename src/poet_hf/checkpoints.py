@@ -286,6 +286,11 @@ class CrashSafeTrainer(Trainer):
             self.state.global_step,
             self.state.max_steps,
         )
+        # The callbacks see a run of no steps, begun and ended on the checkpoint: what they report at the end (the
+        # spectrum's drift from the initial weights, the merges' history restored from the checkpoint) is the finished
+        # run's, as an uninterrupted run would have reported it.
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         losses = [log["loss"] for log in self.state.log_history if "loss" in log]
         return TrainOutput(
             self.state.global_step,
