@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hub_stand_in import StandInHub
+from hub_stand_in import StandInHub, reach_stand_in
 from script_modules import load_module
 from tolerances import tiny_model_tolerance
 from training_utils import free_port
@@ -68,7 +68,7 @@ def test_lipconvnet_is_certified_reloaded_and_pushed_to_a_hub(tmp_path, monkeypa
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     with StandInHub() as hub:
-        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        reach_stand_in(monkeypatch, hub)
         monkeypatch.setenv("HF_TOKEN", "hf_stand_in_token")
         result = lipconvnet.run(
             lipconvnet.parse_args(

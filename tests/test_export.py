@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hub_stand_in import StandInHub
+from hub_stand_in import StandInHub, reach_stand_in
 from models import tiny_gpt2, tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
@@ -544,8 +544,25 @@ def test_push_errors_from_the_hub_are_readable_and_leave_the_folder(tmp_path, mo
     with pytest.raises(HubPushError, match="no Hugging Face token .*HF_TOKEN"):
         push_merged_to_hub(export, "someone/tiny-poet", endpoint="http://127.0.0.1:9")
     with StandInHub(missing_repo=True) as hub:
+        reach_stand_in(monkeypatch, hub)
         with pytest.raises(HubPushError, match="no model repo 'someone/data' .*dataset or Space"):
             push_merged_to_hub(export, "someone/data", token="hf_stand_in_token", endpoint=hub.url)
     assert folder_bytes(export) == before
     with pytest.raises(HubPushError, match="does not look like an export"):
         push_merged_to_hub(tmp_path, "someone/x", token="t", endpoint="http://127.0.0.1:9")
+
+
+def test_an_export_does_not_depend_on_the_exporting_machines_offline_mode(tmp_path, adapter_dir, monkeypatch):
+    """transformers records how a tokenizer was loaded (``local_files_only``, which ``HF_HUB_OFFLINE`` turns on) in
+    its ``tokenizer_config.json``; an export leaves it out, so online and offline machines write the same files."""
+    import huggingface_hub.constants
+
+    adapter_dir, _ = adapter_dir
+    modes = {}
+    for offline in (False, True):
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", offline)
+        modes[offline] = folder_bytes(
+            export_merged(adapter_dir, tmp_path / f"offline-{offline}" / "export", spectrum=False)
+        )
+    assert modes[True] == modes[False]
+    assert "local_files_only" not in json.loads(modes[True]["tokenizer_config.json"])

@@ -76,3 +76,13 @@ class StandInHub:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+
+
+def reach_stand_in(monkeypatch, hub: StandInHub) -> None:
+    """Point this process's huggingface_hub at ``hub``, in online mode, whatever the machine's environment says:
+    huggingface_hub reads ``HF_HUB_OFFLINE`` once, at import, so the test lifts it there too."""
+    import huggingface_hub.constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)

@@ -127,13 +127,32 @@ def export_merged(
     def write(folder: Path) -> None:
         plain.save_pretrained(folder, max_shard_size=max_shard_size)
         if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+            save_processor(tokenizer, folder)
         card.save(folder / "README.md")
 
     write_atomically(output, write)
     if sharded:
         barrier()
     return output
+
+
+# How a tokenizer was loaded, which transformers records with its settings: an export would otherwise carry the
+# exporting machine's offline mode (HF_HUB_OFFLINE sets local_files_only) into every recipient's load.
+LOADING_OPTIONS = ("local_files_only",)
+
+
+def save_processor(processor: Processor, folder: Path) -> None:
+    """``processor.save_pretrained(folder)``, without the options it was loaded with (`LOADING_OPTIONS`); the
+    processor itself is left as it was."""
+    init_kwargs = getattr(processor, "init_kwargs", None)
+    if not isinstance(init_kwargs, dict) or not set(LOADING_OPTIONS) & set(init_kwargs):
+        processor.save_pretrained(folder)
+        return
+    kept = {key: init_kwargs.pop(key) for key in LOADING_OPTIONS if key in init_kwargs}
+    try:
+        processor.save_pretrained(folder)
+    finally:
+        init_kwargs.update(kept)
 
 
 def check_output_dir(output: Path, overwrite: bool, source_dir: Path | None) -> None:
