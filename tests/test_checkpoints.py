@@ -295,7 +295,7 @@ def test_a_damaged_checkpoint_fails_at_resume_naming_the_checkpoint(finished_run
     assert str(copy) in str(error.value)
 
 
-# --- a pretraining run rerun at its end --------------------------------------------------------------------------------
+# --- a pretraining run rerun at its end -------------------------------------------------------------------------------
 PRETRAIN_WORKER = HERE / "workers" / "pretrain_worker.py"
 # Eight steps, a checkpoint at 4 and 8, merges at 3 and 6: the rerun must rebuild the merges' history too.
 PRETRAIN_ARGS = ["--max_steps", "8", "--save_steps", "4", "--merge_every", "3", "--max_eval_samples", "32"]

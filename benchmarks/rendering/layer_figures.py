@@ -154,6 +154,23 @@ def import_time_table(load: Load) -> str:
     return markdown_table(["command", "seconds", "/ `import peft`", "optional backends imported"], rows)
 
 
+def nonfinite_check_table(load: Load) -> str:
+    """The non-finite step check against Trainer's clip, as a fraction of a step (docs/benchmarks.md)."""
+    rows = [
+        [
+            r["preset"],
+            r["tokens"],
+            f"{r['forward+backward s']:.2f}",
+            "{:.1f}".format(r["Trainer's clip ms"]),
+            f"{r['checked clip ms']:.1f}",
+            f"{r['check cost / step'] * 100:.2f} %",
+        ]
+        for r in load("nonfinite_check")["rows"]
+    ]
+    header = ["model", "tokens", "forward + backward (s)", "Trainer's clip (ms)", "checked clip (ms)", "cost / step"]
+    return markdown_table(header, rows)
+
+
 PARSER_IMPORTS = "import poet_hf, transformers.training_args"  # the import_time suite's row of that name
 
 
@@ -220,6 +237,7 @@ LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "poet_layer": poet_layer_table,
     "oft_layer": oft_layer_table,
     "import_time": import_time_table,
+    "nonfinite_check": nonfinite_check_table,
     "finetune_step": finetune_step_table,
     "finetune_accumulation": finetune_accumulation_table,
 }
@@ -264,6 +282,8 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "import_time.stack_vs_peft": lambda load: ratio(import_row(load, "import poet_hf, peft")["/ import peft"]),
     "import_time.help": lambda load: f"{import_row(load, 'scripts/pretrain.py --help')['seconds']:.1f} s",
     "import_time.help_parser": lambda load: f"{import_row(load, PARSER_IMPORTS)['seconds']:.1f} s",
+    "nonfinite_check.source": lambda load: provenance(load("nonfinite_check")),
+    "nonfinite_check.cost": lambda load: f"{load('nonfinite_check')['rows'][0]['check cost / step'] * 100:.1f} %",
     "fold.floor": lambda load: mib(fold_row(load, "by rows")["floor_mb"]),
     "fold.memory_ratio": lambda load: ratio(fold_row(load, "by rows")["memory_vs_whole"]),
     "fold.time_ratio": lambda load: ratio(fold_row(load, "by rows")["time_vs_whole"]),

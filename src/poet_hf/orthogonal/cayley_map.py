@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -93,6 +94,9 @@ class CayleyNeumann(OrthogonalMap):
     ) -> torch.Tensor:
         q = skew_from_vector(vec, block_size)
         return skew_spectral_norm(q) if estimate else torch.linalg.matrix_norm(q, ord=2)
+
+    def domain_radius(self) -> float:
+        return math.inf if self.terms == 0 else 1.0  # (I − Q)^{-1} = Σ Q^j converges for ||Q||_2 < 1
 
     def deviation_bound(self, generator_norm: torch.Tensor) -> torch.Tensor:
         return neumann_error_bound_at_norm(generator_norm, self.terms)

@@ -120,5 +120,8 @@ class HouseholderProduct(OrthogonalMap):
         angles = torch.linalg.eigvals(blocks).angle().abs().amax(-1)
         return torch.tan(angles / 2).to(blocks.dtype)
 
+    def domain_radius(self) -> float:
+        return math.inf  # a product of reflections is orthogonal for any vectors
+
     def deviation_bound(self, generator_norm: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(generator_norm)

@@ -156,6 +156,15 @@ class OrthogonalMap(Protocol):
         """
         ...
 
+    def domain_radius(self) -> float:
+        """The generator norm ``||Q||_2`` (`generator_norms`) at which the map stops making rotations: a truncated
+        series' radius of convergence. A merge refuses to fold a block at or past it.
+
+        Returns:
+            The radius; ``math.inf`` for a map whose blocks are orthogonal for any parameters.
+        """
+        ...
+
     def deviation_bound(self, generator_norm: torch.Tensor) -> torch.Tensor:
         """Per block, the bound on any singular value's relative change from 1 (0 for an exactly orthogonal map).
 

@@ -66,6 +66,13 @@ class PoetTrainingArguments(TrainingArguments):
             "rest). Needs gradient_accumulation_steps=1, no fp16 and one process."
         },
     )
+    max_consecutive_nonfinite_steps: int = field(
+        default=10,
+        metadata={
+            "help": "A step whose loss or gradient norm is not finite is skipped (nothing updated), named in a "
+            "warning and counted; this many in a row stop the run with an error, its last checkpoint intact."
+        },
+    )
 
     vocab_weights_dtype: str = field(
         default="float32",
@@ -91,6 +98,7 @@ class PoetTrainingArguments(TrainingArguments):
             )
         if self.merge_every is not None:
             check_positive_int("merge_every", self.merge_every)
+        check_positive_int("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps)
         if self.poet_learning_rate is not None and self.poet_learning_rate < 0:
             raise ValueError(f"`poet_learning_rate` must be >= 0, got {self.poet_learning_rate!r}")
         if self.poet_reference_block == 0:  # the command line's way to say None

@@ -91,6 +91,8 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._norms_sq: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's latest squared gradient norm
         self._reached: set[torch.Tensor] = set()  # the parameters that stepped in this step's backward
         self._running_sq: torch.Tensor | None = None  # the sum of _norms_sq, updated as the backward goes
+        self.skip_backward = False  # set before a backward whose loss is not finite: it steps nothing
+        self.nonfinite: list[torch.Tensor] = []  # this step's parameters left unstepped for a non-finite gradient
         probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)  # the class's defaults, with kwargs
         super().__init__(groups, dict(probe.defaults))
         self._inner: list[torch.optim.Optimizer] = []
@@ -124,9 +126,11 @@ class FusedStepOptimizer(torch.optim.Optimizer):
             bounded = chunked_cpu_updates
 
         def step_and_free(param: torch.Tensor) -> None:
+            if self.skip_backward or not self._clip(param):
+                param.grad = None  # nothing steps: its state, norm and value stay as they were
+                return
             group = self.param_groups[index]  # looked up now: a scheduler or a loaded state may have replaced it
             _copy_hyperparameters(group, inner.param_groups[0])
-            self._clip(param)
             with bounded():
                 inner.step()
             param.grad = None
@@ -138,13 +142,18 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         return value if value and value > 0 else None
 
     @torch.no_grad()
-    def _clip(self, param: torch.Tensor) -> None:
-        """Record ``param``'s gradient norm, then scale its gradient by ``min(1, max_grad_norm / N)``.
+    def _clip(self, param: torch.Tensor) -> bool:
+        """Record ``param``'s gradient norm, then scale its gradient by ``min(1, max_grad_norm / N)``; ``False``, and
+        nothing recorded, for a non-finite gradient (`nonfinite`).
 
         ``N`` is the running estimate of the global norm; the coefficient is ``torch.nn.utils.clip_grad_norm_``'s.
-        Norms stay tensors on the gradient's device, so a GPU backward never waits for the host."""
+        Norms stay tensors on the gradient's device; the finiteness check reads one per parameter (free on a CPU, a
+        wait for the device on a GPU)."""
         grad = cast(torch.Tensor, param.grad)
         norm_sq = _squared_norm(grad)
+        if not bool(torch.isfinite(norm_sq)):
+            self.nonfinite.append(param)
+            return False
         previous = self._norms_sq.get(param)
         running = self._running_sq.to(grad.device) if self._running_sq is not None else torch.zeros_like(norm_sq)
         self._running_sq = running + norm_sq - (previous if previous is not None else 0.0)
@@ -154,6 +163,7 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         if threshold is not None:
             estimate = self._running_sq.clamp(min=0).sqrt()
             grad.mul_((threshold / (estimate + 1e-6)).clamp(max=1.0).to(grad.dtype))
+        return True
 
     def _total_sq(self, params: Iterable[torch.Tensor]) -> torch.Tensor | None:
         norms = [self._norms_sq[p] for p in params]
@@ -195,6 +205,7 @@ class FusedStepOptimizer(torch.optim.Optimizer):
             self._norms_sq = {p: n for p, n in self._norms_sq.items() if p in self._reached}
             self._running_sq = self._total_sq(self._norms_sq)
             self._reached = set()
+        self.skip_backward, self.nonfinite = False, []
         return None if closure is None else closure()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,6 +21,7 @@ from ..tuners.tuner_base import base_model_of
 from .callback import MergeReinitCallback, unwrap
 from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
+from .nonfinite import NonFiniteGuard, NonFiniteStepError, clip_to_norm, total_grad_norm
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
 from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, prepare_for_zero, whole_state_dict
 
@@ -92,6 +94,7 @@ class PoetTrainer(CrashSafeTrainer):
         if residual_folder:
             set_residual_folder(self._unwrapped_model(), residual_folder)
         self.run_info = dict(run_info or {})
+        self.nonfinite = NonFiniteGuard(getattr(self.args, "max_consecutive_nonfinite_steps", 10))
         self.has_poet = bool(rotation_layers(self._unwrapped_model()))
         if self.has_poet:
             plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
@@ -148,19 +151,81 @@ class PoetTrainer(CrashSafeTrainer):
         )
         return self.optimizer
 
-    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        """Trainer's clip; with fused steps, the norm the `FusedStepOptimizer` measured and clipped by in the backward
-        (its gradients are already freed)."""
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """Trainer's step of one micro-batch; its loss's finiteness is noted for the step's check (`nonfinite`)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.nonfinite.note_loss(loss)
+        return loss
+
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loss; with fused steps, a non-finite training loss has its backward step nothing."""
+        result = super().compute_loss(model, inputs, *args, **kwargs)
         fused = self._fused_optimizer()
-        if fused is None:
+        if fused is not None and model.training:
+            loss = result[0] if isinstance(result, tuple) else result
+            fused.skip_backward = not bool(torch.isfinite(loss.detach()).all())
+        return result
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The global gradient norm, checked (`nonfinite`) before it clips: a non-finite step is skipped, not clipped.
+
+        With fused steps, the norm the `FusedStepOptimizer` measured and clipped by in the backward (its gradients
+        are already freed); under DeepSpeed, which clips inside its step, Trainer's."""
+        fused = self._fused_optimizer()
+        if fused is not None:
+            self._check_fused_step(fused)
+            return torch.tensor(fused.grad_norm)
+        if not self._skips_nonfinite_steps():
             return super()._clip_grad_norm(model)
-        return torch.tensor(fused.grad_norm)
+        self.accelerator.unscale_gradients()
+        params = list(model.parameters())
+        total = total_grad_norm(params)
+        if self._finite_step(total):
+            clip_to_norm(params, self.args.max_grad_norm, total)
+        return total
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         fused = self._fused_optimizer()
-        if fused is None or grad_norm is not None:
-            return super()._get_grad_norm(model, grad_norm=grad_norm)
-        return fused.grad_norm
+        if fused is not None and grad_norm is None:
+            self._check_fused_step(fused)
+            return fused.grad_norm
+        if grad_norm is None and self._skips_nonfinite_steps():  # no clip this run: the check on its own
+            grad_norm = total_grad_norm(model.parameters())
+            self._finite_step(grad_norm)
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.is_deepspeed_enabled and not self.nonfinite.step_is_finite(norm)[0]:
+            cause = self.nonfinite.describe(self._unwrapped_model(), True)
+            raise NonFiniteStepError(
+                f"step {self.state.global_step + 1} is not finite ({cause}); DeepSpeed steps inside the backward and "
+                "cannot skip a step, so the run stops here, its last checkpoint intact"
+            )
+        return norm
+
+    def _skips_nonfinite_steps(self) -> bool:
+        """Whether this run's step can be skipped after the backward: not under DeepSpeed or FSDP1, which clip and
+        step themselves."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        return not self.is_deepspeed_enabled and not (self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 2) == 1)
+
+    def _finite_step(self, grad_norm: torch.Tensor) -> bool:
+        """Check the step (`NonFiniteGuard`): ``True`` when it goes ahead; else it is skipped, its gradients dropped."""
+        finite, loss_finite = self.nonfinite.step_is_finite(grad_norm)
+        if finite:
+            self.nonfinite.passed()
+            return True
+        self.nonfinite.skip(self._unwrapped_model(), self.optimizer, self.state.global_step + 1, loss_finite)
+        return False
+
+    def _check_fused_step(self, fused: FusedStepOptimizer) -> None:
+        """Count a fused step whose backward stepped nothing (a non-finite loss) or skipped a parameter."""
+        finite, loss_finite = self.nonfinite.step_is_finite(0.0 if not fused.skip_backward else math.nan)
+        names = {id(p): n for n, p in self._unwrapped_model().named_parameters()}
+        skipped = [names.get(id(p), "?") for p in fused.nonfinite]
+        if finite and not skipped:
+            self.nonfinite.passed()
+            return
+        cause = "the loss is not finite; nothing stepped" if not finite else f"non-finite gradients of {skipped}"
+        self.nonfinite.skip(self._unwrapped_model(), self.optimizer, self.state.global_step + 1, loss_finite, cause)
 
     def _fused_optimizer(self) -> FusedStepOptimizer | None:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # under Accelerate's wrapper

@@ -319,21 +319,22 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
                 )
 
     @torch.no_grad()
-    def merge_and_reinit(self, adapter_name: str) -> dict[str, float]:
+    def merge_and_reinit(self, adapter_name: str, stats: dict[str, float] | None = None) -> dict[str, float]:
         """Fold R and P into ``W0``, reset the rotations to the identity, and draw fresh permutations / index sets.
 
         A quantised ``W0`` is dequantised, rotated and requantised by the adapter's ``requantize`` mode
-        (`requantize`); a large 4-bit one a group of rows at a time (`poet_hf.tuners.rotation.row_fold`).
+        (`requantize`), a large 4-bit one by groups of rows (`row_fold`); `fold_checks` first, for the model.
 
-        Returns the pre-merge [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics], with
-        ``requantization_error`` for a quantised base.
+        Returns the pre-merge [`block_statistics`][poet_hf.orthogonal.statistics.block_statistics] (``stats``, where
+        the caller computed them), with ``requantization_error`` for a quantised base.
         """
         if self.merged:
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         self.flush_rotation_caches()  # deferred gradients belong to the rotations about to be folded
-        stats = block_statistics(
-            self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].orthogonal_map
-        )
+        if stats is None:
+            stats = block_statistics(
+                self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].orthogonal_map
+            )
         count = int(self.merge_counts[adapter_name]) + 1
         if foldable_by_rows(self, adapter_name):  # a large 4-bit W0: a group of rows at a time
             self.attach_residual_store(adapter_name)
@@ -350,6 +351,20 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
             _reset_to_identity(self, adapter_name, side, count)
             indices[adapter_name].copy_(self._draw_index(adapter_name, side, count))
         return stats
+
+
+@torch.no_grad()
+def reset_rotation(layer: RotationLayer, adapter_name: str, side: str) -> None:
+    """Reset one side's rotation to the identity, as a merge does, without folding it: the layer computes what it
+    computed after its last merge (the permutations stay).
+
+    Args:
+        layer: the rotation layer.
+        adapter_name: the adapter.
+        side: ``"input"`` (R) or ``"output"`` (P).
+    """
+    layer.fused.drop()  # rotation blocks cached from the parameters being replaced
+    _reset_to_identity(layer, adapter_name, side, int(layer.merge_counts[adapter_name]))
 
 
 def _reset_to_identity(layer: RotationLayer, adapter_name: str, side: str, merge_count: int) -> None:

@@ -14,11 +14,13 @@ from peft.config import PeftConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from ...orthogonal.statistics import block_statistics
 from ..config_utils import holds_full_model
 from ..tuner_base import LayerReplacingTuner
 from .block_sizes import record_adjusted_block_sizes
 from .caches import RotationStepState
 from .config import RotationConfig
+from .fold_checks import check_finite_rotations, check_foldable_blocks
 from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
 from .quantization import adopt_base, drop_residual, quantization_of
@@ -285,15 +287,25 @@ def merge_and_reinit(
         ValueError: no POET layer holds the adapter.
         ResidualSpaceError: the residual files would not fit the residual folder's disk
             (`poet_hf.tuners.rotation.residual_folder`); nothing is folded.
+        RotationFoldError: a layer's rotation is not finite, or not a rotation the map can fold
+            (`poet_hf.tuners.rotation.fold_checks`); nothing is folded.
     """
     layers = rotation_layers(model, adapter_name)
     if not layers:
         raise ValueError(f"no POET layer with adapter '{adapter_name}' found in {type(model).__name__}")
     prepare_residual_files(model, adapter_name)  # a refusal before any layer folds leaves the model as it was
-    stats = []
-    for _, layer in layers:
+    checked = []
+    for name, layer in layers:  # every layer is checked before any folds (`fold_checks`)
         with layer_context(layer) if layer_context else nullcontext():
-            stats.append(layer.merge_and_reinit(adapter_name))
+            layer.flush_rotation_caches()  # deferred gradients belong to the rotations about to be checked
+            check_finite_rotations(name, layer, adapter_name)
+            rotations = layer.float64_rotations(adapter_name)
+            check_foldable_blocks(name, layer, adapter_name, rotations)
+            checked.append(block_statistics(rotations, layer.rotation_settings[adapter_name].orthogonal_map))
+    stats = []
+    for (_, layer), layer_stats in zip(layers, checked, strict=True):
+        with layer_context(layer) if layer_context else nullcontext():
+            stats.append(layer.merge_and_reinit(adapter_name, layer_stats))
     summary = {
         "layers": len(layers),
         "merge_count": int(layers[0][1].merge_counts[adapter_name]),
