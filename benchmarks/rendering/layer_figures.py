@@ -163,7 +163,7 @@ def nonfinite_check_table(load: Load) -> str:
             f"{r['forward+backward s']:.2f}",
             "{:.1f}".format(r["Trainer's clip ms"]),
             f"{r['checked clip ms']:.1f}",
-            f"{r['check cost / step'] * 100:.2f} %",
+            f"{r['check cost / step'] * 100:.2g} %",
         ]
         for r in load("nonfinite_check")["rows"]
     ]
@@ -283,7 +283,7 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "import_time.help": lambda load: f"{import_row(load, 'scripts/pretrain.py --help')['seconds']:.1f} s",
     "import_time.help_parser": lambda load: f"{import_row(load, PARSER_IMPORTS)['seconds']:.1f} s",
     "nonfinite_check.source": lambda load: provenance(load("nonfinite_check")),
-    "nonfinite_check.cost": lambda load: f"{load('nonfinite_check')['rows'][0]['check cost / step'] * 100:.1f} %",
+    "nonfinite_check.cost": lambda load: f"{load('nonfinite_check')['rows'][0]['check cost / step'] * 100:.2g} %",
     "fold.floor": lambda load: mib(fold_row(load, "by rows")["floor_mb"]),
     "fold.memory_ratio": lambda load: ratio(fold_row(load, "by rows")["memory_vs_whole"]),
     "fold.time_ratio": lambda load: ratio(fold_row(load, "by rows")["time_vs_whole"]),
