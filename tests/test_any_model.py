@@ -268,12 +268,24 @@ def test_plan_dtype_takes_either_spelling(capsys):
         (["--config_overrides", "hidden_sise=64"], "`config_overrides` entry 'hidden_sise=64'"),
         (["--seq_len", "100000"], "`seq_len`=100000 is longer than the model's `max_position_embeddings`"),
         (["--model_name_or_path", "x", "--config_name", "y"], "`config_name` and `model_name_or_path`"),
+        (["--config_overrides", "vocab_size=100"], "`vocab_size`=100, from --config_overrides) is smaller than the"),
     ],
 )
 def test_bad_model_flags_name_the_field(flags, message, tmp_path, capsys):
     config = write_config(tmp_path, "llama")
     with pytest.raises(ValueError, match=re.escape(message)):
         print_recipe(capsys, ["--config_name", str(config), *flags] if "--config_name" not in flags else flags)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_the_run_writes_anything(tmp_path):
+    """A preset model takes the tokenizer's vocabulary; one set smaller would meet token ids it has no embedding for
+    (an IndexError in the first forward): the run refuses before it loads data or writes into its folder."""
+    args, training = parse_pretrain_arguments(["--config_overrides", "vocab_size=100", "--output_dir", str(tmp_path)])
+    with pytest.raises(
+        ValueError, match=re.escape("is smaller than the tokenizer's 4096 tokens, so token ids from 100")
+    ):
+        run_pretraining(args, training)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_tuner_warns_of_untargeted_block_weights_only_where_they_train_in_full():

@@ -94,7 +94,8 @@ def load_model_config(
         model_name_or_path: a checkpoint (folder or Hub id).
 
     Raises:
-        ValueError: an override names no field of the config, or the config's positions are fewer than ``seq_len``.
+        ValueError: an override names no field of the config, the config's positions are fewer than ``seq_len``, or
+            a preset's vocabulary, or one set by ``config_overrides``, is smaller than the tokenizer's.
     """
     source = model_name_or_path or config_name
     if source is None:
@@ -103,7 +104,15 @@ def load_model_config(
         config = read_config(source)
     if config_overrides:
         config = apply_overrides(config, config_overrides)
-    if source is not None and vocab_size is not None and vocab_size > config.vocab_size:
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        overridden = "vocab_size" in {item.split("=")[0].strip() for item in (config_overrides or "").split(",")}
+        if source is None or overridden:
+            raise ValueError(
+                f"the model's vocabulary (`vocab_size`={config.vocab_size}"
+                f"{', from --config_overrides' if overridden else ''}) is smaller than the tokenizer's {vocab_size} "
+                f"tokens, so token ids from {config.vocab_size} up would have no embedding: pass the model's own "
+                f"tokenizer (--tokenizer_name), or a vocab_size of at least {vocab_size}"
+            )
         config.vocab_size = vocab_size
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and positions < seq_len:
