@@ -119,6 +119,22 @@ def test_pretrains_two_steps_from_a_config_of_each_family(family, tmp_path):
     assert math.isfinite(results["val_loss"]) and results["val_loss"] < results["initial_val_loss"]
 
 
+def test_a_config_that_declares_float16_pretrains_in_float32(tmp_path):
+    """Llama-2's config says ``"torch_dtype": "float16"``, which ``from_config`` honours; the run builds the model in
+    float32 whatever the config says (Adam does not train float16 weights)."""
+    path = write_config(tmp_path, "llama")
+    config = LlamaConfig.from_json_file(str(path))
+    config.torch_dtype = "float16"
+    config.to_json_file(str(path))
+    args, training = parse_pretrain_arguments(
+        ["--config_name", str(path), "--config_overrides", FAMILIES["llama"][1], *SHORT_RUN]
+        + ["--output_dir", str(tmp_path / "run")]
+    )
+    results = run_pretraining(args, training)
+    assert results["steps"] == 2 and math.isfinite(results["val_loss"])
+    assert results["val_loss"] < results["initial_val_loss"]
+
+
 def _checkpoint(folder: Path) -> Path:
     torch.manual_seed(0)
     from transformers import LlamaForCausalLM

@@ -360,6 +360,9 @@ def without_zero3_init() -> contextlib.AbstractContextManager:
 
 
 def meta_model(config: PretrainedConfig) -> nn.Module:
-    """The causal LM of ``config`` on the ``meta`` device: no memory, nothing initialised (`without_zero3_init`)."""
+    """The causal LM of ``config`` on the ``meta`` device: no memory, nothing initialised (`without_zero3_init`).
+
+    In float32 whatever the config's ``torch_dtype`` says (Llama-2's says float16), as a checkpoint's weights are read:
+    a run trains float32 weights, and ``--bf16`` computes in bfloat16 under autocast."""
     with torch.device("meta"), without_zero3_init():
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

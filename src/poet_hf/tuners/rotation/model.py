@@ -31,6 +31,25 @@ class UntargetedWeightsWarning(UserWarning):
     """POET trains more block weights in full than it rotates (block weights that are not linears)."""
 
 
+def refuse_float16_training(trained_in_full: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuse weights that would train in full in float16, naming them, before the model is built or trained.
+
+    Adam's second moments of a float16 weight underflow float16 (a gradient of 1e-4 squares to 1e-8, below its
+    smallest subnormal 6e-8) and its ``eps`` of 1e-8 rounds to 0, so the update divides by zero; an update smaller than
+    float16's precision is lost. Mixed precision keeps float32 weights for this reason. The adapters stay float32 and
+    a frozen ``W0`` may stay in 16 bits."""
+    half = [name for name, param in trained_in_full if param.dtype == torch.float16]
+    if half:
+        shown = ", ".join(half[:3]) + (f" and {len(half) - 3} more" if len(half) > 3 else "")
+        raise ValueError(
+            f"`train_other_params` would train {len(half)} float16 weight(s) in full ({shown}): Adam does not train "
+            "float16 weights (its moments in float16 underflow, its eps rounds to 0). Build the model in float32 or "
+            "bfloat16, e.g. "
+            "AutoModelForCausalLM.from_config(config, dtype=torch.float32), whatever the config's torch_dtype says; "
+            "a frozen W0 may still be stored in 16 or 4 bits (base_quantization)"
+        )
+
+
 def warn_weights_outside_targets(model: nn.Module, trained_in_full: list[tuple[str, nn.Parameter]]) -> None:
     """Warn where the weights trained in full, embeddings, head and norms aside, outnumber those POET rotates.
 
@@ -151,6 +170,7 @@ class RotationModel(LayerReplacingTuner):
             for _, param in others:
                 param.requires_grad = True
             if not all(config.inference_mode for config in configs):
+                refuse_float16_training(others)
                 warn_weights_outside_targets(model, others)
 
     @classmethod
