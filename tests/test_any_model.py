@@ -119,6 +119,24 @@ def test_pretrains_two_steps_from_a_config_of_each_family(family, tmp_path):
     assert math.isfinite(results["val_loss"]) and results["val_loss"] < results["initial_val_loss"]
 
 
+@pytest.mark.parametrize(
+    ("train_text", "message"),
+    [
+        ("a few words.\n", "the train split of `dataset`='{corpus}' gives 0 sequences of 256 tokens"),
+        ("word " * 4000 + "\n", "the validation set has 0 sequences, fewer than one batch"),
+    ],
+)
+def test_an_empty_split_is_named_before_the_run_writes_anything(tmp_path, train_text, message):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text(train_text)
+    (corpus / "validation.txt").write_text("word " * (4000 if train_text.startswith("a") else 3) + "\n")
+    args, training = parse_pretrain_arguments(["--dataset", str(corpus), "--output_dir", str(tmp_path / "run")])
+    with pytest.raises(ValueError, match=re.escape(message.format(corpus=corpus))):
+        run_pretraining(args, training)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_config_that_declares_float16_pretrains_in_float32(tmp_path):
     """Llama-2's config says ``"torch_dtype": "float16"``, which ``from_config`` honours; the run builds the model in
     float32 whatever the config says (Adam does not train float16 weights)."""

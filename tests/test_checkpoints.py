@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import re
 import signal
 import subprocess
 import time
@@ -321,3 +322,45 @@ def test_a_pretraining_run_killed_before_its_results_reruns_to_the_same_results(
         assert got["spectrum_drift"]["max_drift"] > 0 and got["merges"] == 2
         differing = {key for key in expected.keys() | got.keys() if expected.get(key) != got.get(key)}
         assert differing <= NOT_REPRODUCED, {key: (expected.get(key), got.get(key)) for key in differing}
+
+
+# --- a resume that would not continue its run -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stopped_and_reference_runs(tmp_path_factory):
+    """A run stopped after 4 of 6 steps (checkpoints at 2 and 4, merges every 2) and the same run uninterrupted."""
+    from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer
+
+    dataset, tokenizer = tiny_dataset()
+    stopped, reference = tmp_path_factory.mktemp("stopped"), tmp_path_factory.mktemp("reference")
+    saves = {"save_strategy": "steps", "save_steps": 2}
+    tiny_trainer(stopped, tiny_poet_model(len(tokenizer)), dataset, max_steps=4, **saves).train()
+    uninterrupted = tiny_trainer(reference, tiny_poet_model(len(tokenizer)), dataset, **saves)
+    uninterrupted.train()
+    return stopped, state_hash(uninterrupted.model), dataset, tokenizer
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"block_size": 16}, "block_size=8 (this run: 16)"),
+        ({"spo": "full"}, "spo='block' (this run: 'full')"),
+        ({"merge_every": 3}, "merge_every=2 (this run: 3)"),
+    ],
+)
+def test_a_resume_with_other_adapter_or_merge_settings_names_them_and_the_checkpoint_still_resumes(
+    stopped_and_reference_runs, tmp_path, change, named
+):
+    import shutil
+
+    from training_utils import state_hash, tiny_poet_model, tiny_trainer
+
+    stopped, reference_hash, dataset, tokenizer = stopped_and_reference_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    changed = tiny_trainer(run, tiny_poet_model(len(tokenizer), **change), dataset, save_strategy="steps", save_steps=2)
+    with pytest.raises(ValueError, match=re.escape(f"checkpoint-4 was trained with {named}")):
+        changed.train(resume_from_checkpoint="auto")
+    assert _checkpoint_names(run) == ["checkpoint-2", "checkpoint-4"]  # nothing written
+    resumed = tiny_trainer(run, tiny_poet_model(len(tokenizer), seed=1), dataset, save_strategy="steps", save_steps=2)
+    resumed.train(resume_from_checkpoint="auto")
+    assert state_hash(resumed.model) == reference_hash

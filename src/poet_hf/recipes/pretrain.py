@@ -169,6 +169,11 @@ def run_pretraining(args: PretrainArguments, training: PoetTrainingArguments | N
     recipe = resolve_recipe(args, recipe_flags(training), vocab_size=len(tokenizer))
     seed = training.seed
     train, validation = load_data(args, tokenizer, seed)
+    if not args.streaming and len(train) < recipe.batch_size:
+        raise ValueError(
+            f"the train split of `dataset`={args.dataset!r} gives {len(train)} sequences of {args.seq_len} tokens, "
+            f"fewer than one batch (`batch_size`={recipe.batch_size}); give it more text, or a shorter --seq_len"
+        )
     if not args.streaming and len(validation) < recipe.batch_size:
         raise ValueError(
             f"the validation set has {len(validation)} sequences, fewer than one batch "

@@ -23,6 +23,7 @@ from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
 from .nonfinite import NonFiniteGuard, NonFiniteStepError, clip_to_norm, total_grad_norm
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
+from .resume_settings import check_resume_settings
 from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, prepare_for_zero, whole_state_dict
 
 if TYPE_CHECKING:
@@ -294,6 +295,14 @@ class PoetTrainer(CrashSafeTrainer):
         self._save(output_dir or self.args.output_dir, state_dict=whole_state_dict(engine))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """CrashSafeTrainer's load, after the run's adapter and merge settings are checked against the checkpoint's
+        (`check_resume_settings`)."""
+        configs = getattr(self._unwrapped_model(), "peft_config", None)
+        if self.has_poet and configs:
+            check_resume_settings(resume_from_checkpoint, configs, self.merge_every)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's resume; under DeepSpeed also each merged ``W0``, which DeepSpeed's checkpoint of a PEFT model
