@@ -33,7 +33,6 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any
 
 IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
 DEEPSPEED_PROBE = ("DeepSpeed", "Setting accelerator to CPU.")  # (logger, the record's first words)
@@ -135,12 +134,12 @@ def run_after_peft_loads(callback: Callable[[], None]) -> None:
         sys.meta_path.insert(0, PeftLoadHook(callback))
 
 
-def lazy_attributes(package: str, exports: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_attributes(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """A package's ``__getattr__`` and ``__dir__`` (PEP 562) for ``exports``, each public name and the module it
     loads from on first use; the name is then cached in the package's namespace."""
     namespace = sys.modules[package].__dict__
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str) -> object:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(exports[name]), name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from peft import PeftConfig
 
@@ -29,8 +28,8 @@ SHAPING_FIELDS = (
 )
 
 
-def _differences(saved: dict[str, Any], live: dict[str, Any]) -> list[str]:
-    def normal(value: Any) -> Any:
+def _differences(saved: dict[str, object], live: dict[str, object]) -> list[str]:
+    def normal(value: object) -> object:
         return getattr(value, "value", value)  # an enum member (peft_type) as its saved string
 
     return [
