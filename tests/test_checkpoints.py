@@ -143,6 +143,23 @@ def test_two_process_ddp_killed_four_times_resumes_bit_for_bit(tmp_path):
     _chaos(tmp_path, ["random", "staging", "random", "random"], ddp=True, seed=1)
 
 
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_save_names_the_checkpoint_and_the_previous_one_resumes(tmp_path):
+    reference, full = tmp_path / "reference", tmp_path / "full"
+    reference.mkdir()
+    full.mkdir()
+    assert _finish(_start(reference), reference) == 0, (reference / "stderr.log").read_text()[-3000:]
+    assert _finish(_start(full, "disk_full"), full) == 1
+    log = (full / "stderr.log").read_text()
+    assert "CheckpointWriteError: could not write checkpoint-6 into" in log and "File too large" in log
+    assert f"the newest complete checkpoint, {full / 'run' / 'checkpoint-3'}, is untouched" in log
+    assert _checkpoint_names(full / "run") == ["checkpoint-3"]
+    assert checkpoint_problem(full / "run" / "checkpoint-3") is None
+    assert _finish(_start(full), full) == 0, (full / "stderr.log").read_text()[-3000:]  # room again: auto resumes
+    expected, got = _result(reference), _result(full)
+    assert got["losses"] == expected["losses"] and got["hash"] == expected["hash"]
+
+
 # --- the pieces -------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
@@ -364,3 +381,25 @@ def test_a_resume_with_other_adapter_or_merge_settings_names_them_and_the_checkp
     resumed = tiny_trainer(run, tiny_poet_model(len(tokenizer), seed=1), dataset, save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint="auto")
     assert state_hash(resumed.model) == reference_hash
+
+
+@pytest.mark.parametrize("shard", ["adapter_model.safetensors", "optimizer.pt"])
+def test_a_truncated_file_of_the_newest_checkpoint_is_named_and_the_previous_one_resumes(
+    stopped_and_reference_runs, tmp_path, caplog, shard
+):
+    import shutil
+
+    from training_utils import state_hash, tiny_poet_model, tiny_trainer
+
+    stopped, reference_hash, dataset, tokenizer = stopped_and_reference_runs
+    run = tmp_path / "run"
+    shutil.copytree(stopped, run)
+    damaged = run / "checkpoint-4" / shard
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])  # a copy cut short
+    resumed = tiny_trainer(run, tiny_poet_model(len(tokenizer), seed=1), dataset, save_strategy="steps", save_steps=2)
+    with caplog.at_level(logging.WARNING, logger="poet_hf.checkpoints"):
+        resumed.train(resume_from_checkpoint="auto")
+    assert f"skipping {run / 'checkpoint-4'}: not a complete checkpoint ({shard} is missing or has the wrong size)" in (
+        caplog.text
+    )
+    assert state_hash(resumed.model) == reference_hash  # from checkpoint-2, as the uninterrupted run

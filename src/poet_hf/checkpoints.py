@@ -201,6 +201,26 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str])
             excess -= 1
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota); the checkpoints already published are untouched.
+
+    Args:
+        name: the checkpoint's folder name (``checkpoint-N``).
+        staging_root: the staging folder it was being written into.
+        run_dir: the run's output folder.
+        error: what the write raised.
+    """
+
+    def __init__(self, name: str, staging_root: str, run_dir: str, error: BaseException) -> None:
+        latest = latest_complete_checkpoint(run_dir)
+        free = shutil.disk_usage(run_dir).free / 2**20 if os.path.isdir(run_dir) else float("nan")
+        kept = f"the newest complete checkpoint, {latest}, is untouched" if latest else "no checkpoint was published"
+        super().__init__(
+            f"could not write {name} into {staging_root} ({type(error).__name__}: {error}); {kept}: make room on "
+            f"that disk ({free:,.0f} MiB free) and resume with resume_from_checkpoint='auto'"
+        )
+
+
 class CrashSafeTrainer(Trainer):
     """``transformers.Trainer`` with atomic checkpoints and ``resume_from_checkpoint="auto"`` (module docstring).
 
@@ -228,6 +248,8 @@ class CrashSafeTrainer(Trainer):
         self._staging_root = staging_root
         try:
             super()._save_checkpoint(model, trial)  # every file, into staging_root/name
+        except Exception as error:  # a full disk is an OSError, a RuntimeError (torch.save) or a SafetensorError
+            raise CheckpointWriteError(name, staging_root, run_dir, error) from error
         finally:
             self._staging_root = None
         staged = os.path.join(staging_root, name)

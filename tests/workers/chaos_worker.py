@@ -9,7 +9,9 @@ KILL_POINT names a moment at which the process SIGKILLs itself (test-only, patch
 - ``staging``: inside a checkpoint write, after the weights and optimizer are written, before the trainer state;
 - ``publish``: after the manifest is written, just before the staged folder is renamed onto its checkpoint name;
 - ``rotate``: in the middle of deleting an old checkpoint (one file gone);
-- ``merge``: inside merge-then-reinitialize, after half of the layers are folded.
+- ``merge``: inside merge-then-reinitialize, after half of the layers are folded;
+- ``disk_full``: not a kill: while the second checkpoint is written, no file may grow past 4 KiB (``RLIMIT_FSIZE``,
+  with ``SIGXFSZ`` ignored, so a write fails as on a full disk).
 
 ``OUT_DIR/started`` appears when training starts (a parent kills at random moments after it).
 """
@@ -79,6 +81,24 @@ def install_kill_point(point: str) -> None:
             return merge(self, *args, **kwargs)
 
         RotationLayer.merge_and_reinit = killed_merge
+    elif point == "disk_full":
+        import resource
+
+        save, saves = Trainer._save_checkpoint, []
+
+        def save_on_a_full_disk(self, *args, **kwargs):
+            saves.append(1)
+            if len(saves) < 2:
+                return save(self, *args, **kwargs)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+            try:
+                return save(self, *args, **kwargs)
+            finally:  # the log may grow again: only the checkpoint's files met the full disk
+                resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+
+        Trainer._save_checkpoint = save_on_a_full_disk
     elif point:
         raise ValueError(f"unknown kill point {point!r}")
 
