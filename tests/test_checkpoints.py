@@ -57,11 +57,12 @@ def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
 
 
 # --- chaos -----------------------------------------------------------------------------------------------------------
-def _start(out: Path, point: str = "", ddp: bool = False) -> prewarmed.Ranks:
-    """One run of the worker: a process, or 2 DDP ranks (gloo) set up as torchrun sets them up, forked from a server
-    that has done the imports (tests/helpers/prewarmed.py: 18 launches would otherwise spend minutes importing)."""
+def _start(out: Path, point: str = "", ddp: bool = False, ranks: int | None = None) -> prewarmed.Ranks:
+    """One run of the worker: a process, or 2 DDP ranks (gloo) set up as torchrun sets them up (``ranks``: that many),
+    forked from a server that has done the imports (tests/helpers/prewarmed.py: 18 launches would otherwise spend
+    minutes importing)."""
     (out / "started").unlink(missing_ok=True)
-    return prewarmed.start(WORKER, [out, point], out / "stderr.log", env=ENV, ranks=2 if ddp else 1)
+    return prewarmed.start(WORKER, [out, point], out / "stderr.log", env=ENV, ranks=ranks or (2 if ddp else 1))
 
 
 def _finish(process: prewarmed.Ranks, out: Path, timeout: float = 300) -> int:
@@ -158,6 +159,31 @@ def test_a_disk_that_fills_during_a_save_names_the_checkpoint_and_the_previous_o
     assert _finish(_start(full), full) == 0, (full / "stderr.log").read_text()[-3000:]  # room again: auto resumes
     expected, got = _result(reference), _result(full)
     assert got["losses"] == expected["losses"] and got["hash"] == expected["hash"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_ddp_run_resumed_on_another_process_count_continues_its_losses_through_merges(tmp_path, before, after):
+    """The same 4 sequences a step on 1 or 2 processes: a run stopped after checkpoint-30 and resumed on the other
+    process count logs the losses of an uninterrupted run, merges (every 5 steps) included, to the reduction order's
+    rounding."""
+    reference, elastic = tmp_path / "reference", tmp_path / "elastic"
+    reference.mkdir()
+    elastic.mkdir()
+    assert _finish(_start(reference, ranks=before), reference) == 0, (reference / "stderr.log").read_text()[-3000:]
+    process = _start(elastic, ranks=before)
+    deadline = time.monotonic() + 300
+    while not (elastic / "run" / "checkpoint-30").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.kill()
+    assert (elastic / "run" / "checkpoint-30").is_dir() and not (elastic / "result.json").exists()
+    logged = len((elastic / "stderr.log").read_text())
+    assert _finish(_start(elastic, ranks=after), elastic) == 0, (elastic / "stderr.log").read_text()[-3000:]
+    assert f"resuming from {elastic / 'run' / 'checkpoint-30'}," in (elastic / "stderr.log").read_text()[logged:]
+    expected, got = _result(reference), _result(elastic)
+    assert (expected["world"], got["world"]) == (before, after) and got["global_step"] == 60
+    assert got["losses"].keys() == expected["losses"].keys()
+    assert all(abs(got["losses"][k] - v) <= 1e-4 * abs(v) for k, v in expected["losses"].items()), got["losses"]
 
 
 # --- the pieces -------------------------------------------------------------------------------------------------------
