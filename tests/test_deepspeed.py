@@ -75,7 +75,13 @@ def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, met
     assert sorted(ranks[0]["losses"], key=int) == steps
     for step in steps:  # two processes sum the gradient in another order: float32 rounding, carried by 6 steps
         assert ranks[0]["losses"][step] == pytest.approx(reference["losses"][step], rel=1e-4, abs=1e-4), step
-    resumed = launch(stage, method, tmp_path / "resumed", 6, resume=tmp_path / "zero" / "run" / "checkpoint-4")
+    checkpoint = tmp_path / "zero" / "run" / "checkpoint-4"
+    elsewhere = [sys.executable, WORKER, str(tmp_path / "one"), "6", "4", method, str(checkpoint)]  # 1 process, no ZeRO
+    refused = subprocess.run(elsewhere, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and not list((tmp_path / "one").rglob("checkpoint-*"))
+    assert "holds DeepSpeed ZeRO optimizer states of 2 processes" in refused.stderr
+    assert "this run has 1 process(es) without DeepSpeed" in refused.stderr
+    resumed = launch(stage, method, tmp_path / "resumed", 6, resume=checkpoint)
     for step in ("5", "6"):
         assert resumed[0]["losses"][step] == pytest.approx(ranks[0]["losses"][step], abs=1e-6), step
     assert resumed[0]["hash"] == ranks[0]["hash"]

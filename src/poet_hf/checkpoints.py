@@ -201,6 +201,32 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str])
             excess -= 1
 
 
+def check_zero_states_resumable(checkpoint: str | Path, world_size: int, deepspeed: bool) -> None:
+    """Refuse, before any work, a checkpoint whose DeepSpeed ZeRO optimizer states this run cannot load.
+
+    DeepSpeed partitions them by process (``global_stepN/*zero_pp_rank_<r>_*_optim_states.pt``) and loads them only on
+    as many processes, and only under DeepSpeed. A DDP checkpoint (``optimizer.pt``) resumes on any process count.
+
+    Args:
+        checkpoint: the checkpoint folder to resume.
+        world_size: the run's process count.
+        deepspeed: whether the run uses DeepSpeed.
+
+    Raises:
+        ValueError: the checkpoint's ZeRO states were written by another process count, or the run has no DeepSpeed.
+    """
+    steps = sorted(Path(checkpoint).glob("global_step*"))
+    ranks = len(list(steps[-1].glob("*zero_pp_rank_*_optim_states.pt"))) if steps else 0
+    if ranks and (ranks != world_size or not deepspeed):
+        this_run = f"{world_size} process(es) {'under DeepSpeed' if deepspeed else 'without DeepSpeed'}"
+        raise ValueError(
+            f"{checkpoint} holds DeepSpeed ZeRO optimizer states of {ranks} processes, which DeepSpeed loads only on "
+            f"{ranks} processes under DeepSpeed; this run has {this_run}. Resume it with the launch that wrote it "
+            f"(--num_processes {ranks} and its DeepSpeed config), or start a new run from its weights "
+            "(--model_name_or_path on the exported checkpoint)"
+        )
+
+
 class CheckpointWriteError(RuntimeError):
     """A checkpoint could not be written (a full disk, a quota); the checkpoints already published are untouched.
 
@@ -285,6 +311,8 @@ class CrashSafeTrainer(Trainer):
     ) -> TrainOutput:
         """``Trainer.train``; ``resume_from_checkpoint`` may also be ``"auto"``/``"latest"`` (module docstring)."""
         checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, cast(str, self.args.output_dir))
+        if checkpoint is not None:
+            check_zero_states_resumable(checkpoint, self.args.world_size, self.is_deepspeed_enabled)
         if checkpoint is not None and self._finished_at(checkpoint):
             return self._load_finished_run(checkpoint)
         return super().train(
