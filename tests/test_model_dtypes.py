@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from models import llama_config
 from peft import get_peft_model
 from training_utils import tiny_dataset
-from transformers import AutoModelForCausalLM, LlamaConfig, default_data_collator
+from transformers import AutoModelForCausalLM, default_data_collator
 
 from poet_hf import PoetConfig, PoetTrainer, PoetTrainingArguments, create_poet_optimizer
 from poet_hf.initialization import materialize_model
@@ -35,17 +36,7 @@ def data():
 
 
 def meta_model(dtype: str, vocab: int) -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        torch_dtype=dtype,
-    )
+    config = llama_config(vocab=vocab, max_position_embeddings=64, tie_word_embeddings=False, torch_dtype=dtype)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)  # as transformers builds it: in the config's dtype
 
