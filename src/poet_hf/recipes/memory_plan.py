@@ -136,9 +136,7 @@ def _model_to_plan(
 
 
 def _build(model_config: str | PretrainedConfig, settings: PlanSettings, block_size: int, budget: float) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    from .presets import PRESETS, build_llama
+    from .presets import PRESETS, build_llama, meta_model
 
     with torch.device("meta"):
         if isinstance(model_config, str):
@@ -151,7 +149,7 @@ def _build(model_config: str | PretrainedConfig, settings: PlanSettings, block_s
                 device="meta",
             )
         else:
-            model = AutoModelForCausalLM.from_config(model_config)
+            model = meta_model(model_config)  # as a run builds it (float32); the plan's dtype is its own setting
         return _wrap(model, settings, block_size, budget)
 
 

@@ -14,7 +14,8 @@ computes anyway (`total_grad_norm` and `clip_to_norm` split ``torch.nn.utils.cli
 non-finite norm never multiplies every gradient into NaN), and the loss's finiteness. Parameters are searched for the
 culprit only on a skipped step. Engines that step inside the backward cannot skip: DeepSpeed stops at the first
 non-finite step, after it, and fused steps (`FusedStepOptimizer`) skip the backward of a non-finite loss and the update
-of each parameter whose gradient is not finite.
+of each parameter whose gradient is not finite. With fp16 mixed precision the grad scaler keeps its own policy: it skips
+an overflowing step and lowers its scale, as its loss-scale search expects.
 """
 
 from __future__ import annotations

@@ -203,10 +203,11 @@ class PoetTrainer(CrashSafeTrainer):
         return norm
 
     def _skips_nonfinite_steps(self) -> bool:
-        """Whether this run's step can be skipped after the backward: not under DeepSpeed or FSDP1, which clip and
-        step themselves."""
+        """Whether this run's check skips a non-finite step: not under DeepSpeed or FSDP1, which clip and step
+        themselves, nor with fp16 mixed precision, whose grad scaler skips an overflowing step and lowers its scale."""
         plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        return not self.is_deepspeed_enabled and not (self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 2) == 1)
+        fsdp1 = self.is_fsdp_enabled and getattr(plugin, "fsdp_version", 2) == 1
+        return not (self.is_deepspeed_enabled or fsdp1 or getattr(self.accelerator, "scaler", None) is not None)
 
     def _finite_step(self, grad_norm: torch.Tensor) -> bool:
         """Check the step (`NonFiniteGuard`): ``True`` when it goes ahead; else it is skipped, its gradients dropped."""
