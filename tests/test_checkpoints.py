@@ -57,12 +57,13 @@ def test_same_seed_gives_same_permutation_in_a_fresh_process(tmp_path):
 
 
 # --- chaos -----------------------------------------------------------------------------------------------------------
-def _start(out: Path, point: str = "", ddp: bool = False, ranks: int | None = None) -> prewarmed.Ranks:
+def _start(out: Path, point: str = "", ddp: bool = False, ranks: int | None = None, steps: int = 60) -> prewarmed.Ranks:
     """One run of the worker: a process, or 2 DDP ranks (gloo) set up as torchrun sets them up (``ranks``: that many),
-    forked from a server that has done the imports (tests/helpers/prewarmed.py: 18 launches would otherwise spend
-    minutes importing)."""
+    of ``steps`` steps, forked from a server that has done the imports (tests/helpers/prewarmed.py: 18 launches would
+    otherwise spend minutes importing)."""
     (out / "started").unlink(missing_ok=True)
-    return prewarmed.start(WORKER, [out, point], out / "stderr.log", env=ENV, ranks=ranks or (2 if ddp else 1))
+    env = {**ENV, "CHAOS_MAX_STEPS": str(steps)}
+    return prewarmed.start(WORKER, [out, point], out / "stderr.log", env=env, ranks=ranks or (2 if ddp else 1))
 
 
 def _finish(process: prewarmed.Ranks, out: Path, timeout: float = 300) -> int:
@@ -149,14 +150,14 @@ def test_a_disk_that_fills_during_a_save_names_the_checkpoint_and_the_previous_o
     reference, full = tmp_path / "reference", tmp_path / "full"
     reference.mkdir()
     full.mkdir()
-    assert _finish(_start(reference), reference) == 0, (reference / "stderr.log").read_text()[-3000:]
-    assert _finish(_start(full, "disk_full"), full) == 1
+    assert _finish(_start(reference, steps=12), reference) == 0, (reference / "stderr.log").read_text()[-3000:]
+    assert _finish(_start(full, "disk_full", steps=12), full) == 1
     log = (full / "stderr.log").read_text()
     assert "CheckpointWriteError: could not write checkpoint-6 into" in log and "File too large" in log
     assert f"the newest complete checkpoint, {full / 'run' / 'checkpoint-3'}, is untouched" in log
     assert _checkpoint_names(full / "run") == ["checkpoint-3"]
     assert checkpoint_problem(full / "run" / "checkpoint-3") is None
-    assert _finish(_start(full), full) == 0, (full / "stderr.log").read_text()[-3000:]  # room again: auto resumes
+    assert _finish(_start(full, steps=12), full) == 0, (full / "stderr.log").read_text()[-3000:]  # room: auto resumes
     expected, got = _result(reference), _result(full)
     assert got["losses"] == expected["losses"] and got["hash"] == expected["hash"]
 
@@ -164,24 +165,25 @@ def test_a_disk_that_fills_during_a_save_names_the_checkpoint_and_the_previous_o
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_a_ddp_run_resumed_on_another_process_count_continues_its_losses_through_merges(tmp_path, before, after):
-    """The same 4 sequences a step on 1 or 2 processes: a run stopped after checkpoint-30 and resumed on the other
-    process count logs the losses of an uninterrupted run, merges (every 5 steps) included, to the reduction order's
-    rounding."""
+    """The same 2 sequences a step on 1 or 2 processes: a run stopped after checkpoint-6 (a merge after step 5) and
+    resumed on the other process count logs the losses of an uninterrupted run, the merge after step 10 included, to
+    the reduction order's rounding."""
     reference, elastic = tmp_path / "reference", tmp_path / "elastic"
     reference.mkdir()
     elastic.mkdir()
-    assert _finish(_start(reference, ranks=before), reference) == 0, (reference / "stderr.log").read_text()[-3000:]
-    process = _start(elastic, ranks=before)
+    run = _start(reference, ranks=before, steps=12)
+    assert _finish(run, reference) == 0, (reference / "stderr.log").read_text()[-3000:]
+    process = _start(elastic, ranks=before, steps=12)
     deadline = time.monotonic() + 300
-    while not (elastic / "run" / "checkpoint-30").is_dir() and process.poll() is None and time.monotonic() < deadline:
+    while not (elastic / "run" / "checkpoint-6").is_dir() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     process.kill()
-    assert (elastic / "run" / "checkpoint-30").is_dir() and not (elastic / "result.json").exists()
+    assert (elastic / "run" / "checkpoint-6").is_dir() and not (elastic / "result.json").exists()
     logged = len((elastic / "stderr.log").read_text())
-    assert _finish(_start(elastic, ranks=after), elastic) == 0, (elastic / "stderr.log").read_text()[-3000:]
-    assert f"resuming from {elastic / 'run' / 'checkpoint-30'}," in (elastic / "stderr.log").read_text()[logged:]
+    assert _finish(_start(elastic, ranks=after, steps=12), elastic) == 0, (elastic / "stderr.log").read_text()[-3000:]
+    assert f"resuming from {elastic / 'run' / 'checkpoint-6'}," in (elastic / "stderr.log").read_text()[logged:]
     expected, got = _result(reference), _result(elastic)
-    assert (expected["world"], got["world"]) == (before, after) and got["global_step"] == 60
+    assert (expected["world"], got["world"]) == (before, after) and got["global_step"] == 12
     assert got["losses"].keys() == expected["losses"].keys()
     assert all(abs(got["losses"][k] - v) <= 1e-4 * abs(v) for k, v in expected["losses"].items()), got["losses"]
 
@@ -342,7 +344,8 @@ def test_a_damaged_checkpoint_fails_at_resume_naming_the_checkpoint(finished_run
 # --- a pretraining run rerun at its end -------------------------------------------------------------------------------
 PRETRAIN_WORKER = HERE / "workers" / "pretrain_worker.py"
 # Eight steps, a checkpoint at 4 and 8, merges at 3 and 6: the rerun must rebuild the merges' history too.
-PRETRAIN_ARGS = ["--max_steps", "8", "--save_steps", "4", "--merge_every", "3", "--max_eval_samples", "32"]
+PRETRAIN_ARGS = ["--max_steps", "8", "--save_steps", "4", "--merge_every", "3", "--max_eval_samples", "8"]
+PRETRAIN_ARGS += ["--seq_len", "64", "--global_batch_size", "4", "--per_device_train_batch_size", "4"]
 PRETRAIN_ARGS += ["--logging_steps", "2", "--resume_from_checkpoint", "auto"]
 # What a rerun cannot reproduce: the time it took, and what cache_rotations="auto" chose at the first step it ran.
 NOT_REPRODUCED = {"wall_time_s", "rotation_caches"}

@@ -1,9 +1,9 @@
 """A tiny POET run that resumes with ``resume_from_checkpoint="auto"``, for the chaos tests of test_checkpoints.py.
 
 Usage: chaos_worker.py OUT_DIR [KILL_POINT]. Runs (or, started as DDP ranks, every rank runs) a POET training
-into OUT_DIR with checkpoints every 3 steps, merges every 5, at most 2 checkpoints kept and 4 sequences a step on any
-process count; at the end rank 0 writes OUT_DIR/result.json (per-step losses and a hash of every parameter and
-buffer).
+into OUT_DIR with checkpoints every 3 steps, merges every 5, at most 2 checkpoints kept and 2 sequences a step on any
+process count, for CHAOS_MAX_STEPS steps (default 60); at the end rank 0 writes OUT_DIR/result.json (per-step losses
+and a hash of every parameter and buffer).
 
 KILL_POINT names a moment at which the process SIGKILLs itself (test-only, patched in here):
 
@@ -28,8 +28,9 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
-MAX_STEPS, SAVE_STEPS, MERGE_EVERY = 60, 3, 5
-GLOBAL_BATCH = 4  # sequences per step, whatever the process count: 4 on one process, 2 on each of two
+MAX_STEPS = int(os.environ.get("CHAOS_MAX_STEPS", "60"))  # the tests that kill at one moment need fewer
+SAVE_STEPS, MERGE_EVERY = 3, 5
+GLOBAL_BATCH = 2  # sequences per step, whatever the process count: 2 on one process, 1 on each of two
 
 
 def die() -> None:
