@@ -62,31 +62,29 @@ state = {
     "bitsandbytes_available_to_peft": is_bnb_available(),
     "hooks_left": [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("poet_hf")],
 }
-print(json.dumps(state))
+print(json.dumps(state), flush=True)
+if importlib.util.find_spec("bitsandbytes") is not None:  # and it loads as usual once a feature asks for it
+    import huggingface_hub.constants
+    huggingface_hub.constants.HF_HUB_OFFLINE = True  # its kernel lookup may not reach the stand-in: nothing before did
+    import bitsandbytes.functional
+    print(callable(bitsandbytes.functional.quantize_4bit))
 """
-BITSANDBYTES_AFTER_PEFT = (
-    "import poet_hf, peft, bitsandbytes.functional\nprint(callable(bitsandbytes.functional.quantize_4bit))"
-)
 
 
 def test_peft_imported_after_poet_hf_has_the_tuners_and_does_not_import_bitsandbytes(tmp_path):
     with StandInHub() as hub:
         done = run_python(PEFT_AFTER_POET_HF, tmp_path, hub.url)
     assert done.returncode == 0, done.stderr[-3000:]
-    state = json.loads(done.stdout.splitlines()[-1])
+    lines = done.stdout.splitlines()
+    state = json.loads(next(line for line in lines if line.startswith("{")))
     installed = importlib.util.find_spec("bitsandbytes") is not None
     assert state["registered"] == ["ORTHOGONAL", "POET", "POET_OFT"]
     assert state["bitsandbytes_imported"] is False
     assert state["bitsandbytes_available_to_peft"] is installed  # PEFT's own check still finds it
     assert state["hooks_left"] == []  # the one-shot hook left sys.meta_path once PEFT loaded
     assert hub.calls == []
-
-
-@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs the [quant] extra")
-def test_bitsandbytes_imports_as_usual_once_a_feature_asks_for_it(tmp_path):
-    done = run_python(BITSANDBYTES_AFTER_PEFT, tmp_path, "http://127.0.0.1:9", offline=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "True"
+    if installed:  # bitsandbytes imported afterwards works
+        assert lines[-1] == "True"
 
 
 def test_importing_peft_first_registers_the_tuners_when_poet_hf_is_imported(tmp_path):
