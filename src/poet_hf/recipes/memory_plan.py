@@ -138,6 +138,7 @@ def _model_to_plan(
 def _build(model_config: str | PretrainedConfig, settings: PlanSettings, block_size: int, budget: float) -> nn.Module:
     from .presets import PRESETS, build_llama, meta_model
 
+    model: PreTrainedModel
     with torch.device("meta"):
         if isinstance(model_config, str):
             model = build_llama(

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from peft import PeftConfig
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
 
 from ..initialization import materialize_model
 from ..training.optimizer import tied_poet_learning_rate
@@ -359,7 +359,7 @@ def without_zero3_init() -> contextlib.AbstractContextManager:
     return set_zero3_state()
 
 
-def meta_model(config: PretrainedConfig) -> nn.Module:
+def meta_model(config: PretrainedConfig) -> PreTrainedModel:
     """The causal LM of ``config`` on the ``meta`` device: no memory, nothing initialised (`without_zero3_init`).
 
     In float32 whatever the config's ``torch_dtype`` says (Llama-2's says float16), as a checkpoint's weights are read:
