@@ -36,6 +36,23 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("testbed") is None)
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's worker hook has suffixed each grouped test's id with "@group"
+def pytest_collection_finish(session):
+    """Refuses a run whose xdist groups were silently dropped: the suite's expensive shared fixtures (the testbed, the
+    multi-process runs) would be built on both workers, or one worker would wait out the other's build."""
+    if not getattr(session.config.option, "loadgroup", False):  # the controller, or a run without xdist
+        return
+    lost = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        message = (
+            f"--dist loadgroup ignored the xdist_group of {len(lost)} test(s) ({lost[0]}, ...): this pytest and "
+            "pytest-xdist do not group (pytest-dev/pytest-xdist#1386); install the versions pyproject.toml's [dev] pins"
+        )
+        # A worker's exception reaches the user only as xdist's INTERNALERROR about a crashed test: say it first.
+        print(f"\nERROR: {message}", file=sys.__stderr__, flush=True)
+        raise pytest.UsageError(message)
+
+
 @pytest.fixture(scope="session")
 def tiny_pretraining(tmp_path_factory):
     """The README's main job, shortened to 30 steps with a merge every 7 (4 merges) and 32 validation sequences: the
