@@ -151,6 +151,39 @@ def test_scripts_are_thin_command_lines(path):
     assert classes == [] and long_functions == [], (classes, long_functions)
 
 
+PROGRAMS = sorted(
+    [*(ROOT / "scripts").glob("*.py"), *(ROOT / "tests" / "workers").glob("*.py"), *(ROOT / "examples").rglob("*.py")]
+)
+
+
+def work_at_import(source: str) -> list[str]:
+    """The top-level statements of ``source`` that do work when it is imported: anything but imports, definitions,
+    assignments, docstrings, ``sys.path`` set-up and the ``__main__`` / ``TYPE_CHECKING`` guards."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Expr):
+            text = ast.unparse(node.value)
+            harmless = isinstance(node.value, ast.Constant) or text.startswith("sys.path.insert(")
+        elif isinstance(node, ast.If):
+            harmless = ast.unparse(node.test) in ("__name__ == '__main__'", "TYPE_CHECKING")
+        else:
+            harmless = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef, ast.Assign))
+        found += [] if harmless else [f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}"]
+    return found
+
+
+@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_program_does_its_work_under_its_main_guard(path):
+    """pytest-markdown-docs imports every Python file under the test paths to read its docstrings, in each xdist
+    worker: a worker script that ran at import pretrained the README's model twice per test run."""
+    assert work_at_import(path.read_text()) == []
+
+
+def test_the_import_check_sees_work_outside_the_guard():
+    source = 'import sys\nsys.path.insert(0, "x")\nX = 1\nrun(X)\nif __name__ == "__main__":\n    run(X)\n'
+    assert work_at_import(source) == ["line 4: run(X)"]
+
+
 MAX_LINES = {"file": 500, "class": 300, "function": 80}
 
 

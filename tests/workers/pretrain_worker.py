@@ -13,14 +13,20 @@ from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pretrain.py"
 
-args = sys.argv[1:]
-if args[:1] == ["--die_before_results"]:
-    import poet_hf.recipes.pretrain as pretrain
 
-    def die(*_: object, **__: object) -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
+def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["--die_before_results"]:
+        import poet_hf.recipes.pretrain as pretrain
 
-    pretrain._save_and_export = die
-    args = args[1:]
-sys.argv = [str(SCRIPT), *args]
-runpy.run_path(str(SCRIPT), run_name="__main__")
+        def die(*_: object, **__: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        pretrain._save_and_export = die
+        args = args[1:]
+    sys.argv = [str(SCRIPT), *args]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
