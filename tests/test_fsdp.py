@@ -25,11 +25,11 @@ HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "workers" / "fsdp_worker.py")
 
 
-def torchrun(out: Path, *args: str) -> list[dict]:
-    """tests/workers/fsdp_worker.py in 2 ranks, as ``torchrun --nproc_per_node 2`` starts them
+def torchrun(out: Path, *args: str, ranks: int = 2) -> list[dict]:
+    """tests/workers/fsdp_worker.py in ``ranks`` processes, as ``torchrun --nproc_per_node`` starts them
     (tests/helpers/prewarmed.py)."""
-    prewarmed.run(WORKER, [out, *args], out.parent / f"{out.name}.log", ranks=2)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    prewarmed.run(WORKER, [out, *args], out.parent / f"{out.name}.log", ranks=ranks, torchrun=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,23 @@ def test_sharded_checkpoint_after_a_merge_resumes_with_identical_losses(runs, tm
     for step, loss in resumed[0]["losses"].items():
         assert abs(loss - fsdp[0]["losses"][step]) <= 1e-5, step
     assert resumed[0]["buffers"] == fsdp[0]["buffers"]
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_another_process_count_through_a_merge(runs, tmp_path):
+    """torch.distributed.checkpoint reshards on load: the 2-process checkpoint (step 14, after the merge at 12) resumes
+    on 1 process, and a 1-process checkpoint on 2, each logging the 2-process run's losses through the merge at 24
+    (the same global batch; the reduction order's rounding) with the same permutations drawn."""
+    directory, fsdp = runs["fsdp2", "block"]
+    fewer = torchrun(tmp_path / "fewer", "fsdp2", "block", "--resume-from", str(directory / "ckpt"), ranks=1)
+    single = torchrun(tmp_path / "single", "fsdp2", "block", "--steps", "14", "--save-at", "14", ranks=1)
+    more = torchrun(tmp_path / "more", "fsdp2", "block", "--resume-from", str(tmp_path / "single" / "ckpt"))
+    for resumed in (fewer, more):
+        assert sorted(map(int, resumed[0]["losses"])) == list(range(15, 31)) and resumed[0]["merges"] == [2]
+        assert max(abs(loss - fsdp[0]["losses"][step]) for step, loss in resumed[0]["losses"].items()) <= 1e-5
+        assert resumed[0]["buffers"] == fsdp[0]["buffers"]
+    assert max(abs(loss - fsdp[0]["losses"][step]) for step, loss in single[0]["losses"].items()) <= 1e-5
+    assert (fewer[0]["world"], single[0]["world"], more[0]["world"]) == (1, 1, 2)
 
 
 @pytest.mark.slow

@@ -90,18 +90,26 @@ class Ranks:
             process.join()
 
 
-def start(script: str | Path, args: list[str], log: Path, env: dict[str, str] | None = None, ranks: int = 1) -> Ranks:
-    """Start ``script args`` in ``ranks`` processes; with more than one, each gets torchrun's variables (RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``init_process_group`` and accelerate
-    find their rendezvous as under ``torchrun --nproc_per_node``."""
+def start(
+    script: str | Path,
+    args: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    ranks: int = 1,
+    torchrun: bool | None = None,
+) -> Ranks:
+    """Start ``script args`` in ``ranks`` processes. With ``torchrun`` (the default for more than one) each gets
+    torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
+    ``init_process_group`` and accelerate find their rendezvous as under ``torchrun --nproc_per_node``."""
     context = _context()
     base = {"OMP_NUM_THREADS": "1", **(env or {})}
-    if ranks > 1:
+    torchrun = ranks > 1 if torchrun is None else torchrun
+    if torchrun:
         base |= {"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1"}
         base["MASTER_PORT"] = str(free_port())
     processes = []
     for rank in range(ranks):
-        rank_env = base | ({"RANK": str(rank), "LOCAL_RANK": str(rank)} if ranks > 1 else {})
+        rank_env = base | ({"RANK": str(rank), "LOCAL_RANK": str(rank)} if torchrun else {})
         process = context.Process(target=_run_script, args=(str(script), [str(a) for a in args], rank_env, str(log)))
         process.start()
         processes.append(process)
@@ -115,11 +123,12 @@ def run(
     env: dict[str, str] | None = None,
     ranks: int = 1,
     timeout: float = 600,
+    torchrun: bool | None = None,
 ) -> None:
-    """Run a launch to its end and fail the test, with the log's tail, unless every rank exits 0 (a hung launch is
-    killed after ``timeout`` seconds)."""
+    """Run a launch (`start`'s arguments) to its end and fail the test, with the log's tail, unless every rank exits 0
+    (a hung launch is killed after ``timeout`` seconds)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    launch = start(script, args, log, env=env, ranks=ranks)
+    launch = start(script, args, log, env=env, ranks=ranks, torchrun=torchrun)
     try:
         code = launch.wait(timeout)
     except subprocess.TimeoutExpired:
