@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from script_modules import load_module
+from script_modules import command_line_error, load_module
 from tolerances import gamma, unit_roundoff
 from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -299,16 +299,24 @@ def test_plan_dtype_takes_either_spelling(capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--config_overrides", "hidden_sise=64"], "`config_overrides` entry 'hidden_sise=64'"),
-        (["--seq_len", "100000"], "`seq_len`=100000 is longer than the model's `max_position_embeddings`"),
-        (["--model_name_or_path", "x", "--config_name", "y"], "`config_name` and `model_name_or_path`"),
-        (["--config_overrides", "vocab_size=100"], "`vocab_size`=100, from --config_overrides) is smaller than the"),
+        (["--config_overrides", "hidden_sise=64"], "--config_overrides entry 'hidden_sise=64'"),
+        (["--seq_len", "100000"], "--seq_len=100000 is longer than the model's `max_position_embeddings`"),
+        (
+            ["--model_name_or_path", "x", "--config_name", "y"],
+            "--config_name and --model_name_or_path both name the model",
+        ),
     ],
 )
-def test_bad_model_flags_name_the_field(flags, message, tmp_path, capsys):
+def test_bad_model_flags_are_one_line_naming_the_field(flags, message, tmp_path, capsys):
     config = write_config(tmp_path, "llama")
-    with pytest.raises(ValueError, match=re.escape(message)):
-        print_recipe(capsys, ["--config_name", str(config), *flags] if "--config_name" not in flags else flags)
+    argv = ["--config_name", str(config), *flags] if "--config_name" not in flags else flags
+    assert message in command_line_error(capsys, lambda: print_recipe(capsys, argv))
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_named_before_the_build(tmp_path, capsys):
+    config = write_config(tmp_path, "llama")
+    with pytest.raises(ValueError, match=re.escape("`vocab_size`=100, from --config_overrides) is smaller than the")):
+        print_recipe(capsys, ["--config_name", str(config), "--config_overrides", "vocab_size=100"])
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_the_run_writes_anything(tmp_path):

@@ -5,6 +5,7 @@ diagnostics against dense references."""
 import importlib.util
 import io
 import json
+import re
 from contextlib import redirect_stdout
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from models import tiny_llama
 from peft import get_peft_model
 from reference import block_rotation_dense, neumann_series, skew_dense, subset_rotation_dense
-from script_modules import load_module
+from script_modules import command_line_error, load_module
 
 import poet_hf  # noqa: F401
 from poet_hf import PoetConfig
@@ -362,9 +363,22 @@ def test_the_former_spellings_are_refused(flags):
         parse_pretrain_arguments([*flags, "--output_dir", "unused"])
 
 
-def test_pretrain_method_poet_is_refused_naming_the_methods():
-    with pytest.raises(ValueError, match="`method` must be one of .*poet-bs"):
-        parse_pretrain_arguments(["--method", "poet", "--output_dir", "unused"])
+def test_pretrain_method_poet_is_refused_in_one_line_naming_the_methods(capsys):
+    error = command_line_error(capsys, lambda: parse_pretrain_arguments(["--method", "poet", "--output_dir", "unused"]))
+    assert re.search(r"error: --method must be one of .*'poet-bs'.*got 'poet'$", error.strip()), error
+    with pytest.raises(ValueError, match="`method` must be one of .*poet-bs"):  # a Python caller gets the exception
+        parse_pretrain_arguments(method="poet", output_dir="unused")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--block_size", "-5"], "--block_size must be an integer >= 2, got -5"),
+        (["--merge_every", "0"], "--merge_every must be an integer >= 1, got 0"),
+    ],
+)
+def test_an_invalid_value_is_one_line_naming_the_flag_and_exit_status_2(capsys, flags, message):
+    assert message in command_line_error(capsys, lambda: parse_pretrain_arguments([*flags, "--output_dir", "unused"]))
 
 
 def test_presets_stay_hashable_with_the_adapter_fields_they_set():

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from script_modules import load_module
+from script_modules import command_line_error, load_module
 from transformers import AutoModelForImageClassification
 
 import poet_hf.vision.lipconvnet  # noqa: F401  (registers the Auto classes)
@@ -123,7 +123,7 @@ def test_train_vision_script_trains_certifies_and_exports(tmp_path, record_prope
     assert torch.isfinite(torch.tensor(again["lipschitz_constant"]))
 
 
-def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
+def test_eco_paper_recipe_is_one_flag_and_flags_override_it(capsys):
     from poet_hf.recipes.vision_run import parse_vision_arguments
 
     args, training = parse_vision_arguments(["--recipe", "eco-paper"])
@@ -145,8 +145,9 @@ def test_eco_paper_recipe_is_one_flag_and_flags_override_it():
     assert (typed.learning_rate, typed.num_train_epochs, typed.optim) == (0.02, 3, "sgd")
     _, fields = parse_vision_arguments(recipe="eco-paper", learning_rate=0.02, optim="adamw_torch")
     assert (fields.learning_rate, fields.optim, fields.weight_decay) == (0.02, "adamw_torch", 5e-4)
-    with pytest.raises(ValueError, match="`recipe` must be one of"):
-        parse_vision_arguments(["--recipe", "soc-v2"])
+    assert "error: --recipe must be one of" in command_line_error(
+        capsys, lambda: parse_vision_arguments(["--recipe", "soc-v2"])
+    )
 
 
 def test_a_shortened_recipe_decays_at_the_same_fractions_unless_milestones_are_given():

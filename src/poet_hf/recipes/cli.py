@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypedDict, TypeVar, cast
@@ -76,12 +77,34 @@ def parse_arguments(
         ``(script options, training arguments)``.
 
     Raises:
-        ValueError: a field belongs to neither dataclass (``fields``), or an option is invalid.
+        ValueError: from ``fields``, one that belongs to neither dataclass or is invalid.
+        SystemExit: from a command line, an invalid option, after one line naming it (exit status 2, as argparse's own
+            errors).
     """
     if fields is not None:
         return _from_fields(script_class, defaults, fields, training_class)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = training_parser(script_class, training_class)
+    try:
+        return _from_command_line(parser, script_class, defaults, argv, training_class)
+    except ValueError as error:
+        parser.exit(2, f"{parser.prog}: error: {flag_message(str(error), parser)}\n")
+
+
+def flag_message(message: str, parser: argparse.ArgumentParser) -> str:
+    """A field's error in the command line's words: each field it names in backticks that is a flag becomes the flag
+    ("`block_size` must be …" reads "--block_size must be …")."""
+    flags = {action.dest for action in parser._actions}
+    return re.sub(r"`(\w+)`", lambda match: f"--{match[1]}" if match[1] in flags else match[0], message)
+
+
+def _from_command_line(
+    parser: HfArgumentParser,
+    script_class: type[ScriptArgs],
+    defaults: DefaultsFunction[ScriptArgs],
+    argv: list[str],
+    training_class: type[TrainingArgs],
+) -> tuple[ScriptArgs, TrainingArgs]:
     script_args = _script_options(script_class, argv)
     given = given_training_flags(argv, training_class)
     values = {} if script_args is None else defaults(script_args, given)
