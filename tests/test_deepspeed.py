@@ -25,10 +25,12 @@ SAFE = "model.safetensors"
 EXPORT_TOLERANCE = 1e-5
 
 
-def accelerate_launch(stage: int) -> list[str]:
-    """``examples/cluster/deepspeed_zero<stage>.yaml`` in two processes, as a user launches it without GPUs."""
+def accelerate_launch(stage: int, processes: int = 2) -> list[str]:
+    """``examples/cluster/deepspeed_zero<stage>.yaml`` in ``processes`` processes, as a user launches it without
+    GPUs."""
     config = str(CLUSTER / f"deepspeed_zero{stage}.yaml")
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2"] + [
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    return [*launcher, "--num_processes", str(processes)] + [
         "--mixed_precision",
         "no",
         "--main_process_port",
@@ -36,10 +38,12 @@ def accelerate_launch(stage: int) -> list[str]:
     ]
 
 
-def launch(stage: int, method: str, out: Path, steps: int, resume: Path | None = None, batch: str = "2") -> list[dict]:
+def launch(
+    stage: int, method: str, out: Path, steps: int, resume: Path | None = None, batch: str = "2", processes: int = 2
+) -> list[dict]:
     """The worker under `accelerate_launch` (``batch`` per process; ``BxK``: K micro-batches); each rank's report."""
     command = [
-        *accelerate_launch(stage),
+        *accelerate_launch(stage, processes),
         WORKER,
         str(out),
         str(steps),
@@ -49,7 +53,7 @@ def launch(stage: int, method: str, out: Path, steps: int, resume: Path | None =
     ]
     done = subprocess.run(command, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 
 def single_process(method: str, out: Path) -> dict:
@@ -88,6 +92,12 @@ def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, met
     for step in ("5", "6"):
         assert resumed[0]["losses"][step] == pytest.approx(ranks[0]["losses"][step], abs=1e-6), step
     assert resumed[0]["hash"] == ranks[0]["hash"]
+    if (stage, method) == (3, "poet"):  # on 1 process, the same global batch: through DeepSpeed's universal checkpoint
+        fewer = launch(stage, method, tmp_path / "fewer", 6, resume=checkpoint, batch="4", processes=1)
+        assert (checkpoint / "latest_universal").read_text() == "global_step4_universal"
+        assert fewer[0]["world"] == 1 and fewer[0]["merges"] == 2
+        for step in ("5", "6"):  # one process sums the gradient in another order, as against the reference above
+            assert fewer[0]["losses"][step] == pytest.approx(ranks[0]["losses"][step], rel=1e-4, abs=1e-4), step
     if method == "oft":  # an OFT checkpoint is an adapter: its export reads the base model from the Hub
         return
     exports = {}

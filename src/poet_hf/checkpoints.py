@@ -201,29 +201,38 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str])
             excess -= 1
 
 
-def check_zero_states_resumable(checkpoint: str | Path, world_size: int, deepspeed: bool) -> None:
+def zero_states_processes(checkpoint: str | Path) -> int:
+    """How many processes wrote the DeepSpeed ZeRO optimizer states of ``checkpoint`` (0: it holds none).
+
+    DeepSpeed partitions them by process: ``global_stepN/*zero_pp_rank_<r>_*_optim_states.pt``."""
+    steps = sorted(p for p in Path(checkpoint).glob("global_step*") if not p.name.endswith("_universal"))
+    return len(list(steps[-1].glob("*zero_pp_rank_*_optim_states.pt"))) if steps else 0
+
+
+def check_zero_states_resumable(checkpoint: str | Path, world_size: int, deepspeed: bool, reshards: bool) -> None:
     """Refuse, before any work, a checkpoint whose DeepSpeed ZeRO optimizer states this run cannot load.
 
-    DeepSpeed partitions them by process (``global_stepN/*zero_pp_rank_<r>_*_optim_states.pt``) and loads them only on
-    as many processes, and only under DeepSpeed. A DDP checkpoint (``optimizer.pt``) resumes on any process count.
+    DeepSpeed loads ZeRO states only under DeepSpeed, and on as many processes as wrote them unless it reshards them
+    (ZeRO-3, through its universal checkpoint: `poet_hf.training.zero_universal`). A DDP checkpoint (``optimizer.pt``)
+    resumes on any process count.
 
     Args:
         checkpoint: the checkpoint folder to resume.
         world_size: the run's process count.
         deepspeed: whether the run uses DeepSpeed.
+        reshards: whether the run can load ZeRO states written by another process count.
 
     Raises:
         ValueError: the checkpoint's ZeRO states were written by another process count, or the run has no DeepSpeed.
     """
-    steps = sorted(Path(checkpoint).glob("global_step*"))
-    ranks = len(list(steps[-1].glob("*zero_pp_rank_*_optim_states.pt"))) if steps else 0
-    if ranks and (ranks != world_size or not deepspeed):
+    ranks = zero_states_processes(checkpoint)
+    if ranks and (not deepspeed or (ranks != world_size and not reshards)):
         this_run = f"{world_size} process(es) {'under DeepSpeed' if deepspeed else 'without DeepSpeed'}"
         raise ValueError(
-            f"{checkpoint} holds DeepSpeed ZeRO optimizer states of {ranks} processes, which DeepSpeed loads only on "
-            f"{ranks} processes under DeepSpeed; this run has {this_run}. Resume it with the launch that wrote it "
-            f"(--num_processes {ranks} and its DeepSpeed config), or start a new run from its weights "
-            "(--model_name_or_path on the exported checkpoint)"
+            f"{checkpoint} holds DeepSpeed ZeRO optimizer states of {ranks} processes, which DeepSpeed loads only "
+            f"under DeepSpeed, on {ranks} processes or, with ZeRO-3, on any count; this run has {this_run}. Resume it "
+            f"with the launch that wrote it (--num_processes {ranks} and its DeepSpeed config), under ZeRO-3, or "
+            "start a new run from its weights (--model_name_or_path on the exported checkpoint)"
         )
 
 
@@ -312,12 +321,17 @@ class CrashSafeTrainer(Trainer):
         """``Trainer.train``; ``resume_from_checkpoint`` may also be ``"auto"``/``"latest"`` (module docstring)."""
         checkpoint = resolve_resume_checkpoint(resume_from_checkpoint, cast(str, self.args.output_dir))
         if checkpoint is not None:
-            check_zero_states_resumable(checkpoint, self.args.world_size, self.is_deepspeed_enabled)
+            self._prepare_resume(checkpoint)
         if checkpoint is not None and self._finished_at(checkpoint):
             return self._load_finished_run(checkpoint)
         return super().train(
             resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
         )
+
+    def _prepare_resume(self, checkpoint: str) -> None:
+        """Refuse ``checkpoint`` before any work if this run cannot load its optimizer states
+        (`check_zero_states_resumable`)."""
+        check_zero_states_resumable(checkpoint, self.args.world_size, self.is_deepspeed_enabled, reshards=False)
 
     def _finished_at(self, checkpoint: str) -> bool:
         """Whether ``checkpoint`` ended its run and the arguments ask for no more steps."""

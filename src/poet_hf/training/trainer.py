@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from ..checkpoints import CrashSafeTrainer
+from ..checkpoints import CrashSafeTrainer, check_zero_states_resumable
 from ..diagnostics import poet_statistics
 from ..export.card import render_adapter_card
 from ..export.source import RUN_INFO_NAME, active_config
@@ -25,6 +25,7 @@ from .nonfinite import NonFiniteGuard, NonFiniteStepError, clip_to_norm, total_g
 from .optimizer import adapter_rotation_rate, create_poet_optimizer
 from .resume_settings import check_resume_settings
 from .zero import check_zero_run, frozen_weights_of_checkpoint, gathered_rotations, prepare_for_zero, whole_state_dict
+from .zero_universal import finish_universal_resume, prepare_universal_resume, zero_stage
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -85,6 +86,8 @@ class PoetTrainer(CrashSafeTrainer):
         ValueError: the model has POET layers and Accelerate runs FSDP1, or FSDP was requested where Accelerate does
             not enable it, or DeepSpeed runs with a setting it cannot take (`check_zero_run`).
     """
+
+    _universal_resume = ""  # the universal tag ZeRO-3 loads, set by `_prepare_resume`
 
     def __init__(
         self, *args: Any, run_info: dict | None = None, pretrained_weights: str | None = None, **kwargs: Any
@@ -305,12 +308,22 @@ class PoetTrainer(CrashSafeTrainer):
             check_resume_settings(resume_from_checkpoint, configs, self.merge_every)
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def _prepare_resume(self, checkpoint: str) -> None:
+        """CrashSafeTrainer's check; under ZeRO-3 a checkpoint of another process count is then converted to
+        DeepSpeed's universal format, which the engine loads (`prepare_universal_resume`)."""
+        reshards = self.is_deepspeed_enabled and zero_stage(self.accelerator) == 3
+        check_zero_states_resumable(checkpoint, self.args.world_size, self.is_deepspeed_enabled, reshards)
+        if reshards:
+            self._universal_resume = prepare_universal_resume(self.accelerator, checkpoint, self.args.world_size)
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's resume; under DeepSpeed also each merged ``W0``, which DeepSpeed's checkpoint of a PEFT model
-        leaves out (`frozen_weights_of_checkpoint`)."""
+        leaves out (`frozen_weights_of_checkpoint`), and after a universal load POET's buffers."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.has_poet and self.is_deepspeed_enabled:
             frozen_weights_of_checkpoint(self._unwrapped_model(), checkpoint)
+            if self._universal_resume:
+                finish_universal_resume(self._unwrapped_model(), self.deepspeed, checkpoint, self._universal_resume)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)
