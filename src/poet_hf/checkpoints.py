@@ -201,12 +201,21 @@ def rotate(output_dir: str | Path, save_total_limit: int | None, keep: set[str])
             excess -= 1
 
 
+UNIVERSAL_SUFFIX = "_universal"  # DeepSpeed's universal checkpoint beside global_stepN (training/zero_universal.py)
+
+
+def zero_states_folder(checkpoint: str | Path) -> Path | None:
+    """The DeepSpeed states of ``checkpoint`` as it was written (``global_stepN``), if it holds any."""
+    steps = sorted(p for p in Path(checkpoint).glob("global_step*") if not p.name.endswith(UNIVERSAL_SUFFIX))
+    return steps[-1] if steps else None
+
+
 def zero_states_processes(checkpoint: str | Path) -> int:
     """How many processes wrote the DeepSpeed ZeRO optimizer states of ``checkpoint`` (0: it holds none).
 
     DeepSpeed partitions them by process: ``global_stepN/*zero_pp_rank_<r>_*_optim_states.pt``."""
-    steps = sorted(p for p in Path(checkpoint).glob("global_step*") if not p.name.endswith("_universal"))
-    return len(list(steps[-1].glob("*zero_pp_rank_*_optim_states.pt"))) if steps else 0
+    folder = zero_states_folder(checkpoint)
+    return len(list(folder.glob("*zero_pp_rank_*_optim_states.pt"))) if folder else 0
 
 
 def check_zero_states_resumable(checkpoint: str | Path, world_size: int, deepspeed: bool, reshards: bool) -> None:

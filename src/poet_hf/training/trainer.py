@@ -318,12 +318,13 @@ class PoetTrainer(CrashSafeTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Trainer's resume; under DeepSpeed also each merged ``W0``, which DeepSpeed's checkpoint of a PEFT model
-        leaves out (`frozen_weights_of_checkpoint`), and after a universal load POET's buffers."""
+        leaves out (`frozen_weights_of_checkpoint`); after a universal load also the buffers and each optimizer group's
+        own hyperparameters (`finish_universal_resume`)."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.has_poet and self.is_deepspeed_enabled:
             frozen_weights_of_checkpoint(self._unwrapped_model(), checkpoint)
-            if self._universal_resume:
-                finish_universal_resume(self._unwrapped_model(), self.deepspeed, checkpoint, self._universal_resume)
+        if checkpoint is not None and self._universal_resume:
+            finish_universal_resume(self._unwrapped_model(), self.deepspeed, checkpoint, self._universal_resume)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict)

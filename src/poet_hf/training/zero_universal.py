@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..checkpoints import zero_states_processes
+from ..checkpoints import UNIVERSAL_SUFFIX, zero_states_folder, zero_states_processes
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from deepspeed import DeepSpeedEngine
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"  # the tag file DeepSpeed reads when its config says checkpoint.load_universal
 
 
@@ -45,19 +44,18 @@ def universal_tag(checkpoint: str | Path) -> str:
     Returns:
         The universal tag (``global_stepN_universal``) the engine loads.
     """
-    folder = Path(checkpoint)
-    steps = sorted(path for path in folder.glob("global_step*") if not path.name.endswith(UNIVERSAL_SUFFIX))
-    if not steps:
+    folder, states = Path(checkpoint), zero_states_folder(checkpoint)
+    if states is None:
         raise ValueError(f"{folder} holds no DeepSpeed states (global_step*) to convert to a universal checkpoint")
-    tag = steps[-1].name + UNIVERSAL_SUFFIX
+    tag = states.name + UNIVERSAL_SUFFIX
     if not (folder / tag).is_dir():
         staging = folder / f".{tag}.converting"
         shutil.rmtree(staging, ignore_errors=True)
-        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(steps[-1])]
+        command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(states)]
         done = subprocess.run([*command, "--output_folder", str(staging)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(
-                f"DeepSpeed could not convert {steps[-1]} to a universal checkpoint (ds_to_universal, exit status "
+                f"DeepSpeed could not convert {states} to a universal checkpoint (ds_to_universal, exit status "
                 f"{done.returncode}): {done.stderr.strip()[-2000:]}"
             )
         os.replace(staging, folder / tag)
