@@ -15,7 +15,7 @@ whole, with the step count of their state, is the per-parameter reset `reset_opt
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -105,8 +105,8 @@ def prepare_for_zero(model: nn.Module) -> int:
     return len(set_z3_leaf_modules(model, [RotationLayer]))
 
 
-def gathered(parameters: Iterable[nn.Parameter], modify: bool) -> contextlib.AbstractContextManager:
-    """ZeRO-3's gather of ``parameters`` for the block inside it; nothing to do for unpartitioned ones.
+def gathered(parameters: Iterable[torch.Tensor], modify: bool) -> contextlib.AbstractContextManager:
+    """ZeRO-3's gather of ``parameters`` for the block inside it; nothing to do for unpartitioned ones (and buffers).
 
     Args:
         parameters: the parameters to gather.
@@ -197,12 +197,36 @@ def set_clip_threshold(optimizer: Any, threshold: float) -> bool:
     return zero is not None
 
 
+def load_saved_tensors(folder: str | Path, targets: Mapping[str, torch.Tensor]) -> int:
+    """Copy each tensor the saved model files of a checkpoint hold into the tensor of ``targets`` under its key; a
+    ZeRO-3 parameter is gathered, written and partitioned again.
+
+    Args:
+        folder: the checkpoint folder (its ``*.safetensors``).
+        targets: the tensors to write, by their key in those files.
+
+    Returns:
+        How many tensors were loaded.
+    """
+    from safetensors import safe_open
+
+    loaded = 0
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as saved:
+            for key in saved.keys():
+                if key in targets:
+                    with gathered([targets[key]], modify=True), torch.no_grad():
+                        targets[key].copy_(saved.get_tensor(key))
+                    loaded += 1
+    return loaded
+
+
 def frozen_weights_of_checkpoint(model: nn.Module, folder: str) -> int:
     """Load the frozen parameters a checkpoint's saved model holds (each POET ``W0`` as merged) into ``model``.
 
     Trainer saves DeepSpeed's checkpoint of a PEFT model without its frozen parameters, and resumes from that alone;
-    POET's merges change ``W0``, which the saved model (``adapter_model.safetensors``, or the whole model) holds.
-    Under ZeRO-3 each parameter is gathered, written and partitioned again.
+    POET's merges change ``W0``, which the saved model (``adapter_model.safetensors``, or the whole model) holds
+    (`load_saved_tensors`).
 
     Args:
         model: the model being trained (unwrapped).
@@ -211,18 +235,7 @@ def frozen_weights_of_checkpoint(model: nn.Module, folder: str) -> int:
     Returns:
         How many parameters were loaded.
     """
-    from safetensors import safe_open
-
-    frozen = {name: p for name, p in model.named_parameters() if not p.requires_grad}
-    loaded = 0
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as saved:
-            for key in saved.keys():
-                if key in frozen:
-                    with gathered([frozen[key]], modify=True), torch.no_grad():
-                        frozen[key].copy_(saved.get_tensor(key))
-                    loaded += 1
-    return loaded
+    return load_saved_tensors(folder, {name: p for name, p in model.named_parameters() if not p.requires_grad})
 
 
 def whole_state_dict(engine: Any) -> dict[str, torch.Tensor]:

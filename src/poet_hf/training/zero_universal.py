@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..checkpoints import UNIVERSAL_SUFFIX, zero_states_folder, zero_states_processes
+from .zero import load_saved_tensors
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -76,8 +77,6 @@ def buffers_of_checkpoint(model: nn.Module, folder: str | Path) -> int:
     Returns:
         How many buffers were loaded.
     """
-    from safetensors import safe_open
-
     adapters = list(getattr(model, "peft_config", {}) or {})
     saved_names = {}
     for name, buffer in model.named_buffers():
@@ -85,15 +84,7 @@ def buffers_of_checkpoint(model: nn.Module, folder: str | Path) -> int:
         for adapter in adapters:
             short = short.replace(f".{adapter}", "")
         saved_names[short] = buffer
-    loaded = 0
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as saved:
-            for key in saved.keys():
-                if key in saved_names:
-                    with torch.no_grad():
-                        saved_names[key].copy_(saved.get_tensor(key))
-                    loaded += 1
-    return loaded
+    return load_saved_tensors(folder, saved_names)
 
 
 def zero_stage(accelerator: Accelerator) -> int | None:
