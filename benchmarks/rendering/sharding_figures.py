@@ -1,13 +1,13 @@
 """The per-process memory tables of docs/distributed.md, rendered from ``benchmarks/results/sharding.json`` and
 ``benchmarks/results/pretrain_step.json`` (measured) and ``benchmarks/results/fsdp_plan.json`` (planned) by
-`benchmarks.rendering.figures`."""
+`benchmarks.rendering.figures`, and its chaos table (``benchmarks/results/chaos.json``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.rendering.table_format import markdown_table, provenance, ratio
+from benchmarks.rendering.table_format import markdown_table, provenance, ratio, scientific
 
 Load = Callable[[str], dict[str, Any]]
 ENGINES = {
@@ -182,7 +182,32 @@ def fsdp_plan_table(load: Load) -> str:
     return markdown_table([*header, f"fits {device} GiB"], body)
 
 
+def _gap(value: float) -> str:
+    return "0" if value == 0 else scientific(value)
+
+
+def chaos_table(load: Load) -> str:
+    """The chaos run: kills and restarts per engine, and each final state against its kill-free replay and against
+    an uninterrupted 2-process run, beside the 1-process run's own distance from it (docs/distributed.md)."""
+    rows = [
+        [
+            ENGINES[r["engine"]],
+            str(r["kills"]),
+            str(r["restarts"]),
+            str(r["failed restarts"]),
+            r["process counts"],
+            "yes" if r.get("same as its replay") else "**no**",
+            f"{_gap(r['max |Δ loss| to 2-process'])} ({_gap(r['floor |Δ loss|'])})",
+            f"{_gap(r['max |Δ weight| to 2-process'])} ({_gap(r['floor |Δ weight|'])})",
+        ]
+        for r in load("chaos")["rows"]
+    ]
+    header = ["engine", "kills", "launches", "failed", "processes per launch", "bit for bit as its replay"]
+    return markdown_table([*header, "max \\|Δ loss\\| (1-process run)", "max \\|Δ weight\\| (1-process run)"], rows)
+
+
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
+    "chaos": chaos_table,
     "sharding": sharding_table,
     "sharding_detail": sharding_detail_table,
     "sharding_accumulation": sharding_accumulation_table,
@@ -190,6 +215,9 @@ SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
     "fsdp_plan": fsdp_plan_table,
 }
 SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
+    "chaos.source": lambda load: provenance(load("chaos")),
+    "chaos.kills": lambda load: str(sum(r["kills"] for r in load("chaos")["rows"])),
+    "chaos.failed": lambda load: str(sum(r["failed restarts"] for r in load("chaos")["rows"])),
     "sharding.source": lambda load: provenance(load("sharding")),
     "fsdp_plan.source": lambda load: provenance(load("fsdp_plan")),
     "sharding.planner_gap": sharding_planner_gap,

@@ -14,7 +14,11 @@ KILL_POINT names a moment at which the process SIGKILLs itself (test-only, patch
 - ``disk_full``: not a kill: while the second checkpoint is written, no file may grow past 4 KiB (``RLIMIT_FSIZE``,
   with ``SIGXFSZ`` ignored, so a write fails as on a full disk).
 
-``OUT_DIR/started`` appears when training starts (a parent kills at random moments after it).
+With ``CHAOS_STOP_AT=S`` (a checkpoint's step) it stops cleanly after step S and writes no result.
+
+``OUT_DIR/started`` appears when training starts (a parent kills at random moments after it), holding the step it
+starts from; ``OUT_DIR/progress`` holds the last step done, and ``OUT_DIR/killed`` appears when a kill point fires.
+Under ``accelerate launch`` with a DeepSpeed config it is the ZeRO leg of ``scripts/benchmark.py --suite chaos``.
 """
 
 import json
@@ -29,17 +33,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_trainer  # noqa: E402
 
 MAX_STEPS = int(os.environ.get("CHAOS_MAX_STEPS", "60"))  # the tests that kill at one moment need fewer
+STOP_AT = int(os.environ.get("CHAOS_STOP_AT", "0"))  # stop cleanly after this step's checkpoint (a replay's segment)
 SAVE_STEPS, MERGE_EVERY = 3, 5
 GLOBAL_BATCH = 2  # sequences per step, whatever the process count: 2 on one process, 1 on each of two
 
 
-def die() -> None:
-    """SIGKILL this process; under DDP the launcher (torchrun's agent, or tests/helpers/prewarmed.py) then stops the
-    other ranks and the launch fails."""
+def die(out: Path) -> None:
+    """SIGKILL this process, leaving ``OUT/killed`` (a launch that died without it crashed); under DDP the launcher
+    (torchrun's agent, or tests/helpers/prewarmed.py) then stops the other ranks and the launch fails."""
+    (out / "killed").touch()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install_kill_point(point: str) -> None:
+def install_kill_point(point: str, out: Path) -> None:
     import shutil
 
     from transformers import Trainer
@@ -52,7 +58,7 @@ def install_kill_point(point: str) -> None:
 
         def killed_after_rng(self, output_dir):
             save_rng(self, output_dir)
-            die()
+            die(out)
 
         Trainer._save_rng_state = killed_after_rng
     elif point == "publish":
@@ -60,7 +66,7 @@ def install_kill_point(point: str) -> None:
 
         def killed_replace(src, dst):
             if Path(src).parent.name == checkpoints.STAGING_DIR:
-                die()
+                die(out)
             replace(src, dst)
 
         checkpoints.os.replace = killed_replace
@@ -70,7 +76,7 @@ def install_kill_point(point: str) -> None:
         def killed_rmtree(path, *args, **kwargs):
             if Path(path).name.startswith("deleting-") and Path(path).exists():
                 next(p for p in Path(path).rglob("*") if p.is_file()).unlink()
-                die()
+                die(out)
             rmtree(path, *args, **kwargs)
 
         checkpoints.shutil.rmtree = killed_rmtree
@@ -80,7 +86,7 @@ def install_kill_point(point: str) -> None:
         def killed_merge(self, *args, **kwargs):
             calls.append(1)
             if len(calls) == 3:  # of the tiny model's 14 layers
-                die()
+                die(out)
             return merge(self, *args, **kwargs)
 
         RotationLayer.merge_and_reinit = killed_merge
@@ -106,7 +112,9 @@ def install_kill_point(point: str) -> None:
         raise ValueError(f"unknown kill point {point!r}")
 
 
-class MarkStarted(TrainerCallback):
+class MarkProgress(TrainerCallback):
+    """``OUT/started`` holds the step training starts from, ``OUT/progress`` the last step done (rank 0 writes)."""
+
     def __init__(self, out: Path):
         self.out = out
 
@@ -114,10 +122,16 @@ class MarkStarted(TrainerCallback):
         if args.process_index == 0:
             (self.out / "started").write_text(str(state.global_step))
 
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            (self.out / "progress").write_text(str(state.global_step))
+        if state.global_step == STOP_AT:
+            control.should_training_stop = True  # after this step's checkpoint, which the schedule puts here
+
 
 def main() -> None:
     out = Path(sys.argv[1])
-    install_kill_point(sys.argv[2] if len(sys.argv) > 2 else "")
+    install_kill_point(sys.argv[2] if len(sys.argv) > 2 else "", out)
     dataset, tokenizer = tiny_dataset()
     model = tiny_poet_model(len(tokenizer), merge_every=MERGE_EVERY)
     trainer = tiny_trainer(
@@ -130,9 +144,9 @@ def main() -> None:
         save_total_limit=2,
         per_device_train_batch_size=GLOBAL_BATCH // int(os.environ.get("WORLD_SIZE", "1")),
     )
-    trainer.add_callback(MarkStarted(out))
+    trainer.add_callback(MarkProgress(out))
     output = trainer.train(resume_from_checkpoint="auto")
-    if trainer.args.process_index == 0:
+    if trainer.args.process_index == 0 and not STOP_AT:
         losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
         (out / "result.json").write_text(
             json.dumps(
