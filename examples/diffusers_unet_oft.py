@@ -28,7 +28,7 @@ import torch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--max_steps", type=int, default=60)
     parser.add_argument("--learning_rate", type=float, default=1e-2)
     parser.add_argument("--block_size", type=int, default=16)
     parser.add_argument("--output_dir", default="outputs/unet-oft")
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         before = float(loss_on(probe_noise, probe_steps))
     unet.train()
-    for _ in range(args.steps):
+    for _ in range(args.max_steps):
         noise = torch.randn(images.shape, generator=generator)
         timesteps = torch.randint(0, 100, (len(images),), generator=generator)
         loss_on(noise, timesteps).backward()

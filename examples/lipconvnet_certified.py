@@ -9,7 +9,7 @@ By default it runs on a CPU in under a minute: LipConvNet-5 on scikit-learn's di
 download), and it does not push. With the ECO paper's recipe on CIFAR-10:
 
     python examples/lipconvnet_certified.py --dataset uoft-cs/cifar10 --recipe eco-paper --depth 20 \\
-        --push_to_hub me/lipconvnet-20-cifar10
+        --push_to_hub --hub_model_id me/lipconvnet-20-cifar10
 
 Pushing needs a token (``HF_TOKEN`` or ``hf auth login``); ``HF_ENDPOINT`` points it at another Hub instance.
 """
@@ -32,9 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", default=None, help="'eco-paper' for the papers' recipe (default: the quick one)")
     parser.add_argument("--num_train_epochs", type=float, default=None, help="default: the recipe's")
     parser.add_argument("--output_dir", default="outputs/lipconvnet-example")
-    parser.add_argument("--push_to_hub", default=None, metavar="REPO_ID", help="push the exported model here")
+    parser.add_argument("--push_to_hub", action="store_true", help="push the exported model to --hub_model_id")
+    parser.add_argument("--hub_model_id", default=None, metavar="REPO_ID", help="the Hub repository to push to")
     parser.add_argument("--hub_private_repo", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.push_to_hub and not args.hub_model_id:
+        parser.error("--push_to_hub needs --hub_model_id REPO_ID (e.g. me/lipconvnet-5)")
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "folder": str(folder),
     }
     if args.push_to_hub:
-        result["commit_url"] = push_merged_to_hub(folder, args.push_to_hub, private=args.hub_private_repo)
+        result["commit_url"] = push_merged_to_hub(folder, args.hub_model_id, private=args.hub_private_repo)
     return result
 
 

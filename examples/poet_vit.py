@@ -11,7 +11,7 @@ What it shows:
 By default it runs on a CPU in under a minute on scikit-learn's digits (8 × 8, upsampled to 16 × 16; no download).
 On real data, e.g. CIFAR-10 through ``datasets``:
 
-    python examples/poet_vit.py --dataset uoft-cs/cifar10 --image_size 32 --patch_size 4 --epochs 20
+    python examples/poet_vit.py --dataset uoft-cs/cifar10 --image_size 32 --patch_size 4 --num_train_epochs 20
 
 Needs the ``[examples]`` extra for nothing: only transformers, PEFT and scikit-learn.
 """
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--image_size", type=int, default=16)
     parser.add_argument("--patch_size", type=int, default=4)
-    parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--num_train_epochs", type=float, default=3)
     parser.add_argument("--output_dir", default="outputs/poet-vit")
     return parser.parse_args(argv)
 
@@ -102,7 +102,7 @@ def train_vit(args: argparse.Namespace, splits) -> dict[str, Any]:
     before = accuracy(model.eval(), test)
     training = PoetTrainingArguments(
         output_dir=args.output_dir,
-        num_train_epochs=args.epochs,
+        num_train_epochs=args.num_train_epochs,
         per_device_train_batch_size=32,
         learning_rate=3e-3,
         poet_learning_rate=3e-3,

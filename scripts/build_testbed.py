@@ -1,7 +1,7 @@
 """Build the fine-tuning testbed (benchmarks/testbed.py) into .cache/testbed, ahead of the tests and benchmarks.
 
     python scripts/build_testbed.py                  # the pretrained causal LM, its fine-tuning data, the encoder
-    python scripts/build_testbed.py --what causal-lm --threads 1
+    python scripts/build_testbed.py --what causal-lm --torch_threads 1
 
 Everything is seeded and keyed by its recipe, so a second call finds the cache and returns at once. The causal LM
 (a 5.5M-parameter LLaMA pretrained on the bundled plays) takes about 3 minutes on 2 CPU cores.
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flat, on which the fine-tuning defaults are chosen and reported (benchmark assets: about 25 minutes of one "
         "core each)",
     )
-    parser.add_argument("--threads", type=int, help="torch threads for the pretraining (default: torch's choice)")
+    parser.add_argument("--torch_threads", type=int, help="torch threads for the pretraining (default: torch's choice)")
     return parser
 
 
@@ -39,13 +39,13 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.time()
     if args.what in ("causal-lm", "all"):
-        print(f"causal LM: {testbed.ensure_causal_lm(args.threads)}; fine-tuning data: {testbed.milton_corpus()}")
+        print(f"causal LM: {testbed.ensure_causal_lm(args.torch_threads)}; fine-tuning data: {testbed.milton_corpus()}")
     if args.what in ("encoder", "all"):
         data = testbed.classification_files()["train"].parent
         print(f"encoder: {testbed.ensure_encoder()}; classification data: {data}")
     if args.what == "trained":
         for name in testbed.TRAINED_CAUSAL_LMS:
-            print(f"{name}: {testbed.ensure_causal_lm(args.threads, name)}")
+            print(f"{name}: {testbed.ensure_causal_lm(args.torch_threads, name)}")
     print(f"testbed ready in {time.time() - started:.0f} s")
 
 

@@ -23,13 +23,14 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from poet_hf.dtypes import NAMES, dtype_name
+    from poet_hf.recipes.argument_errors import OneLineErrorParser, option_type
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("source", help="save_pretrained adapter directory or PoetTrainer checkpoint directory")
     parser.add_argument("output_dir", help="folder to write the plain model into (must not exist or be empty)")
     parser.add_argument(
         "--dtype",
-        type=dtype_name,
+        type=option_type(dtype_name),
         choices=NAMES,
         default=None,
         help="dtype of the exported weights, bf16/bfloat16, fp16/float16 or fp32/float32 (folded in float32 first); "

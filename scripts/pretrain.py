@@ -2,7 +2,7 @@
 
     python scripts/pretrain.py                                   # POET-BS on the tiny preset, embedded corpus
     python scripts/pretrain.py --method adamw                    # the same run with the full-rank baseline
-    accelerate launch --num_processes 2 scripts/pretrain.py --preset tiny
+    accelerate launch --multi_gpu --num_processes 2 scripts/pretrain.py --preset tiny   # DDP (gloo on a CPU)
     python scripts/pretrain.py --base_quantization int8               # QPOET: W0 stored in int8 (bitsandbytes)
     python scripts/pretrain.py --preset llama-60m --method poet-fs --budget 0.5 \\
         --dataset allenai/c4 --dataset_config en --streaming --tokenizer_name t5-base --paper_steps

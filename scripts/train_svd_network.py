@@ -1,7 +1,7 @@
 """The auxiliary-reflection paper's SVD-network experiment (its §5.1 / Figure 3) as one command.
 
     python scripts/train_svd_network.py                                 # offline: 64-wide network on the digits
-    python scripts/train_svd_network.py --dataset mnist-5k --epochs 10  # the paper's 784-wide network on MNIST-5k
+    python scripts/train_svd_network.py --dataset mnist-5k --num_train_epochs 10  # the paper's 784-wide network
 
 Trains the same network with each orthogonal map (auxiliary reflections, sequential and compact-WY Householder
 products, matrix exponential, Cayley) and writes results.json and svd_network.png (validation error against
@@ -10,13 +10,12 @@ epochs and against wall time) to --output_dir.
 
 from __future__ import annotations
 
-from transformers import HfArgumentParser
-
+from poet_hf.recipes.cli import ScriptArgumentParser
 from poet_hf.vision.svd_experiment import SvdExperimentArgs, run_svd_experiment
 
 
-def build_parser() -> HfArgumentParser:
-    return HfArgumentParser(SvdExperimentArgs)
+def build_parser() -> ScriptArgumentParser:
+    return ScriptArgumentParser(SvdExperimentArgs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,7 +225,7 @@ def test_readme_is_a_landing_page_that_starts_with_the_two_commands_and_links_in
     assert len(lines) <= 200
     assert lines[:4] == [
         "```bash",
-        'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python scripts/pretrain.py',
+        "pip install -q torch==2.13.0 && pip install -q -e . && python scripts/pretrain.py",
         'pip install -q torch==2.13.0 && pip install -q -e ".[dev]" && python -m pytest',
         "```",
     ]

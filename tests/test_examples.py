@@ -44,7 +44,7 @@ def test_sft_with_trl_lowers_the_loss_and_the_saved_adapter_reloads(tmp_path, me
 @pytest.mark.slow
 def test_diffusers_unet_with_oft_learns_its_subject_and_merges_into_a_plain_unet(tmp_path):
     unet = example("diffusers_unet_oft")
-    result = unet.run(unet.parse_args(["--steps", "30", "--output_dir", str(tmp_path)]))
+    result = unet.run(unet.parse_args(["--max_steps", "30", "--output_dir", str(tmp_path)]))
     assert result["denoising_loss_after"] < 0.5 * result["denoising_loss_before"]
     assert result["reload_max_abs_gap"] == 0.0
     assert result["merged_class"] == "UNet2DConditionModel"
@@ -54,7 +54,7 @@ def test_diffusers_unet_with_oft_learns_its_subject_and_merges_into_a_plain_unet
 @pytest.mark.slow
 def test_poet_on_a_vision_transformer_and_a_plain_module(tmp_path):
     vit = example("poet_vit")
-    result = vit.run(vit.parse_args(["--epochs", "2", "--output_dir", str(tmp_path)]))
+    result = vit.run(vit.parse_args(["--num_train_epochs", "2", "--output_dir", str(tmp_path)]))
     assert result["vit_merges"] >= 2
     assert result["vit_accuracy_after"] > result["vit_accuracy_before"] + 0.3  # ten classes: chance is 0.1
     assert result["vit_merged_class"] == "ViTForImageClassification"
@@ -78,6 +78,7 @@ def test_lipconvnet_is_certified_reloaded_and_pushed_to_a_hub(tmp_path, monkeypa
                     "--output_dir",
                     str(tmp_path / "model"),
                     "--push_to_hub",
+                    "--hub_model_id",
                     "someone/lipconvnet-5",
                 ]
             )

@@ -522,6 +522,20 @@ def test_cli_without_token_fails_before_exporting_and_touches_nothing(tmp_path, 
     assert hub.calls == [] and folder_bytes(existing) == before
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["only-a-source"], "the following arguments are required: output_dir"),
+        (["a", "b", "--dtype", "int4"], "argument --dtype: `dtype` must be one of"),
+    ],
+)
+def test_cli_argument_errors_are_one_line_with_exit_status_2(capsys, argv, message):
+    from script_modules import command_line_error, load_module
+
+    script = load_module(Path(__file__).resolve().parent.parent / "scripts" / "export.py")
+    assert message in command_line_error(capsys, lambda: script.main(argv))
+
+
 def test_cli_without_network_keeps_the_complete_export(tmp_path, adapter_dir):
     adapter_dir, _ = adapter_dir
     reference = export_merged(adapter_dir, tmp_path / "reference", repo_id="someone/tiny-poet")

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import get_peft_model
-from script_modules import load_module
+from script_modules import command_line_error, load_module
 
 import poet_hf  # noqa: F401  (registers the tuners)
 from poet_hf import PoetConfig
@@ -166,6 +166,24 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
     plan = plan_memory(run_model, "poet-bs", batch_size=4)
     assert lines[-1] == f"total: {plan.total_bytes / 2**20:.0f} MiB per process"
     assert lines[0].split()[-2:] == ["poet-bs", "adamw"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--processes", "0"], "--processes must be an integer >= 1, got 0"),
+        (["--method", "poet-xx"], "--method must be one of"),
+        (["--block_size", "-5"], "--block_size must be an integer >= 2, got -5"),
+        (["--sharding", "zero"], "argument --sharding: invalid choice: 'zero'"),
+    ],
+)
+def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys, flags, message):
+    script = load_module(ROOT / "scripts" / "plan_memory.py")
+
+    def plan() -> None:
+        raise SystemExit(script.main(flags))
+
+    assert message in command_line_error(capsys, plan)
 
 
 def test_the_rotation_caches_are_planned_as_the_run_decides_them():

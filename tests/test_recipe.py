@@ -375,6 +375,9 @@ def test_pretrain_method_poet_is_refused_in_one_line_naming_the_methods(capsys):
     [
         (["--block_size", "-5"], "--block_size must be an integer >= 2, got -5"),
         (["--merge_every", "0"], "--merge_every must be an integer >= 1, got 0"),
+        (["--bf16", "maybe"], "argument --bf16: Truthy value expected"),  # argparse's own, without its usage block
+        (["--no_such_flag", "1"], "unrecognized arguments: --no_such_flag 1"),
+        (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
     ],
 )
 def test_an_invalid_value_is_one_line_naming_the_flag_and_exit_status_2(capsys, flags, message):

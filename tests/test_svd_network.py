@@ -94,7 +94,7 @@ def test_auxiliary_layer_matches_dense_formula_and_scales_norms_by_sigma():
 
 
 def test_experiment_writes_results_and_plot_and_is_reproducible(tmp_path):
-    args = SvdExperimentArgs(methods=["auxiliary", "householder_wy"], epochs=2, output_dir=str(tmp_path))
+    args = SvdExperimentArgs(methods=["auxiliary", "householder_wy"], num_train_epochs=2, output_dir=str(tmp_path))
     first = run_svd_experiment(args)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "svd_network.png").stat().st_size > 10_000
@@ -102,15 +102,17 @@ def test_experiment_writes_results_and_plot_and_is_reproducible(tmp_path):
     for run in saved["runs"].values():
         assert len(run["val_error"]) == 3 and all(0 <= e <= 1 for e in run["val_error"])
         assert run["train_seconds"][0] == 0 < run["train_seconds"][1] < run["train_seconds"][2]
-    again = run_svd_experiment(SvdExperimentArgs(methods=["auxiliary"], epochs=2, output_dir=str(tmp_path / "b")))
+    again = run_svd_experiment(
+        SvdExperimentArgs(methods=["auxiliary"], num_train_epochs=2, output_dir=str(tmp_path / "b"))
+    )
     assert again["runs"]["auxiliary"]["val_error"] == first["runs"]["auxiliary"]["val_error"]
 
 
 def test_arguments_name_the_field_and_allowed_values():
     with pytest.raises(ValueError, match="`methods` must be drawn from .*'auxiliary'.*got \\['givens'\\]"):
         SvdExperimentArgs(methods=["givens"])
-    with pytest.raises(ValueError, match="`epochs` must be >= 1"):
-        SvdExperimentArgs(epochs=0)
+    with pytest.raises(ValueError, match="`num_train_epochs` must be >= 1"):
+        SvdExperimentArgs(num_train_epochs=0)
     with pytest.raises(ValueError, match="`dataset` must be one of \\('digits', 'mnist-5k'\\)"):
         load_flat_dataset("cifar")
 

@@ -25,8 +25,8 @@ def run_on(settings: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as out:
         args = SvdExperimentArgs(
             dataset=settings["dataset"],
-            epochs=2 if quick else settings["epochs"],
-            threads=settings["threads"],
+            num_train_epochs=2 if quick else settings["epochs"],
+            torch_threads=settings["threads"],
             seed=settings["seed"],
             output_dir=out,
         )
@@ -36,7 +36,7 @@ def run_on(settings: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
             "method": method,
             "dataset": settings["dataset"],
             "features": results["features"],
-            "epochs": args.epochs,
+            "epochs": args.num_train_epochs,
             "final_val_error": result["final_val_error"],
             "seconds_per_epoch": result["seconds_per_epoch"],
             "time_vs_auxiliary": result["time_vs_auxiliary"],

@@ -23,6 +23,8 @@ from typing import Any, TypedDict, TypeVar, cast
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from .argument_errors import OneLineErrorParser
+
 ScriptArgs = TypeVar("ScriptArgs")
 TrainingArgs = TypeVar("TrainingArgs", bound=TrainingArguments)
 SCRIPT_SEED = 0  # the scripts' default --seed (transformers' is 42): data order, initialisation, permutations
@@ -50,6 +52,10 @@ class TrainingFlags(TypedDict, total=False):
     seed: int
     save_steps: float
     eval_steps: float | None
+
+
+class ScriptArgumentParser(OneLineErrorParser, HfArgumentParser):
+    """``HfArgumentParser`` whose argument errors are one line naming the flag (`OneLineErrorParser`)."""
 
 
 # (the script's options, the training flags the user gave) -> the defaults of the other training flags
@@ -125,7 +131,7 @@ def training_parser(script_class: type, training_class: type = TrainingArguments
     The flags come without the recipe's defaults, which `parse_arguments` sets. The usage line is one line: argparse
     would list every flag of both classes in it, well over a hundred lines before the first option's help."""
     usage = f"%(prog)s [options]  (its own options first, then every {training_class.__name__} flag)"
-    return HfArgumentParser(cast(Any, (script_class, training_class)), usage=usage)
+    return ScriptArgumentParser(cast(Any, (script_class, training_class)), usage=usage)
 
 
 def _init_fields(cls: type, values: dict[str, Any]) -> dict[str, Any]:
@@ -166,7 +172,7 @@ def _script_options(script_class: type[ScriptArgs], argv: list[str]) -> ScriptAr
 
 def given_training_flags(argv: Sequence[str] | None, training_class: type = TrainingArguments) -> TrainingFlags:
     """The fields of ``training_class`` the command line sets, with their values (the others are absent)."""
-    probe = HfArgumentParser(cast(Any, training_class), add_help=False)
+    probe = ScriptArgumentParser(cast(Any, training_class), add_help=False)
     for action in probe._actions:
         action.default = argparse.SUPPRESS
     return cast(TrainingFlags, vars(probe.parse_known_args(args=argv)[0]))

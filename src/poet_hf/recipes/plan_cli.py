@@ -9,18 +9,18 @@ from typing import Any, cast
 
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..dtypes import dtype_name
+from .argument_errors import OneLineErrorParser, option_type
 
 DESCRIPTION = "Plan the per-process memory of a training run, part by part, before running it (poet_hf.plan_memory)."
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, for ``--help``: the plan's options, then ``scripts/pretrain.py``'s flags."""
-    from transformers import HfArgumentParser
-
     from ..training import PoetTrainingArguments
+    from .cli import ScriptArgumentParser
     from .pretrain_arguments import PretrainArguments
 
-    return HfArgumentParser(
+    return ScriptArgumentParser(
         cast(Any, (PretrainArguments, PoetTrainingArguments)), description=DESCRIPTION, parents=[plan_parser()]
     )
 
@@ -29,11 +29,11 @@ def plan_parser() -> argparse.ArgumentParser:
     """The options of a plan beside the training script's flags."""
     from .plan_settings import METHODS, SHARDINGS
 
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineErrorParser(add_help=False)
     parser.add_argument(
         "--dtype",
         default="float32",
-        type=dtype_name,
+        type=option_type(dtype_name),
         choices=DTYPE_NAMES,
         help="weights' dtype (bf16 and fp16 are the same names): pretrain.py keeps float32 (--bf16 is autocast); "
         "bfloat16 plans a run that stores them so",
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     from .run_plan import parse_run, plan_pretraining
 
     options, rest = plan_parser().parse_known_args(argv)
+    if options.processes is not None and options.processes < 1:
+        print(f"plan_memory.py: error: --processes must be an integer >= 1, got {options.processes}", file=sys.stderr)
+        return 2
     args, training = parse_run(rest, options.processes)
     methods = tuple(m for m in options.compare.split(",") if m)
     try:

@@ -120,14 +120,14 @@ class SvdExperimentArgs:
         default_factory=lambda: list(ORTHOGONAL_MAPS),
         metadata={"help": f"orthogonal maps to compare, from {ORTHOGONAL_MAPS}"},
     )
-    epochs: int = field(default=20, metadata={"help": "training epochs per method"})
+    num_train_epochs: int = field(default=20, metadata={"help": "training epochs per method"})
     batch_size: int = field(default=64, metadata={"help": "examples per Adam step (the paper does not give it)"})
     learning_rate: float = field(
         default=1e-3, metadata={"help": "Adam learning rate (the paper: PyTorch's default 1e-3)"}
     )
     depth: int = field(default=3, metadata={"help": "SVD layers (the paper: 3)"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the batch order"})
-    threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
+    torch_threads: int = field(default=0, metadata={"help": "torch CPU threads (0: torch's default)"})
     output_dir: str = field(
         default="outputs/svd_network", metadata={"help": "where results.json and svd_network.png go"}
     )
@@ -136,7 +136,7 @@ class SvdExperimentArgs:
         unknown = [m for m in self.methods if m not in ORTHOGONAL_MAPS]
         if unknown:
             raise ValueError(f"`methods` must be drawn from {ORTHOGONAL_MAPS}, got {unknown}")
-        for name in ("epochs", "batch_size", "depth"):
+        for name in ("num_train_epochs", "batch_size", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
 
@@ -201,7 +201,7 @@ def train_svd_network(
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
     order = torch.Generator().manual_seed(args.seed)
     errors, seconds, elapsed = [_error(model, *test)], [0.0], 0.0
-    for _ in progress(range(args.epochs)):
+    for _ in progress(range(args.num_train_epochs)):
         start = time.perf_counter()
         for batch in torch.randperm(len(y_train), generator=order).split(args.batch_size):
             optimizer.zero_grad(set_to_none=True)
@@ -214,7 +214,7 @@ def train_svd_network(
         "method": method,
         "val_error": errors,
         "train_seconds": seconds,
-        "seconds_per_epoch": elapsed / args.epochs,
+        "seconds_per_epoch": elapsed / args.num_train_epochs,
         "final_val_error": errors[-1],
     }
 
@@ -223,8 +223,8 @@ def run_svd_experiment(args: SvdExperimentArgs) -> SvdResults:
     """Train one network per method on the same data, seed and batch order; write ``results.json`` and the plot."""
     from tqdm.auto import tqdm
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     train, test = load_flat_dataset(args.dataset, seed=args.seed)
     runs = {m: train_svd_network(m, train, test, args, progress=functools.partial(tqdm, desc=m)) for m in args.methods}
     if "auxiliary" in runs:

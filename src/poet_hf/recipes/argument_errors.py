@@ -1,0 +1,34 @@
+"""Command-line parsers whose argument errors are one line: ``prog: error: message``, exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+Value = TypeVar("Value")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` that reports an invalid argument in one line naming it, with exit status 2.
+
+    argparse prints its usage block first; a training script's lists every ``TrainingArguments`` flag, a hundred lines
+    above the one that says what is wrong. ``--help`` still prints the usage.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def option_type(convert: Callable[[str], Value]) -> Callable[[str], Value]:
+    """``convert`` as an argparse ``type`` whose ``ValueError`` message is the error line (argparse's own line would
+    say only ``invalid convert value``, without the values allowed)."""
+
+    def parse(text: str) -> Value:
+        try:
+            return convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+
+    parse.__name__ = convert.__name__
+    return parse

@@ -1,0 +1,101 @@
+"""Every command line that the README, the docs and the scripts' and examples' own docstrings give for a script or an
+example of this repository names only flags it takes, with values it accepts: each is parsed by its own parser.
+
+The README's main job runs in tests/test_scripts.py and its tests in CI; most other commands need a GPU, a cluster,
+the Hub or hours, so here each is parsed, which is where a renamed or misspelt flag shows. A command with a
+placeholder (``…``, ``$VAR``, ``<...>``, a usage line's ``[--flag]``) cannot be parsed as written; it is listed with
+that reason in the test's output (``-rA``) rather than dropped silently.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from functools import cache
+from pathlib import Path
+
+import pytest
+from script_modules import ROOT, load_module
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+# A script or an example of this repository, or the SLURM file that hands its arguments to scripts/pretrain.py.
+SCRIPT = re.compile(r"(?:^|/)((?:scripts|examples)/\w+)\.py$|(?:^|/)examples/cluster/slurm_pretrain\.sh$")
+PLACEHOLDER = re.compile(r"…|\$|<[^>]*>|\[--")
+SEPARATORS = {"&&", "||", ";", "|"}
+
+
+def _docstring_commands(path: Path) -> list[str]:
+    """The indented command lines of a module docstring (``python scripts/...``, ``accelerate launch ...``)."""
+    import ast
+
+    text = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = re.sub(r"\\\n\s*", " ", text)
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.startswith("    ") and re.search(r"(scripts|examples)/", line)
+    ]
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(where, command line) for every line of a bash block of the pages, and of the scripts' and examples'
+    docstrings."""
+    found = []
+    for page in PAGES:
+        for block in BASH_BLOCK.findall(page.read_text()):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                if re.search(r"(scripts|examples)/[\w/]+\.(py|sh)", line):
+                    found.append((str(page.relative_to(ROOT)), line.strip()))
+    for script in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "examples").glob("*.py")]):
+        found += [(str(script.relative_to(ROOT)), line) for line in _docstring_commands(script)]
+    return found
+
+
+def script_calls(line: str) -> list[tuple[str, list[str]]]:
+    """Each call of a script on ``line``: (the script's name, its arguments); shell comments and chains split off."""
+    tokens = shlex.split(line, comments=True)
+    calls, command = [], []
+    for token in [*tokens, ";"]:
+        if token not in SEPARATORS:
+            command.append(token)
+            continue
+        for index, word in enumerate(command):
+            if match := SCRIPT.search(word):
+                calls.append((match.group(1) or "scripts/pretrain", command[index + 1 :]))
+                break
+        command = []
+    return calls
+
+
+@cache
+def parse_of(script: str):
+    """The function that parses ``script``'s command line: a script's ``build_parser().parse_args``, an example's
+    ``parse_args``."""
+    module = load_module(ROOT / f"{script}.py")
+    return module.build_parser().parse_args if hasattr(module, "build_parser") else module.parse_args
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_pages_give_commands_for_the_scripts():
+    """The extraction finds what it is meant to: the README's main job and export line, and the cluster commands."""
+    lines = [line for _, line in COMMANDS]
+    assert "python scripts/pretrain.py" in " ".join(lines) and len(COMMANDS) >= 40
+    assert any(call[0] == "scripts/export" for line in lines for call in script_calls(line))
+    assert any(call[0].startswith("examples/") for line in lines for call in script_calls(line))
+    assert any(line.startswith("sbatch ") for line in lines)
+
+
+@pytest.mark.parametrize("where, line", COMMANDS, ids=[f"{where}:{line[:60]}" for where, line in COMMANDS])
+def test_a_documented_command_parses_with_its_script_s_own_parser(where, line):
+    if PLACEHOLDER.search(line):
+        pytest.skip(f"{where}: a placeholder stands for a value: {line}")
+    calls = script_calls(line)
+    assert calls, f"{where}: no script call found in {line!r}"
+    for script, arguments in calls:
+        try:
+            parse_of(script)(arguments)
+        except SystemExit as error:
+            pytest.fail(f"{where}: {script}.py refuses {' '.join(arguments)!r} (exit {error.code}): {line}")
