@@ -203,7 +203,8 @@ def chaos_table(load: Load) -> str:
         for r in load("chaos")["rows"]
     ]
     header = ["engine", "kills", "launches", "failed", "processes per launch", "bit for bit as its replay"]
-    return markdown_table([*header, "max \\|Δ loss\\| (1-process run)", "max \\|Δ weight\\| (1-process run)"], rows)
+    gaps = ["max \\|Δ loss\\| to 2 processes (1-process run's)", "max \\|Δ weight\\| to 2 processes (1-process run's)"]
+    return markdown_table([*header, *gaps], rows)
 
 
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
@@ -218,6 +219,12 @@ SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "chaos.source": lambda load: provenance(load("chaos")),
     "chaos.kills": lambda load: str(sum(r["kills"] for r in load("chaos")["rows"])),
     "chaos.failed": lambda load: str(sum(r["failed restarts"] for r in load("chaos")["rows"])),
+    "chaos.steps": lambda load: str(load("chaos")["settings"]["steps"]),
+    "chaos.random": lambda load: str(load("chaos")["settings"]["random kills per engine"]),
+    "chaos.named": lambda load: str(len(load("chaos")["settings"]["named points"])),
+    "chaos.per_engine": lambda load: str(
+        load("chaos")["settings"]["random kills per engine"] + len(load("chaos")["settings"]["named points"])
+    ),
     "sharding.source": lambda load: provenance(load("sharding")),
     "fsdp_plan.source": lambda load: provenance(load("fsdp_plan")),
     "sharding.planner_gap": sharding_planner_gap,
