@@ -11,45 +11,17 @@
     python scripts/pretrain.py --model_name_or_path ./my-checkpoint        # continued pretraining: its weights are W0
     python scripts/plan_memory.py --preset llama-2-7b --base_quantization nf4    # the memory plan of that run
 
+The same command as ``poet-hf pretrain`` (`poet_hf.recipes.commands`), which an installed package has.
 Every TrainingArguments flag works (--bf16, --activation_checkpointing, --torch_compile, --optim, --max_steps,
 --per_device_train_batch_size, --report_to, --push_to_hub, ...); a flag left out takes the preset's value.
 Every option, with the values a run would use: python scripts/pretrain.py [--preset ...] --help
 """
 
-from __future__ import annotations
-
-import json
-
-from transformers import HfArgumentParser
-
-from poet_hf.recipes.cli import training_parser
-from poet_hf.recipes.pretrain_arguments import PretrainArguments
-from poet_hf.recipes.pretrain_settings import counted_recipe, parse_pretrain_arguments
-from poet_hf.training import PoetTrainingArguments
+from poet_hf.recipes.commands import pretrain as main
+from poet_hf.recipes.commands import pretrain_parser as build_parser
 from poet_hf.training.distributed import end_distributed
 
-
-def build_parser() -> HfArgumentParser:
-    return training_parser(PretrainArguments, PoetTrainingArguments)
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args, training = parse_pretrain_arguments(argv)
-    if args.print_recipe:
-        recipe = counted_recipe(args, training).as_dict()
-        print(json.dumps(recipe, indent=2))
-        return recipe
-    # The run's modules (the trainer, the data libraries) load after parsing, so --help does without them.
-    from poet_hf.recipes.pretrain import run_pretraining, run_summary
-
-    results = run_pretraining(args, training)
-    print(json.dumps(run_summary(results), indent=2))
-    print(
-        f"validation perplexity: {results['val_perplexity']:.2f} "
-        f"(initial {results['initial_val_perplexity']:.1f}) -> {training.output_dir}/results.json"
-    )
-    return results
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     main()

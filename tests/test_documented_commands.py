@@ -21,6 +21,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 # A script or an example of this repository, or the SLURM file that hands its arguments to scripts/pretrain.py.
 SCRIPT = re.compile(r"(?:^|/)((?:scripts|examples)/\w+)\.py$|(?:^|/)examples/cluster/slurm_pretrain\.sh$")
+# The installed command's subcommands, and the script each is (`poet_hf.recipes.commands`).
+POET_HF_COMMANDS = {
+    name: f"scripts/{name.replace('-', '_')}" for name in ("pretrain", "finetune", "plan-memory", "export")
+}
 PLACEHOLDER = re.compile(r"…|\$|<[^>]*>|\[--")
 SEPARATORS = {"&&", "||", ";", "|"}
 
@@ -34,7 +38,7 @@ def _docstring_commands(path: Path) -> list[str]:
     return [
         line.strip()
         for line in text.splitlines()
-        if line.startswith("    ") and re.search(r"(scripts|examples)/", line)
+        if line.startswith("    ") and re.search(r"scripts/|examples/|poet-hf |-m poet_hf ", line)
     ]
 
 
@@ -45,9 +49,10 @@ def documented_commands() -> list[tuple[str, str]]:
     for page in PAGES:
         for block in BASH_BLOCK.findall(page.read_text()):
             for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-                if re.search(r"(scripts|examples)/[\w/]+\.(py|sh)", line):
+                if re.search(r"(scripts|examples)/[\w/]+\.(py|sh)|poet-hf |-m poet_hf ", line):
                     found.append((str(page.relative_to(ROOT)), line.strip()))
-    for script in sorted([*(ROOT / "scripts").glob("*.py"), *(ROOT / "examples").glob("*.py")]):
+    programs = [*(ROOT / "scripts").glob("*.py"), *(ROOT / "examples").glob("*.py")]
+    for script in sorted([*programs, ROOT / "src" / "poet_hf" / "recipes" / "commands.py"]):
         found += [(str(script.relative_to(ROOT)), line) for line in _docstring_commands(script)]
     return found
 
@@ -63,6 +68,10 @@ def script_calls(line: str) -> list[tuple[str, list[str]]]:
         for index, word in enumerate(command):
             if match := SCRIPT.search(word):
                 calls.append((match.group(1) or "scripts/pretrain", command[index + 1 :]))
+                break
+            installed = word == "poet-hf" or (word == "poet_hf" and command[index - 1 : index] == ["-m"])
+            if installed and command[index + 1 : index + 2] and command[index + 1] in POET_HF_COMMANDS:
+                calls.append((POET_HF_COMMANDS[command[index + 1]], command[index + 2 :]))
                 break
         command = []
     return calls
@@ -86,6 +95,7 @@ def test_the_pages_give_commands_for_the_scripts():
     assert any(call[0] == "scripts/export" for line in lines for call in script_calls(line))
     assert any(call[0].startswith("examples/") for line in lines for call in script_calls(line))
     assert any(line.startswith("sbatch ") for line in lines)
+    assert any(call[0] == "scripts/plan_memory" and "poet-hf" in line for line in lines for call in script_calls(line))
 
 
 @pytest.mark.parametrize("where, line", COMMANDS, ids=[f"{where}:{line[:60]}" for where, line in COMMANDS])

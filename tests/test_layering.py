@@ -44,6 +44,7 @@ ALLOWED = {
 }
 # Runs: pretraining, fine-tuning, presets, the vision run, the scripts' options, the planner; above all the library.
 ALLOWED["recipes"] = ALLOWED["training"] | {"training", "vision", "model_cards"}
+ALLOWED["__main__"] = {"recipes"}  # python -m poet_hf COMMAND: the poet-hf command, above everything
 HUGGING_FACE = {"transformers", "peft", "accelerate", "datasets", "huggingface_hub", "safetensors"}
 PURE_MATH = {"orthogonal"}
 

@@ -126,7 +126,7 @@ def test_the_card_of_an_adapter_poet_trainer_saves_says_how_to_load_it(tmp_path,
     args = PoetTrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", use_cpu=True)
     PoetTrainer(model=model, args=args).save_model()
     card = (tmp_path / "run" / "README.md").read_text()
-    assert "pip install poet_hf" in card and "library_name: peft" in card
+    assert "pip install dist/poet_hf-*.whl" in card and "library_name: peft" in card
     snippet = re.search(r"```python\n(.*?)```", card, re.S).group(1)
     assert "import poet_hf" in snippet and str(tmp_path / "base") in snippet
     loaded = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True)

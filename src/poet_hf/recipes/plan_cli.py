@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, cast
 
@@ -55,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     from .run_plan import parse_run, plan_pretraining
 
     options, rest = plan_parser().parse_known_args(argv)
+    prog = os.path.basename(sys.argv[0])  # plan_memory.py, or poet-hf plan-memory
     if options.processes is not None and options.processes < 1:
-        print(f"plan_memory.py: error: --processes must be an integer >= 1, got {options.processes}", file=sys.stderr)
+        print(f"{prog}: error: --processes must be an integer >= 1, got {options.processes}", file=sys.stderr)
         return 2
     args, training = parse_run(rest, options.processes)
     methods = tuple(m for m in options.compare.split(",") if m)
     try:
         plans = plan_pretraining(args, training, methods, options.processes, options.sharding, options.dtype)
     except ValueError as error:
-        print(f"plan_memory.py: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps([plan.to_dict() for plan in plans], indent=2) if options.json else format_plans(plans))
     return 0
