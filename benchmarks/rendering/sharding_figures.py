@@ -197,8 +197,8 @@ def chaos_table(load: Load) -> str:
             str(r["failed restarts"]),
             r["process counts"],
             "yes" if r.get("same as its replay") else "**no**",
-            f"{_gap(r['max |Δ loss| to 2-process'])} ({_gap(r['floor |Δ loss|'])})",
-            f"{_gap(r['max |Δ weight| to 2-process'])} ({_gap(r['floor |Δ weight|'])})",
+            f"{_gap(r['max |Δ loss| to 2-process'])} ({_gap(r['1-process run |Δ loss|'])})",
+            f"{_gap(r['max |Δ weight| to 2-process'])} ({_gap(r['1-process run |Δ weight|'])})",
         ]
         for r in load("chaos")["rows"]
     ]

@@ -239,7 +239,7 @@ def _engine_row(engine: str, root: Path, seed: int, quick: bool) -> dict:
     if replayed:
         loss_gap, weight_gap, row["same as its replay"] = _gaps(runs["replay"], runs["chaos"])
         row["max |Δ loss| to 2-process"], row["max |Δ weight| to 2-process"], _ = _gaps(runs["two"], runs["chaos"])
-        row["floor |Δ loss|"], row["floor |Δ weight|"], _ = _gaps(runs["two"], runs["one"])
+        row["1-process run |Δ loss|"], row["1-process run |Δ weight|"], _ = _gaps(runs["two"], runs["one"])
     row["largest |weight|"] = max(float(w.abs().max()) for w in runs["two"].weights().values())
     row["equal"] = bool(replayed and row["same as its replay"])
     row["seconds"] = time.monotonic() - started
