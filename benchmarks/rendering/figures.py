@@ -27,7 +27,13 @@ from benchmarks.rendering.pretrain_quality_figures import (
 )
 from benchmarks.rendering.quantized_figures import QUANTIZED_FIGURES, QUANTIZED_TABLES
 from benchmarks.rendering.sharding_figures import SHARDING_FIGURES, SHARDING_TABLES
-from benchmarks.rendering.step_figures import STEP_FIGURES, STEP_TABLES, pretrain_step_row, wide_headline
+from benchmarks.rendering.step_figures import (
+    STEP_FIGURES,
+    STEP_TABLES,
+    losing_headlines,
+    pretrain_step_row,
+    wide_headline,
+)
 from benchmarks.rendering.table_format import gib, gib_and_si, markdown_table, mib, percent, provenance, ratio
 from benchmarks.rendering.typed_figures import typed_figure_problems
 from benchmarks.rendering.vision_figures import VISION_FIGURES, VISION_TABLES
@@ -123,6 +129,7 @@ def headline_table(load: Load) -> str:
             f"{ratio(step130_16['time ratio'])} at 16 × 256 (flop ratio {ratio(step130_16['flop ratio'])})",
         ],
         wide_headline(load),
+        *losing_headlines(load),
         [
             "POET-BS 256, llama-350m, 2 × 256: memory / AdamW",
             f"**{ratio(step350['memory ratio'])}**",

@@ -192,6 +192,35 @@ def wide_headline(load: Load) -> list[str]:
     ]
 
 
+def losing_headlines(load: Load) -> list[list[str]]:
+    """The README's headline rows where POET loses, at the scales of the rows where it wins: gradient accumulation with
+    the default rotation cache at llama-130m, bfloat16 autocast at 7B-class widths, and LoRA at those widths."""
+    bs, fs = (accumulated(load, method, "memory ratio") for method in ("poet-bs", "poet-fs"))
+    off = accumulated(load, "poet-bs, cache off", "memory ratio")
+    seven, eight = (wide_row(load, shape, precision="bfloat16 autocast") for shape in ("llama-2-7b", "llama-3-8b"))
+    lora = wide_row(load, "llama-2-7b", "lora")
+    return [
+        [
+            f"the llama-130m step with gradient accumulation ({ACCUMULATED[1].replace('x', ' × ')}, 8 micro-batches, "
+            "the default rotation cache): memory / AdamW",
+            f"**POET-BS {ratio(bs)}, POET-FS ½ {ratio(fs)}**",
+            f"time {ratio(accumulated(load, 'poet-bs', 'time ratio'))} (POET-BS); with the cache off POET-BS needs "
+            f"{ratio(off)} the memory at {ratio(accumulated(load, 'poet-bs, cache off', 'time ratio'))} the time",
+        ],
+        [
+            "the step at Llama-2-7B's widths under bfloat16 autocast: time / AdamW",
+            f"**{ratio(seven['time / AdamW'])}**",
+            f"{ratio(eight['time / AdamW'])} at Llama-3-8B's widths; memory {ratio(seven['memory / AdamW'])}",
+        ],
+        [
+            "LoRA (r 16) at Llama-2-7B's widths, float32: time and memory / AdamW, beside POET-BS's",
+            f"**{ratio(lora['time / AdamW'])} the time, {ratio(lora['memory / AdamW'])} the memory**",
+            f"POET-BS {ratio(wide_row(load)['time / AdamW'])} and {ratio(wide_row(load)['memory / AdamW'])}; LoRA "
+            "fine-tunes a low-rank update, POET trains the full-rank weight",
+        ],
+    ]
+
+
 def wide_figures() -> dict[str, Callable[[Load], str]]:
     """POET-BS's time and memory against AdamW's at each 7B-class shape, in float32."""
     figures: dict[str, Callable[[Load], str]] = {"wide_step.source": lambda load: provenance(load("wide_step"))}
