@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     from transformers import HfArgumentParser
 
-# command -> the module holding its `main(argv)` and `build_parser()`
+# command -> (module, function): the function takes the command's arguments
 COMMANDS = {
-    "pretrain": "poet_hf.recipes.commands",
-    "finetune": "poet_hf.recipes.commands",
-    "plan-memory": "poet_hf.recipes.plan_cli",
-    "export": "poet_hf.recipes.export_command",
+    "pretrain": ("poet_hf.recipes.commands", "pretrain"),
+    "finetune": ("poet_hf.recipes.commands", "finetune"),
+    "plan-memory": ("poet_hf.recipes.plan_cli", "main"),
+    "export": ("poet_hf.recipes.export_command", "main"),
 }
+TRAINING = ("pretrain", "finetune")  # runs that end the process group they joined (under a launcher), as the scripts do
 USAGE = "usage: poet-hf {" + ",".join(COMMANDS) + "} [options]  (poet-hf COMMAND --help: its options)"
 
 
@@ -89,8 +90,7 @@ def finetune(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``poet-hf COMMAND ...``: run the command; the exit status. A training command ends the process group it
-    joined (under ``accelerate launch``), as the scripts do."""
+    """``poet-hf COMMAND ...``: run the command; the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(f"{USAGE}\n\n{__doc__}")
@@ -101,10 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     sys.argv = [f"poet-hf {command}", *rest]  # argparse's prog and the commands' error lines name the command
-    if command in ("pretrain", "finetune"):
+    module, function = COMMANDS[command]
+    result = getattr(importlib.import_module(module), function)(rest)
+    if command in TRAINING:
         from ..training.distributed import end_distributed
 
-        (pretrain if command == "pretrain" else finetune)(rest)
         end_distributed(exit_process=True)  # gloo can abort the interpreter's exit otherwise
         return 0
-    return int(importlib.import_module(COMMANDS[command]).main(rest))
+    return int(result)
