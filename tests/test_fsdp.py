@@ -83,6 +83,23 @@ def test_sharded_checkpoint_after_a_merge_resumes_with_identical_losses(runs, tm
 
 
 @pytest.mark.slow
+def test_eight_bit_states_step_each_shard_and_bitsandbytes_is_refused(tmp_path):
+    """torchao's AdamW8bit (``optim="adamw_torch_8bit"``) through `create_poet_optimizer` keeps 8-bit states per
+    shard: 2 FSDP2 processes log the losses of 1 with the same global batch, through the merge at step 12 that zeroes
+    the rotations' states (float32 sums in another order: a few 1e-7). bitsandbytes' kernels stop at a DTensor, so
+    its optimizer is refused before a step, naming torchao's."""
+    flags = ["fsdp2", "block", "--steps", "14", "--optim", "adamw_torch_8bit"]
+    two, one = torchrun(tmp_path / "two", *flags), torchrun(tmp_path / "one", *flags, ranks=1)
+    assert two[0]["merges"] == one[0]["merges"] == [1]
+    assert min(two[0]["eight_bit_states"], one[0]["eight_bit_states"]) > 0  # the embeddings' and head's states
+    assert sorted(one[0]["losses"]) == sorted(two[0]["losses"]) and len(one[0]["losses"]) == 14
+    assert max(abs(loss - two[0]["losses"][step]) for step, loss in one[0]["losses"].items()) <= 1e-5
+    refused = torchrun(tmp_path / "bnb", "fsdp2", "block", "--steps", "1", "--optim", "adamw_bnb_8bit", ranks=1)
+    assert "AdamW8bit (bitsandbytes) cannot step the DTensor shards" in refused[0]["error"]
+    assert "use optim='adamw_torch_8bit'" in refused[0]["error"]
+
+
+@pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_on_another_process_count_through_a_merge(runs, tmp_path):
     """torch.distributed.checkpoint reshards on load: the 2-process checkpoint (step 14, after the merge at 12) resumes
     on 1 process, and a 1-process checkpoint on 2, each logging the 2-process run's losses through the merge at 24

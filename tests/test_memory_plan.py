@@ -175,6 +175,7 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
         (["--method", "poet-xx"], "--method must be one of"),
         (["--block_size", "-5"], "--block_size must be an integer >= 2, got -5"),
         (["--sharding", "zero"], "argument --sharding: invalid choice: 'zero'"),
+        (["--sharding", "fsdp2", "--processes", "2", "--optim", "adamw_bnb_8bit"], "with --optim adamw_torch_8bit"),
     ],
 )
 def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys, flags, message):

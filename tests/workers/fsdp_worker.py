@@ -1,8 +1,9 @@
 """Run under ``torchrun --nproc_per_node 2`` (gloo, CPU): POET training under DDP or FSDP2 with poet_hf's own merge,
 optimizer reset, checkpoint and export code. Writes OUT/rank<k>.json.
 
-Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR]
-  ENGINE: ddp | fsdp2;  SPO: block | full.
+Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR] [--optim OPTIM]
+  ENGINE: ddp | fsdp2;  SPO: block | full;  OPTIM: adamw (torch's, the default) or a TrainingArguments optim name
+  built by create_poet_optimizer (adamw_torch_8bit, adamw_bnb_8bit); a refusal is written as OUT/rank<k>.json's "error".
 """
 
 import argparse
@@ -50,6 +51,22 @@ def track_gathers():
     return record
 
 
+def build_optimizer(model, optim: str) -> torch.optim.Optimizer:
+    """torch's AdamW at 3e-3, or ``optim`` as `create_poet_optimizer` builds it (one rate, 3e-3, for every group)."""
+    if optim == "adamw":
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    from types import SimpleNamespace
+
+    from poet_hf.training import create_poet_optimizer
+
+    if optim == "adamw_torch_8bit":
+        from torchao.optim import AdamW8bit as optimizer_cls
+    else:
+        from bitsandbytes.optim import AdamW8bit as optimizer_cls
+    args = SimpleNamespace(optim=optim, learning_rate=3e-3, poet_learning_rate=3e-3, weight_decay=0.0)
+    return create_poet_optimizer(model, args, optimizer_cls_and_kwargs=(optimizer_cls, {"lr": 3e-3}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -58,6 +75,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume-from", type=Path, default=None)
+    parser.add_argument("--optim", default="adamw")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -70,7 +88,7 @@ def main() -> None:
     import poet_hf  # noqa: F401
     from poet_hf import export_merged, merge_and_reinit
     from poet_hf.training import poet_parameters, reset_optimizer_state
-    from poet_hf.training.distributed import save_pretrained_unsharded, shard_model
+    from poet_hf.training.distributed import end_distributed, save_pretrained_unsharded, shard_model
 
     dataset, tokenizer = tiny_dataset()
     model = tiny_poet_model(len(tokenizer), spo=args.spo, budget=0.5, merge_every=MERGE_EVERY)
@@ -79,7 +97,11 @@ def main() -> None:
         wrapped = model
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    try:
+        optimizer = build_optimizer(model, args.optim)
+    except ValueError as error:
+        (args.out / f"rank{rank}.json").write_text(json.dumps({"error": str(error)}))
+        end_distributed(exit_process=True)
     rows = torch.tensor(dataset["input_ids"])
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(7))
     data = rows[order[: args.steps * GLOBAL_BATCH]].reshape(args.steps, GLOBAL_BATCH, -1)
@@ -111,6 +133,12 @@ def main() -> None:
                 (args.out / "ckpt" / "step.json").write_text(json.dumps({"step": step + 1}))
     report = {
         "losses": losses,
+        # optimizer states held in 8 bits (torchao's quantized tensor subclass), on this rank's shards
+        "eight_bit_states": sum(
+            "8bit" in type(value.to_local() if hasattr(value, "to_local") else value).__name__
+            for state in optimizer.state.values()
+            for value in state.values()
+        ),
         "merges": merges,
         "buffers": buffer_hash(model),
         "world": world,
@@ -131,8 +159,6 @@ def main() -> None:
         ids = rows[:2, :12]
         torch.save(wrapped(input_ids=ids).logits.detach(), args.out / f"logits{rank}.pt")
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
-    from poet_hf.training.distributed import end_distributed
-
     end_distributed(exit_process=True)  # barrier, destroy, then exit before gloo can abort the finalization
 
 

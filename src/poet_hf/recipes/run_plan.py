@@ -75,6 +75,12 @@ def _settings_of(
     recipe: PretrainRecipe, args: PretrainArguments, training: PoetTrainingArguments, sharding: str, dtype: str
 ) -> PlanSettings:
     rotation = recipe.rotation
+    optim = str(getattr(training.optim, "value", training.optim))
+    if sharding == "fsdp2" and "bnb" in optim:  # what create_poet_optimizer refuses (check_steps_shards)
+        raise ValueError(
+            f"--optim {optim} (bitsandbytes) cannot step FSDP2's sharded parameters; plan 8-bit states under fsdp2 "
+            "with --optim adamw_torch_8bit (torchao's AdamW8bit, which the run can step)"
+        )
     settings = PlanSettings(
         method=args.method,
         dtype=dtype,
@@ -88,7 +94,7 @@ def _settings_of(
         base_quantization=args.base_quantization,
         fused_step=bool(training.fused_optimizer_step),
         vocab_weights_dtype=training.vocab_weights_dtype,
-        optimizer_bits=8 if "8bit" in str(getattr(training.optim, "value", training.optim)) else 32,
+        optimizer_bits=8 if "8bit" in optim else 32,
     )
     if args.method == "lora":
         settings.rank = args.lora_rank

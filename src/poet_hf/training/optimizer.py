@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from ..sharded import is_sharded
 from ..tuners.rotation.layer import RotationLayer, rotation_layers
 from .eight_bit import own_override_index, weights_keeping_32bit_states
 
@@ -178,8 +179,7 @@ def create_poet_optimizer(
             is built for (`adapter_rotation_rate`: a fine-tuning recipe's, else the pretraining recipe's; logged
             once), else ``args.learning_rate`` (OFT).
         poet_reference_block: a side of block size ``b`` trains at ``poet_learning_rate · poet_reference_block / b``;
-            default ``args.poet_reference_block``; with the adapter's rate, the adapter's.
-            The fine-tuning recipe uses 32 (`POET_FINETUNE_RECIPES`).
+            default ``args.poet_reference_block``; with the adapter's rate, the adapter's (fine-tuning's: 32).
         optimizer_cls_and_kwargs: the optimizer class and its keyword arguments, instead of ``args.optim``'s.
         decay_parameter_names: the parameters that decay; default Trainer's rule (not biases nor norms).
         fused_step: step each parameter in the backward (`FusedStepOptimizer`), freeing its gradient at once (the
@@ -190,8 +190,8 @@ def create_poet_optimizer(
         The optimizer.
 
     Raises:
-        ValueError: ``args.optim`` builds its own parameter groups (GaLore, APOLLO, …), which the two rates cannot
-            join; or ``fused_step`` with settings it cannot honour (`check_fused_step`).
+        ValueError: ``args.optim`` builds its own parameter groups (GaLore, APOLLO, …); a bitsandbytes optimizer
+            for a sharded model (`check_steps_shards`); ``fused_step`` it cannot honour (`check_fused_step`).
     """
     from transformers import Trainer
 
@@ -212,6 +212,7 @@ def create_poet_optimizer(
         decay_parameter_names,
         poet_reference_block,
     )
+    check_steps_shards(model, optimizer_cls)
     keep_32bit_states(model, optimizer_cls, kwargs)
     if fused_step if fused_step is not None else getattr(args, "fused_optimizer_step", False):
         from .fused_step import FusedStepOptimizer, check_fused_step
@@ -230,6 +231,27 @@ def create_poet_optimizer(
     optimizer = optimizer_cls(groups, **kwargs)
     own_override_index(optimizer)
     return optimizer
+
+
+def check_steps_shards(model: nn.Module, optimizer_cls: type) -> None:
+    """Refuse a bitsandbytes optimizer for a model whose parameters FSDP2 has sharded.
+
+    bitsandbytes' update kernels take plain tensors and stop at a ``DTensor`` shard ("got mixed torch.Tensor and
+    DTensor"); torchao's ``AdamW8bit`` (``optim="adamw_torch_8bit"``) keeps 8-bit states per shard and steps them.
+
+    Args:
+        model: the model whose trainable parameters the optimizer will step.
+        optimizer_cls: the optimizer class.
+
+    Raises:
+        ValueError: ``optimizer_cls`` is a bitsandbytes optimizer and ``model`` is sharded.
+    """
+    if "bitsandbytes" in getattr(optimizer_cls, "__module__", "") and is_sharded(model):
+        raise ValueError(
+            f"{optimizer_cls.__name__} (bitsandbytes) cannot step the DTensor shards of a model FSDP2 has sharded: "
+            "its kernels take plain tensors; for 8-bit optimizer states under FSDP2 use optim='adamw_torch_8bit' "
+            "(torchao's AdamW8bit, which keeps 8-bit states per shard)"
+        )
 
 
 def _rotation_rate(
