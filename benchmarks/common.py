@@ -135,12 +135,12 @@ def readme_job_rows(column: str, variants: dict[str, list[str]], quick: bool = F
     return rows
 
 
-def measure_as_a_user(module: str, **options: Any) -> dict[str, Any]:
-    """``benchmarks.<module>.measure(**options)`` in a fresh process started as a user starts one: no allocator
+def measure_as_a_user(suite: str, **options: Any) -> dict[str, Any]:
+    """``benchmarks.suites.<suite>.measure(**options)`` in a fresh process started as a user starts one: no allocator
     variable in its environment (the package sets what it sets). Its JSON result."""
     root = Path(__file__).resolve().parent.parent
     code = (
-        f"import json, sys; sys.path.insert(0, {str(root)!r}); from benchmarks.{module} import measure; "
+        f"import json, sys; sys.path.insert(0, {str(root)!r}); from benchmarks.suites.{suite} import measure; "
         f"print(json.dumps(measure(**{options!r})))"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "POET_HF_ALLOCATOR")}
