@@ -22,6 +22,8 @@ from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from poet_hf.recipes.export_command import add_hub_arguments, check_hub_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--dataset",
@@ -32,12 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipe", default=None, help="'eco-paper' for the papers' recipe (default: the quick one)")
     parser.add_argument("--num_train_epochs", type=float, default=None, help="default: the recipe's")
     parser.add_argument("--output_dir", default="outputs/lipconvnet-example")
-    parser.add_argument("--push_to_hub", action="store_true", help="push the exported model to --hub_model_id")
-    parser.add_argument("--hub_model_id", default=None, metavar="REPO_ID", help="the Hub repository to push to")
-    parser.add_argument("--hub_private_repo", action="store_true")
+    add_hub_arguments(parser)  # --push_to_hub, --hub_model_id, --hub_private_repo, --hub_token: the scripts' flags
     args = parser.parse_args(argv)
-    if args.push_to_hub and not args.hub_model_id:
-        parser.error("--push_to_hub needs --hub_model_id REPO_ID (e.g. me/lipconvnet-5)")
+    check_hub_arguments(parser, args)
     return args
 
 
@@ -73,7 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "folder": str(folder),
     }
     if args.push_to_hub:
-        result["commit_url"] = push_merged_to_hub(folder, args.hub_model_id, private=args.hub_private_repo)
+        result["commit_url"] = push_merged_to_hub(
+            folder, args.hub_model_id, private=args.hub_private_repo, token=args.hub_token
+        )
     return result
 
 

@@ -110,10 +110,12 @@ class Launch:
             return None
 
     def wait_started(self) -> int | None:
-        """The step the launch starts training from, once it does (``None`` if it exited first)."""
+        """The step the launch started training from, once it has (``None`` if it ended without training)."""
         while self.started is None and self.process.poll() is None:
             self.started = self.read("started")
             time.sleep(0.01)
+        if self.started is None:  # it ended: the mark, if it left one, is there now
+            self.started = self.read("started")
         return self.started
 
     def wait_progress(self, step: int) -> None:
@@ -195,7 +197,7 @@ def _kill_repeatedly(run: Run, rng: random.Random, step_seconds: float, quick: b
         else:
             code = launch.wait()
             landed = code == 0 if point == "end" else code != 0 and (run.folder / "killed").exists()
-        run.starts.append((launch.read("started") if launch.started is None else launch.started, processes))
+        run.starts.append((launch.wait_started(), processes))
         kills += landed and point != "end"
         if not landed:
             failures.append(f"{point} on {processes}")

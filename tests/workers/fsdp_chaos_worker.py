@@ -79,8 +79,9 @@ def main() -> None:
     out = Path(sys.argv[1])
     kill_point = sys.argv[2] if len(sys.argv) > 2 else ""
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     from chaos_worker import MAX_STEPS, STOP_AT, install_kill_point
+    from fsdp_worker import batches, build_optimizer, train_step
     from training_utils import tiny_dataset, tiny_poet_model
 
     from poet_hf import export_merged, merge_and_reinit
@@ -90,22 +91,13 @@ def main() -> None:
     install_kill_point("" if kill_point == "staging" else kill_point, out)
     dataset, tokenizer = tiny_dataset()
     model = shard_model(tiny_poet_model(len(tokenizer), merge_every=MERGE_EVERY))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    rows = torch.tensor(dataset["input_ids"])
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(7))
-    data = rows[order[: MAX_STEPS * GLOBAL_BATCH]].reshape(MAX_STEPS, GLOBAL_BATCH, -1)
+    optimizer = build_optimizer(model, "adamw")
+    data = batches(torch.tensor(dataset["input_ids"]), MAX_STEPS, GLOBAL_BATCH)
     start, losses = resume(out / "run", model, optimizer)
     if rank == 0:
         (out / "started").write_text(str(start))
     for step in range(start, STOP_AT or MAX_STEPS):
-        batch = data[step].chunk(world)[rank]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses[step + 1] = float(mean) / world
+        losses[step + 1] = train_step(model, optimizer, data[step])
         if (step + 1) % MERGE_EVERY == 0:
             merge_and_reinit(model)
             reset_optimizer_state(optimizer, poet_parameters(model))
@@ -116,7 +108,7 @@ def main() -> None:
     if not STOP_AT:
         export_merged(model, out / "export", overwrite=True, spectrum=False)
     if rank == 0 and not STOP_AT:
-        result = {"losses": losses, "global_step": MAX_STEPS, "world": world}
+        result = {"losses": losses, "global_step": MAX_STEPS, "world": dist.get_world_size()}
         (out / "result.json").write_text(json.dumps(result))
     from poet_hf.training.distributed import end_distributed
 

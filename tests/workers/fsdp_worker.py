@@ -67,6 +67,26 @@ def build_optimizer(model, optim: str) -> torch.optim.Optimizer:
     return create_poet_optimizer(model, args, optimizer_cls_and_kwargs=(optimizer_cls, {"lr": 3e-3}))
 
 
+def batches(rows: torch.Tensor, steps: int, global_batch: int) -> torch.Tensor:
+    """``steps`` global batches of ``global_batch`` of ``rows``, in one shuffled order (seed 7) on any process
+    count."""
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(7))
+    return rows[order[: steps * global_batch]].reshape(steps, global_batch, -1)
+
+
+def train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
+    """One optimizer step on this rank's share of the global ``batch``; the global batch's mean loss."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = batch.chunk(world)[rank]
+    loss = module(input_ids=share, labels=share).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return float(mean) / world
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -103,8 +123,7 @@ def main() -> None:
         (args.out / f"rank{rank}.json").write_text(json.dumps({"error": str(error)}))
         end_distributed(exit_process=True)
     rows = torch.tensor(dataset["input_ids"])
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(7))
-    data = rows[order[: args.steps * GLOBAL_BATCH]].reshape(args.steps, GLOBAL_BATCH, -1)
+    data = batches(rows, args.steps, GLOBAL_BATCH)
     start = 0
     if args.resume_from is not None:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -115,14 +134,7 @@ def main() -> None:
     gathers = track_gathers()
     losses, merges = {}, []
     for step in range(start, args.steps):
-        batch = data[step].chunk(world)[rank]
-        loss = wrapped(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses[step + 1] = float(mean) / world
+        losses[step + 1] = train_step(wrapped, optimizer, data[step])
         if (step + 1) % MERGE_EVERY == 0:
             merges.append(merge_and_reinit(model)["merge_count"])
             reset_optimizer_state(optimizer, poet_parameters(model))

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 Value = TypeVar("Value")
+
+
+def command_name() -> str:
+    """The command as the user typed it, for its error lines: ``export.py``, or ``poet-hf export`` (argparse's own
+    ``prog``)."""
+    return os.path.basename(sys.argv[0])
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..dtypes import NAMES, dtype_name
-from .argument_errors import OneLineErrorParser, option_type
+from .argument_errors import OneLineErrorParser, command_name, option_type
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,14 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The arguments; ``--push_to_hub`` needs ``--hub_model_id``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.push_to_hub and not args.hub_model_id:
-        parser.error("--push_to_hub needs --hub_model_id REPO_ID, the model repo to push to")
+    check_hub_arguments(parser, args)
     return args
 
 
-def _prog() -> str:
-    """The command's name as the user typed it (``export.py``, or ``poet-hf`` for ``poet-hf export``)."""
-    return Path(sys.argv[0]).name
+def check_hub_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_hub_arguments`' one rule: ``--push_to_hub`` needs ``--hub_model_id`` (else the parser's error)."""
+    if args.push_to_hub and not args.hub_model_id:
+        parser.error("--push_to_hub needs --hub_model_id REPO_ID, the model repo to push to")
 
 
 def hub_token(args: argparse.Namespace) -> str | None:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     token = hub_token(args) if args.push_to_hub else None
     if args.push_to_hub and not token:  # fail before the (possibly long) export, touching nothing on disk
         print(
-            f"{_prog()}: error: no Hugging Face token to push to '{args.hub_model_id}': pass --hub_token, set "
+            f"{command_name()}: error: no Hugging Face token to push to '{args.hub_model_id}': pass --hub_token, set "
             "HF_TOKEN, or run `hf auth login`. Nothing was exported or changed.",
             file=sys.stderr,
         )
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             spectrum=not args.no_spectrum,
         )
     except (ExportError, FileExistsError, FileNotFoundError) as error:
-        print(f"{_prog()}: error: {error}", file=sys.stderr)
+        print(f"{command_name()}: error: {error}", file=sys.stderr)
         return 1
     print(f"exported {args.source} -> {path}")
     return push(args, path, token) if args.push_to_hub else 0
@@ -134,7 +134,7 @@ def push(args: argparse.Namespace, path: Path, token: str | None) -> int:
         url = push_merged_to_hub(path, args.hub_model_id, private=args.hub_private_repo, token=token)
     except HubPushError as error:
         print(
-            f"{_prog()}: error: push to the Hub failed: {error}\n"
+            f"{command_name()}: error: push to the Hub failed: {error}\n"
             f"The export in {path} is complete and untouched; retry the upload with "
             f"`hf upload {args.hub_model_id} {path} .` or rerun this command with --overwrite.",
             file=sys.stderr,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any, cast
 
 from ..dtypes import NAMES as DTYPE_NAMES
 from ..dtypes import dtype_name
-from .argument_errors import OneLineErrorParser, option_type
+from .argument_errors import OneLineErrorParser, command_name, option_type
 
 DESCRIPTION = "Plan the per-process memory of a training run, part by part, before running it (poet_hf.plan_memory)."
 
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from .run_plan import parse_run, plan_pretraining
 
     options, rest = plan_parser().parse_known_args(argv)
-    prog = os.path.basename(sys.argv[0])  # plan_memory.py, or poet-hf plan-memory
+    prog = command_name()
     if options.processes is not None and options.processes < 1:
         print(f"{prog}: error: --processes must be an integer >= 1, got {options.processes}", file=sys.stderr)
         return 2
