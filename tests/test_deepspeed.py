@@ -64,12 +64,13 @@ def single_process(method: str, out: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, method", [(2, "poet"), (3, "poet"), (2, "oft")])
+@pytest.mark.parametrize("stage, method", [(2, "poet"), (3, "poet"), (2, "oft"), (3, "poet-nf4")])
 def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, method):
     """Six steps with merges after steps 3 and 6: the losses are the one-process run's (a merge that left ZeRO's
     float32 master partitions of the skews alone would rotate by the old skews again from step 5 on); the ranks end
     bit-identical; a run resumed from the step-4 checkpoint continues the same losses to the same state; and that
-    checkpoint exports the weights the one-process run's exports."""
+    checkpoint exports the weights the one-process run's exports. ``poet-nf4``: ZeRO-3 partitions and gathers an
+    ``nf4-shardable`` W0's codes and scales like any frozen parameter, and a merge requantises the gathered whole."""
     reference = single_process(method, tmp_path / "single")
     ranks = launch(stage, method, tmp_path / "zero", 6)
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == ranks[1]["merges"] == reference["merges"] == 2

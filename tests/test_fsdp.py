@@ -140,6 +140,47 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
     ]  # written once, by rank 0
 
 
+@pytest.mark.slow
+def test_a_shardable_nf4_w0_trains_under_fsdp2_merges_as_one_process_and_resumes(runs, tmp_path):
+    """nf4 codes held as plain tensors by row (``nf4-shardable``), 2 FSDP2 processes.
+
+    - Every merge: the gathered codes and scales equal, bit for bit, those of rank 0's unsharded copy of the model
+      from before the merge, merged by one process; every rank holds the same codes.
+    - The losses of 1 process with the same global batch: until the first merge both use the same codes, so they
+      agree as float32 runs do; after it, the folded weights of the two runs differ by their float sums, and a code
+      flips where that difference straddles a rounding boundary. The quantization's own effect on the loss is the
+      distance of the nf4 run from the float32 one (the module's 2-process run): at every step after the first
+      merge the two process counts are closer than that.
+    - Resumed from step 14 (after the first merge), through the second merge: identical losses and codes.
+    - The export, read by stock transformers, gives the trained model's logits.
+    - With torchao's 8-bit states the merges are as exact (their blocks follow each shard, so the losses of two
+      process counts part by the states' rounding, not by ``W0``'s).
+    """
+    nf4 = ["fsdp2", "block", "--base_quantization", "nf4-shardable"]
+    two = torchrun(tmp_path / "two", *nf4, "--check_merges", "--save-at", "14")
+    one = torchrun(tmp_path / "one", *nf4, ranks=1)
+    resumed = torchrun(tmp_path / "resumed", *nf4, "--resume-from", str(tmp_path / "two" / "ckpt"))
+    eight_bit = torchrun(tmp_path / "8bit", *nf4, "--check_merges", "--steps", "13", "--optim", "adamw_torch_8bit")
+    assert two[0]["merges"] == [1, 2] and two[0]["merges_equal"] == [True, True]
+    assert eight_bit[0]["merges_equal"] == [True] and eight_bit[0]["eight_bit_states"] > 0
+    assert two[0]["codes"] == two[1]["codes"]
+    losses, single, plain = two[0]["losses"], one[0]["losses"], runs["fsdp2", "block"][1][0]["losses"]
+    assert max(abs(losses[str(step)] - single[str(step)]) for step in range(1, 13)) <= 1e-5
+    for step in range(13, 31):
+        assert abs(losses[str(step)] - single[str(step)]) < abs(single[str(step)] - plain[str(step)]), step
+    assert losses["30"] < losses["1"] - 0.5  # it trained
+    assert resumed[0]["losses"] == {step: losses[step] for step in resumed[0]["losses"]}
+    assert resumed[0]["codes"] == two[0]["codes"]
+    from training_utils import tiny_dataset
+
+    ids = torch.tensor(tiny_dataset()[0]["input_ids"][:2])[:, :12]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "two" / "export").eval()
+    expected = torch.load(tmp_path / "two" / "logits0.pt")
+    with torch.no_grad():
+        tolerance = tiny_model_tolerance(torch.float32) * float(expected.abs().max())
+        assert (exported(input_ids=ids).logits - expected).abs().max() <= tolerance
+
+
 @pytest.mark.parametrize(
     "engine, refusal, settings",
     [

@@ -176,6 +176,7 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
         (["--block_size", "-5"], "--block_size must be an integer >= 2, got -5"),
         (["--sharding", "zero"], "argument --sharding: invalid choice: 'zero'"),
         (["--sharding", "fsdp2", "--processes", "2", "--optim", "adamw_bnb_8bit"], "with --optim adamw_torch_8bit"),
+        (["--sharding", "fsdp2", "--processes", "2", "--base_quantization", "nf4"], "plan --base_quantization nf4-sh"),
     ],
 )
 def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys, flags, message):
@@ -222,3 +223,37 @@ def test_the_plan_says_where_a_fully_stochastic_polynomial_outweighs_its_layer()
     assert any("POET-BS, or a smaller POET-FS budget" in note for note in fs.settings["notes"])
     bs = plan_memory("tiny", "poet-bs", block_size=32, batch_size=2, seq_len=64, accumulation=2)
     assert bs.settings["notes"] == []
+
+
+LLAMA_2_70B = {  # the shape of meta-llama/Llama-2-70b-hf's config.json
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+}
+
+
+def test_a_70b_poet_run_with_a_shardable_nf4_w0_plans_under_18_gib_on_eight_processes(tmp_path, capsys):
+    """Llama-2-70B's shape, 8 FSDP2 processes, bfloat16, 1 × 4096 tokens, checkpointing, POET-BS with an
+    ``nf4-shardable`` W0 and torchao's 8-bit states: under 18 GiB a process, where AdamW with the same flags needs
+    over 48 GiB. Each
+    cell is tested at small scale (tests/test_fsdp.py); its W0 is the kind's codes and scales, an eighth a process."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_2_70B))
+    script = load_module(ROOT / "scripts" / "plan_memory.py")
+    flags = ["--config_name", str(tmp_path), "--processes", "8", "--sharding", "fsdp2", "--dtype", "bfloat16"]
+    flags += ["--per_device_train_batch_size", "1", "--seq_len", "4096", "--activation_checkpointing"]
+    flags += ["--method", "poet-bs", "--base_quantization", "nf4-shardable", "--optim", "adamw_torch_8bit"]
+    assert script.main([*flags, "--compare", "adamw", "--json"]) == 0
+    poet, adamw = json.loads(capsys.readouterr().out)
+    assert poet["total_mb"] <= 18 * 1024 and adamw["total_mb"] > 48 * 1024  # AdamW: no 24 or 40 GB card
+    linear_entries = 80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672)
+    assert poet["counts"]["W0"] == linear_entries
+    assert poet["parts_mb"]["W0"] == pytest.approx(linear_entries * (0.5 + 4 / 64) / 8 / 2**20, rel=1e-3)
+    assert poet["residual_mb"] == 0  # a sharded W0 folds to nearest

@@ -442,7 +442,10 @@ def test_base_quantization_names_a_target_it_cannot_quantise():
 
 
 def test_config_fields_are_validated_with_their_allowed_values():
-    with pytest.raises(ValueError, match=r"`base_quantization` must be one of \(None, 'nf4', 'fp4', 'int8'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`base_quantization` must be one of \(None, 'nf4', 'fp4', 'int8', 'nf4-shardable', 'int8-shardable'\)",
+    ):
         PoetConfig(base_quantization="int4")
     with pytest.raises(ValueError, match=r"`requantize` must be one of \('feedback', 'nearest', 'stochastic'\)"):
         OftConfig(requantize="round")

@@ -15,12 +15,17 @@ from torch import nn
 
 import poet_hf  # noqa: F401
 from poet_hf.tuners.rotation.quantization import quantization_of, quantize_linear
+from poet_hf.tuners.rotation.shardable_quantized import ShardableQuantizedLinear
 from poet_hf.tuners.rotation.storage_kinds import BASE_QUANTIZATIONS, KINDS, storage_kind
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "poet_hf"
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+BITSANDBYTES_KINDS = [name for name, kind in KINDS.items() if not kind.shardable]
+SHARDABLE_KINDS = [name for name, kind in KINDS.items() if kind.shardable]
+
+
+@pytest.mark.parametrize("name", BITSANDBYTES_KINDS)
 @pytest.mark.parametrize("shape", [(192, 256), (1024, 512)])
 def test_a_kind_counts_the_bytes_of_a_real_bitsandbytes_layer(name: str, shape: tuple[int, int]):
     """Codes, scales and code books as the layer's ``state_dict`` holds them; within 2 bytes (the length of 4-bit's
@@ -32,8 +37,21 @@ def test_a_kind_counts_the_bytes_of_a_real_bitsandbytes_layer(name: str, shape: 
     assert storage_kind(name).stored_bytes(rows, rows * cols) == pytest.approx(held, abs=2)
 
 
+@pytest.mark.parametrize("name", SHARDABLE_KINDS)
+@pytest.mark.parametrize("shape", [(192, 256), (96, 100)])
+def test_a_shardable_kind_counts_the_bytes_of_its_layer(name: str, shape: tuple[int, int]):
+    """Exactly the codes and scales the layer's ``state_dict`` holds (a 100-wide row pads to two 4-bit blocks)."""
+    rows, cols = shape
+    layer = ShardableQuantizedLinear.from_linear(nn.Linear(cols, rows, bias=False), name)
+    held = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    assert storage_kind(name).stored_bytes(rows, rows * cols) == held
+
+
 def test_an_unknown_kind_names_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"`base_quantization` must be one of \(None, 'nf4', 'fp4', 'int8'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`base_quantization` must be one of \(None, 'nf4', 'fp4', 'int8', 'nf4-shardable', 'int8-shardable'\)",
+    ):
         storage_kind("int4")
     assert BASE_QUANTIZATIONS == tuple(KINDS)
 

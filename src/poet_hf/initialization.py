@@ -371,7 +371,8 @@ def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
         if sharded:
             raise ValueError(
                 f"`base_quantization`={layer.pending_quantization!r} cannot be combined with FSDP2 sharding: "
-                "bitsandbytes parameters cannot be sharded"
+                "bitsandbytes parameters cannot be sharded, and a shardable kind is quantised before sharding, so "
+                "build the model on a device (not `meta`) and quantise it there, then call shard_model"
             )
         layer.quantize_base(layer.pending_quantization)
 

@@ -1,8 +1,9 @@
 """Run under `accelerate launch` with a DeepSpeed ZeRO config: a short POET run with merges every 3 steps and a
 checkpoint at step 4, then write the logged losses, a hash of the whole (gathered) state and its merge count per
-rank to OUT/rank<k>.json. Without a launcher it is the single-process reference. METHOD: poet, or oft (OFT with a
-merge every 3 steps too). PER_DEVICE_BATCH is ``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations
-cached across them (``cache_rotations=True``: every micro-batch but the last defers its rotation gradients).
+rank to OUT/rank<k>.json. Without a launcher it is the single-process reference. METHOD: poet, poet-nf4 (its W0
+stored as ``nf4-shardable``, folded to nearest), or oft (OFT with a merge every 3 steps too). PER_DEVICE_BATCH is
+``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations cached across them
+(``cache_rotations=True``: every micro-batch but the last defers its rotation gradients).
 Usage: deepspeed_worker.py OUT MAX_STEPS PER_DEVICE_BATCH METHOD [CHECKPOINT_TO_RESUME]."""
 
 import json
@@ -29,7 +30,8 @@ def main() -> None:
         base = tiny_llama(0, hidden=32, intermediate=64, vocab=len(tokenizer), heads=2, max_position_embeddings=64)
         model = get_peft_model(base.train(), OftConfig(block_size=8, merge_every=3, **cache))
     else:
-        model = tiny_poet_model(len(tokenizer), merge_every=3, **cache)
+        quantized = {"base_quantization": "nf4-shardable", "requantize": "nearest"} if method == "poet-nf4" else {}
+        model = tiny_poet_model(len(tokenizer), merge_every=3, **cache, **quantized)
     schedule = {"max_steps": steps, "save_strategy": "steps", "save_steps": 4}
     schedule["gradient_accumulation_steps"] = accumulation
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=int(batch), **schedule)

@@ -2,8 +2,12 @@
 optimizer reset, checkpoint and export code. Writes OUT/rank<k>.json.
 
 Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR] [--optim OPTIM]
+                       [--base_quantization KIND] [--check_merges]
   ENGINE: ddp | fsdp2;  SPO: block | full;  OPTIM: adamw (torch's, the default) or a TrainingArguments optim name
   built by create_poet_optimizer (adamw_torch_8bit, adamw_bnb_8bit); a refusal is written as OUT/rank<k>.json's "error".
+  KIND: a base_quantization of W0 (nf4-shardable, int8-shardable), folded by rounding to nearest; the report then
+  holds a hash of its whole codes. --check_merges: before each merge rank 0 gathers an unsharded replica, merges it
+  as one process does, and reports whether the sharded merge's gathered codes and scales equal the replica's.
 """
 
 import argparse
@@ -51,6 +55,36 @@ def track_gathers():
     return record
 
 
+def codes_hash(model) -> str:
+    """A hash of every quantised W0's whole codes and scales (gathered: every rank calls it)."""
+    from poet_hf.sharded import full_tensor
+
+    digest = hashlib.sha256()
+    for name, parameter in sorted(model.named_parameters()):
+        if name.endswith(("base_layer.codes", "base_layer.scales")):
+            digest.update(name.encode())
+            digest.update(full_tensor(parameter.detach()).contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def merged_like_one_process(model, replica) -> bool | None:
+    """Whether the sharded model's codes and scales, gathered after its merge, equal those of ``replica`` (rank 0's
+    unsharded copy from before it) merged by one process; ``None`` off rank 0."""
+    from poet_hf import merge_and_reinit
+    from poet_hf.sharded import full_tensor
+
+    merged = {
+        name: full_tensor(parameter.detach())
+        for name, parameter in model.named_parameters()
+        if name.endswith(("base_layer.codes", "base_layer.scales"))
+    }
+    if replica is None:
+        return None
+    merge_and_reinit(replica)
+    expected = dict(replica.named_parameters())
+    return bool(merged) and all(torch.equal(merged[name], expected[name]) for name in merged)
+
+
 def build_optimizer(model, optim: str) -> torch.optim.Optimizer:
     """torch's AdamW at 3e-3, or ``optim`` as `create_poet_optimizer` builds it (one rate, 3e-3, for every group)."""
     if optim == "adamw":
@@ -96,6 +130,8 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume-from", type=Path, default=None)
     parser.add_argument("--optim", default="adamw")
+    parser.add_argument("--base_quantization", default=None)
+    parser.add_argument("--check_merges", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -108,10 +144,17 @@ def main() -> None:
     import poet_hf  # noqa: F401
     from poet_hf import export_merged, merge_and_reinit
     from poet_hf.training import poet_parameters, reset_optimizer_state
-    from poet_hf.training.distributed import end_distributed, save_pretrained_unsharded, shard_model
+    from poet_hf.training.distributed import end_distributed, save_pretrained_unsharded, shard_model, unsharded_replica
 
     dataset, tokenizer = tiny_dataset()
-    model = tiny_poet_model(len(tokenizer), spo=args.spo, budget=0.5, merge_every=MERGE_EVERY)
+    model = tiny_poet_model(
+        len(tokenizer),
+        spo=args.spo,
+        budget=0.5,
+        merge_every=MERGE_EVERY,
+        base_quantization=args.base_quantization,
+        requantize="nearest",
+    )
     if args.engine == "fsdp2":
         shard_model(model)
         wrapped = model
@@ -132,11 +175,14 @@ def main() -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         start = json.loads((args.resume_from / "step.json").read_text())["step"]
     gathers = track_gathers()
-    losses, merges = {}, []
+    losses, merges, merges_equal = {}, [], []
     for step in range(start, args.steps):
         losses[step + 1] = train_step(wrapped, optimizer, data[step])
         if (step + 1) % MERGE_EVERY == 0:
+            replica = unsharded_replica(model) if args.check_merges else None
             merges.append(merge_and_reinit(model)["merge_count"])
+            if args.check_merges:
+                merges_equal.append(merged_like_one_process(model, replica))
             reset_optimizer_state(optimizer, poet_parameters(model))
         if step + 1 == args.save_at:
             model_state, optim_state = get_state_dict(model, optimizer)
@@ -153,6 +199,8 @@ def main() -> None:
         ),
         "merges": merges,
         "buffers": buffer_hash(model),
+        "codes": codes_hash(model),
+        "merges_equal": merges_equal,
         "world": world,
         "peak_gathered_bytes": gathers["peak"],
         "largest_weight_bytes": max(

@@ -9,6 +9,7 @@ import torch
 
 from ..tuners.rotation.layer import RotationLayer
 from ..tuners.rotation.quantization import dequantize_modules
+from ..tuners.rotation.shardable_quantized import dequantize_shardable_modules
 from .source import ExportError
 
 if TYPE_CHECKING:
@@ -32,13 +33,14 @@ def max_merge_count(model: PeftModel) -> int | None:
 def fold(model: PeftModel, progress: bool | None) -> tuple[PreTrainedModel, dict | None]:
     """``merge_and_unload`` in float32: every tuner layer's ``merge`` folds its factors into the base weight.
 
-    Quantised (bitsandbytes) layers are dequantised first, so the fold is ``R·dequant(W0)·P`` in full precision, the
-    function the adapter model computes, and the result is a plain model. Returns it and the quantisation config the
-    source had (``None`` if none)."""
+    Quantised layers (bitsandbytes', and `ShardableQuantizedLinear`) are dequantised first, so the fold is
+    ``R·dequant(W0)·P`` in full precision, the function the adapter model computes, and the result is a plain model.
+    Returns it and the quantisation config the source had (``None`` if none)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     with torch.no_grad():
         quantization_config = dequantize_modules(model)
+        dequantize_shardable_modules(model)
         try:
             plain = model.merge_and_unload(progressbar=show_progress(progress))
         except ValueError as error:  # e.g. an input-dependent orthogonal layer, which has no single weight

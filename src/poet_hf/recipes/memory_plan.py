@@ -305,6 +305,8 @@ def _residual_off_memory(built: nn.Module, settings: PlanSettings) -> int:
     if settings.base_quantization is None and not sixteen_bit:
         return 0
     quantized = settings.base_quantization is not None
+    if quantized and settings.shards > 1:  # a sharded quantised W0 folds to nearest: no residual
+        return 0
     weights = [
         p for name, p in built.named_parameters() if name.endswith(f"{BASE_LAYER}weight") and not p.requires_grad
     ]
@@ -405,13 +407,13 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
     """Bytes of one POET ``W0`` on a process.
 
     Its codes and scales (quantised) or values, and the merges' error-feedback residual when it is kept on the layer
-    (a 16-bit ``W0`` sharded by FSDP2 keeps none)."""
+    (a ``W0`` sharded by FSDP2 keeps none: its folds round to nearest)."""
     entries = _shard(shape, shards)
     if quantization is None:
         rounding = value_size == 2 and storage == "layer" and shards == 1  # an int8 byte per entry
         return entries * (value_size + int(rounding))
-    stored = storage_kind(quantization).stored_bytes(shape[0], entries)  # codes and scales
-    return stored + (residual_bytes(entries) if storage == "layer" else 0)
+    stored = storage_kind(quantization).stored_bytes(math.ceil(shape[0] / shards), entries)  # codes and scales
+    return stored + (residual_bytes(entries) if storage == "layer" and shards == 1 else 0)
 
 
 def _state_bytes(entries: int, value_size: int, bits: int) -> int:

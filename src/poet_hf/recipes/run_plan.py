@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import nn
 
 from ..training.arguments import PoetTrainingArguments
+from ..tuners.rotation.storage_kinds import storage_kind
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
 from .presets import meta_recipe_model
@@ -80,6 +81,12 @@ def _settings_of(
         raise ValueError(
             f"--optim {optim} (bitsandbytes) cannot step FSDP2's sharded parameters; plan 8-bit states under fsdp2 "
             "with --optim adamw_torch_8bit (torchao's AdamW8bit, which the run can step)"
+        )
+    quantization = args.base_quantization
+    if sharding == "fsdp2" and quantization is not None and not storage_kind(quantization).shardable:
+        raise ValueError(  # what shard_model refuses (refuse_quantized_bases)
+            f"--base_quantization {quantization} is a bitsandbytes layer, which FSDP2 cannot shard; plan "
+            "--base_quantization nf4-shardable or int8-shardable (the same codes as plain tensors by row)"
         )
     settings = PlanSettings(
         method=args.method,

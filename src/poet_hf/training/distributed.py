@@ -77,8 +77,9 @@ def refuse_quantized_bases(model: nn.Module) -> None:
             f"'{quantized}' is a bitsandbytes layer, and quantised bases cannot be sharded by FSDP2: fully_shard turns "
             "each Params4bit / Int8Params into a plain DTensor and drops the quantisation state bitsandbytes keeps on "
             "the parameter (quant_state, SCB), and a merge requantises W0 by installing a new parameter, which FSDP2 "
-            "would not track. Train a quantised base with DDP (accelerate launch --multi_gpu): a 4-bit W0 is an "
-            "eighth of the float32 one, so replicating it is usually affordable; or shard an unquantised base."
+            "would not track. Store W0 as base_quantization='nf4-shardable' or 'int8-shardable' (the same codes as "
+            "plain tensors by row, which FSDP2 shards), or train a bitsandbytes base with DDP "
+            "(accelerate launch --multi_gpu)."
         )
 
 

@@ -24,11 +24,14 @@ from torch import nn
 
 from ..tuners.oft import OftConfig
 from ..tuners.rotation.layer import RotationLayer, rotation_layers
+from ..tuners.rotation.storage_kinds import storage_kind
 from .optimizer import reset_optimizer_state
 
 UNSUPPORTED_WITH_ZERO = {
     "fused_optimizer_step": "DeepSpeed owns the optimizer step, which fused steps would take inside the backward",
-    "base_quantization": "ZeRO partitions and casts every parameter, which a bitsandbytes W0 cannot follow",
+    "base_quantization": "ZeRO partitions and casts every parameter, which a bitsandbytes W0 cannot follow (its "
+    "quantisation state rides on the parameter); store W0 as 'nf4-shardable' or 'int8-shardable', which ZeRO-3 "
+    "partitions like any frozen parameter",
 }
 
 
@@ -65,7 +68,10 @@ def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
             f"DeepSpeed ZeRO stage {stage} is not supported for POET and OFT (merges reset ZeRO-2's and ZeRO-3's "
             "master partitions; stage 1 in bfloat16 runs another optimizer); set `zero_stage` to 2 or 3"
         )
-    quantized = any(layer.base_quantization for _, layer in rotation_layers(model))
+    quantized = any(
+        layer.base_quantization and not storage_kind(layer.base_quantization).shardable
+        for _, layer in rotation_layers(model)
+    )
     settings = {"fused_optimizer_step": getattr(args, "fused_optimizer_step", False), "base_quantization": quantized}
     for field, why in UNSUPPORTED_WITH_ZERO.items():
         if settings[field]:

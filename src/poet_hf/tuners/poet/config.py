@@ -21,7 +21,7 @@ from ..rotation.storage_kinds import BASE_QUANTIZATIONS
 
 POET_PEFT_TYPE = "POET"
 # The storage kinds of `W0` (`poet_hf.tuners.rotation.storage_kinds.KINDS`), as the field types them.
-BaseQuantization = Literal["nf4", "fp4", "int8"]
+BaseQuantization = Literal["nf4", "fp4", "int8", "nf4-shardable", "int8-shardable"]
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,10 @@ class PoetConfig(RotationConfig):
         default=None,
         metadata={
             "help": "Quantise every target W0 with bitsandbytes after base_init (QPOET pretraining; needs the "
-            "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row). "
-            "None keeps W0 as it is; a base that is already quantised (BitsAndBytesConfig) needs nothing here."
+            "`quant` extra): 'nf4' or 'fp4' (4-bit, blocks of 64, double quantisation) or 'int8' (per row), as "
+            "bitsandbytes layers; 'nf4-shardable' or 'int8-shardable', the same codes as plain tensors by row (4-bit "
+            "without double quantisation), which FSDP2 and ZeRO-3 shard. None keeps W0 as it is; a base that is "
+            "already quantised (BitsAndBytesConfig) needs nothing here."
         },
     )
     train_other_params: bool | None = field(

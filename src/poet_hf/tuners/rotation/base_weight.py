@@ -21,6 +21,8 @@ from . import quantization, residual_store
 from .caches import RotationStepState
 from .frozen_weight import FrozenWeight, frozen_weight
 from .quantization import HoldsBaseLayer
+from .shardable_quantized import ShardableQuantizedLinear, ShardableQuantizedWeight, stored_quantization
+from .storage_kinds import storage_kind
 
 
 class QuantizedMergeWarning(UserWarning):
@@ -49,12 +51,15 @@ class BaseWeightMixin:
     @property
     def frozen(self) -> FrozenWeight:
         """The frozen ``W0``, as the class of the way its base stores it now (a cast or a quantisation changes it)."""
+        base = self.get_base_layer()
+        if isinstance(base, ShardableQuantizedLinear):
+            return ShardableQuantizedWeight(base)
         return frozen_weight(cast(HoldsBaseLayer, self), self._weight_transposed)
 
     @property
     def base_quantization(self) -> str | None:
-        """The storage kind's name (`storage_kinds.KINDS`) when the base is a bitsandbytes layer, else ``None``."""
-        return quantization.quantization_of(self.get_base_layer())
+        """The storage kind's name (`storage_kinds.KINDS`) when the base is quantised, else ``None``."""
+        return stored_quantization(self.get_base_layer())
 
     def base_weight(self) -> torch.Tensor:
         """The stored weight of a float base (``Linear``, ``Conv1D``, ``Conv2d``)."""
@@ -103,9 +108,14 @@ class BaseWeightMixin:
             )
 
     def quantize_base(self, base_quantization: str) -> None:
-        """Replace an ``nn.Linear`` base by its bitsandbytes quantisation (a kind of `storage_kinds.KINDS`)."""
+        """Replace an ``nn.Linear`` base by its quantisation (a kind of `storage_kinds.KINDS`): a bitsandbytes layer,
+        or a `ShardableQuantizedLinear`."""
         if self.base_quantization is None:
-            self.base_layer = quantization.quantize_linear(cast(nn.Linear, self.get_base_layer()), base_quantization)
+            linear = cast(nn.Linear, self.get_base_layer())
+            if storage_kind(base_quantization).shardable:
+                self.base_layer = ShardableQuantizedLinear.from_linear(linear, base_quantization)
+            else:
+                self.base_layer = quantization.quantize_linear(linear, base_quantization)
         self.pending_quantization = None
 
     def base_weight_bytes(self) -> int:

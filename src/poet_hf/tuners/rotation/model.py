@@ -24,6 +24,7 @@ from .fold_checks import check_finite_rotations, check_foldable_blocks
 from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
 from .quantization import adopt_base, drop_residual, quantization_of
+from .shardable_quantized import ShardableQuantizedLinear
 from .state_checks import AdapterStateError
 
 
@@ -95,6 +96,8 @@ def create_tuner_module(
     base_layer = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     if quantization_of(base_layer) is not None:
         adopt_base(base_layer)
+        return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
+    if isinstance(base_layer, ShardableQuantizedLinear):
         return layer_classes[0](target, adapter_name, config=config, layer_name=layer_name)
     for base_type, layer_cls in zip((nn.Linear, HFConv1D, nn.Conv2d), layer_classes, strict=True):
         if isinstance(base_layer, base_type):
