@@ -153,6 +153,7 @@ def test_a_shardable_nf4_w0_trains_under_fsdp2_merges_as_one_process_and_resumes
       merge the two process counts are closer than that.
     - Resumed from step 14 (after the first merge), through the second merge: identical losses and codes.
     - The export, read by stock transformers, gives the trained model's logits.
+    - Built on ``meta``, sharded, then materialized shard by shard: the codes the model built whole holds.
     - With torchao's 8-bit states the merges are as exact (their blocks follow each shard, so the losses of two
       process counts part by the states' rounding, not by ``W0``'s).
     """
@@ -161,6 +162,8 @@ def test_a_shardable_nf4_w0_trains_under_fsdp2_merges_as_one_process_and_resumes
     one = torchrun(tmp_path / "one", *nf4, ranks=1)
     resumed = torchrun(tmp_path / "resumed", *nf4, "--resume-from", str(tmp_path / "two" / "ckpt"))
     eight_bit = torchrun(tmp_path / "8bit", *nf4, "--check_merges", "--steps", "13", "--optim", "adamw_torch_8bit")
+    meta = torchrun(tmp_path / "meta", *nf4, "--meta", "--steps", "1")
+    assert meta[0]["initial_codes"] == meta[1]["initial_codes"] == two[0]["initial_codes"]
     assert two[0]["merges"] == [1, 2] and two[0]["merges_equal"] == [True, True]
     assert eight_bit[0]["merges_equal"] == [True] and eight_bit[0]["eight_bit_states"] > 0
     assert two[0]["codes"] == two[1]["codes"]

@@ -371,8 +371,7 @@ def _finish_layer(layer: RotationLayer, sharded: bool) -> None:
         if sharded:
             raise ValueError(
                 f"`base_quantization`={layer.pending_quantization!r} cannot be combined with FSDP2 sharding: "
-                "bitsandbytes parameters cannot be sharded, and a shardable kind is quantised before sharding, so "
-                "build the model on a device (not `meta`) and quantise it there, then call shard_model"
+                "bitsandbytes parameters cannot be sharded; use 'nf4-shardable' or 'int8-shardable'"
             )
         layer.quantize_base(layer.pending_quantization)
 

@@ -83,6 +83,26 @@ def refuse_quantized_bases(model: nn.Module) -> None:
         )
 
 
+def _quantize_shardable_bases(model: nn.Module, checkpoint: str | Path | None) -> None:
+    """Give each layer of a ``meta`` model whose adapter asked for a shardable ``base_quantization`` its
+    ``ShardableQuantizedLinear``, empty, so that it is sharded with its block and materialized in place (its
+    ``base_init`` then writes and quantises ``W0`` shard by shard)."""
+    from ..tuners.rotation.layer import rotation_layers
+    from ..tuners.rotation.storage_kinds import storage_kind
+
+    for name, layer in rotation_layers(model):
+        kind = layer.pending_quantization
+        if kind is None or not storage_kind(kind).shardable:
+            continue
+        if checkpoint is not None:
+            raise ValueError(
+                f"'{name}': base_quantization={kind!r} on a meta model read from a checkpoint while sharding is not "
+                "supported (its codes would be made from the checkpoint's float W0 before sharding); build the model "
+                "on a device, load and quantise it there, then call shard_model"
+            )
+        layer.quantize_base(kind)
+
+
 def _embedding_units(model: nn.Module) -> list[nn.Module]:
     """The input embeddings and the output head, to shard as units of their own.
 
@@ -160,6 +180,7 @@ def shard_model(
     from ..initialization import has_meta_tensors, materialize_model
 
     refuse_quantized_bases(model)
+    _quantize_shardable_bases(model, checkpoint)
     if mesh is None:
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     blocks = _block_classes(model)

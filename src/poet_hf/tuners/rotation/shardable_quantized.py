@@ -140,13 +140,24 @@ class ShardableQuantizedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kind: str) -> ShardableQuantizedLinear:
-        """``linear``'s weight quantised as ``kind`` (to nearest), with its bias, on its device."""
+        """``linear``'s weight quantised as ``kind`` (to nearest), with its bias, on its device (on ``meta``: empty,
+        for `reset_parameters` or a fold to fill)."""
         weight = linear.weight.detach()
         layer = cls(linear.in_features, linear.out_features, kind, linear.bias is not None, weight.dtype, weight.device)
-        layer.store(weight)
+        if weight.device.type != "meta":
+            layer.store(weight)
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         return layer
+
+    def reset_parameters(self) -> None:
+        """A fresh weight and bias drawn as ``nn.Linear`` draws them, the weight quantised (what
+        `poet_hf.initialization.materialize_model` calls for a layer built on ``meta``)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        self.store(linear.weight.detach())
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.copy_(linear.bias)
 
     def dequantize(self) -> torch.Tensor:
         """The whole ``out × in`` weight in float32 (under FSDP2, the codes are gathered: a collective)."""
