@@ -154,18 +154,21 @@ def test_a_shardable_nf4_w0_trains_under_fsdp2_merges_as_one_process_and_resumes
     - Resumed from step 14 (after the first merge), through the second merge: identical losses and codes.
     - The export, read by stock transformers, gives the trained model's logits.
     - Built on ``meta``, sharded, then materialized shard by shard: the codes the model built whole holds.
-    - With torchao's 8-bit states the merges are as exact (their blocks follow each shard, so the losses of two
-      process counts part by the states' rounding, not by ``W0``'s).
+    - With torchao's 8-bit states and activation checkpointing the merges are as exact (the states' blocks follow
+      each shard, so the losses of two process counts part by the states' rounding, not by ``W0``'s).
     """
     nf4 = ["fsdp2", "block", "--base_quantization", "nf4-shardable"]
     two = torchrun(tmp_path / "two", *nf4, "--check_merges", "--save-at", "14")
     one = torchrun(tmp_path / "one", *nf4, ranks=1)
     resumed = torchrun(tmp_path / "resumed", *nf4, "--resume-from", str(tmp_path / "two" / "ckpt"))
-    eight_bit = torchrun(tmp_path / "8bit", *nf4, "--check_merges", "--steps", "13", "--optim", "adamw_torch_8bit")
+    eight_bit = torchrun(
+        tmp_path / "8bit", *nf4, "--check_merges", "--steps", "13", "--optim", "adamw_torch_8bit", "--checkpointing"
+    )
     meta = torchrun(tmp_path / "meta", *nf4, "--meta", "--steps", "1")
     assert meta[0]["initial_codes"] == meta[1]["initial_codes"] == two[0]["initial_codes"]
     assert two[0]["merges"] == [1, 2] and two[0]["merges_equal"] == [True, True]
     assert eight_bit[0]["merges_equal"] == [True] and eight_bit[0]["eight_bit_states"] > 0
+    assert eight_bit[0]["checkpointing"] and eight_bit[0]["losses"]["13"] < eight_bit[0]["losses"]["1"]
     assert two[0]["codes"] == two[1]["codes"]
     losses, single, plain = two[0]["losses"], one[0]["losses"], runs["fsdp2", "block"][1][0]["losses"]
     assert max(abs(losses[str(step)] - single[str(step)]) for step in range(1, 13)) <= 1e-5

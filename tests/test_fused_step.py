@@ -93,7 +93,7 @@ def test_a_fused_optimizer_resumes_from_its_state_dict_exactly():
 def test_settings_a_fused_step_cannot_honour_are_refused(tmp_path, settings, message):
     args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **settings)
     with pytest.raises(ValueError, match=message):
-        check_fused_step(args)
+        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
 
 
 def reference_clipped_steps(model, batches, threshold: float, order: list[list[int]]) -> None:
@@ -176,7 +176,7 @@ def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
     args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_grad_norm=0)
     monkeypatch.setattr(PoetTrainingArguments, "world_size", property(lambda self: 2))
     with pytest.raises(ValueError, match="runs on one process only"):
-        check_fused_step(args)
+        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
 
 
 def test_poet_trainer_with_fused_steps_merges_checkpoints_and_resumes_identically(tmp_path):

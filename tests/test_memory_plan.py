@@ -177,6 +177,10 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
         (["--sharding", "zero"], "argument --sharding: invalid choice: 'zero'"),
         (["--sharding", "fsdp2", "--processes", "2", "--optim", "adamw_bnb_8bit"], "with --optim adamw_torch_8bit"),
         (["--sharding", "fsdp2", "--processes", "2", "--base_quantization", "nf4"], "plan --base_quantization nf4-sh"),
+        (
+            ["--processes", "2", "--fused_optimizer_step"],
+            "`fused_optimizer_step` runs on one process only (world size 2)",
+        ),
     ],
 )
 def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys, flags, message):

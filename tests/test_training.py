@@ -181,7 +181,8 @@ class StopAt(TrainerCallback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", [None, "int8"])  # int8: W0 requantised at every merge, on every rank
+# int8: W0 requantised at every merge, on every rank; nf4-shardable: the codes as plain parameters, DDP-replicated
+@pytest.mark.parametrize("quantization", [None, "int8", "nf4-shardable"])
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quantization):
     env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     worker = str(HERE / "workers" / "ddp_worker.py")

@@ -2,13 +2,14 @@
 optimizer reset, checkpoint and export code. Writes OUT/rank<k>.json.
 
 Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR] [--optim OPTIM]
-                       [--base_quantization KIND] [--check_merges] [--meta]
+                       [--base_quantization KIND] [--check_merges] [--meta] [--checkpointing]
   ENGINE: ddp | fsdp2;  SPO: block | full;  OPTIM: adamw (torch's, the default) or a TrainingArguments optim name
   built by create_poet_optimizer (adamw_torch_8bit, adamw_bnb_8bit); a refusal is written as OUT/rank<k>.json's "error".
   KIND: a base_quantization of W0 (nf4-shardable, int8-shardable), folded by rounding to nearest; the report then
   holds a hash of its whole codes. --check_merges: before each merge rank 0 gathers an unsharded replica, merges it
   as one process does, and reports whether the sharded merge's gathered codes and scales equal the replica's.
   --meta: build the model on the meta device, for shard_model to materialize shard by shard.
+  --checkpointing: transformers' activation checkpointing (non-reentrant), each block recomputed in the backward.
 """
 
 import argparse
@@ -134,6 +135,7 @@ def main() -> None:
     parser.add_argument("--base_quantization", default=None)
     parser.add_argument("--check_merges", action="store_true")
     parser.add_argument("--meta", action="store_true")
+    parser.add_argument("--checkpointing", action="store_true")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -158,6 +160,8 @@ def main() -> None:
         requantize="nearest",
         meta=args.meta,
     )
+    if args.checkpointing:
+        model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
     if args.engine == "fsdp2":
         shard_model(model)
         wrapped = model
@@ -205,6 +209,7 @@ def main() -> None:
         "buffers": buffer_hash(model),
         "codes": codes_hash(model),
         "initial_codes": initial_codes,
+        "checkpointing": model.get_base_model().is_gradient_checkpointing,
         "merges_equal": merges_equal,
         "world": world,
         "peak_gathered_bytes": gathers["peak"],

@@ -234,6 +234,7 @@ def plan_memory(
     fused_step: bool = False,
     optimizer_bits: int = 32,
     vocab_weights_dtype: str = "float32",
+    loss_chunk_tokens: int | None = None,
 ) -> MemoryPlan:
     """Plan one process's memory for training ``model`` with ``method`` (see the module docstring for the model).
 
@@ -245,8 +246,7 @@ def plan_memory(
         block_size: POET-BS's and OFT's block size ``b``.
         budget: POET-FS's sampling budget, a fraction of each dimension.
         rank: LoRA's rank, and GaLore's projection rank.
-        dtype: the weights' and activations' type: ``float32``, ``bfloat16`` or ``float16``, or their short names
-            (`poet_hf.dtypes`; adapter parameters stay float32).
+        dtype: the weights' and activations' type, by torch's or its short name (adapter parameters stay float32).
         batch_size: sequences per micro-batch and process.
         seq_len: tokens per sequence.
         processes: data-parallel processes.
@@ -256,8 +256,7 @@ def plan_memory(
         accumulation: micro-batches per optimizer step (gradients and rotation caches persist between them).
         cache_rotations: POET's rotation cache ([`PoetConfig`][poet_hf.PoetConfig]), held under accumulation:
             ``"auto"`` decides per layer as a run does, from the plan's shapes (`poet_hf.recipes.rotation_cache_plan`).
-        base_quantization: POET's ``W0`` stored by bitsandbytes, a kind of `storage_kinds.KINDS`, which gives its
-            bytes (4-bit: codes and double-quantised block scales, 0.516 B per entry; 8-bit: 1 B and a row scale).
+        base_quantization: POET's ``W0`` storage kind (`storage_kinds.KINDS`), which counts its bytes.
         residual_storage: where the merges' error-feedback residual of a quantised or 16-bit ``W0`` lives
             ([`PoetConfig`][poet_hf.PoetConfig]): ``"layer"`` counts it in ``W0`` (1.06 B per entry quantised, 1 B
             16-bit); ``"auto"``, ``"cpu"`` and ``"disk"`` keep it off the steps' memory.
@@ -268,6 +267,7 @@ def plan_memory(
             rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
         vocab_weights_dtype: ``"bfloat16"`` (with ``fused_step``): the untied head and input embeddings stored in
             bfloat16, their 32-bit states too (`poet_hf.training.bf16_storage`), stepped a float32 row chunk at a time.
+        loss_chunk_tokens: tokens whose logits the loss forms at once (`poet_hf.training.chunked_loss`), or ``None``.
 
     Returns:
         A [`MemoryPlan`][poet_hf.recipes.memory_plan.MemoryPlan]: bytes per process by part, alive together at the
@@ -399,7 +399,13 @@ def _working_bytes(
             largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary = base_model_of(built).get_output_embeddings().weight.shape[0]
-    working["loss working set"] = batch * seq_len * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
+    tokens = batch * seq_len
+    if settings.loss_chunk_tokens is None:
+        working["loss working set"] = tokens * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
+    else:  # one chunk's float32 logits (their gradient in place), and ∂L/∂hidden, held to the backward
+        hidden = base_model_of(built).get_output_embeddings().weight.shape[1]
+        chunk = min(tokens, settings.loss_chunk_tokens)
+        working["loss working set"] = chunk * vocabulary * 4 + tokens * hidden * (torch.finfo(dtype).bits // 8)
     return working
 
 

@@ -37,6 +37,7 @@ class PlanSettings:
         fused_step: optimizer steps fused into the backward.
         optimizer_bits: 32 or 8.
         vocab_weights_dtype: ``"float32"`` or ``"bfloat16"`` (with ``fused_step``).
+        loss_chunk_tokens: tokens whose logits the loss forms at once (`poet_hf.training.chunked_loss`), or ``None``.
 
     Raises:
         ValueError: a field outside its allowed values (the message names it and them).
@@ -57,6 +58,7 @@ class PlanSettings:
     fused_step: bool = False
     optimizer_bits: int = 32
     vocab_weights_dtype: str = "float32"
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype, "dtype")

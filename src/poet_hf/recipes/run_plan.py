@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, TypeVar
 from torch import nn
 
 from ..training.arguments import PoetTrainingArguments
+from ..training.fused_step import check_fused_step
 from ..tuners.rotation.storage_kinds import storage_kind
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
@@ -82,6 +83,13 @@ def _settings_of(
             f"--optim {optim} (bitsandbytes) cannot step FSDP2's sharded parameters; plan 8-bit states under fsdp2 "
             "with --optim adamw_torch_8bit (torchao's AdamW8bit, which the run can step)"
         )
+    if training.fused_optimizer_step:  # what the trainer refuses, on the plan's process count
+        check_fused_step(recipe.gradient_accumulation_steps, training.fp16, recipe.processes)
+    if sharding == "fsdp2" and training.loss_chunk_tokens is not None:
+        raise ValueError(  # what chunked_loss.causal_lm_loss refuses
+            "--loss_chunk_tokens reads the output head's weight outside its forward, where FSDP2 keeps only this "
+            "process's shard; plan it with --sharding ddp"
+        )
     quantization = args.base_quantization
     if sharding == "fsdp2" and quantization is not None and not storage_kind(quantization).shardable:
         raise ValueError(  # what shard_model refuses (refuse_quantized_bases)
@@ -102,6 +110,7 @@ def _settings_of(
         fused_step=bool(training.fused_optimizer_step),
         vocab_weights_dtype=training.vocab_weights_dtype,
         optimizer_bits=8 if "8bit" in optim else 32,
+        loss_chunk_tokens=training.loss_chunk_tokens,
     )
     if args.method == "lora":
         settings.rank = args.lora_rank

@@ -84,8 +84,25 @@ class PoetTrainingArguments(TrainingArguments):
         },
     )
 
+    loss_chunk_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Compute a causal LM's loss this many tokens at a time, the head and the cross-entropy in one (as "
+            "fused linear cross-entropy kernels do): the tokens x vocabulary logits and their gradient never exist "
+            "whole, only one chunk's. One process, DDP or ZeRO-2 (FSDP2 and ZeRO-3 shard the head outside its "
+            "forward), without fused_optimizer_step. None: transformers' loss on the whole logits."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens)
+            if self.fused_optimizer_step:
+                raise ValueError(
+                    "`loss_chunk_tokens` holds the head's whole gradient from the loss to the step, which "
+                    "fused_optimizer_step computes a chunk of rows at a time and never holds: choose one"
+                )
         if self.vocab_weights_dtype in DTYPES:  # bf16 and bfloat16 alike
             self.vocab_weights_dtype = dtype_name(self.vocab_weights_dtype)
         if self.vocab_weights_dtype not in VOCAB_WEIGHTS_DTYPES:

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
-from transformers import TrainingArguments
 
 from ..allocator import bound_allocator_slack
 from .bf16_storage import BFloat16Step, is_moment
@@ -284,28 +283,30 @@ def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> Non
             target[key] = value
 
 
-def check_fused_step(args: TrainingArguments) -> None:
+def check_fused_step(accumulation: int, fp16: bool, processes: int) -> None:
     """Refuse the settings a fused step cannot honour, naming each.
 
     Args:
-        args: the run's training arguments.
+        accumulation: the run's ``gradient_accumulation_steps``.
+        fp16: the run's ``fp16``.
+        processes: how many processes train (``world_size``).
 
     Raises:
         ValueError: ``gradient_accumulation_steps`` > 1, ``fp16`` (its loss scaler), or more than one process.
     """
-    if args.gradient_accumulation_steps > 1:
+    if accumulation > 1:
         raise ValueError(
             f"`fused_optimizer_step` steps each parameter in the backward, so it cannot accumulate gradients; got "
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps} (use 1, and a larger "
+            f"gradient_accumulation_steps={accumulation} (use 1, and a larger "
             "per_device_train_batch_size)"
         )
-    if args.fp16:
+    if fp16:
         raise ValueError(
             "`fused_optimizer_step` cannot run with fp16 (fp16=True): the loss scaler unscales and checks the "
             "gradients after the backward, when they have already stepped; use bf16"
         )
-    if args.world_size > 1:
+    if processes > 1:
         raise ValueError(
-            f"`fused_optimizer_step` runs on one process only (world size {args.world_size}): under DDP or FSDP2 a "
+            f"`fused_optimizer_step` runs on one process only (world size {processes}): under DDP or FSDP2 a "
             "parameter's hook sees its local gradient before the processes reduce it"
         )

@@ -217,7 +217,7 @@ def create_poet_optimizer(
     if fused_step if fused_step is not None else getattr(args, "fused_optimizer_step", False):
         from .fused_step import FusedStepOptimizer, check_fused_step
 
-        check_fused_step(args)
+        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
         # Read at every step: MergeReinitCallback ramps args.max_grad_norm after each merge.
         vocab_dtype = getattr(args, "vocab_weights_dtype", "float32")
         return FusedStepOptimizer(

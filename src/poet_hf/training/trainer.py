@@ -19,6 +19,7 @@ from ..tuners.rotation.layer import rotation_layers
 from ..tuners.rotation.model import set_residual_folder
 from ..tuners.tuner_base import base_model_of
 from .callback import MergeReinitCallback, unwrap
+from .chunked_loss import trainer_loss
 from .distributed import fsdp_requested, shard_model
 from .fused_step import FusedStepOptimizer
 from .nonfinite import NonFiniteGuard, NonFiniteStepError, clip_to_norm, total_grad_norm
@@ -162,8 +163,10 @@ class PoetTrainer(CrashSafeTrainer):
         return loss
 
     def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        """Trainer's loss; with fused steps, a non-finite training loss has its backward step nothing."""
-        result = super().compute_loss(model, inputs, *args, **kwargs)
+        """Trainer's loss, or `chunked_loss.trainer_loss`'s with ``loss_chunk_tokens``; with fused steps, a non-finite
+        training loss has its backward step nothing."""
+        chunked = trainer_loss(self, model, inputs, *args, **kwargs)
+        result = super().compute_loss(model, inputs, *args, **kwargs) if chunked is None else chunked
         fused = self._fused_optimizer()
         if fused is not None and model.training:
             loss = result[0] if isinstance(result, tuple) else result
