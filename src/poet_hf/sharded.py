@@ -52,6 +52,34 @@ def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.data.copy_(full)
 
 
+def local_rows(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The rows of ``full`` that this process holds of ``like``, a tensor with as many rows that FSDP2 may have
+    sharded by rows (``Shard(0)``): all of ``full`` when ``like`` is not a ``DTensor``. No communication.
+
+    Args:
+        like: the tensor or ``DTensor`` whose split to follow.
+        full: the whole tensor, as every rank computed it.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+@torch.no_grad()
+def write_local(param: torch.Tensor, local: torch.Tensor) -> None:
+    """Write this process's part ``local`` of ``param`` (its shard, or all of it when it is not a ``DTensor``).
+
+    Args:
+        param: the tensor or ``DTensor`` to write into.
+        local: what this process holds of its new value.
+    """
+    from torch.distributed.tensor import DTensor
+
+    (param.to_local() if isinstance(param, DTensor) else param.data).copy_(local)
+
+
 def is_dtensor(tensor: torch.Tensor) -> bool:
     """Whether FSDP2 has sharded ``tensor`` into a ``DTensor``.
 

@@ -11,9 +11,9 @@ row of each:
   block, which no split by rows keeps);
 - ``int8-shardable``: LLM.int8()'s weight codes, one per entry, and a float32 scale per row (absmax / 127).
 
-Every statistic is its row's own, so a process that holds rows ``a:b`` of the codes holds everything they need, a fold
-that quantises the whole matrix on every process gives each the same codes one process would, and FSDP2 gathers them
-as it gathers any parameter (mixed dtypes are all-gathered as bytes).
+Every statistic is its row's own, so a process that holds rows ``a:b`` of the codes holds everything they need: under
+FSDP2 a fold quantises, on each process, only the rows it holds, which are the codes one process would give them, and
+FSDP2 gathers them as it gathers any parameter (mixed dtypes are all-gathered as bytes).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...orthogonal.rotation_sides import WeightSource
-from ...sharded import full_tensor, is_dtensor, write_full
+from ...sharded import full_tensor, is_dtensor, local_rows, write_local
 from . import quantization, residual_store
 from .frozen_weight import FrozenWeight
 from .storage_kinds import FOUR_BIT_BLOCK, StorageKind, storage_kind
@@ -164,11 +164,11 @@ class ShardableQuantizedLinear(nn.Module):
         return decode(self.kind, full_tensor(self.codes), full_tensor(self.scales), self.in_features)
 
     def store(self, matrix: torch.Tensor) -> torch.Tensor:
-        """Quantise the whole ``matrix`` into the codes and scales (each process keeps its rows); the float32 weight
-        they now hold."""
-        codes, scales = encode(self.kind, matrix)
-        write_full(self.codes, codes)
-        write_full(self.scales, scales)
+        """Quantise the whole ``matrix`` into the codes and scales, each process the rows it holds (a row's codes are
+        its own: under FSDP2 each quantises only its rows); the float32 rows they now hold."""
+        codes, scales = encode(self.kind, local_rows(self.codes, matrix))
+        write_local(self.codes, codes)
+        write_local(self.scales, scales)
         return decode(self.kind, codes, scales, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,10 +195,10 @@ class _DequantizedOnCall:
 class ShardableQuantizedWeight(FrozenWeight):
     """The ``W0`` of a `ShardableQuantizedLinear`: dequantised to read, requantised to write.
 
-    Under FSDP2 a fold gathers the codes and scales, and every process quantises the folded matrix alike (a
-    stochastic rounding draws from the same generator everywhere) and keeps its rows. A sharded ``W0`` rounds to
-    nearest where error feedback is asked, as a sharded 16-bit ``W0`` does: its residual would be a tensor per
-    process that ``torch.distributed.checkpoint`` cannot save beside the shards.
+    Under FSDP2 a fold gathers the codes and scales, and each process quantises the rows it holds of the folded
+    matrix (a stochastic rounding draws the whole matrix's noise from the same generator everywhere). A sharded ``W0``
+    rounds to nearest where error feedback is asked, as a sharded 16-bit ``W0`` does: its residual would be a tensor
+    per process that ``torch.distributed.checkpoint`` cannot save beside the shards.
 
     Args:
         module: the layer.
@@ -237,12 +237,15 @@ class ShardableQuantizedWeight(FrozenWeight):
             if generator is None:
                 raise ValueError("requantize='stochastic' needs a seeded generator")
             target = _grid_rounded(self.module.kind, target, generator)
-        restored = self.module.store(target)
+        restored = self.module.store(target)  # this process's rows
+        rows = local_rows(self.module.codes, matrix.float())
         if requantize == "feedback":
-            codes, scales = quantization.encode_residual(matrix.float() - restored)
+            codes, scales = quantization.encode_residual(rows - restored)
             residual_store.keep(self.module, {quantization.RESIDUAL_CODES: codes, quantization.RESIDUAL_SCALES: scales})
-        error = (restored - matrix.float()).norm() / matrix.float().norm().clamp_min(torch.finfo(torch.float32).tiny)
-        return float(error)
+        squares = torch.stack([(restored - rows).square().sum(), rows.square().sum()])
+        if is_dtensor(self.module.codes):  # the whole matrix's norms: every rank calls the fold
+            torch.distributed.all_reduce(squares)
+        return float(squares[0].sqrt() / squares[1].sqrt().clamp_min(torch.finfo(torch.float32).tiny))
 
     def nbytes(self) -> int:
         """Bytes of this process's codes and scales, and of the residual kept on the module."""

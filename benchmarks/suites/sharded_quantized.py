@@ -1,0 +1,138 @@
+"""Llama-2-7B's shape with every saving that composes with FSDP2, on 1 process and on 2: whole-process peaks beside
+the planner's.
+
+POET-BS 256 (``base_init="normalized"``), its ``W0`` stored as ``nf4-shardable`` (folded to nearest, as FSDP2 folds
+it), torchao's 8-bit AdamW states through `create_poet_optimizer` (the input embeddings keep 32-bit ones),
+transformers' activation checkpointing (non-reentrant), 1 × 256 tokens per process, float32. The model is built on
+``meta``: one process materializes it whole (each layer quantised as it is made), two FSDP2 processes shard it first
+(`shard_model`) and materialize their shards. Each launch is ``torchrun`` with gloo, as a user starts it, glibc's mmap
+threshold fixed as in `benchmarks.suites.fsdp`. Per process: the whole peak RSS (``VmHWM``, imports included), the
+steady-state peak above the imports (sampled every millisecond after the first optimizer step) and the median step
+time; beside them `poet_hf.plan_memory`'s total for the same run. Merges are left to the tests (`tests/test_fsdp.py`
+checks their codes against one process's): on this CPU a 7B merge quantises 6.5 G entries, minutes of work that
+measure nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import status_mb
+from benchmarks.suites.fsdp import _RssSampler, _torchrun
+
+PRESET, BATCH, SEQ, STEPS = "llama-2-7b", 1, 256, 1
+SETTINGS = {
+    "preset": PRESET,
+    "batch / process": f"{BATCH}x{SEQ}",
+    "W0": "nf4-shardable",
+    "optimizer": "torchao AdamW8bit",
+    "activation checkpointing": True,
+    "dtype": "float32",
+}
+LAUNCHES = ((1, "none"), (2, "fsdp2"))
+
+
+def _model(preset_name: str, sharding: str) -> torch.nn.Module:
+    """The POET model on ``meta``, checkpointed, then sharded (``fsdp2``) or made whole, quantised layer by layer."""
+    from peft import get_peft_model
+
+    from poet_hf import PoetConfig
+    from poet_hf.initialization import materialize_model
+    from poet_hf.recipes.presets import PRESETS, build_llama
+    from poet_hf.training.distributed import shard_model
+
+    preset = PRESETS[preset_name]
+    config = PoetConfig(
+        block_size=preset.block_size, base_init="normalized", base_quantization="nf4-shardable", requantize="nearest"
+    )
+    model = get_peft_model(build_llama(preset, "poet-bs", 32000, SEQ, seed=0, device="meta"), config)
+    model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    return shard_model(model, seed=0) if sharding == "fsdp2" else materialize_model(model, seed=0, device="cpu")
+
+
+def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
+    """Run under torchrun: build, train ``steps`` steps after a first; write this process's report."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torchao.optim import AdamW8bit
+
+    from poet_hf.training import create_poet_optimizer
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    after_imports = status_mb("VmRSS")
+    model = _model(preset_name, sharding)
+    args = SimpleNamespace(optim="adamw_torch_8bit", learning_rate=1e-3, poet_learning_rate=1e-3, weight_decay=0.0)
+    optimizer = create_poet_optimizer(model, args, optimizer_cls_and_kwargs=(AdamW8bit, {"lr": 1e-3}))
+    ids = torch.randint(0, 32000, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
+    times, sampler = [], _RssSampler()
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        if step == 0:
+            sampler.start()
+    steady = sampler.stop() - after_imports
+    report = {
+        "world": world,
+        "whole_peak_mb": status_mb("VmHWM"),
+        "imports_mb": after_imports,
+        "steady_peak_mb": steady,
+        "step_s": statistics.median(times[1:]),
+    }
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _planned_mb(preset_name: str, processes: int) -> float:
+    from poet_hf import plan_memory
+    from poet_hf.recipes.presets import PRESETS
+
+    plan = plan_memory(
+        preset_name,
+        "poet-bs",
+        block_size=PRESETS[preset_name].block_size,
+        batch_size=BATCH,
+        seq_len=SEQ,
+        processes=processes,
+        sharding="fsdp2" if processes > 1 else "ddp",
+        checkpointing=True,
+        base_quantization="nf4-shardable",
+        optimizer_bits=8,
+    )
+    return plan.total_bytes / 2**20
+
+
+def run(quick: bool = False) -> list[dict]:
+    """One row per launch (1 process, 2 FSDP2 processes), the worst process of each; ``quick``: llama-60m's shape."""
+    preset = "llama-60m" if quick else PRESET
+    rows = []
+    for processes, sharding in LAUNCHES:
+        reports = _torchrun(processes, f"worker({preset!r}, {STEPS}, {sharding!r})", module="suites.sharded_quantized")
+        worst = max(reports, key=lambda report: report["whole_peak_mb"])
+        planned = _planned_mb(preset, processes)
+        rows.append(
+            {
+                "preset": preset,
+                "processes": processes,
+                "sharding": sharding,
+                "whole peak MB / process": worst["whole_peak_mb"],
+                "imports MB": worst["imports_mb"],
+                "steady-state peak MB / process": worst["steady_peak_mb"],
+                "planned MB / process": planned,
+                "steady / planned": worst["steady_peak_mb"] / planned,
+                "step s": worst["step_s"],
+            }
+        )
+    for row in rows[1:]:
+        row["whole peak / 1 process"] = row["whole peak MB / process"] / rows[0]["whole peak MB / process"]
+    return rows
