@@ -1,6 +1,7 @@
 """The per-process memory tables of docs/distributed.md, rendered from ``benchmarks/results/sharding.json`` and
 ``benchmarks/results/pretrain_step.json`` (measured) and ``benchmarks/results/fsdp_plan.json`` (planned) by
-`benchmarks.rendering.figures`, and its chaos table (``benchmarks/results/chaos.json``)."""
+`benchmarks.rendering.figures`, its chaos table (``benchmarks/results/chaos.json``) and its 7B table of a shardable
+quantised ``W0`` (``benchmarks/results/sharded_quantized.json``)."""
 
 from __future__ import annotations
 
@@ -207,8 +208,28 @@ def chaos_table(load: Load) -> str:
     return markdown_table([*header, *gaps], rows)
 
 
+def sharded_quantized_table(load: Load) -> str:
+    """Llama-2-7B's shape with every saving that composes with FSDP2, on 1 process and on 2 (docs/distributed.md)."""
+    rows = [
+        [
+            ENGINES[r["sharding"]],
+            str(r["processes"]),
+            f"{r['whole peak MB / process']:,.0f}",
+            ratio(r.get("whole peak / 1 process", 1.0)),
+            f"{r['steady-state peak MB / process']:,.0f}",
+            f"{r['planned MB / process']:,.0f}",
+            ratio(r["steady / planned"]),
+            f"{r['step s']:.0f}",
+        ]
+        for r in load("sharded_quantized")["rows"]
+    ]
+    header = ["engine", "processes", "whole peak MB / process", "against 1 process", "steady peak above imports MB"]
+    return markdown_table([*header, "planned MB", "steady / planned", "step s"], rows)
+
+
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
     "chaos": chaos_table,
+    "sharded_quantized": sharded_quantized_table,
     "sharding": sharding_table,
     "sharding_detail": sharding_detail_table,
     "sharding_accumulation": sharding_accumulation_table,
@@ -217,6 +238,8 @@ SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
 }
 SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "chaos.source": lambda load: provenance(load("chaos")),
+    "sharded_quantized.source": lambda load: provenance(load("sharded_quantized")),
+    "sharded_quantized.ratio": lambda load: ratio(load("sharded_quantized")["rows"][1]["whole peak / 1 process"]),
     "chaos.kills": lambda load: str(sum(r["kills"] for r in load("chaos")["rows"])),
     "chaos.failed": lambda load: str(sum(r["failed restarts"] for r in load("chaos")["rows"])),
     "chaos.steps": lambda load: str(load("chaos")["settings"]["steps"]),

@@ -59,6 +59,9 @@ def local_rows(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     Args:
         like: the tensor or ``DTensor`` whose split to follow.
         full: the whole tensor, as every rank computed it.
+
+    Returns:
+        This process's rows of ``full`` (a view where the split allows), or ``full`` itself.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
