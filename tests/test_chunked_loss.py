@@ -155,3 +155,5 @@ def test_the_plan_holds_one_chunk_of_logits():
     chunked = plan_memory(config, **common, loss_chunk_tokens=1024).parts["loss working set"]
     assert whole == 4096 * 128256 * 4 and chunked == 1024 * 128256 * 4 + 4096 * 512 * 2
     assert chunked <= 600 * 2**20 < whole
+    with pytest.raises(ValueError, match="`loss_chunk_tokens` must be an integer >= 1, got 0"):
+        plan_memory(config, **common, loss_chunk_tokens=0)

@@ -67,6 +67,8 @@ class PlanSettings:
         check_choice("sharding", self.sharding, SHARDINGS)
         for name in ("batch_size", "seq_len", "processes", "accumulation", "rank"):
             check_positive_int(name, getattr(self, name))
+        if self.loss_chunk_tokens is not None:
+            check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens)
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_choice("optimizer_bits", self.optimizer_bits, (32, 8))
