@@ -117,16 +117,19 @@ def test_a_number_typed_into_the_prose_fails_the_check_naming_page_and_line(chec
     assert len(problems) == 1 and problems[0].startswith("docs/concepts.md: ") and "'1.23×'" in problems[0]
     line = len(original.splitlines()) + 2
     assert f"line {line}" in problems[0]
-    for allowed in ("<!-- analytic -->1.23×<!-- /analytic -->", "<!-- paper -->1.23×<!-- /paper -->", "`1.23×`"):
+    marked = ("analytic", "paper", "input", "outside")
+    for allowed in [f"<!-- {kind} -->1.23×<!-- /{kind} -->" for kind in marked] + ["`1.23×`"]:
         page.write_text(original + f"\nPOET-BS trains at {allowed} AdamW's speed here.\n")
         assert check_figures(checkout) == [], allowed
     page.write_text(original + "\n```text\nstep 1.23× of AdamW\n```\nA perplexity of 41.5 was seen.\n")
     assert "'perplexity of 41.5'" in " ".join(check_figures(checkout))
 
 
-def test_a_page_that_drops_an_allowed_typed_number_asks_for_the_count_to_fall(checkout):
-    page = checkout / "docs" / "finetuning.md"
-    page.write_text(page.read_text().replace("perplexity went from 64.44", "perplexity went from the base's"))
-    assert check_figures(checkout) == [
-        "docs/finetuning.md: 1 typed figures left: lower LEFT['docs/finetuning.md'] from 2"
-    ]
+def test_a_page_that_drops_an_allowed_typed_number_asks_for_the_count_to_fall(checkout, monkeypatch):
+    """A page allowed two typed numbers (``LEFT``) that now carries one asks for its count to be lowered."""
+    from benchmarks.rendering import typed_figures
+
+    page = checkout / "docs" / "concepts.md"
+    page.write_text(page.read_text() + "\nPOET-BS trains at 1.23× AdamW's speed here.\n")
+    monkeypatch.setitem(typed_figures.LEFT, "docs/concepts.md", 2)
+    assert check_figures(checkout) == ["docs/concepts.md: 1 typed figures left: lower LEFT['docs/concepts.md'] from 2"]

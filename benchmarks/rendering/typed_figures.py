@@ -6,7 +6,9 @@ outside a marker that says what it is instead:
 
 - ``<!-- analytic -->…<!-- /analytic -->``: counted from the shapes (bytes that must exist, flops that must run);
 - ``<!-- paper -->…<!-- /paper -->``: a paper's figure, or another project's;
-- ``<!-- input -->…<!-- /input -->``: a setting, an example's input, or a machine's description.
+- ``<!-- input -->…<!-- /input -->``: a setting, an example's input, or a machine's description;
+- ``<!-- outside -->…<!-- /outside -->``: a measurement made outside this repository's suites, which no results file
+  can hold (a checkpoint kept aside for evaluation); the marked text says who measured it, when, and how.
 
 `LEFT` is, per page, how many such numbers the page may still carry, and why. ``--check_figures`` fails
 on a page with more (a figure typed by hand), naming each number, and on a page with fewer until its count here is
@@ -25,15 +27,11 @@ UNIT = re.compile(
 HIDDEN = (
     re.compile(r"```.*?```", re.S),  # code blocks
     re.compile(r"<!-- (?P<kind>figure|table): [\w.-]+ -->.*?<!-- /(?P=kind) -->", re.S),  # rendered
-    re.compile(r"<!-- (?P<kind>analytic|paper|input) -->.*?<!-- /(?P=kind) -->", re.S),  # said what they are
+    re.compile(r"<!-- (?P<kind>analytic|paper|input|outside) -->.*?<!-- /(?P=kind) -->", re.S),  # said what they are
     re.compile(r"`[^`\n]*`"),  # inline code
 )
 # Typed measured numbers a page may still carry, each with why it cannot be rendered; a page's count only falls.
-LEFT = {
-    # The held-out real causal LM's fine-tuning results, measured by the issues that asked for the fine-tuning sweep:
-    # the model is kept aside for evaluation, out of the benchmarks' reach, so no results file can hold them.
-    "docs/finetuning.md": 2,
-}
+LEFT: dict[str, int] = {}
 
 
 def prose(text: str) -> str:
