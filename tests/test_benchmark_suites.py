@@ -11,6 +11,7 @@ import ast
 import importlib
 import subprocess
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -61,3 +62,61 @@ def test_the_fresh_process_imports_the_suite_s_measure(monkeypatch):
     namespace: dict = {}
     exec(imports, namespace)
     assert namespace["measure"] is importlib.import_module("benchmarks.suites.fold").measure
+
+
+def _torchrun_calls(path: Path) -> list[tuple[str, str]]:
+    """``(suite, function)`` of every ``_torchrun`` launch a suite module makes (its ``suite`` default: fsdp)."""
+    tree = ast.parse(path.read_text())
+    named = {  # a program built in a variable first: `call = f"worker(...)"`
+        target.id: node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found = []
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        if getattr(call.func, "id", None) != "_torchrun" or len(call.args) < 2:
+            continue
+        program = call.args[1]
+        program = named[program.id] if isinstance(program, ast.Name) else program
+        first = program.values[0] if isinstance(program, ast.JoinedStr) else program
+        suite = next((k.value for k in call.keywords if k.arg == "suite"), ast.Constant("fsdp"))
+        found.append((cast(ast.Constant, suite).value, cast(ast.Constant, first).value.split("(")[0]))
+    return found
+
+
+@pytest.mark.parametrize("path", SUITES, ids=lambda p: p.stem)
+def test_a_torchrun_launch_names_a_function_of_a_suite_that_exists(path, monkeypatch):
+    """`benchmarks.suites.fsdp._torchrun` starts ``benchmarks.suites.<suite>.<function>`` in fresh processes (it named
+    ``benchmarks.fsdp`` after the suites moved, and the fsdp, sharding and sharded_quantized launches all stopped)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    for suite, function in _torchrun_calls(path):
+        assert callable(getattr(importlib.import_module(f"benchmarks.suites.{suite}"), function, None)), (
+            suite,
+            function,
+        )
+
+
+def test_the_launch_check_sees_the_suites_that_launch_processes():
+    launching = {p.stem for p in SUITES if _torchrun_calls(p)}
+    assert {"fsdp", "sharding", "sharded_quantized"} <= launching, launching
+
+
+def test_the_torchrun_program_imports_the_named_suite_function(monkeypatch):
+    """The program `_torchrun` writes for each process imports what it names (it imported ``benchmarks.fsdp``)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    import benchmarks.suites.fsdp as fsdp
+
+    programs = []
+
+    def run(command, **kwargs):
+        programs.append(Path(command[-1]).read_text())
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(fsdp.subprocess, "run", run)
+    fsdp._torchrun(1, "zero_worker('llama-60m', 2, 2, 3)", suite="sharding", check=False)
+    imports = programs[0].split("; zero_worker(")[0]
+    namespace: dict = {}
+    exec(imports, namespace)  # noqa: S102  (the program's own import line)
+    assert callable(namespace["zero_worker"])

@@ -235,13 +235,13 @@ def limit_worker(out: str, preset_name: str, batch: int, seq: int, cgroups: str)
     dist.destroy_process_group()
 
 
-def _torchrun(processes: int, call: str, timeout: int = 3600, check: bool = True, module: str = "fsdp") -> list[dict]:
-    """Run ``benchmarks.<module>.<call>`` (its first argument, OUT, added) in ``processes`` processes; their reports
-    (``{}`` for a process that wrote none, when ``check`` is off)."""
+def _torchrun(processes: int, call: str, timeout: int = 3600, check: bool = True, suite: str = "fsdp") -> list[dict]:
+    """Run ``benchmarks.suites.<suite>.<call>`` (its first argument, OUT, added) in ``processes`` processes; their
+    reports (``{}`` for a process that wrote none, when ``check`` is off)."""
     with tempfile.TemporaryDirectory() as out:
         name, arguments = call.split("(", 1)
         code = (
-            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.{module} import {name}; "
+            f"import sys; sys.path.insert(0, {str(ROOT)!r}); from benchmarks.suites.{suite} import {name}; "
             f"{name}({out!r}, {arguments}"
         )
         script = Path(out, "run.py")

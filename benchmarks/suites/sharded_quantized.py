@@ -117,7 +117,7 @@ def run(quick: bool = False) -> list[dict]:
     preset = "llama-60m" if quick else PRESET
     rows = []
     for processes, sharding in LAUNCHES:
-        reports = _torchrun(processes, f"worker({preset!r}, {STEPS}, {sharding!r})", module="suites.sharded_quantized")
+        reports = _torchrun(processes, f"worker({preset!r}, {STEPS}, {sharding!r})", suite="sharded_quantized")
         worst = max(reports, key=lambda report: report["whole_peak_mb"])
         planned = _planned_mb(preset, processes)
         rows.append(

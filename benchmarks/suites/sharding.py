@@ -83,7 +83,7 @@ def zero_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any]]:
     """2 processes under ZeRO-2 and ZeRO-3: the worst process's steady-state peak, step and merge time."""
     rows = []
     for sharding, stage in ENGINES.items():
-        reports = _torchrun(2, f"zero_worker({preset!r}, {batch}, {steps}, {stage})", module="sharding")
+        reports = _torchrun(2, f"zero_worker({preset!r}, {batch}, {steps}, {stage})", suite="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
         rows.append(
             {
@@ -157,7 +157,7 @@ def accumulation_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any
     rows = []
     for method in ("poet-bs", "adamw"):
         call = f"accumulation_worker({preset!r}, {batch}, {steps}, {ACCUMULATION}, {method!r})"
-        reports = _torchrun(2, call, module="sharding")
+        reports = _torchrun(2, call, suite="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
         block_size = PRESETS[preset].block_size
         planned = (
