@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import subprocess
 from pathlib import Path
 from typing import cast
@@ -120,3 +121,17 @@ def test_the_torchrun_program_imports_the_named_suite_function(monkeypatch):
     namespace: dict = {}
     exec(imports, namespace)  # noqa: S102  (the program's own import line)
     assert callable(namespace["zero_worker"])
+
+
+@pytest.mark.parametrize("path", SUITES, ids=lambda p: p.stem)
+def test_every_name_a_suite_imports_from_poet_hf_or_benchmarks_exists(path, monkeypatch):
+    """The suites import inside the functions their launches run, where no import at load time sees a name that moved
+    (the ZeRO rows imported ``mark_leaf_layers`` long after it became ``prepare_for_zero``)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("poet_hf", "benchmarks")):
+            module = importlib.import_module(node.module)
+            missing = [alias.name for alias in node.names if not hasattr(module, alias.name)]
+            if missing:  # a submodule is a name too
+                missing = [name for name in missing if importlib.util.find_spec(f"{node.module}.{name}") is None]
+            assert not missing, (path.stem, node.module, missing)

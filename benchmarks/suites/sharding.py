@@ -3,7 +3,7 @@
 The training rows of `benchmarks.suites.fsdp` (a llama-shaped POET-BS 256 model, ``base_init="normalized"``,
 batch 2 × 256 per process, torch's AdamW, ``torchrun`` with gloo on a CPU), and the same model, batch and loop under
 DeepSpeed: ``deepspeed.initialize`` with ZeRO stage 2 or 3 around the same AdamW (POET's parameter groups), each
-rotation layer a ZeRO-3 leaf (`poet_hf.training.zero.mark_leaf_layers`). Per process: the steady-state peak (the highest
+rotation layer a ZeRO-3 leaf (`poet_hf.training.zero.prepare_for_zero`). Per process: the steady-state peak (the highest
 RSS sampled every millisecond after the first optimizer step, minus the RSS after the imports), the step time, and one
 merge (``merge_and_reinit`` with each layer gathered, then `poet_hf.training.zero.reset_rotation_partitions`): its time.
 glibc's mmap threshold is fixed as in `benchmarks.suites.fsdp`, in every row alike. `poet_hf.plan_memory` does not model
@@ -39,13 +39,13 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int) 
     from poet_hf import merge_and_reinit
     from poet_hf.recipes.presets import PRESETS
     from poet_hf.training import poet_param_groups
-    from poet_hf.training.zero import gathered_layer, mark_leaf_layers, reset_rotation_partitions
+    from poet_hf.training.zero import gathered_layer, prepare_for_zero, reset_rotation_partitions
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     after_imports = status_mb("VmRSS")
     model, _ = _build(PRESETS[preset_name], "none")
-    mark_leaf_layers(model)
+    prepare_for_zero(model)
     optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))
     config = {
         "train_micro_batch_size_per_gpu": batch,
