@@ -43,31 +43,39 @@ def write_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param: the tensor or ``DTensor`` to write into.
         full: its whole new value.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    full = full.to(param.dtype)
-    if isinstance(param, DTensor):
-        param.copy_(distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None))
-    else:
-        param.data.copy_(full)
+    write_local(param, local_part(param, full.to(param.dtype)))
 
 
-def local_rows(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The rows of ``full`` that this process holds of ``like``, a tensor with as many rows that FSDP2 may have
-    sharded by rows (``Shard(0)``): all of ``full`` when ``like`` is not a ``DTensor``. No communication.
+def local_part(like: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that this process holds of ``like``, a tensor of ``full``'s shape, or of as many rows when
+    FSDP2 split it by rows (``Shard(0)``): all of ``full`` when ``like`` is not a ``DTensor``. No communication.
 
     Args:
         like: the tensor or ``DTensor`` whose split to follow.
         full: the whole tensor, as every rank computed it.
 
     Returns:
-        This process's rows of ``full`` (a view where the split allows), or ``full`` itself.
+        This process's part of ``full`` (a view where the split allows), or ``full`` itself.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if not isinstance(like, DTensor):
         return full
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this process holds of ``tensor``: a ``DTensor``'s local shard, or the tensor itself.
+
+    Args:
+        tensor: a tensor or a ``DTensor``.
+
+    Returns:
+        The local shard, or ``tensor``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
@@ -80,7 +88,7 @@ def write_local(param: torch.Tensor, local: torch.Tensor) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    (param.to_local() if isinstance(param, DTensor) else param.data).copy_(local)
+    (param.to_local() if isinstance(param, DTensor) else param.data).copy_(local)  # .data: no version bump
 
 
 def is_dtensor(tensor: torch.Tensor) -> bool:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from ..sharded import is_dtensor
 from ..tuners.config_utils import check_positive_int
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def causal_lm_loss(
             f"`loss_chunk_tokens` reads the final hidden states off a causal LM's decoder; {type(base).__name__} has "
             "no decoder under its `base_model_prefix` or no output embeddings"
         )
-    if type(head.weight).__name__ == "DTensor" or hasattr(head.weight, "ds_id"):
+    if is_dtensor(head.weight) or hasattr(head.weight, "ds_id"):  # FSDP2's shard, or ZeRO-3's partition
         raise ValueError(
             "`loss_chunk_tokens` reads the output head's weight outside its forward, where FSDP2 and ZeRO-3 keep only "
             "this process's shard; train the chunked loss with one process, DDP or ZeRO-2"

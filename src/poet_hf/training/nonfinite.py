@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..sharded import local_tensor
 from ..tuners.rotation.layer import reset_rotation, rotation_layers
 from .optimizer import reset_optimizer_state
 
@@ -84,8 +85,7 @@ def clip_to_norm(params: Iterable[torch.Tensor], max_norm: float, total: torch.T
 def _nonfinite(tensor: torch.Tensor | None) -> bool:
     if tensor is None:
         return False
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return bool((~torch.isfinite(local)).any())
+    return bool((~torch.isfinite(local_tensor(tensor))).any())
 
 
 def _describe(names: list[str]) -> str:

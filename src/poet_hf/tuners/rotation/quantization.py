@@ -423,12 +423,15 @@ def dense_linear(module: BnbLayer, dtype: torch.dtype | None = None) -> nn.Linea
 
     The weight is in ``dtype``, by default the layer's compute dtype or float32."""
     weight = dequantize(module).to(dtype or torch.promote_types(compute_dtype(module), torch.float32))
-    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+    return linear_holding(weight, module.bias)
+
+
+def linear_holding(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """A plain ``nn.Linear`` holding ``weight`` (``out × in``, frozen) and a copy of ``bias`` in its dtype."""
+    dense = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     dense.weight = nn.Parameter(weight, requires_grad=False)
-    if module.bias is not None:
-        dense.bias = nn.Parameter(
-            module.bias.detach().to(weight.dtype).clone(), requires_grad=module.bias.requires_grad
-        )
+    if bias is not None:
+        dense.bias = nn.Parameter(bias.detach().to(weight.dtype).clone(), requires_grad=bias.requires_grad)
     return dense
 
 

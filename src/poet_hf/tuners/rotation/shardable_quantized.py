@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...orthogonal.rotation_sides import WeightSource
-from ...sharded import full_tensor, is_dtensor, local_rows, write_local
+from ...sharded import full_tensor, is_dtensor, local_part, local_tensor, write_local
 from . import quantization, residual_store
 from .frozen_weight import FrozenWeight
 from .storage_kinds import FOUR_BIT_BLOCK, StorageKind, storage_kind
@@ -39,6 +39,16 @@ def _padded_columns(columns: int, kind: StorageKind) -> int:
     return -(-columns // FOUR_BIT_BLOCK) * FOUR_BIT_BLOCK if kind.bits == 4 else columns
 
 
+def _padded(work: torch.Tensor, kind: StorageKind) -> torch.Tensor:
+    """``work``'s rows zero-padded to `_padded_columns`."""
+    return F.pad(work, (0, _padded_columns(work.shape[1], kind) - work.shape[1]))
+
+
+def _row_scales(work: torch.Tensor) -> torch.Tensor:
+    """The int8 kinds' scale of each row: its absmax over 127 (never zero)."""
+    return (work.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+
+
 def encode(kind: StorageKind, matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes and scales of the ``out × in`` ``matrix`` (module docstring), quantised to nearest.
 
@@ -47,17 +57,15 @@ def encode(kind: StorageKind, matrix: torch.Tensor) -> tuple[torch.Tensor, torch
         matrix: the weight, any float dtype (quantised from float32).
     """
     work = matrix.detach().float()
-    rows, columns = work.shape
     if kind.bits == 8:
-        scales = (work.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        scales = _row_scales(work)
         return torch.round(work / scales).clamp(-127, 127).to(torch.int8), scales
     import bitsandbytes.functional as bnb_functional
 
-    padded = F.pad(work, (0, _padded_columns(columns, kind) - columns)).contiguous()
     codes, state = bnb_functional.quantize_4bit(
-        padded, blocksize=FOUR_BIT_BLOCK, quant_type=kind.code_book, compress_statistics=False
+        _padded(work, kind).contiguous(), blocksize=FOUR_BIT_BLOCK, quant_type=kind.code_book, compress_statistics=False
     )
-    return codes.reshape(rows, -1), state.absmax.float().reshape(rows, -1)
+    return codes.reshape(work.shape[0], -1), state.absmax.float().reshape(work.shape[0], -1)
 
 
 def decode(kind: StorageKind, codes: torch.Tensor, scales: torch.Tensor, columns: int) -> torch.Tensor:
@@ -90,13 +98,12 @@ def _grid_rounded(kind: StorageKind, matrix: torch.Tensor, generator: torch.Gene
     codes: per row (int8, 127 levels each way) or per block of 64 of a row (4-bit, the kind's code book)."""
     work = matrix.float()
     if kind.bits == 8:
-        scale = (work.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
         grid = torch.arange(-127, 128, dtype=work.dtype, device=work.device)
-        return quantization.stochastic_round(work, grid, scale, generator)
+        return quantization.stochastic_round(work, grid, _row_scales(work), generator)
     import bitsandbytes.functional as bnb_functional
 
     rows, columns = work.shape
-    blocks = F.pad(work, (0, _padded_columns(columns, kind) - columns)).reshape(-1, FOUR_BIT_BLOCK)
+    blocks = _padded(work, kind).reshape(-1, FOUR_BIT_BLOCK)
     scale = blocks.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
     grid = bnb_functional.get_4bit_type(kind.code_book, device=work.device).float().sort().values
     rounded = quantization.stochastic_round(blocks, grid, scale, generator)
@@ -163,17 +170,21 @@ class ShardableQuantizedLinear(nn.Module):
         """The whole ``out × in`` weight in float32 (under FSDP2, the codes are gathered: a collective)."""
         return decode(self.kind, full_tensor(self.codes), full_tensor(self.scales), self.in_features)
 
+    def held_weight(self) -> torch.Tensor:
+        """The float32 weight the codes held now give: whole outside FSDP2, and inside its forward and backward,
+        where it has gathered them."""
+        return decode(self.kind, self.codes, self.scales, self.in_features)
+
     def store(self, matrix: torch.Tensor) -> torch.Tensor:
         """Quantise the whole ``matrix`` into the codes and scales, each process the rows it holds (a row's codes are
         its own: under FSDP2 each quantises only its rows); the float32 rows they now hold."""
-        codes, scales = encode(self.kind, local_rows(self.codes, matrix))
+        codes, scales = encode(self.kind, local_part(self.codes, matrix))
         write_local(self.codes, codes)
         write_local(self.scales, scales)
         return decode(self.kind, codes, scales, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = decode(self.kind, self.codes, self.scales, self.in_features).to(x.dtype)
-        return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.held_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind.name}"
@@ -188,8 +199,7 @@ class _DequantizedOnCall:
         self.dequantize_cost = module.kind.dequantize_cost
 
     def __call__(self) -> torch.Tensor:
-        module = self.module
-        return decode(module.kind, module.codes, module.scales, module.in_features).to(self.dtype)
+        return self.module.held_weight().to(self.dtype)
 
 
 class ShardableQuantizedWeight(FrozenWeight):
@@ -230,7 +240,7 @@ class ShardableQuantizedWeight(FrozenWeight):
     def write(self, matrix: torch.Tensor, requantize: str, generator: torch.Generator | None) -> float | None:
         if requantize not in quantization.REQUANTIZE_MODES:
             raise ValueError(f"`requantize` must be one of {quantization.REQUANTIZE_MODES}, got {requantize!r}")
-        target = matrix.float()
+        exact = target = matrix.float()
         if requantize == "feedback" and is_dtensor(self.module.codes):
             requantize = "nearest"
         if requantize == "stochastic":
@@ -238,7 +248,7 @@ class ShardableQuantizedWeight(FrozenWeight):
                 raise ValueError("requantize='stochastic' needs a seeded generator")
             target = _grid_rounded(self.module.kind, target, generator)
         restored = self.module.store(target)  # this process's rows
-        rows = local_rows(self.module.codes, matrix.float())
+        rows = local_part(self.module.codes, exact)
         if requantize == "feedback":
             codes, scales = quantization.encode_residual(rows - restored)
             residual_store.keep(self.module, {quantization.RESIDUAL_CODES: codes, quantization.RESIDUAL_SCALES: scales})
@@ -249,8 +259,7 @@ class ShardableQuantizedWeight(FrozenWeight):
 
     def nbytes(self) -> int:
         """Bytes of this process's codes and scales, and of the residual kept on the module."""
-        local = [getattr(t, "to_local", lambda t=t: t)() for t in (self.module.codes, self.module.scales)]
-        held = sum(t.numel() * t.element_size() for t in local)
+        held = sum(local_tensor(t).nbytes for t in (self.module.codes, self.module.scales))
         return held + residual_store.resident_bytes(self.module, quantization.RESIDUAL_NAMES)
 
     def residual(self) -> torch.Tensor | None:
@@ -289,10 +298,7 @@ def dequantize_shardable_modules(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, ShardableQuantizedLinear):
-                dense = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                dense.weight = nn.Parameter(child.dequantize(), requires_grad=False)
-                if child.bias is not None:
-                    dense.bias = nn.Parameter(full_tensor(child.bias.detach()).float().clone(), requires_grad=False)
-                setattr(parent, name, dense)
+                bias = None if child.bias is None else full_tensor(child.bias.detach())
+                setattr(parent, name, quantization.linear_holding(child.dequantize(), bias))
                 replaced += 1
     return replaced
