@@ -5,6 +5,10 @@ transformers' own causal-LM loss of a real (tiny) Llama."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import prewarmed
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,29 +124,36 @@ def test_poet_trainer_with_loss_chunk_tokens_trains_as_with_the_whole_logits(tmp
         assert (chunked_state[name] - value).abs().max() <= 1e-4 * max(float(value.abs().max()), 1.0), name
 
 
-def test_fused_steps_and_sharded_plans_refuse_the_chunked_loss(tmp_path, capsys):
-    from pathlib import Path
-
-    from script_modules import command_line_error, load_module
-
+def test_fused_steps_refuse_the_chunked_loss(tmp_path):
     from poet_hf.training import PoetTrainingArguments
 
     with pytest.raises(ValueError, match="`loss_chunk_tokens` holds the head's whole gradient"):
         PoetTrainingArguments(output_dir=str(tmp_path), loss_chunk_tokens=64, fused_optimizer_step=True)
     with pytest.raises(ValueError, match="`loss_chunk_tokens` must be an integer >= 1, got 0"):
         PoetTrainingArguments(output_dir=str(tmp_path), loss_chunk_tokens=0)
-    script = load_module(Path(__file__).resolve().parent.parent / "scripts" / "plan_memory.py")
-    flags = ["--sharding", "fsdp2", "--processes", "2", "--loss_chunk_tokens", "64"]
 
-    def plan() -> None:
-        raise SystemExit(script.main(flags))
 
-    assert "--loss_chunk_tokens reads the output head's weight outside its forward" in command_line_error(capsys, plan)
+def test_a_sharded_head_s_loss_in_two_processes_equals_the_whole_logits_loss_in_float64(tmp_path):
+    """tests/workers/sharded_head_worker.py: FSDP2's head split 6 + 5 rows, 7 and 5 tokens (steps of 2 rows a process,
+    rank 1 padded): each process's loss and hidden gradient are the dense float64 ones, the gathered head gradient
+    the mean of the two processes' dense ones, to float64 rounding (γ₆₄: each entry a sum of under 20 terms); losses
+    scaled differently are refused, since each head shard sums every process's tokens."""
+    worker = Path(__file__).resolve().parent / "workers" / "sharded_head_worker.py"
+    prewarmed.run(worker, [tmp_path], tmp_path / "worker.log", ranks=2, torchrun=True)
+    bound = gamma(64, torch.float64)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for case in ("own counts", "shared count"):
+            errors = report[case]
+            assert max(errors["loss"], errors["hidden"], errors["head"]) <= bound, (rank, case, errors)
+            assert errors["head_scale"] > 0.1, (rank, case, errors)  # the head's gradient is not vanishingly small
+        assert "each process must scale its loss alike; got the scales [1.0, 2.0]" in report["unequal scales"]
 
 
 def test_the_plan_holds_one_chunk_of_logits():
-    """At 4096 tokens and Llama-3's 128,256-entry vocabulary the loss holds one 1024-token chunk of float32 logits and
-    the hidden states' gradient: under 600 MiB, where the whole logits' gradient is 2004 MiB."""
+    """At 4096 tokens and Llama-3's 128,256-entry vocabulary, in bfloat16, the loss holds one 512-token chunk of
+    float32 logits with their bfloat16 copy, and the hidden states' gradient: under 600 MiB, where the whole logits'
+    gradient is 2004 MiB."""
     from transformers import LlamaConfig
 
     from poet_hf.recipes.memory_plan import plan_memory
@@ -152,8 +163,8 @@ def test_the_plan_holds_one_chunk_of_logits():
     )
     common = {"method": "adamw", "batch_size": 1, "seq_len": 4096, "dtype": "bfloat16", "checkpointing": True}
     whole = plan_memory(config, **common).parts["loss working set"]
-    chunked = plan_memory(config, **common, loss_chunk_tokens=1024).parts["loss working set"]
-    assert whole == 4096 * 128256 * 4 and chunked == 1024 * 128256 * 4 + 4096 * 512 * 2
+    chunked = plan_memory(config, **common, loss_chunk_tokens=512).parts["loss working set"]
+    assert whole == 4096 * 128256 * 4 and chunked == 512 * 128256 * (4 + 2) + 4096 * 512 * 2
     assert chunked <= 600 * 2**20 < whole
     with pytest.raises(ValueError, match="`loss_chunk_tokens` must be an integer >= 1, got 0"):
         plan_memory(config, **common, loss_chunk_tokens=0)

@@ -261,3 +261,29 @@ def test_a_70b_poet_run_with_a_shardable_nf4_w0_plans_under_18_gib_on_eight_proc
     assert poet["counts"]["W0"] == linear_entries
     assert poet["parts_mb"]["W0"] == pytest.approx(linear_entries * (0.5 + 4 / 64) / 8 / 2**20, rel=1e-3)
     assert poet["residual_mb"] == 0  # a sharded W0 folds to nearest
+
+
+@pytest.mark.parametrize("vocabulary, budget_gib", [(32000, 18), (128256, 20)])
+def test_a_70b_run_with_the_chunked_loss_keeps_the_head_split_on_eight_processes(
+    tmp_path, capsys, vocabulary, budget_gib
+):
+    """Llama-2-70B's and Llama-3-70B's shapes (a 128k vocabulary), the flags above and ``--loss_chunk_tokens 1024``:
+    the head stays split by vocabulary rows (`poet_hf.training.sharded_head_loss`, tested in 2 processes in
+    tests/test_fsdp.py), so what FSDP2 holds gathered at the peak is one block, not the head and its gradient twice;
+    each fits its budget (18 and 20 GiB), with AdamW's plan of the same flags beside it."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_2_70B, "vocab_size": vocabulary}))
+    script = load_module(ROOT / "scripts" / "plan_memory.py")
+    flags = ["--config_name", str(tmp_path), "--processes", "8", "--sharding", "fsdp2", "--dtype", "bfloat16"]
+    flags += ["--per_device_train_batch_size", "1", "--seq_len", "4096", "--activation_checkpointing"]
+    flags += ["--method", "poet-bs", "--base_quantization", "nf4-shardable", "--optim", "adamw_torch_8bit"]
+    assert script.main([*flags, "--compare", "adamw", "--json"]) == 0
+    whole_loss = json.loads(capsys.readouterr().out)[0]
+    assert script.main([*flags, "--loss_chunk_tokens", "1024", "--compare", "adamw", "--json"]) == 0
+    poet, adamw = json.loads(capsys.readouterr().out)
+    assert poet["total_mb"] <= budget_gib * 1024 < adamw["total_mb"]
+    head_bytes = vocabulary * 8192 * 2  # bfloat16
+    saved = whole_loss["parts_mb"]["gathered layers"] - poet["parts_mb"]["gathered layers"]
+    assert saved == pytest.approx((head_bytes * 7 / 8 + 2 * head_bytes) / 2**20, rel=1e-6)
+    assert poet["parts_mb"]["loss working set"] <= 600

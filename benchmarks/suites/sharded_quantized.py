@@ -3,7 +3,8 @@ the planner's.
 
 POET-BS 256 (``base_init="normalized"``), its ``W0`` stored as ``nf4-shardable`` (folded to nearest, as FSDP2 folds
 it), torchao's 8-bit AdamW states through `create_poet_optimizer` (the input embeddings keep 32-bit ones),
-transformers' activation checkpointing (non-reentrant), 1 × 256 tokens per process, float32. The model is built on
+transformers' activation checkpointing (non-reentrant), the loss chunked (`poet_hf.training.chunked_loss`; under FSDP2
+the head stays split by vocabulary rows, never gathered), 1 × 256 tokens per process, float32. The model is built on
 ``meta``: one process materializes it whole (each layer quantised as it is made), two FSDP2 processes shard it first
 (`shard_model`) and materialize their shards. Each launch is ``torchrun`` with gloo, as a user starts it, glibc's mmap
 threshold fixed as in `benchmarks.suites.fsdp`. Per process: the whole peak RSS (``VmHWM``, imports included), the
@@ -25,13 +26,14 @@ import torch
 from benchmarks.common import status_mb
 from benchmarks.suites.fsdp import _RssSampler, _torchrun
 
-PRESET, BATCH, SEQ, STEPS = "llama-2-7b", 1, 256, 1
+PRESET, BATCH, SEQ, STEPS, LOSS_CHUNK = "llama-2-7b", 1, 256, 1, 1024
 SETTINGS = {
     "preset": PRESET,
     "batch / process": f"{BATCH}x{SEQ}",
     "W0": "nf4-shardable",
     "optimizer": "torchao AdamW8bit",
     "activation checkpointing": True,
+    "loss_chunk_tokens": LOSS_CHUNK,
     "dtype": "float32",
 }
 LAUNCHES = ((1, "none"), (2, "fsdp2"))
@@ -63,6 +65,7 @@ def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
     from torchao.optim import AdamW8bit
 
     from poet_hf.training import create_poet_optimizer
+    from poet_hf.training.chunked_loss import causal_lm_loss
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -74,7 +77,7 @@ def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
     times, sampler = [], _RssSampler()
     for step in range(steps + 1):
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        causal_lm_loss(model, {"input_ids": ids, "labels": ids}, LOSS_CHUNK).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
@@ -108,6 +111,7 @@ def _planned_mb(preset_name: str, processes: int) -> float:
         checkpointing=True,
         base_quantization="nf4-shardable",
         optimizer_bits=8,
+        loss_chunk_tokens=LOSS_CHUNK,
     )
     return plan.total_bytes / 2**20
 

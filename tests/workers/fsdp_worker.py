@@ -3,6 +3,7 @@ optimizer reset, checkpoint and export code. Writes OUT/rank<k>.json.
 
 Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DIR] [--optim OPTIM]
                        [--base_quantization KIND] [--check_merges] [--meta] [--checkpointing]
+                       [--loss_chunk_tokens C]
   ENGINE: ddp | fsdp2;  SPO: block | full;  OPTIM: adamw (torch's, the default) or a TrainingArguments optim name
   built by create_poet_optimizer (adamw_torch_8bit, adamw_bnb_8bit); a refusal is written as OUT/rank<k>.json's "error".
   KIND: a base_quantization of W0 (nf4-shardable, int8-shardable), folded by rounding to nearest; the report then
@@ -10,6 +11,8 @@ Usage: fsdp_worker.py OUT ENGINE SPO [--steps N] [--save-at S] [--resume-from DI
   as one process does, and reports whether the sharded merge's gathered codes and scales equal the replica's.
   --meta: build the model on the meta device, for shard_model to materialize shard by shard.
   --checkpointing: transformers' activation checkpointing (non-reentrant), each block recomputed in the backward.
+  --loss_chunk_tokens: the loss by poet_hf.training.chunked_loss, C token rows of logits at a time (under FSDP2 the
+  sharded head's loss, which never gathers the head).
 """
 
 import argparse
@@ -110,11 +113,17 @@ def batches(rows: torch.Tensor, steps: int, global_batch: int) -> torch.Tensor:
     return rows[order[: steps * global_batch]].reshape(steps, global_batch, -1)
 
 
-def train_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> float:
-    """One optimizer step on this rank's share of the global ``batch``; the global batch's mean loss."""
+def train_step(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, chunk: int | None = None
+) -> float:
+    """One optimizer step on this rank's share of the global ``batch`` (the loss chunked by ``chunk`` token rows when
+    given); the global batch's mean loss."""
+    from poet_hf.training.chunked_loss import causal_lm_loss
+
     rank, world = dist.get_rank(), dist.get_world_size()
     share = batch.chunk(world)[rank]
-    loss = module(input_ids=share, labels=share).loss
+    inputs = {"input_ids": share, "labels": share}
+    loss = module(**inputs).loss if chunk is None else causal_lm_loss(module, inputs, chunk)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -136,6 +145,7 @@ def main() -> None:
     parser.add_argument("--check_merges", action="store_true")
     parser.add_argument("--meta", action="store_true")
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--loss_chunk_tokens", type=int, default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,9 +193,11 @@ def main() -> None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         start = json.loads((args.resume_from / "step.json").read_text())["step"]
     gathers = track_gathers()
+    head_calls = []  # FSDP2 gathers the head's unit before each call of it
+    model.get_base_model().get_output_embeddings().register_forward_pre_hook(lambda *_: head_calls.append(1))
     losses, merges, merges_equal = {}, [], []
     for step in range(start, args.steps):
-        losses[step + 1] = train_step(wrapped, optimizer, data[step])
+        losses[step + 1] = train_step(wrapped, optimizer, data[step], args.loss_chunk_tokens)
         if (step + 1) % MERGE_EVERY == 0:
             replica = unsharded_replica(model) if args.check_merges else None
             merges.append(merge_and_reinit(model)["merge_count"])
@@ -211,6 +223,7 @@ def main() -> None:
         "initial_codes": initial_codes,
         "checkpointing": model.get_base_model().is_gradient_checkpointing,
         "merges_equal": merges_equal,
+        "head_calls": len(head_calls),
         "world": world,
         "peak_gathered_bytes": gathers["peak"],
         "largest_weight_bytes": max(

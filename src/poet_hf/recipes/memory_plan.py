@@ -288,7 +288,7 @@ def plan_memory(
     report: dict[str, object] = {**asdict(settings), "block_size": block_size, "budget": budget}  # then the plan's
     parts.update(_working_bytes(built, settings, blocks, largest["W0"], report))
     if sharding == "fsdp2" and processes > 1:
-        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, processes)
+        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, settings)
     at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
     at_end["gradients"] = largest["gradient"] if fused_step else all_gradients
     report["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
@@ -398,15 +398,26 @@ def _working_bytes(
         if storage_kind(settings.base_quantization).row_blocks:  # a block of its rows at a time
             largest_w0 = min(largest_w0, ROW_BLOCK_ENTRIES)
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
-    vocabulary = base_model_of(built).get_output_embeddings().weight.shape[0]
-    tokens = batch * seq_len
-    if settings.loss_chunk_tokens is None:
-        working["loss working set"] = tokens * vocabulary * 4  # ∂L/∂logits, float32 (transformers' loss)
-    else:  # one chunk's float32 logits (their gradient in place), and ∂L/∂hidden, held to the backward
-        hidden = base_model_of(built).get_output_embeddings().weight.shape[1]
-        chunk = min(tokens, settings.loss_chunk_tokens)
-        working["loss working set"] = chunk * vocabulary * 4 + tokens * hidden * (torch.finfo(dtype).bits // 8)
+    vocabulary, hidden = base_model_of(built).get_output_embeddings().weight.shape
+    tokens, value_size = batch * seq_len, torch.finfo(dtype).bits // 8
+    working["loss working set"] = _loss_bytes(settings, vocabulary, hidden, tokens, value_size)
     return working
+
+
+def _loss_bytes(settings: PlanSettings, vocabulary: int, hidden: int, tokens: int, value_size: int) -> int:
+    """The loss's working set: transformers' ``∂L/∂logits`` in float32, or the chunked loss's
+    (`poet_hf.training.chunked_loss`): one step's float32 logits (their gradient in place, and a copy in the model's
+    dtype when narrower) and ``∂L/∂hidden``, held to the backward (the head's gradient, accumulated in its own
+    dtype, is the one the gradients count). Under FSDP2 the head stays split by vocabulary rows
+    (`poet_hf.training.sharded_head_loss`): a step's logits are this process's vocabulary rows of every process's
+    chunk of tokens, beside those tokens' gathered hidden states and partial ``∂L/∂hidden``."""
+    if settings.loss_chunk_tokens is None:
+        return tokens * vocabulary * 4
+    shards, narrow_copy = settings.shards, value_size if value_size < 4 else 0
+    rows = min(shards * math.ceil(settings.loss_chunk_tokens / shards), shards * tokens)
+    logits = rows * math.ceil(vocabulary / shards) * (4 + narrow_copy)
+    gathered = 2 * rows * hidden * value_size if shards > 1 else 0
+    return logits + gathered + tokens * hidden * value_size
 
 
 def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_size: int, shards: int) -> int:
@@ -430,22 +441,25 @@ def _state_bytes(entries: int, value_size: int, bits: int) -> int:
 
 
 def _gathered_bytes(
-    model: nn.Module, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], processes: int
+    model: nn.Module, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], settings: PlanSettings
 ) -> int:
     """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
 
-    The head's parameters gathered (its own unit, as [`shard_model`][poet_hf.training.distributed.shard_model] shards
-    it; the root when tied to the input embeddings), the last block's prefetched for its backward, and the head's
-    gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards counted
-    elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+    The last block's parameters prefetched for its backward; and unless the chunked loss keeps the head split
+    (`poet_hf.training.sharded_head_loss`), the head's parameters gathered (its own unit, as
+    [`shard_model`][poet_hf.training.distributed.shard_model] shards it; the root when tied to the input embeddings)
+    and its gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards
+    counted elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+    processes = settings.shards
 
     def unsharded(parameters: Iterable[nn.Parameter]) -> int:
         return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
 
-    base = base_model_of(model)
-    head = base.get_output_embeddings()
-    head_parameters = list(head.parameters()) if head is not None else []
     largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
+    head = base_model_of(model).get_output_embeddings()
+    if head is None or settings.loss_chunk_tokens is not None:
+        return largest_block
+    head_parameters = list(head.parameters())
     head_gradients = sum(2 * p.numel() * entry_bytes[id(p)] for p in head_parameters if p.requires_grad)
     return unsharded(head_parameters) + largest_block + head_gradients
 

@@ -85,11 +85,6 @@ def _settings_of(
         )
     if training.fused_optimizer_step:  # what the trainer refuses, on the plan's process count
         check_fused_step(recipe.gradient_accumulation_steps, training.fp16, recipe.processes)
-    if sharding == "fsdp2" and training.loss_chunk_tokens is not None:
-        raise ValueError(  # what chunked_loss.causal_lm_loss refuses
-            "--loss_chunk_tokens reads the output head's weight outside its forward, where FSDP2 keeps only this "
-            "process's shard; plan it with --sharding ddp"
-        )
     quantization = args.base_quantization
     if sharding == "fsdp2" and quantization is not None and not storage_kind(quantization).shardable:
         raise ValueError(  # what shard_model refuses (refuse_quantized_bases)

@@ -3,13 +3,16 @@
 `linear_cross_entropy` is the head and the cross-entropy in one (as fused linear cross-entropy kernels such as Liger's
 are): for each chunk of ``c`` tokens it forms the chunk's logits in float32, their log-sum-exp and target entry, and
 the gradient of the summed loss with respect to them, ``softmax − onehot``, from which it accumulates the gradients of
-the hidden states and of the head's weight (and bias). Only one chunk's ``c × V`` logits are alive at a time, instead
-of the whole ``N × V`` and their gradient; the gradients are held from the forward to the backward, which scales them
-by the incoming gradient. The loss is transformers' ``ForCausalLMLoss``: the labels shifted by one, ``-100`` ignored,
-the sum over the kept tokens divided by ``num_items_in_batch`` when given, else by their count.
+the hidden states and of the head's weight (and bias), the weight's in its own dtype (as Liger's kernel: a bfloat16
+head's gradient is rounded once per chunk). Only one chunk's ``c × V`` logits are alive at a time, instead of the
+whole ``N × V`` and their gradient; the gradients are held from the forward to the backward, which scales them in
+place by the incoming gradient, so the head's gradient is never held twice. The loss is transformers'
+``ForCausalLMLoss``: the labels shifted by one, ``-100`` ignored, the sum over the kept tokens divided by
+``num_items_in_batch`` when given, else by their count.
 
 `causal_lm_loss` runs a transformers causal LM with ``logits_to_keep`` empty (no logits), reads the normalised final
-hidden states off its decoder, and applies `linear_cross_entropy` with the model's output head.
+hidden states off its decoder, and applies `linear_cross_entropy` with the model's output head; where FSDP2 split the
+head by vocabulary rows, `poet_hf.training.sharded_head_loss` instead, which never gathers it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..sharded import is_dtensor
 from ..tuners.config_utils import check_positive_int
 
 if TYPE_CHECKING:
-    from transformers import Trainer
+    from transformers import PreTrainedModel, Trainer
 
 __all__ = ["IGNORE_INDEX", "causal_lm_loss", "linear_cross_entropy", "trainer_loss"]
 
@@ -47,7 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]  # type: ignore[attr-defined]
         work = torch.promote_types(hidden.dtype, torch.float32)  # the logits' dtype: float32, or float64
         grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=work, device=weight.device) if wants_weight else None
+        grad_weight = torch.zeros_like(weight) if wants_weight else None  # the weight's dtype, as Liger's kernel
         grad_bias = torch.zeros(weight.shape[0], dtype=work, device=weight.device) if wants_bias else None
         total = torch.zeros((), dtype=work, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
@@ -64,23 +67,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gradient = logits.sub_(normalizer_of_rows).exp_()  # softmax, in place of the logits
             gradient.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=gradient.dtype))
             gradient *= kept[:, None]
-            if grad_hidden is not None:
-                grad_hidden[start : start + chunk] = gradient.to(weight.dtype) @ weight
-            if grad_weight is not None:
-                grad_weight += gradient.T @ rows.to(work)
             if grad_bias is not None:
                 grad_bias += gradient.sum(dim=0)
+            gradient = gradient.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start : start + chunk] = gradient @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(gradient.T, rows)
         ctx.save_for_backward(*cast(list[torch.Tensor], [grad_hidden, grad_weight, grad_bias, normalizer]))
         return total / normalizer.to(work)
 
     @staticmethod
     def backward(ctx: FunctionCtx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Scaled in place, so the head's gradient is the forward's sum itself (a second backward through the same
+        # graph finds the saved tensors modified, and autograd refuses it).
         grad_hidden, grad_weight, grad_bias, normalizer = ctx.saved_tensors  # type: ignore[attr-defined]
         scale = grad_output / normalizer.to(grad_output.dtype)
-        hidden_part = None if grad_hidden is None else grad_hidden * scale.to(grad_hidden.dtype)
-        weight_part = None if grad_weight is None else grad_weight * scale
-        bias_part = None if grad_bias is None else grad_bias * scale
-        return hidden_part, weight_part, bias_part, None, None, None
+        for gradient in (grad_hidden, grad_weight, grad_bias):
+            if gradient is not None:
+                gradient.mul_(scale.to(gradient.dtype))
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def linear_cross_entropy(
@@ -110,10 +116,16 @@ def linear_cross_entropy(
         ValueError: ``chunk_tokens`` is not a positive integer.
     """
     check_positive_int("loss_chunk_tokens", chunk_tokens)
-    if num_items_in_batch is None:
-        num_items_in_batch = (labels != IGNORE_INDEX).sum()
-    normalizer = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=hidden.device).clamp_min(1)
+    normalizer = _normalizer(labels, num_items_in_batch, hidden.device)
     return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk_tokens, normalizer)
+
+
+def _normalizer(
+    labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """What the summed loss is divided by: ``num_items_in_batch``, else the count of kept ``labels`` (at least 1)."""
+    count = (labels != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return torch.as_tensor(count, dtype=torch.float32, device=device).clamp_min(1)
 
 
 def causal_lm_loss(
@@ -134,10 +146,12 @@ def causal_lm_loss(
         num_items_in_batch: transformers' count of the batch's kept tokens, if the trainer gives one.
 
     Raises:
-        ValueError: the model has no decoder under its ``base_model_prefix``, or its head is sharded (a ``DTensor``).
+        ValueError: the model has no decoder under its ``base_model_prefix``; its head is partitioned by ZeRO-3, or
+            sharded by FSDP2 and has a bias.
     """
     from ..tuners.tuner_base import base_model_of
     from .callback import unwrap
+    from .sharded_head_loss import sharded_head_cross_entropy
 
     base = base_model_of(unwrap(model))
     decoder, head = getattr(base, getattr(base, "base_model_prefix", ""), None), base.get_output_embeddings()
@@ -146,29 +160,56 @@ def causal_lm_loss(
             f"`loss_chunk_tokens` reads the final hidden states off a causal LM's decoder; {type(base).__name__} has "
             "no decoder under its `base_model_prefix` or no output embeddings"
         )
-    if is_dtensor(head.weight) or hasattr(head.weight, "ds_id"):  # FSDP2's shard, or ZeRO-3's partition
+    if hasattr(head.weight, "ds_id"):  # ZeRO-3's partition
         raise ValueError(
-            "`loss_chunk_tokens` reads the output head's weight outside its forward, where FSDP2 and ZeRO-3 keep only "
-            "this process's shard; train the chunked loss with one process, DDP or ZeRO-2"
+            "`loss_chunk_tokens` reads the output head's weight outside its forward, where ZeRO-3 keeps only this "
+            "process's partition; train the chunked loss with one process, DDP, ZeRO-2 or FSDP2"
         )
+    sharded_head = is_dtensor(head.weight)
+    if sharded_head and getattr(head, "bias", None) is not None:
+        raise ValueError("`loss_chunk_tokens` under FSDP2 takes an output head without a bias")
+    labels = inputs["labels"]
+    hidden = _final_hidden(model, base, decoder, {k: v for k, v in inputs.items() if k != "labels"}, sharded_head)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).to(hidden.device)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    if sharded_head:  # FSDP2 split the head by vocabulary rows: each process forms the logits of its own rows
+        normalizer = _normalizer(shifted, num_items_in_batch, hidden.device)
+        return sharded_head_cross_entropy(rows, head.weight, shifted, chunk_tokens, normalizer)
+    return linear_cross_entropy(
+        rows, head.weight, shifted, getattr(head, "bias", None), chunk_tokens, num_items_in_batch
+    )
+
+
+class _NoLogits(nn.Module):
+    """Stands in for an FSDP2-sharded head while the model runs: the model asks for no logits, but FSDP2 would
+    gather the whole head before any call of its unit, even on the empty slice."""
+
+    def __init__(self, vocabulary: int) -> None:
+        super().__init__()
+        self.vocabulary = vocabulary
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.new_empty(*hidden.shape[:-1], self.vocabulary)
+
+
+def _final_hidden(
+    model: nn.Module, base: PreTrainedModel, decoder: nn.Module, inputs: dict[str, torch.Tensor], sharded_head: bool
+) -> torch.Tensor:
+    """The decoder's final hidden states for ``inputs``, the model run with ``logits_to_keep`` empty; with a sharded
+    head, `_NoLogits` in its place for the run (``set_output_embeddings``), so no process gathers it."""
     captured: list[torch.Tensor] = []
     hook = decoder.register_forward_hook(lambda _module, _args, output: captured.append(output[0]))
-    labels = inputs["labels"]
+    head = base.get_output_embeddings()
+    if sharded_head:
+        base.set_output_embeddings(_NoLogits(head.weight.shape[0]))
     try:
-        rest = {key: value for key, value in inputs.items() if key != "labels"}
-        model(**rest, logits_to_keep=torch.empty(0, dtype=torch.long, device=labels.device))
+        device = next(iter(inputs.values())).device
+        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     finally:
         hook.remove()
-    hidden = captured[-1]
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
-    return linear_cross_entropy(
-        hidden.reshape(-1, hidden.shape[-1]),
-        head.weight,
-        shifted.reshape(-1).to(hidden.device),
-        getattr(head, "bias", None),
-        chunk_tokens,
-        num_items_in_batch,
-    )
+        if sharded_head:
+            base.set_output_embeddings(head)
+    return captured[-1]
 
 
 def trainer_loss(
