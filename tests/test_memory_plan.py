@@ -192,6 +192,32 @@ def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys
     assert message in command_line_error(capsys, plan)
 
 
+def test_a_refused_run_prints_no_total_and_what_the_refused_saving_would_be_worth(capsys):
+    """Fused steps on 2 DDP processes are refused before a step; the planner says so on one line, prints no total,
+    and gives the library's plans of the run as asked and without fused steps. At this shape both peak at the
+    backward's start, where either holds only the head's gradient beside DDP's buckets: the saving is nil."""
+    import json
+
+    script = load_module(ROOT / "scripts" / "plan_memory.py")
+    flags = ["--preset", "llama-60m", "--processes", "2", "--per_device_train_batch_size", "4"]
+    flags += ["--gradient_accumulation_steps", "1", "--fused_optimizer_step"]
+    assert script.main([*flags, "--json"]) == 2
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert captured.err.count("\n") == 1 and "world size 2" in captured.err and "total:" not in captured.out
+    from poet_hf.data import load_tokenizer
+    from poet_hf.recipes.presets import PRESETS, preset_config
+
+    run_model = preset_config(PRESETS["llama-60m"], "poet-bs", len(load_tokenizer()), 256)
+    common = {"batch_size": 4, "processes": 2, "block_size": PRESETS["llama-60m"].block_size}
+    fused = plan_memory(run_model, "poet-bs", fused_step=True, **common).total_bytes / 2**20
+    unfused = plan_memory(run_model, "poet-bs", **common).total_bytes / 2**20
+    assert summary["asked_mb"] == pytest.approx(fused) and summary["runnable_mb"] == pytest.approx(unfused)
+    assert summary["without"] == "--fused_optimizer_step" and unfused == pytest.approx(fused)
+    assert script.main(flags) == 2
+    assert "the refused saving is worth 0 MiB per process" in capsys.readouterr().out
+
+
 def test_the_rotation_caches_are_planned_as_the_run_decides_them():
     """``cache_rotations``: ``True`` holds the blocks and their pending gradient, ``2·rows·b²`` float32 entries per side
     (counted off a real model); ``"auto"`` holds them at a few tokens per micro-batch and none under FSDP2 over 8

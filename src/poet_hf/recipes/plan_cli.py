@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help()
         return 0
     from .memory_plan import format_plans
-    from .run_plan import parse_run, plan_pretraining
+    from .run_plan import RefusedRun, parse_run, plan_pretraining
 
     options, rest = plan_parser().parse_known_args(argv)
     prog = command_name()
@@ -61,10 +61,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args, training = parse_run(rest, options.processes)
     methods = tuple(m for m in options.compare.split(",") if m)
+    plan_of_run = (args, training, methods, options.processes, options.sharding, options.dtype)
     try:
-        plans = plan_pretraining(args, training, methods, options.processes, options.sharding, options.dtype)
+        plans = plan_pretraining(*plan_of_run)
+    except RefusedRun as refusal:
+        print(f"{prog}: error: {refusal}", file=sys.stderr)
+        asked, runnable = plan_pretraining(*plan_of_run, plan_refused=True)
+        print(_refused_summary(str(refusal), refusal.without, asked.total_bytes, runnable.total_bytes, options.json))
+        return 2
     except ValueError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     print(json.dumps([plan.to_dict() for plan in plans], indent=2) if options.json else format_plans(plans))
     return 0
+
+
+def _refused_summary(message: str, without: str, asked: int, runnable: int, as_json: bool) -> str:
+    """What a refused run would hold, planned anyway, beside the same run without the refused saving; no total."""
+    asked_mb, runnable_mb = asked / 2**20, runnable / 2**20
+    if as_json:
+        return json.dumps({"refused": message, "asked_mb": asked_mb, "without": without, "runnable_mb": runnable_mb})
+    return (
+        f"refused before its first step: {message}\n"
+        f"planned anyway: {asked_mb:.0f} MiB per process as asked; {runnable_mb:.0f} MiB without {without}: the "
+        f"refused saving is worth {runnable_mb - asked_mb:.0f} MiB per process"
+    )

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 _Size = TypeVar("_Size", int, float)
 
-__all__ = ["parse_run", "plan_pretraining", "plan_settings"]
+__all__ = ["RefusedRun", "parse_run", "plan_pretraining", "plan_settings"]
 
 
 def parse_run(argv: list[str], processes: int | None = None) -> tuple[PretrainArguments, PoetTrainingArguments]:
@@ -73,24 +73,27 @@ def plan_settings(
     )
 
 
+class RefusedRun(ValueError):
+    """A run that would be refused before its first step, with the plan it asked for and the nearest one that runs.
+
+    Args:
+        message: the refusal, as the run gives it.
+        asked: the settings as asked, planned anyway.
+        runnable: the same settings without the refused saving.
+        without: the flag(s) that ``runnable`` leaves out, for the plan's summary.
+    """
+
+    def __init__(self, message: str, asked: PlanSettings, runnable: PlanSettings, without: str) -> None:
+        super().__init__(message)
+        self.asked, self.runnable, self.without = asked, runnable, without
+
+
 def _settings_of(
     recipe: PretrainRecipe, args: PretrainArguments, training: PoetTrainingArguments, sharding: str, dtype: str
 ) -> PlanSettings:
+    """The run's `PlanSettings`; `RefusedRun` where the run itself would refuse them."""
     rotation = recipe.rotation
     optim = str(getattr(training.optim, "value", training.optim))
-    if sharding == "fsdp2" and "bnb" in optim:  # what create_poet_optimizer refuses (check_steps_shards)
-        raise ValueError(
-            f"--optim {optim} (bitsandbytes) cannot step FSDP2's sharded parameters; plan 8-bit states under fsdp2 "
-            "with --optim adamw_torch_8bit (torchao's AdamW8bit, which the run can step)"
-        )
-    if training.fused_optimizer_step:  # what the trainer refuses, on the plan's process count
-        check_fused_step(recipe.gradient_accumulation_steps, training.fp16, recipe.processes)
-    quantization = args.base_quantization
-    if sharding == "fsdp2" and quantization is not None and not storage_kind(quantization).shardable:
-        raise ValueError(  # what shard_model refuses (refuse_quantized_bases)
-            f"--base_quantization {quantization} is a bitsandbytes layer, which FSDP2 cannot shard; plan "
-            "--base_quantization nf4-shardable or int8-shardable (the same codes as plain tensors by row)"
-        )
     settings = PlanSettings(
         method=args.method,
         dtype=dtype,
@@ -109,7 +112,34 @@ def _settings_of(
     )
     if args.method == "lora":
         settings.rank = args.lora_rank
+    _check_runs(settings, optim, bool(training.fp16))
     return settings
+
+
+def _check_runs(settings: PlanSettings, optim: str, fp16: bool) -> None:
+    """Raise `RefusedRun` for what the run refuses: bitsandbytes' states or ``W0`` under FSDP2, fused steps where
+    they cannot run."""
+    fsdp2, quantization = settings.sharding == "fsdp2", settings.base_quantization
+    if fsdp2 and "bnb" in optim:  # what create_poet_optimizer refuses (check_steps_shards)
+        message = (
+            f"--optim {optim} (bitsandbytes) cannot step FSDP2's sharded parameters; plan 8-bit states under fsdp2 "
+            "with --optim adamw_torch_8bit (torchao's AdamW8bit, which the run can step)"
+        )
+        raise RefusedRun(message, settings, settings, f"--optim {optim} (as adamw_torch_8bit)")
+    if settings.fused_step:  # what the trainer refuses, on the plan's process count
+        try:
+            check_fused_step(settings.accumulation, fp16, settings.processes)
+        except ValueError as error:
+            runnable = replace(settings, fused_step=False, vocab_weights_dtype="float32")
+            raise RefusedRun(str(error), settings, runnable, "--fused_optimizer_step") from None
+    if fsdp2 and quantization is not None and not storage_kind(quantization).shardable:
+        message = (  # what shard_model refuses (refuse_quantized_bases)
+            f"--base_quantization {quantization} is a bitsandbytes layer, which FSDP2 cannot shard; plan "
+            "--base_quantization nf4-shardable or int8-shardable (the same codes as plain tensors by row)"
+        )
+        shardable = "int8-shardable" if quantization == "int8" else "nf4-shardable"
+        runnable = replace(settings, base_quantization=shardable)
+        raise RefusedRun(message, settings, runnable, f"--base_quantization {quantization} (as {shardable})")
 
 
 def _plan(model: PretrainedConfig | nn.Module, settings: PlanSettings, recipe: PretrainRecipe) -> MemoryPlan:
@@ -133,6 +163,7 @@ def plan_pretraining(
     processes: int | None = None,
     sharding: str = "ddp",
     dtype: str = "float32",
+    plan_refused: bool = False,
 ) -> list[MemoryPlan]:
     """Plan the run's memory per process: its own method first, then ``methods`` with the same settings.
 
@@ -147,11 +178,25 @@ def plan_pretraining(
         processes: data-parallel processes; default the launcher's.
         sharding: ``"ddp"`` or ``"fsdp2"``.
         dtype: the weights' and activations' dtype.
+        plan_refused: for a run that would be refused, return instead its plan as asked and the plan of the same
+            run without the refused saving (`RefusedRun`), in that order.
+
+    Returns:
+        The plans, in MiB-ready bytes (`MemoryPlan`).
+
+    Raises:
+        RefusedRun: the run would be refused before its first step (unless ``plan_refused``).
     """
     vocab_size = len(run_tokenizer(args))
     config = model_config(args, vocab_size)
     recipe = resolve_recipe(args, recipe_flags(training), world_size=processes, vocab_size=vocab_size)
-    settings = _settings_of(recipe, args, training, sharding, dtype)
+    try:
+        settings = _settings_of(recipe, args, training, sharding, dtype)
+    except RefusedRun as refusal:
+        if not plan_refused:
+            raise
+        model = meta_recipe_model(recipe, config)
+        return [_plan(model, refusal.asked, recipe), _plan(model, refusal.runnable, recipe)]
     plans = [_plan(meta_recipe_model(recipe, config), settings, recipe)]
     others = [method for method in methods if method != args.method]
     return plans + [_plan(config, replace(settings, method=method), recipe) for method in others]
