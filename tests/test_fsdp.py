@@ -60,6 +60,23 @@ def test_fsdp2_trains_like_ddp_with_two_merges_and_identical_draws_on_every_rank
     assert all(rank["skew_local_share"] <= 0.5 + 1e-3 for rank in fsdp)
 
 
+@pytest.mark.parametrize(
+    "shape, processes, trainable, dim",
+    [
+        ((43, 32640), 2, True, 1),  # Llama-2-7B's FFN skew: 43 rows split 22 / 21, its vectors evenly
+        ((43, 32640), 2, False, 0),  # frozen: no optimizer state, split by rows as fully_shard does
+        ((16, 32640), 8, True, 0),  # rows that split evenly stay split by rows
+        ((1, 32640), 2, False, 1),  # POET-FS's one-row vector: its long dimension
+        ((5, 7), 2, True, 0),  # no dimension splits evenly: by rows
+        ((11008, 2048), 8, False, 0),  # a shardable W0's codes: always by rows
+    ],
+)
+def test_a_trainable_parameter_is_split_where_every_shard_has_one_shape(shape, processes, trainable, dim):
+    from poet_hf.training.distributed import shard_dim
+
+    assert shard_dim(torch.Size(shape), processes, trainable) == dim
+
+
 @pytest.mark.slow
 def test_a_merge_gathers_one_layer_at_a_time(runs):
     _, fsdp = runs["fsdp2", "block"]
@@ -191,17 +208,32 @@ def test_the_chunked_loss_keeps_the_head_split_and_trains_as_the_whole_logits_un
     """``--loss_chunk_tokens 24`` under FSDP2 (`poet_hf.training.sharded_head_loss`): the head's unit is never called,
     so never gathered, in 14 steps, and the losses through the first merge are the whole-logits run's to float32
     rounding (as DDP's and FSDP2's, above: one float32 loss of a few thousand terms summed in another order, 1e-5 at
-    a loss of 8). With every saving beside it (an nf4 ``W0``, torchao's 8-bit states, checkpointing) the merge is
-    still the one-process merge, bit for bit, and it trains."""
+    a loss of 8). With every saving beside it (an nf4 ``W0``, torchao's 8-bit states, checkpointing), started by
+    ``accelerate launch`` in 2 gloo processes, the merge is still the one-process merge, bit for bit, and it
+    trains."""
     chunked = torchrun(tmp_path / "chunked", "fsdp2", "block", "--steps", "14", "--loss_chunk_tokens", "24")
     whole = runs["fsdp2", "block"][1][0]
     assert chunked[0]["head_calls"] == 0 and whole["head_calls"] == 30
     assert max(abs(chunked[0]["losses"][str(step)] - whole["losses"][str(step)]) for step in range(1, 15)) <= 1e-5
     savings = ["--base_quantization", "nf4-shardable", "--optim", "adamw_torch_8bit", "--checkpointing"]
-    every = torchrun(tmp_path / "every", "fsdp2", "block", "--steps", "13", "--check_merges", *savings,
-                     "--loss_chunk_tokens", "24")  # fmt: skip
+    every = accelerate_launch(tmp_path / "every", "fsdp2", "block", "--steps", "13", "--check_merges", *savings,
+                              "--loss_chunk_tokens", "24")  # fmt: skip
     assert every[0]["head_calls"] == 0 and every[0]["merges_equal"] == [True] and every[0]["eight_bit_states"] > 0
     assert every[0]["losses"]["13"] < every[0]["losses"]["1"] - 0.1
+
+
+def accelerate_launch(out: Path, *args: str) -> list[dict]:
+    """tests/workers/fsdp_worker.py under ``accelerate launch --multi_gpu --num_processes 2`` (gloo on a CPU), as a
+    user launches a script of their own that shards with `shard_model` (Accelerate's FSDP plugin needs an
+    accelerator)."""
+    from training_utils import free_port
+
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launcher += ["--main_process_port", str(free_port()), WORKER, str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.mark.parametrize(

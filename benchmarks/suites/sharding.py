@@ -31,8 +31,23 @@ from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, t
 ENGINES = {"zero2": 2, "zero3": 3}
 
 
-def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int) -> None:
-    """Run under torchrun: build the model whole, wrap it in a DeepSpeed ZeRO engine, train, merge once; report."""
+def zero_sizes(hidden: int) -> dict[str, int]:
+    """ZeRO's bucket, prefetch and persistence sizes for a model ``hidden`` wide, as accelerate and transformers fill
+    a DeepSpeed config's ``"auto"`` entries (``examples/cluster/deepspeed_zero3.json``): ``hidden²``, ``0.9·hidden²``
+    and ``10·hidden`` entries, where DeepSpeed's defaults (5e8, 5e7, 1e5) hold a small model's every gradient in one
+    bucket and prefetch all of its parameters."""
+    return {
+        "reduce_bucket_size": hidden * hidden,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+        "stage3_param_persistence_threshold": 10 * hidden,
+    }
+
+
+def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, sized: bool = False) -> None:
+    """Run under torchrun: build the model whole, wrap it in a DeepSpeed ZeRO engine, train, merge once; report.
+
+    ``sized``: ZeRO's bucket, prefetch and persistence sizes as `zero_sizes` sets them for the model's width (what
+    accelerate fills in for ``"auto"``); otherwise DeepSpeed's defaults."""
     import deepspeed
     import torch.distributed as dist
 
@@ -50,7 +65,7 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int) 
     config = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, **(zero_sizes(PRESETS[preset_name].hidden) if sized else {})},
         "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)

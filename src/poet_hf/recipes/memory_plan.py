@@ -204,13 +204,13 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
         return ()
 
 
-def _shard(shape: torch.Size, processes: int) -> int:
+def _shard(shape: torch.Size, processes: int, trainable: bool = False) -> int:
     """Entries of one process's shard: ``shape`` split along `shard_dim` into ``processes`` padded chunks."""
     from ..training.distributed import shard_dim
 
     if not shape:
         return 1
-    dim = shard_dim(shape, processes)
+    dim = shard_dim(shape, processes, trainable)
     return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
 
 
@@ -341,7 +341,7 @@ def _parameter_bytes(
     for name, parameter in built.named_parameters():
         adapter = any(marker in name for marker in ADAPTER_MARKERS)
         size = entry_bytes[id(parameter)] = 2 if id(parameter) in bfloat16 else 4 if adapter else value_size
-        local = _shard(parameter.shape, shards) * size
+        local = _shard(parameter.shape, shards, parameter.requires_grad) * size
         if not parameter.requires_grad:
             kind = "W0" if BASE_LAYER in name else "other frozen"
             counts[kind] += parameter.numel()
@@ -358,7 +358,10 @@ def _parameter_bytes(
         gradient = largest_chunk_entries(*parameter.shape) * size if id(parameter) in chunked else local
         if id(parameter) not in block_parameters and parameter.dim() == 2 and "embed" not in name:
             largest["head gradients"] += gradient
-        states, local_states = 2 * parameter.numel(), 2 * _shard(parameter.shape, shards)  # shaped as the shard
+        states, local_states = (
+            2 * parameter.numel(),
+            2 * _shard(parameter.shape, shards, parameter.requires_grad),
+        )  # shaped as the shard
         if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
             short, long = sorted(parameter.shape)
             states = short * settings.rank + 2 * long * settings.rank
@@ -453,7 +456,7 @@ def _gathered_bytes(
     processes = settings.shards
 
     def unsharded(parameters: Iterable[nn.Parameter]) -> int:
-        return sum((p.numel() - _shard(p.shape, processes)) * entry_bytes[id(p)] for p in parameters)
+        return sum((p.numel() - _shard(p.shape, processes, p.requires_grad)) * entry_bytes[id(p)] for p in parameters)
 
     largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
     head = base_model_of(model).get_output_embeddings()

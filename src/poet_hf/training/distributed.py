@@ -115,21 +115,32 @@ def _embedding_units(model: nn.Module) -> list[nn.Module]:
     return [] if shared else units
 
 
-def shard_dim(shape: torch.Size, processes: int) -> int:
+def shard_dim(shape: torch.Size, processes: int, trainable: bool = False) -> int:
     """The dimension FSDP2 shards a parameter on.
 
     0, as ``fully_shard`` does, unless the parameter has fewer rows than processes (a POET-FS skew vector is
     ``1 × b(b−1)/2``, a POET-BS one ``m/b`` rows): ``fully_shard`` would pad dim 0 to one row per process and every
-    process would hold a whole row, so such a matrix is split along its longest dimension instead.
+    process would hold a whole row, so such a matrix is split along its longest dimension instead. A trainable
+    parameter whose rows do not split evenly (Llama-2-7B's FFN skews: 43 rows of 32,640) is split along its first
+    dimension that does, when one does, so every process's shard has one shape: compiled optimizer steps (torchao's
+    8-bit AdamW) build a kernel per shape, and the processes of one machine share torch's compile cache, which we saw
+    hand one process a kernel built for its neighbour's shard.
 
     Args:
         shape: the parameter's shape.
         processes: how many processes share it.
+        trainable: whether the parameter trains (has optimizer states).
 
     Returns:
         The dimension to split.
     """
-    if len(shape) < 2 or shape[0] >= processes:
+    if len(shape) < 2:
+        return 0
+    if trainable and shape[0] % processes:
+        even = [d for d, size in enumerate(shape) if size >= processes and size % processes == 0]
+        if even:
+            return even[0]
+    if shape[0] >= processes:
         return 0
     return max(range(len(shape)), key=lambda d: shape[d])
 
@@ -137,7 +148,7 @@ def shard_dim(shape: torch.Size, processes: int) -> int:
 def _placement(processes: int):
     from torch.distributed.tensor import Shard
 
-    return lambda parameter: Shard(shard_dim(parameter.shape, processes))
+    return lambda parameter: Shard(shard_dim(parameter.shape, processes, parameter.requires_grad))
 
 
 def shard_model(
