@@ -111,6 +111,7 @@ def _planned_mb(preset_name: str, processes: int) -> float:
         checkpointing=True,
         base_quantization="nf4-shardable",
         optimizer_bits=8,
+        eight_bit_library="torchao",
         loss_chunk_tokens=LOSS_CHUNK,
     )
     return plan.total_bytes / 2**20

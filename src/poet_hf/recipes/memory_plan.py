@@ -18,7 +18,7 @@ The total is the memory alive at the training peak, after the first optimizer st
 backward's first step, where every saved activation is still alive. Gradients count there in full only when they
 persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held);
 otherwise only those of the output head, which the backward produces first. DDP adds its buckets, a flat copy of
-every gradient; FSDP2 what it holds gathered at the head's backward (`_gathered_bytes`).
+every gradient; FSDP2 what it holds gathered at the head's backward (`poet_hf.recipes.plan_parts.gathered_bytes`).
 
 Paper correspondence (POET, Table 1, one ``m × n`` weight and Adam): AdamW ``3mn`` entries (weight and two
 states), POET-BS ``mn + 3/2·(m+n)(b−1)``, POET-FS ``mn + 3·b(b−1)``, GaLore ``mn + mr + 2nr``: the planner's ``W0``,
@@ -29,7 +29,6 @@ table leaves out, are a separate part here).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -42,6 +41,7 @@ from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.storage_kinds import storage_kind
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
+from .plan_parts import after_backward, gathered_bytes, loss_bytes, shard_entries
 from .plan_settings import METHODS, SHARDINGS, PlanSettings, check_adapter_sizes
 from .rotation_cache_plan import plan_rotation_caches
 
@@ -62,6 +62,7 @@ PARTS = (
     "loss working set",
     "bfloat16 steps",
     "gathered layers",
+    "optimizer step copies",
 )
 BASE_LAYER = ".base_layer."  # in the name of a wrapped layer's base weight (PEFT's convention)
 ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
@@ -204,16 +205,6 @@ def _block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
         return ()
 
 
-def _shard(shape: torch.Size, processes: int, trainable: bool = False) -> int:
-    """Entries of one process's shard: ``shape`` split along `shard_dim` into ``processes`` padded chunks."""
-    from ..training.distributed import shard_dim
-
-    if not shape:
-        return 1
-    dim = shard_dim(shape, processes, trainable)
-    return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
-
-
 def plan_memory(
     model: str | PretrainedConfig | nn.Module,
     method: str = "poet-bs",
@@ -233,6 +224,7 @@ def plan_memory(
     residual_storage: str = "auto",
     fused_step: bool = False,
     optimizer_bits: int = 32,
+    eight_bit_library: str = "bitsandbytes",
     vocab_weights_dtype: str = "float32",
     loss_chunk_tokens: int | None = None,
 ) -> MemoryPlan:
@@ -265,13 +257,13 @@ def plan_memory(
         optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
             2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more; embeddings, and a head whose
             rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
+        eight_bit_library: ``"bitsandbytes"`` or ``"torchao"`` (its step holds one parameter's moments in float32).
         vocab_weights_dtype: ``"bfloat16"`` (with ``fused_step``): the untied head and input embeddings stored in
             bfloat16, their 32-bit states too (`poet_hf.training.bf16_storage`), stepped a float32 row chunk at a time.
         loss_chunk_tokens: tokens whose logits the loss forms at once (`poet_hf.training.chunked_loss`), or ``None``.
 
     Returns:
-        A [`MemoryPlan`][poet_hf.recipes.memory_plan.MemoryPlan]: bytes per process by part, alive together at the
-        steady-state training peak.
+        A [`MemoryPlan`][poet_hf.recipes.memory_plan.MemoryPlan]: bytes per process by part, alive together at the peak.
 
     Raises:
         ValueError: an argument outside its allowed values (the message names it and them).
@@ -288,12 +280,11 @@ def plan_memory(
     report: dict[str, object] = {**asdict(settings), "block_size": block_size, "budget": budget}  # then the plan's
     parts.update(_working_bytes(built, settings, blocks, largest["W0"], report))
     if sharding == "fsdp2" and processes > 1:
-        parts["gathered layers"] = _gathered_bytes(built, blocks, entry_bytes, settings)
-    at_end = dict(parts, activations=0, **{"loss working set": 0})  # the backward's end, before the step
-    at_end["gradients"] = largest["gradient"] if fused_step else all_gradients
-    report["peak"] = "backward end" if sum(at_end.values()) > sum(parts.values()) else "backward start"
-    peak = at_end if report["peak"] == "backward end" else parts
-    return MemoryPlan(method, peak, report, counts, _residual_off_memory(built, settings))
+        parts["gathered layers"] = gathered_bytes(built, blocks, entry_bytes, settings)
+    gradients = largest["gradient"] if fused_step else all_gradients  # after the backward
+    candidates = {"backward start": parts, **after_backward(built, settings, parts, gradients, largest, entry_bytes)}
+    report["peak"] = peak = max(candidates, key=lambda moment: sum(candidates[moment].values()))
+    return MemoryPlan(method, candidates[peak], report, counts, _residual_off_memory(built, settings))
 
 
 def _residual_off_memory(built: nn.Module, settings: PlanSettings) -> int:
@@ -336,12 +327,12 @@ def _parameter_bytes(
     galore = _galore_targets(built) if method == "galore" else set()
     counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
     parts = dict.fromkeys(PARTS, 0)
-    largest = {"head gradients": 0, "gradient": 0, "W0": 0}
+    largest = {"head gradients": 0, "gradient": 0, "W0": 0, "8-bit entries": 0}
     entry_bytes = {}
     for name, parameter in built.named_parameters():
         adapter = any(marker in name for marker in ADAPTER_MARKERS)
         size = entry_bytes[id(parameter)] = 2 if id(parameter) in bfloat16 else 4 if adapter else value_size
-        local = _shard(parameter.shape, shards, parameter.requires_grad) * size
+        local = shard_entries(parameter.shape, shards, parameter.requires_grad) * size
         if not parameter.requires_grad:
             kind = "W0" if BASE_LAYER in name else "other frozen"
             counts[kind] += parameter.numel()
@@ -360,7 +351,7 @@ def _parameter_bytes(
             largest["head gradients"] += gradient
         states, local_states = (
             2 * parameter.numel(),
-            2 * _shard(parameter.shape, shards, parameter.requires_grad),
+            2 * shard_entries(parameter.shape, shards, parameter.requires_grad),
         )  # shaped as the shard
         if name in galore:  # GaLore (Table 1): a projector m·r and Adam's states of the projected n·r gradient
             short, long = sorted(parameter.shape)
@@ -368,6 +359,8 @@ def _parameter_bytes(
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
         bits = 32 if id(parameter) in thirty_two_bit else settings.optimizer_bits
+        if bits == 8 and local_states >= 2 * 4096:  # blockwise 8-bit states (`_state_bytes`)
+            largest["8-bit entries"] = max(largest["8-bit entries"], local_states // 2)
         parts["optimizer states"] += _state_bytes(local_states, size, bits)
         largest["gradient"] = max(largest["gradient"], gradient)
         if id(parameter) in bfloat16:  # float32 weight, gradient, two moments; the rounding's noise and sum
@@ -403,24 +396,8 @@ def _working_bytes(
         working["activations"] += largest_w0 * (torch.finfo(dtype).bits // 8)
     vocabulary, hidden = base_model_of(built).get_output_embeddings().weight.shape
     tokens, value_size = batch * seq_len, torch.finfo(dtype).bits // 8
-    working["loss working set"] = _loss_bytes(settings, vocabulary, hidden, tokens, value_size)
+    working["loss working set"] = loss_bytes(settings, vocabulary, hidden, tokens, value_size)
     return working
-
-
-def _loss_bytes(settings: PlanSettings, vocabulary: int, hidden: int, tokens: int, value_size: int) -> int:
-    """The loss's working set: transformers' ``∂L/∂logits`` in float32, or the chunked loss's
-    (`poet_hf.training.chunked_loss`): one step's float32 logits (their gradient in place, and a copy in the model's
-    dtype when narrower) and ``∂L/∂hidden``, held to the backward (the head's gradient, accumulated in its own
-    dtype, is the one the gradients count). Under FSDP2 the head stays split by vocabulary rows
-    (`poet_hf.training.sharded_head_loss`): a step's logits are this process's vocabulary rows of every process's
-    chunk of tokens, beside those tokens' gathered hidden states and partial ``∂L/∂hidden``."""
-    if settings.loss_chunk_tokens is None:
-        return tokens * vocabulary * 4
-    shards, narrow_copy = settings.shards, value_size if value_size < 4 else 0
-    rows = min(shards * math.ceil(settings.loss_chunk_tokens / shards), shards * tokens)
-    logits = rows * math.ceil(vocabulary / shards) * (4 + narrow_copy)
-    gathered = 2 * rows * hidden * value_size if shards > 1 else 0
-    return logits + gathered + tokens * hidden * value_size
 
 
 def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_size: int, shards: int) -> int:
@@ -428,7 +405,7 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
 
     Its codes and scales (quantised) or values, and the merges' error-feedback residual when it is kept on the layer
     (a ``W0`` sharded by FSDP2 keeps none: its folds round to nearest)."""
-    entries = _shard(shape, shards)
+    entries = shard_entries(shape, shards)
     if quantization is None:
         rounding = value_size == 2 and storage == "layer" and shards == 1  # an int8 byte per entry
         return entries * (value_size + int(rounding))
@@ -441,30 +418,6 @@ def _state_bytes(entries: int, value_size: int, bits: int) -> int:
     if bits == 32 or entries < 2 * 4096:
         return entries * value_size
     return entries + math.ceil(entries / 256) * 4
-
-
-def _gathered_bytes(
-    model: nn.Module, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], settings: PlanSettings
-) -> int:
-    """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
-
-    The last block's parameters prefetched for its backward; and unless the chunked loss keeps the head split
-    (`poet_hf.training.sharded_head_loss`), the head's parameters gathered (its own unit, as
-    [`shard_model`][poet_hf.training.distributed.shard_model] shards it; the root when tied to the input embeddings)
-    and its gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards
-    counted elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
-    processes = settings.shards
-
-    def unsharded(parameters: Iterable[nn.Parameter]) -> int:
-        return sum((p.numel() - _shard(p.shape, processes, p.requires_grad)) * entry_bytes[id(p)] for p in parameters)
-
-    largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
-    head = base_model_of(model).get_output_embeddings()
-    if head is None or settings.loss_chunk_tokens is not None:
-        return largest_block
-    head_parameters = list(head.parameters())
-    head_gradients = sum(2 * p.numel() * entry_bytes[id(p)] for p in head_parameters if p.requires_grad)
-    return unsharded(head_parameters) + largest_block + head_gradients
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:

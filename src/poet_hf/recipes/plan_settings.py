@@ -36,6 +36,8 @@ class PlanSettings:
         residual_storage: where the merges' error-feedback residual lives.
         fused_step: optimizer steps fused into the backward.
         optimizer_bits: 32 or 8.
+        eight_bit_library: whose 8-bit AdamW: ``"bitsandbytes"`` or ``"torchao"`` (its compiled step copies a
+            parameter's two moments to float32).
         vocab_weights_dtype: ``"float32"`` or ``"bfloat16"`` (with ``fused_step``).
         loss_chunk_tokens: tokens whose logits the loss forms at once (`poet_hf.training.chunked_loss`), or ``None``.
 
@@ -57,6 +59,7 @@ class PlanSettings:
     residual_storage: str = "auto"
     fused_step: bool = False
     optimizer_bits: int = 32
+    eight_bit_library: str = "bitsandbytes"
     vocab_weights_dtype: str = "float32"
     loss_chunk_tokens: int | None = None
 
@@ -72,6 +75,7 @@ class PlanSettings:
         check_choice("base_quantization", self.base_quantization, (None, *BASE_QUANTIZATIONS))
         check_choice("residual_storage", self.residual_storage, RESIDUAL_STORAGES)
         check_choice("optimizer_bits", self.optimizer_bits, (32, 8))
+        check_choice("eight_bit_library", self.eight_bit_library, ("bitsandbytes", "torchao"))
         check_choice("vocab_weights_dtype", self.vocab_weights_dtype, ("float32", "bfloat16"))
         if self.vocab_weights_dtype != "float32" and not self.fused_step:
             raise ValueError(

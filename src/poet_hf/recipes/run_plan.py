@@ -108,6 +108,7 @@ def _settings_of(
         fused_step=bool(training.fused_optimizer_step),
         vocab_weights_dtype=training.vocab_weights_dtype,
         optimizer_bits=8 if "8bit" in optim else 32,
+        eight_bit_library="torchao" if optim == "adamw_torch_8bit" else "bitsandbytes",
         loss_chunk_tokens=training.loss_chunk_tokens,
     )
     if args.method == "lora":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -161,8 +161,9 @@ def shard_model(
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2's ``fully_shard``, one transformer block at a time.
 
-    The input embeddings and the output head (when not tied) are units of their own, then the root. Each parameter
-    is split along [`shard_dim`][poet_hf.training.distributed.shard_dim].
+    The input embeddings and the output head (when not tied) are units of their own, then the root; the input
+    embeddings are not gathered for their backward, which reads only the token ids. Each parameter is split along
+    [`shard_dim`][poet_hf.training.distributed.shard_dim].
 
     A model built on the ``meta`` device is sharded there and then materialized shard by shard
     ([`materialize_model`][poet_hf.initialization.materialize_model] with ``seed``, ``checkpoint`` and ``loading``): no
@@ -196,9 +197,13 @@ def shard_model(
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))
     blocks = _block_classes(model)
     fully_shard_kwargs.setdefault("shard_placement_fn", _placement(mesh.size()))
-    for module in [m for m in model.modules() if isinstance(m, blocks)] + _embedding_units(model):
+    embedding_units = _embedding_units(model)
+    for module in [m for m in model.modules() if isinstance(m, blocks)] + embedding_units:
         fully_shard(module, mesh=mesh, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    inputs = base_model_of(model).get_input_embeddings()
+    if any(unit is inputs for unit in embedding_units):  # its backward reads only the token ids, not the weight
+        cast(Any, inputs).set_unshard_in_backward(False)
     if has_meta_tensors(model):
         device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
         materialize_model(model, seed=seed, device=device, checkpoint=checkpoint, loading=loading)

@@ -1,0 +1,93 @@
+"""Where a plan's sharded and transient bytes go: FSDP2's shards, what it holds gathered, the loss's working set,
+and the moments after the backward (`poet_hf.recipes.memory_plan` adds them up)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..tuners.tuner_base import base_model_of
+from .plan_settings import PlanSettings
+
+
+def shard_entries(shape: torch.Size, processes: int, trainable: bool = False) -> int:
+    """Entries of one process's shard: ``shape`` split along `shard_dim` into ``processes`` padded chunks."""
+    from ..training.distributed import shard_dim
+
+    if not shape:
+        return 1
+    dim = shard_dim(shape, processes, trainable)
+    return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
+
+
+def loss_bytes(settings: PlanSettings, vocabulary: int, hidden: int, tokens: int, value_size: int) -> int:
+    """The loss's working set: transformers' ``∂L/∂logits`` in float32, or the chunked loss's
+    (`poet_hf.training.chunked_loss`): one step's float32 logits (their gradient in place, and a copy in the model's
+    dtype when narrower) and ``∂L/∂hidden``, held to the backward (the head's gradient, accumulated in its own
+    dtype, is the one the gradients count). Under FSDP2 the head stays split by vocabulary rows
+    (`poet_hf.training.sharded_head_loss`): a step's logits are this process's vocabulary rows of every process's
+    chunk of tokens, beside those tokens' gathered hidden states and partial ``∂L/∂hidden``."""
+    if settings.loss_chunk_tokens is None:
+        return tokens * vocabulary * 4
+    shards, narrow_copy = settings.shards, value_size if value_size < 4 else 0
+    rows = min(shards * math.ceil(settings.loss_chunk_tokens / shards), shards * tokens)
+    logits = rows * math.ceil(vocabulary / shards) * (4 + narrow_copy)
+    gathered = 2 * rows * hidden * value_size if shards > 1 else 0
+    return logits + gathered + tokens * hidden * value_size
+
+
+def gathered_bytes(
+    model: nn.Module, blocks: tuple[type[nn.Module], ...], entry_bytes: dict[int, int], settings: PlanSettings
+) -> int:
+    """FSDP2's unsharded tensors at the peak, the output head's backward, where every activation is still alive.
+
+    The last block's parameters prefetched for its backward; and unless the chunked loss keeps the head split
+    (`poet_hf.training.sharded_head_loss`), the head's parameters gathered (its own unit, as
+    [`shard_model`][poet_hf.training.distributed.shard_model] shards it; the root when tied to the input embeddings)
+    and its gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards
+    counted elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
+    processes = settings.shards
+
+    def unsharded(parameters: Iterable[nn.Parameter]) -> int:
+        return sum(
+            (p.numel() - shard_entries(p.shape, processes, p.requires_grad)) * entry_bytes[id(p)] for p in parameters
+        )
+
+    largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
+    head = base_model_of(model).get_output_embeddings()
+    if head is None or settings.loss_chunk_tokens is not None:
+        return largest_block
+    head_parameters = list(head.parameters())
+    head_gradients = sum(2 * p.numel() * entry_bytes[id(p)] for p in head_parameters if p.requires_grad)
+    return unsharded(head_parameters) + largest_block + head_gradients
+
+
+def after_backward(
+    built: nn.Module,
+    settings: PlanSettings,
+    parts: dict[str, int],
+    gradients: int,
+    largest: dict[str, int],
+    entry_bytes: dict[int, int],
+) -> dict[str, dict[str, int]]:
+    """The parts at the backward's end and at the optimizer step, where activations and the loss are gone.
+
+    At the end FSDP2 holds the input embeddings' gradient twice, unsharded and in its reduce-scatter buffer (their
+    weight is not gathered for their backward; tied, the root holds it gathered too). At the step torchao's compiled
+    8-bit AdamW holds one parameter's two moments in float32. ``gradients``: the bytes of the gradients then alive."""
+    end = dict(parts, activations=0, gradients=gradients, **{"loss working set": 0, "gathered layers": 0})
+    step = dict(end)
+    if settings.shards > 1 and settings.sharding == "fsdp2":
+        base = base_model_of(built)
+        inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
+        weights = list(inputs.parameters()) if inputs is not None else []
+        tied = head is not None and inputs is not None and head.weight is inputs.weight
+        gathered = sum((p.numel() - shard_entries(p.shape, settings.shards, p.requires_grad)) * entry_bytes[id(p)]
+                       for p in weights) if tied else 0  # fmt: skip
+        end["gathered layers"] = gathered + sum(2 * p.numel() * entry_bytes[id(p)] for p in weights if p.requires_grad)
+    if settings.optimizer_bits == 8 and settings.eight_bit_library == "torchao":
+        step["optimizer step copies"] = 2 * 4 * largest["8-bit entries"]
+    return {"backward end": end, "step": step}
