@@ -132,8 +132,15 @@ def test_each_accelerate_config_is_one_pretrain_py_accepts(name):
         assert options["fsdp_state_dict_type"] == "SHARDED_STATE_DICT" and not options["fsdp_cpu_ram_efficient_loading"]
     if config.distributed_type == "DEEPSPEED":  # trained in 2 CPU processes by tests/test_deepspeed.py
         options = raw["deepspeed_config"]
-        assert "deepspeed_config_file" not in options  # the trainer's optimizer and schedule, POET's two rates
-        assert options["zero_stage"] in (2, 3) and options.get("zero3_save_16bit_model", True)
+        if "deepspeed_config_file" in options:  # relative to the repository's root, where the docs launch it
+            options = json.loads((CLUSTER.parent.parent / options["deepspeed_config_file"]).read_text())
+            assert not {"optimizer", "scheduler"} & set(options)  # the trainer's: POET's two rates
+            zero = options["zero_optimization"]
+            assert zero["stage"] == 3 and zero["stage3_gather_16bit_weights_on_model_save"]
+            sizes = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+            assert all(zero[key] == "auto" for key in sizes)  # the model's width, not DeepSpeed's defaults
+        else:
+            assert "optimizer" not in options and options["zero_stage"] in (2, 3)
     assert config.num_processes % config.num_machines == 0
     assert config.use_cpu == name.startswith("cpu")
 

@@ -28,7 +28,8 @@ import torch
 from benchmarks.common import status_mb
 from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, training_rows
 
-ENGINES = {"zero2": 2, "zero3": 3}
+# (stage, ZeRO's sizes from the model's width as examples/cluster/deepspeed_zero3.json sets them, or DeepSpeed's)
+ENGINES = {"zero2": (2, False), "zero3": (3, False), "zero3 sized": (3, True)}
 
 
 def zero_sizes(hidden: int) -> dict[str, int]:
@@ -97,8 +98,9 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, 
 def zero_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any]]:
     """2 processes under ZeRO-2 and ZeRO-3: the worst process's steady-state peak, step and merge time."""
     rows = []
-    for sharding, stage in ENGINES.items():
-        reports = _torchrun(2, f"zero_worker({preset!r}, {batch}, {steps}, {stage})", suite="sharding")
+    for sharding, (stage, sized) in ENGINES.items():
+        call = f"zero_worker({preset!r}, {batch}, {steps}, {stage}, sized={sized})"
+        reports = _torchrun(2, call, suite="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
         rows.append(
             {
