@@ -64,6 +64,7 @@ PARTS = (
     "gathered layers",
     "optimizer step copies",
 )
+EIGHT_BIT_MIN_STATES = 2 * 4096  # two states of a tensor under 4096 entries stay 32-bit
 BASE_LAYER = ".base_layer."  # in the name of a wrapped layer's base weight (PEFT's convention)
 ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
 
@@ -359,7 +360,7 @@ def _parameter_bytes(
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
         bits = 32 if id(parameter) in thirty_two_bit else settings.optimizer_bits
-        if bits == 8 and local_states >= 2 * 4096:  # blockwise 8-bit states (`_state_bytes`)
+        if bits == 8 and local_states >= EIGHT_BIT_MIN_STATES:  # blockwise 8-bit states (`_state_bytes`)
             largest["8-bit entries"] = max(largest["8-bit entries"], local_states // 2)
         parts["optimizer states"] += _state_bytes(local_states, size, bits)
         largest["gradient"] = max(largest["gradient"], gradient)
@@ -415,7 +416,7 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
 
 def _state_bytes(entries: int, value_size: int, bits: int) -> int:
     """Adam's two states of a tensor of ``entries`` (already doubled): float32-sized, or blockwise 8-bit."""
-    if bits == 32 or entries < 2 * 4096:
+    if bits == 32 or entries < EIGHT_BIT_MIN_STATES:
         return entries * value_size
     return entries + math.ceil(entries / 256) * 4
 

@@ -23,6 +23,18 @@ def shard_entries(shape: torch.Size, processes: int, trainable: bool = False) ->
     return math.ceil(shape[dim] / processes) * math.prod(shape) // shape[dim]
 
 
+def unsharded_bytes(parameters: Iterable[nn.Parameter], processes: int, entry_bytes: dict[int, int]) -> int:
+    """Bytes FSDP2 adds when it gathers ``parameters``: each whole, less the shard counted elsewhere."""
+    return sum(
+        (p.numel() - shard_entries(p.shape, processes, p.requires_grad)) * entry_bytes[id(p)] for p in parameters
+    )
+
+
+def gradients_twice(parameters: Iterable[nn.Parameter], entry_bytes: dict[int, int]) -> int:
+    """Bytes of the trainable ``parameters``' gradients held twice: unsharded, and in FSDP2's reduce-scatter buffer."""
+    return sum(2 * p.numel() * entry_bytes[id(p)] for p in parameters if p.requires_grad)
+
+
 def loss_bytes(settings: PlanSettings, vocabulary: int, hidden: int, tokens: int, value_size: int) -> int:
     """The loss's working set: transformers' ``∂L/∂logits`` in float32, or the chunked loss's
     (`poet_hf.training.chunked_loss`): one step's float32 logits (their gradient in place, and a copy in the model's
@@ -50,19 +62,19 @@ def gathered_bytes(
     and its gradient twice, unsharded and in the flat reduce-scatter buffer FSDP2 copies it into; less the shards
     counted elsewhere. ``entry_bytes`` maps ``id(parameter)`` to its bytes per entry."""
     processes = settings.shards
-
-    def unsharded(parameters: Iterable[nn.Parameter]) -> int:
-        return sum(
-            (p.numel() - shard_entries(p.shape, processes, p.requires_grad)) * entry_bytes[id(p)] for p in parameters
-        )
-
-    largest_block = max((unsharded(m.parameters()) for m in model.modules() if isinstance(m, blocks)), default=0)
+    blocks_gathered = (
+        unsharded_bytes(m.parameters(), processes, entry_bytes) for m in model.modules() if isinstance(m, blocks)
+    )
+    largest_block = max(blocks_gathered, default=0)
     head = base_model_of(model).get_output_embeddings()
     if head is None or settings.loss_chunk_tokens is not None:
         return largest_block
     head_parameters = list(head.parameters())
-    head_gradients = sum(2 * p.numel() * entry_bytes[id(p)] for p in head_parameters if p.requires_grad)
-    return unsharded(head_parameters) + largest_block + head_gradients
+    return (
+        unsharded_bytes(head_parameters, processes, entry_bytes)
+        + largest_block
+        + gradients_twice(head_parameters, entry_bytes)
+    )
 
 
 def after_backward(
@@ -85,9 +97,8 @@ def after_backward(
         inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
         weights = list(inputs.parameters()) if inputs is not None else []
         tied = head is not None and inputs is not None and head.weight is inputs.weight
-        gathered = sum((p.numel() - shard_entries(p.shape, settings.shards, p.requires_grad)) * entry_bytes[id(p)]
-                       for p in weights) if tied else 0  # fmt: skip
-        end["gathered layers"] = gathered + sum(2 * p.numel() * entry_bytes[id(p)] for p in weights if p.requires_grad)
+        gathered = unsharded_bytes(weights, settings.shards, entry_bytes) if tied else 0
+        end["gathered layers"] = gathered + gradients_twice(weights, entry_bytes)
     if settings.optimizer_bits == 8 and settings.eight_bit_library == "torchao":
         step["optimizer step copies"] = 2 * 4 * largest["8-bit entries"]
     return {"backward end": end, "step": step}
