@@ -133,11 +133,14 @@ def test_fused_steps_refuse_the_chunked_loss(tmp_path):
         PoetTrainingArguments(output_dir=str(tmp_path), loss_chunk_tokens=0)
 
 
-def test_a_sharded_head_s_loss_in_two_processes_equals_the_whole_logits_loss_in_float64(tmp_path):
+def test_a_sharded_head_s_loss_and_embedding_lookup_in_two_processes_equal_the_dense_ones_in_float64(tmp_path):
     """tests/workers/sharded_head_worker.py: FSDP2's head split 6 + 5 rows, 7 and 5 tokens (steps of 2 rows a process,
     rank 1 padded): each process's loss and hidden gradient are the dense float64 ones, the gathered head gradient
     the mean of the two processes' dense ones, to float64 rounding (γ₆₄: each entry a sum of under 20 terms); losses
-    scaled differently are refused, since each head shard sums every process's tokens."""
+    scaled differently are refused, since each head shard sums every process's tokens. The sharded embedding lookup
+    (the same table, padding row 3, 3 positions at a time): each process's embeddings equal ``F.embedding``'s on the
+    whole table exactly (one row plus zeros), the table's gradient the mean of the dense ones to γ₆₄, its padding
+    row zero."""
     worker = Path(__file__).resolve().parent / "workers" / "sharded_head_worker.py"
     prewarmed.run(worker, [tmp_path], tmp_path / "worker.log", ranks=2, torchrun=True)
     bound = gamma(64, torch.float64)
@@ -148,6 +151,9 @@ def test_a_sharded_head_s_loss_in_two_processes_equals_the_whole_logits_loss_in_
             assert max(errors["loss"], errors["hidden"], errors["head"]) <= bound, (rank, case, errors)
             assert errors["head_scale"] > 0.1, (rank, case, errors)  # the head's gradient is not vanishingly small
         assert "each process must scale its loss alike; got the scales [1.0, 2.0]" in report["unequal scales"]
+        lookup = report["lookup"]
+        assert lookup["output"] == 0 and lookup["padding_row"] == 0, (rank, lookup)
+        assert lookup["table"] <= bound and lookup["table_scale"] > 0.1, (rank, lookup)
 
 
 def test_the_plan_holds_one_chunk_of_logits():

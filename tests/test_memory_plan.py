@@ -97,6 +97,32 @@ def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_hol
     assert fused.total_bytes <= unfused_end.total_bytes
 
 
+def test_torchao_s_8bit_states_are_the_bytes_its_optimizer_allocates():
+    """torchao's 8-bit AdamW quantizes the states of a tensor of 4096 entries or more that fills whole 256-entry
+    blocks (the embeddings and the head among them: no 32-bit exception, unlike bitsandbytes') and keeps float32
+    states for the rest (POET-BS 64's FFN skews: 4 × 2016 = 8064 entries, 31.5 blocks): the plan's states equal,
+    byte for byte, what one step allocates (codes, a float32 scale per block, a 256-entry code table per state)."""
+    from torchao.optim import AdamW8bit
+
+    model = get_peft_model(
+        build_llama(TINY, "poet-bs", 32000, 64, seed=0), PoetConfig(block_size=64, train_other_params=True)
+    )
+    optimizer = AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 32000, (2, 64), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+    def stored(tensor: torch.Tensor) -> int:
+        if type(tensor) is torch.Tensor:
+            return tensor.numel() * tensor.element_size()
+        return sum(stored(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
+
+    moments = [t for s in optimizer.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+    assert {type(t).__name__ for t in moments} == {"Tensor", "OptimState8bit"}  # both rules are exercised
+    plan = plan_memory("tiny", "poet-bs", block_size=64, seq_len=64, optimizer_bits=8, eight_bit_library="torchao")
+    assert plan.parts["optimizer states"] == sum(stored(t) for t in moments)
+
+
 def test_targeted_layers_cost_what_table_1_of_the_poet_paper_says():
     b, r = 32, 16
     model = build_llama(TINY, "poet-bs", 32000, 64, seed=0)

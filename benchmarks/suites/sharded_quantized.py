@@ -2,9 +2,10 @@
 the planner's.
 
 POET-BS 256 (``base_init="normalized"``), its ``W0`` stored as ``nf4-shardable`` (folded to nearest, as FSDP2 folds
-it), torchao's 8-bit AdamW states through `create_poet_optimizer` (the input embeddings keep 32-bit ones),
-transformers' activation checkpointing (non-reentrant), the loss chunked (`poet_hf.training.chunked_loss`; under FSDP2
-the head stays split by vocabulary rows, never gathered), 1 × 256 tokens per process, float32. The model is built on
+it), torchao's 8-bit AdamW states through `create_poet_optimizer` (every tensor that fills whole 256-entry blocks, the
+embeddings and head among them), transformers' activation checkpointing (non-reentrant), the loss chunked
+(`poet_hf.training.chunked_loss`; under FSDP2 the head and the input embeddings stay split by vocabulary rows, never
+gathered), 1 × 256 tokens per process, float32. The model is built on
 ``meta``: one process materializes it whole (each layer quantised as it is made), two FSDP2 processes shard it first
 (`shard_model`) and materialize their shards. Each launch is ``torchrun`` with gloo, as a user starts it, glibc's mmap
 threshold fixed as in `benchmarks.suites.fsdp`. Per process: the whole peak RSS (``VmHWM``, imports included), the

@@ -195,6 +195,8 @@ def main() -> None:
     gathers = track_gathers()
     head_calls = []  # FSDP2 gathers the head's unit before each call of it
     model.get_base_model().get_output_embeddings().register_forward_pre_hook(lambda *_: head_calls.append(1))
+    embedding_calls = []  # and the input embeddings' unit before each call of it
+    model.get_base_model().get_input_embeddings().register_forward_pre_hook(lambda *_: embedding_calls.append(1))
     losses, merges, merges_equal = {}, [], []
     for step in range(start, args.steps):
         losses[step + 1] = train_step(wrapped, optimizer, data[step], args.loss_chunk_tokens)
@@ -224,6 +226,7 @@ def main() -> None:
         "checkpointing": model.get_base_model().is_gradient_checkpointing,
         "merges_equal": merges_equal,
         "head_calls": len(head_calls),
+        "embedding_calls": len(embedding_calls),
         "world": world,
         "peak_gathered_bytes": gathers["peak"],
         "largest_weight_bytes": max(

@@ -39,6 +39,7 @@ from ..dtypes import parse_dtype
 from ..tuners.rotation.quantization import residual_bytes
 from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.storage_kinds import storage_kind
+from ..training.eight_bit import STATE_BLOCK
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
 from .plan_parts import after_backward, gathered_bytes, loss_bytes, shard_entries
@@ -64,7 +65,7 @@ PARTS = (
     "gathered layers",
     "optimizer step copies",
 )
-EIGHT_BIT_MIN_STATES = 2 * 4096  # two states of a tensor under 4096 entries stay 32-bit
+EIGHT_BIT_MIN_ENTRIES = 4096  # the states of a tensor under 4096 entries stay 32-bit
 BASE_LAYER = ".base_layer."  # in the name of a wrapped layer's base weight (PEFT's convention)
 ADAPTER_MARKERS = ("poet_", "oft_", "lora_")  # adapter parameters: float32 whatever the model's dtype
 
@@ -255,9 +256,9 @@ def plan_memory(
             16-bit); ``"auto"``, ``"cpu"`` and ``"disk"`` keep it off the steps' memory.
         fused_step: optimizer steps fused into the backward (`poet_hf.training.FusedStepOptimizer`): one gradient
             exists at a time, the head's and the input embeddings' one row chunk at a time (`RowGradients`).
-        optimizer_bits: 32 (Adam's two float32 states) or 8 (blockwise 8-bit states, bitsandbytes' ``AdamW8bit``:
-            2 B per entry and a float32 scale per 256, for tensors of 4096 entries or more; embeddings, and a head whose
-            rows are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
+        optimizer_bits: 32 (Adam's float32 states) or 8 (blockwise: 2 B per entry and a float32 scale per 256, for
+            tensors of 4096 entries or more, torchao's in whole blocks; bitsandbytes' embeddings, and a head whose rows
+            are not a multiple of 256 wide, keep 32-bit states, as `create_poet_optimizer` keeps them).
         eight_bit_library: ``"bitsandbytes"`` or ``"torchao"`` (its step holds one parameter's moments in float32).
         vocab_weights_dtype: ``"bfloat16"`` (with ``fused_step``): the untied head and input embeddings stored in
             bfloat16, their 32-bit states too (`poet_hf.training.bf16_storage`), stepped a float32 row chunk at a time.
@@ -324,7 +325,9 @@ def _parameter_bytes(
     bfloat16 = {id(m.weight) for m in row_chunked_modules(built, any_size=True)} if narrow else set()
     chunked |= bfloat16
     block_parameters = {id(p) for m in built.modules() if isinstance(m, blocks) for p in m.parameters()}
-    thirty_two_bit = {id(w) for w in weights_keeping_32bit_states(built)}
+    thirty_two_bit = set()  # torchao's 8-bit AdamW keeps no weight at 32 bits
+    if settings.eight_bit_library == "bitsandbytes":
+        thirty_two_bit = {id(w) for w in weights_keeping_32bit_states(built)}
     galore = _galore_targets(built) if method == "galore" else set()
     counts = dict.fromkeys(("W0", "other frozen", "trainable", "adapter", "optimizer states"), 0)
     parts = dict.fromkeys(PARTS, 0)
@@ -359,10 +362,11 @@ def _parameter_bytes(
             states = short * settings.rank + 2 * long * settings.rank
             local_states = math.ceil(states / shards)
         counts["optimizer states"] += states
-        bits = 32 if id(parameter) in thirty_two_bit else settings.optimizer_bits
-        if bits == 8 and local_states >= EIGHT_BIT_MIN_STATES:  # blockwise 8-bit states (`_state_bytes`)
+        eight_bit = settings.optimizer_bits == 8 and _quantizes_states(local_states // 2, settings.eight_bit_library)
+        bits = 8 if eight_bit and id(parameter) not in thirty_two_bit else 32
+        if bits == 8:  # blockwise 8-bit states (`_state_bytes`)
             largest["8-bit entries"] = max(largest["8-bit entries"], local_states // 2)
-        parts["optimizer states"] += _state_bytes(local_states, size, bits)
+        parts["optimizer states"] += _state_bytes(local_states, size, bits, settings.eight_bit_library)
         largest["gradient"] = max(largest["gradient"], gradient)
         if id(parameter) in bfloat16:  # float32 weight, gradient, two moments; the rounding's noise and sum
             parts["bfloat16 steps"] = max(parts["bfloat16 steps"], 6 * 4 * largest_chunk_entries(*parameter.shape))
@@ -414,11 +418,19 @@ def _w0_bytes(shape: torch.Size, quantization: str | None, storage: str, value_s
     return stored + (residual_bytes(entries) if storage == "layer" and shards == 1 else 0)
 
 
-def _state_bytes(entries: int, value_size: int, bits: int) -> int:
-    """Adam's two states of a tensor of ``entries`` (already doubled): float32-sized, or blockwise 8-bit."""
-    if bits == 32 or entries < EIGHT_BIT_MIN_STATES:
+def _quantizes_states(entries: int, library: str) -> bool:
+    """Whether an 8-bit optimizer quantizes the states of a (local) tensor of ``entries``: 4096 or more, and for
+    torchao's a whole number of its 256-entry blocks (`torchao.optim`'s rule; the rest keep float32 states)."""
+    return entries >= EIGHT_BIT_MIN_ENTRIES and (library != "torchao" or entries % STATE_BLOCK == 0)
+
+
+def _state_bytes(entries: int, value_size: int, bits: int, library: str) -> int:
+    """Adam's two states of a tensor of ``entries`` (already doubled): float32-sized, or blockwise 8-bit (torchao's
+    each with its own 256-entry float32 code table)."""
+    if bits == 32:
         return entries * value_size
-    return entries + math.ceil(entries / 256) * 4
+    tables = 2 * 256 * 4 if library == "torchao" else 0
+    return entries + math.ceil(entries / STATE_BLOCK) * 4 + tables
 
 
 def format_plans(plans: list[MemoryPlan]) -> str:

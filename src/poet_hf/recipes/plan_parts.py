@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -88,8 +89,10 @@ def after_backward(
     """The parts at the backward's end and at the optimizer step, where activations and the loss are gone.
 
     At the end FSDP2 holds the input embeddings' gradient twice, unsharded and in its reduce-scatter buffer (their
-    weight is not gathered for their backward; tied, the root holds it gathered too). At the step torchao's compiled
-    8-bit AdamW holds one parameter's two moments in float32. ``gradients``: the bytes of the gradients then alive."""
+    weight is not gathered for their backward; tied, the root holds it gathered too), unless the chunked loss looks
+    them up where they are (`looked_up_where_they_are`; then a step's gathered rows of their gradient, float32,
+    twice). At the step torchao's compiled 8-bit AdamW holds one parameter's two moments in float32. ``gradients``:
+    the bytes of the gradients then alive."""
     end = dict(parts, activations=0, gradients=gradients, **{"loss working set": 0, "gathered layers": 0})
     step = dict(end)
     if settings.shards > 1 and settings.sharding == "fsdp2":
@@ -97,8 +100,28 @@ def after_backward(
         inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
         weights = list(inputs.parameters()) if inputs is not None else []
         tied = head is not None and inputs is not None and head.weight is inputs.weight
-        gathered = unsharded_bytes(weights, settings.shards, entry_bytes) if tied else 0
-        end["gathered layers"] = gathered + gradients_twice(weights, entry_bytes)
+        if looked_up_where_they_are(built, settings):
+            chunk = math.ceil(cast(int, settings.loss_chunk_tokens) / settings.shards)
+            rows = settings.shards * min(chunk, settings.batch_size * settings.seq_len)
+            end["gathered layers"] = 2 * rows * weights[0].shape[1] * 4
+        else:
+            gathered = unsharded_bytes(weights, settings.shards, entry_bytes) if tied else 0
+            end["gathered layers"] = gathered + gradients_twice(weights, entry_bytes)
     if settings.optimizer_bits == 8 and settings.eight_bit_library == "torchao":
         step["optimizer step copies"] = 2 * 4 * largest["8-bit entries"]
     return {"backward end": end, "step": step}
+
+
+def looked_up_where_they_are(built: nn.Module, settings: PlanSettings) -> bool:
+    """Whether the chunked loss under FSDP2 looks the input embeddings up in their shards, never gathering them
+    (`poet_hf.training.sharded_embedding`): untied, trainable, a plain lookup, split along their rows."""
+    from ..training.distributed import shard_dim
+    from ..training.sharded_embedding import looks_up_plainly
+
+    base = base_model_of(built)
+    inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if settings.loss_chunk_tokens is None or settings.sharding != "fsdp2" or not looks_up_plainly(inputs):
+        return False
+    weight = inputs.weight
+    untied = head is None or head.weight is not weight
+    return untied and weight.requires_grad and shard_dim(weight.shape, settings.shards, True) == 0

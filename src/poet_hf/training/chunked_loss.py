@@ -169,7 +169,8 @@ def causal_lm_loss(
     if sharded_head and getattr(head, "bias", None) is not None:
         raise ValueError("`loss_chunk_tokens` under FSDP2 takes an output head without a bias")
     labels = inputs["labels"]
-    hidden = _final_hidden(model, base, decoder, {k: v for k, v in inputs.items() if k != "labels"}, sharded_head)
+    batch = {k: v for k, v in inputs.items() if k != "labels"}
+    hidden = _final_hidden(model, base, decoder, batch, chunk_tokens if sharded_head else None)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:].reshape(-1).to(hidden.device)
     rows = hidden.reshape(-1, hidden.shape[-1])
     if sharded_head:  # FSDP2 split the head by vocabulary rows: each process forms the logits of its own rows
@@ -193,23 +194,39 @@ class _NoLogits(nn.Module):
 
 
 def _final_hidden(
-    model: nn.Module, base: PreTrainedModel, decoder: nn.Module, inputs: dict[str, torch.Tensor], sharded_head: bool
+    model: nn.Module, base: PreTrainedModel, decoder: nn.Module, inputs: dict[str, torch.Tensor], chunk: int | None
 ) -> torch.Tensor:
-    """The decoder's final hidden states for ``inputs``, the model run with ``logits_to_keep`` empty; with a sharded
-    head, `_NoLogits` in its place for the run (``set_output_embeddings``), so no process gathers it."""
+    """The decoder's final hidden states for ``inputs``, the model run with ``logits_to_keep`` empty.
+
+    With a sharded head (``chunk`` given), `_NoLogits` stands in for it while the model runs (``set_output_embeddings``),
+    and `ShardedEmbeddingLookup` for untied input embeddings that FSDP2 split by rows, so no process gathers either."""
+    from .sharded_embedding import ShardedEmbeddingLookup, splits_by_rows
+
     captured: list[torch.Tensor] = []
     hook = decoder.register_forward_hook(lambda _module, _args, output: captured.append(output[0]))
-    head = base.get_output_embeddings()
-    if sharded_head:
+    head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
+    lookup = chunk is not None and splits_by_rows(embeddings) and embeddings.weight.requires_grad
+    lookup = lookup and embeddings.weight is not head.weight
+    if chunk is not None:
         base.set_output_embeddings(_NoLogits(head.weight.shape[0]))
+    if lookup:
+        base.set_input_embeddings(ShardedEmbeddingLookup(embeddings, cast(int, chunk), _compute_dtype(embeddings)))
     try:
         device = next(iter(inputs.values())).device
         model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     finally:
         hook.remove()
-        if sharded_head:
+        if chunk is not None:
             base.set_output_embeddings(head)
+        if lookup:
+            base.set_input_embeddings(embeddings)
     return captured[-1]
+
+
+def _compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype FSDP2 gathers ``module``'s parameters in: its mixed-precision ``param_dtype``, else their own."""
+    policy = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_mp_policy", None)
+    return getattr(policy, "param_dtype", None) or next(module.parameters()).dtype
 
 
 def trainer_loss(

@@ -27,10 +27,10 @@ from torch.autograd.function import FunctionCtx
 from ..tuners.config_utils import check_positive_int
 from .chunked_loss import IGNORE_INDEX
 
-__all__ = ["sharded_head_cross_entropy"]
+__all__ = ["gather_rows", "sharded_head_cross_entropy"]
 
 
-def _gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Every process's ``tensor`` (one shape everywhere), stacked in rank order along a new first dimension."""
     flat = tensor.contiguous().reshape(-1)
     out = torch.empty(dist.get_world_size(group) * flat.numel(), dtype=tensor.dtype, device=tensor.device)
@@ -47,7 +47,7 @@ def _chunk_gradients(
     owned = (targets >= vocab_start) & (targets < vocab_start + logits.shape[1])
     local = (targets - vocab_start).clamp(0, logits.shape[1] - 1)[:, None]
     target_logit = logits.gather(1, local)[:, 0] * owned
-    statistics = _gather(torch.stack([logits.logsumexp(dim=1), target_logit], dim=1), group)
+    statistics = gather_rows(torch.stack([logits.logsumexp(dim=1), target_logit], dim=1), group)
     normalizer = statistics[..., 0].logsumexp(dim=0)
     kept = targets != IGNORE_INDEX
     losses = (normalizer - statistics[..., 1].sum(dim=0)) * kept
@@ -74,19 +74,19 @@ class _ShardedHeadCrossEntropy(torch.autograd.Function):
         processes, rank = dist.get_world_size(group), dist.get_rank(group)
         wants_gradients = any(ctx.needs_input_grad[:2])  # type: ignore[attr-defined]
         work = torch.promote_types(hidden.dtype, torch.float32)
-        counts = _gather(torch.tensor(hidden.shape[0], device=hidden.device), group)
+        counts = gather_rows(torch.tensor(hidden.shape[0], device=hidden.device), group)
         longest, step = int(counts.max()), max(1, math.ceil(chunk / processes))
         padding = longest - hidden.shape[0]
         hidden_rows = torch.nn.functional.pad(hidden, (0, 0, 0, padding))
         label_rows = torch.nn.functional.pad(labels, (0, padding), value=IGNORE_INDEX)
-        normalizers = _gather(normalizer, group)
+        normalizers = gather_rows(normalizer, group)
         compute_weight = weight.to(hidden.dtype)  # FSDP2's param_dtype, as its gathered head would be
         grad_hidden = torch.empty_like(hidden_rows)
         grad_weight = torch.zeros_like(compute_weight)  # in the compute dtype, as `linear_cross_entropy`
         total = torch.zeros((), dtype=work, device=hidden.device)
         for start in range(0, longest, step):
-            rows = _gather(hidden_rows[start : start + step], group).flatten(0, 1)
-            targets = _gather(label_rows[start : start + step], group).flatten(0, 1)
+            rows = gather_rows(hidden_rows[start : start + step], group).flatten(0, 1)
+            targets = gather_rows(label_rows[start : start + step], group).flatten(0, 1)
             logits = (rows @ compute_weight.T).to(work)
             losses, gradient = _chunk_gradients(logits, targets, vocab_start, normalizers, group)
             total += losses.view(processes, -1)[rank].sum()
@@ -104,7 +104,7 @@ class _ShardedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx: FunctionCtx, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors  # type: ignore[attr-defined]
         group = cast(dist.ProcessGroup, ctx.group)  # type: ignore[attr-defined]
-        scales = _gather(grad_output.to(torch.float64).reshape(()), group)
+        scales = gather_rows(grad_output.to(torch.float64).reshape(()), group)
         if not bool((scales == scales[0]).all()):
             raise ValueError(
                 "the sharded head's chunked loss sums every process's tokens into each head shard's gradient, so "
