@@ -206,11 +206,11 @@ def test_a_shardable_nf4_w0_trains_under_fsdp2_merges_as_one_process_and_resumes
 
 def test_the_chunked_loss_keeps_the_head_split_and_trains_as_the_whole_logits_under_fsdp2(runs, tmp_path):
     """``--loss_chunk_tokens 24`` under FSDP2 (`poet_hf.training.sharded_head_loss`, `.sharded_embedding`): the head's
-    and the input embeddings' units are never called, so never gathered, in 14 steps, and the losses through the first merge are the whole-logits run's to float32
-    rounding (as DDP's and FSDP2's, above: one float32 loss of a few thousand terms summed in another order, 1e-5 at
-    a loss of 8). With every saving beside it (an nf4 ``W0``, torchao's 8-bit states, checkpointing), started by
-    ``accelerate launch`` in 2 gloo processes, the merge is still the one-process merge, bit for bit, and it
-    trains."""
+    and the input embeddings' units are never called, so never gathered, in 14 steps, and the losses through the
+    first merge are the whole-logits run's to float32 rounding (as DDP's and FSDP2's, above: one float32 loss of a
+    few thousand terms summed in another order, 1e-5 at a loss of 8). With every saving beside it (an nf4 ``W0``,
+    torchao's 8-bit states, checkpointing), started by ``accelerate launch`` in 2 gloo processes, the merge is still
+    the one-process merge, bit for bit, and it trains."""
     chunked = torchrun(tmp_path / "chunked", "fsdp2", "block", "--steps", "14", "--loss_chunk_tokens", "24")
     whole = runs["fsdp2", "block"][1][0]
     assert chunked[0]["head_calls"] == 0 and whole["head_calls"] == 30

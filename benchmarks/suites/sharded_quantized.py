@@ -10,7 +10,10 @@ gathered), 1 × 256 tokens per process, float32. The model is built on
 (`shard_model`) and materialize their shards. Each launch is ``torchrun`` with gloo, as a user starts it, glibc's mmap
 threshold fixed as in `benchmarks.suites.fsdp`. Per process: the whole peak RSS (``VmHWM``, imports included), the
 steady-state peak above the imports (sampled every millisecond after the first optimizer step) and the median step
-time; beside them `poet_hf.plan_memory`'s total for the same run. Merges are left to the tests (`tests/test_fsdp.py`
+time; beside them `poet_hf.plan_memory`'s total for the same run, which counts tensors. What the process holds
+beyond its tensors (the kernels' code pages, torch.compile's kernels for torchao's step, the allocator's arenas) is
+measured after the steps: its RSS above the imports less the bytes of every parameter shard, buffer, gradient and
+optimizer state it holds. Merges are left to the tests (`tests/test_fsdp.py`
 checks their codes against one process's): on this CPU a 7B merge quantises 6.5 G entries, minutes of work that
 measure nothing here.
 """
@@ -85,7 +88,9 @@ def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
         if step == 0:
             sampler.start()
     steady = sampler.stop() - after_imports
+    tensors = _live_tensor_mb(model, optimizer)
     report = {
+        "beyond_tensors_mb": status_mb("VmRSS") - after_imports - tensors,
         "world": world,
         "whole_peak_mb": status_mb("VmHWM"),
         "imports_mb": after_imports,
@@ -95,6 +100,30 @@ def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _live_tensor_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """MB of the tensors this process holds between steps: parameters (their local shards), buffers, gradients and
+    optimizer states (torchao's 8-bit states by their codes, scales and code tables), each storage once."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+
+    def stored(tensor: torch.Tensor) -> int:
+        if isinstance(tensor, DTensor):
+            return stored(tensor.to_local())
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):  # a tensor subclass: its inner tensors
+            return sum(stored(getattr(tensor, name)) for name in tensor.__tensor_flatten__()[0])
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum(stored(t) for t in tensors) / 2**20
 
 
 def _planned_mb(preset_name: str, processes: int) -> float:
@@ -136,6 +165,8 @@ def run(quick: bool = False) -> list[dict]:
                 "steady-state peak MB / process": worst["steady_peak_mb"],
                 "planned MB / process": planned,
                 "steady / planned": worst["steady_peak_mb"] / planned,
+                "beyond tensors MB": worst["beyond_tensors_mb"],
+                "steady less beyond tensors / planned": (worst["steady_peak_mb"] - worst["beyond_tensors_mb"]) / planned,
                 "step s": worst["step_s"],
             }
         )

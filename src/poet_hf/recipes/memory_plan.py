@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 from ..dtypes import parse_dtype
+from ..training.eight_bit import STATE_BLOCK
 from ..tuners.rotation.quantization import residual_bytes
 from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.storage_kinds import storage_kind
-from ..training.eight_bit import STATE_BLOCK
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
 from .plan_parts import after_backward, gathered_bytes, loss_bytes, shard_entries

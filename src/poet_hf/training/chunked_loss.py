@@ -198,8 +198,9 @@ def _final_hidden(
 ) -> torch.Tensor:
     """The decoder's final hidden states for ``inputs``, the model run with ``logits_to_keep`` empty.
 
-    With a sharded head (``chunk`` given), `_NoLogits` stands in for it while the model runs (``set_output_embeddings``),
-    and `ShardedEmbeddingLookup` for untied input embeddings that FSDP2 split by rows, so no process gathers either."""
+    With a sharded head (``chunk`` given), `_NoLogits` stands in for it while the model runs
+    (``set_output_embeddings``), and `ShardedEmbeddingLookup` for untied input embeddings that FSDP2 split by rows
+    (`splits_by_rows`), so no process gathers either."""
     from .sharded_embedding import ShardedEmbeddingLookup, splits_by_rows
 
     captured: list[torch.Tensor] = []
@@ -210,7 +211,8 @@ def _final_hidden(
     if chunk is not None:
         base.set_output_embeddings(_NoLogits(head.weight.shape[0]))
     if lookup:
-        base.set_input_embeddings(ShardedEmbeddingLookup(embeddings, cast(int, chunk), _compute_dtype(embeddings)))
+        table = cast(nn.Embedding, embeddings)
+        base.set_input_embeddings(ShardedEmbeddingLookup(table, cast(int, chunk), _compute_dtype(table)))
     try:
         device = next(iter(inputs.values())).device
         model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))

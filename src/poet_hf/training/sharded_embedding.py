@@ -74,8 +74,9 @@ class _ShardedLookup(torch.autograd.Function):
 def looks_up_plainly(embedding: nn.Module | None) -> bool:
     """Whether ``embedding`` is an ``nn.Embedding`` (or FSDP2's subclass of it) that only looks rows up: its own
     ``forward``, no ``max_norm``, no gradient scaling by frequency (``padding_idx`` is honoured)."""
-    plain = isinstance(embedding, nn.Embedding) and type(embedding).forward is nn.Embedding.forward
-    return plain and embedding.max_norm is None and not embedding.scale_grad_by_freq
+    if not isinstance(embedding, nn.Embedding) or type(embedding).forward is not nn.Embedding.forward:
+        return False
+    return embedding.max_norm is None and not embedding.scale_grad_by_freq
 
 
 def splits_by_rows(embedding: nn.Module) -> bool:
