@@ -17,7 +17,7 @@ ENGINES = {
     "fsdp2": "FSDP2",
     "zero2": "DeepSpeed ZeRO-2",
     "zero3": "DeepSpeed ZeRO-3",
-    "zero3 sized": "DeepSpeed ZeRO-3, sizes from the width (deepspeed_zero3.json)",
+    "zero3 sized": "DeepSpeed ZeRO-3, deepspeed_zero3.json's settings",
 }
 PLANNER_PRESETS = ("llama-60m", "llama-130m")
 
@@ -253,8 +253,8 @@ SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "sharded_quantized.beyond_tensors": lambda load: " and ".join(
         f"{r['beyond tensors MB']:.0f}" for r in load("sharded_quantized")["rows"]
     ),
-    "sharded_quantized.tensor_gap": lambda load: (
-        f"{max(abs(r['steady less beyond tensors / planned'] - 1) for r in load('sharded_quantized')['rows']) * 100:.1f} %"
+    "sharded_quantized.tensor_gap": lambda load: "{:.1f} %".format(
+        100 * max(abs(r["steady less beyond tensors / planned"] - 1) for r in load("sharded_quantized")["rows"])
     ),
     "chaos.kills": lambda load: str(sum(r["kills"] for r in load("chaos")["rows"])),
     "chaos.failed": lambda load: str(sum(r["failed restarts"] for r in load("chaos")["rows"])),

@@ -166,7 +166,9 @@ def run(quick: bool = False) -> list[dict]:
                 "planned MB / process": planned,
                 "steady / planned": worst["steady_peak_mb"] / planned,
                 "beyond tensors MB": worst["beyond_tensors_mb"],
-                "steady less beyond tensors / planned": (worst["steady_peak_mb"] - worst["beyond_tensors_mb"]) / planned,
+                "steady less beyond tensors / planned": (
+                    (worst["steady_peak_mb"] - worst["beyond_tensors_mb"]) / planned
+                ),
                 "step s": worst["step_s"],
             }
         )

@@ -36,15 +36,11 @@ def zero_sizes(hidden: int) -> dict[str, int]:
     """ZeRO's bucket, prefetch and persistence sizes for a model ``hidden`` wide, as accelerate and transformers fill
     a DeepSpeed config's ``"auto"`` entries (``examples/cluster/deepspeed_zero3.json``): ``hidden²``, ``0.9·hidden²``
     and ``10·hidden`` entries, where DeepSpeed's defaults (5e8, 5e7, 1e5) hold a small model's every gradient in one
-    bucket and prefetch all of its parameters; and, as that config sets it, a reuse distance of 0, so each parameter
-    is released after its forward and gathered again for its backward (FSDP2's ``reshard_after_forward``), where
-    DeepSpeed's default (1e9 entries) keeps a smaller model's every parameter gathered from its forward to its
-    backward."""
+    bucket and prefetch all of its parameters."""
     return {
         "reduce_bucket_size": hidden * hidden,
         "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
         "stage3_param_persistence_threshold": 10 * hidden,
-        "stage3_max_reuse_distance": 0,
     }
 
 
