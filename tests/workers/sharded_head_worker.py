@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from poet_hf.training.chunked_loss import IGNORE_INDEX
-from poet_hf.training.sharded_embedding import ShardedEmbeddingLookup, splits_by_rows
+from poet_hf.training.sharded_embedding import ShardedEmbeddingLookup, looks_up_its_own_table, splits_by_rows
 from poet_hf.training.sharded_head_loss import sharded_head_cross_entropy
 
 VOCAB, WIDTH, TOKENS, PADDING = 11, 4, (7, 5), 3
@@ -58,7 +58,7 @@ def lookup_errors(weight: torch.Tensor, mesh, rank: int) -> dict[str, float]:
 
     embedding = torch.nn.Embedding(VOCAB, WIDTH, padding_idx=PADDING, dtype=torch.float64)
     embedding.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
-    assert splits_by_rows(embedding)
+    assert looks_up_its_own_table(embedding, None) and splits_by_rows(embedding)
     ids, weighting = ids_and_weighting(rank)
     out = ShardedEmbeddingLookup(embedding, chunk_tokens=3, dtype=torch.float64)(ids)
     (out * weighting).sum().backward()

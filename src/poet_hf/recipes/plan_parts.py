@@ -116,12 +116,10 @@ def looked_up_where_they_are(built: nn.Module, settings: PlanSettings) -> bool:
     """Whether the chunked loss under FSDP2 looks the input embeddings up in their shards, never gathering them
     (`poet_hf.training.sharded_embedding`): untied, trainable, a plain lookup, split along their rows."""
     from ..training.distributed import shard_dim
-    from ..training.sharded_embedding import looks_up_plainly
+    from ..training.sharded_embedding import looks_up_its_own_table
 
     base = base_model_of(built)
     inputs, head = base.get_input_embeddings(), base.get_output_embeddings()
-    if settings.loss_chunk_tokens is None or settings.sharding != "fsdp2" or not looks_up_plainly(inputs):
+    if settings.loss_chunk_tokens is None or settings.sharding != "fsdp2":
         return False
-    weight = inputs.weight
-    untied = head is None or head.weight is not weight
-    return untied and weight.requires_grad and shard_dim(weight.shape, settings.shards, True) == 0
+    return looks_up_its_own_table(inputs, head) and shard_dim(inputs.weight.shape, settings.shards, True) == 0

@@ -199,15 +199,14 @@ def _final_hidden(
     """The decoder's final hidden states for ``inputs``, the model run with ``logits_to_keep`` empty.
 
     With a sharded head (``chunk`` given), `_NoLogits` stands in for it while the model runs
-    (``set_output_embeddings``), and `ShardedEmbeddingLookup` for untied input embeddings that FSDP2 split by rows
-    (`splits_by_rows`), so no process gathers either."""
-    from .sharded_embedding import ShardedEmbeddingLookup, splits_by_rows
+    (``set_output_embeddings``), and `ShardedEmbeddingLookup` for input embeddings that look up their own table
+    (`looks_up_its_own_table`) and that FSDP2 split by rows, so no process gathers either."""
+    from .sharded_embedding import ShardedEmbeddingLookup, looks_up_its_own_table, splits_by_rows
 
     captured: list[torch.Tensor] = []
     hook = decoder.register_forward_hook(lambda _module, _args, output: captured.append(output[0]))
     head, embeddings = base.get_output_embeddings(), base.get_input_embeddings()
-    lookup = chunk is not None and splits_by_rows(embeddings) and embeddings.weight.requires_grad
-    lookup = lookup and embeddings.weight is not head.weight
+    lookup = chunk is not None and looks_up_its_own_table(embeddings, head) and splits_by_rows(embeddings)
     if chunk is not None:
         base.set_output_embeddings(_NoLogits(head.weight.shape[0]))
     if lookup:

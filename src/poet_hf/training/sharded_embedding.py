@@ -14,16 +14,15 @@ sharded head (`poet_hf.training.sharded_head_loss`), standing in for the embeddi
 from __future__ import annotations
 
 import math
-from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from .sharded_head_loss import gather_rows
+from .sharded_head_loss import gather_rows, row_shard
 
-__all__ = ["ShardedEmbeddingLookup", "looks_up_plainly", "splits_by_rows"]
+__all__ = ["ShardedEmbeddingLookup", "looks_up_its_own_table", "splits_by_rows"]
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -71,20 +70,23 @@ class _ShardedLookup(torch.autograd.Function):
         return grad.div_(dist.get_world_size(group)), None, None, None, None, None, None
 
 
-def looks_up_plainly(embedding: nn.Module | None) -> bool:
-    """Whether ``embedding`` is an ``nn.Embedding`` (or FSDP2's subclass of it) that only looks rows up: its own
-    ``forward``, no ``max_norm``, no gradient scaling by frequency (``padding_idx`` is honoured)."""
+def looks_up_its_own_table(embedding: nn.Module | None, head: nn.Module | None) -> bool:
+    """Whether ``embedding`` is an ``nn.Embedding`` (or FSDP2's subclass of it) that only looks rows up (its own
+    ``forward``, no ``max_norm``, no gradient scaling by frequency; ``padding_idx`` is honoured), trains, and does not
+    share its table with ``head``: what `ShardedEmbeddingLookup` stands in for, on a table split by rows."""
     if not isinstance(embedding, nn.Embedding) or type(embedding).forward is not nn.Embedding.forward:
         return False
-    return embedding.max_norm is None and not embedding.scale_grad_by_freq
+    plain = embedding.max_norm is None and not embedding.scale_grad_by_freq
+    untied = head is None or getattr(head, "weight", None) is not embedding.weight
+    return plain and untied and embedding.weight.requires_grad
 
 
 def splits_by_rows(embedding: nn.Module) -> bool:
-    """Whether ``embedding`` `looks_up_plainly` from a table FSDP2 split along its rows (``Shard(0)``) only."""
+    """Whether FSDP2 split ``embedding``'s table along its rows (``Shard(0)``) only."""
     from torch.distributed.tensor import DTensor, Shard
 
     weight = getattr(embedding, "weight", None)
-    return looks_up_plainly(embedding) and isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),)
+    return isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),)
 
 
 class ShardedEmbeddingLookup(nn.Module):
@@ -93,7 +95,7 @@ class ShardedEmbeddingLookup(nn.Module):
     FSDP2 would gather the whole table before any call of its unit; this module reads only the local shard.
 
     Args:
-        embedding: the sharded ``nn.Embedding`` (`splits_by_rows`).
+        embedding: the sharded ``nn.Embedding`` (`looks_up_its_own_table`, `splits_by_rows`).
         chunk_tokens: token positions, over all processes, looked up at once.
         dtype: the dtype of the embeddings it returns (FSDP2's ``param_dtype``, as its gathered table would give).
     """
@@ -104,13 +106,8 @@ class ShardedEmbeddingLookup(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of ``input_ids``: this process's tokens, any shape."""
-        from torch.distributed.tensor import DTensor
-
         embedding = self.embedding[0]
-        weight = cast(DTensor, embedding.weight)
-        group = weight.device_mesh.get_group()
-        rows_per_process = math.ceil(weight.shape[0] / dist.get_world_size(group))
-        vocab_start = min(dist.get_rank(group) * rows_per_process, weight.shape[0])
+        local, vocab_start, group = row_shard(embedding.weight)
         return _ShardedLookup.apply(
-            weight.to_local(), input_ids, vocab_start, self.chunk_tokens, embedding.padding_idx, self.dtype, group
+            local, input_ids, vocab_start, self.chunk_tokens, embedding.padding_idx, self.dtype, group
         )

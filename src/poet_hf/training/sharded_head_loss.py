@@ -27,7 +27,7 @@ from torch.autograd.function import FunctionCtx
 from ..tuners.config_utils import check_positive_int
 from .chunked_loss import IGNORE_INDEX
 
-__all__ = ["gather_rows", "sharded_head_cross_entropy"]
+__all__ = ["gather_rows", "row_shard", "sharded_head_cross_entropy"]
 
 
 def gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -36,6 +36,18 @@ def gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = torch.empty(dist.get_world_size(group) * flat.numel(), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather_single(out, flat, group=group)
     return out.view(-1, *tensor.shape)
+
+
+def row_shard(weight: torch.Tensor) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
+    """This process's rows of a ``DTensor`` split along its rows (``Shard(0)``), the global index of the first, and
+    the mesh's process group (FSDP2 pads to ``ceil(V/P)`` rows a process; trailing processes may hold none)."""
+    from torch.distributed.tensor import DTensor
+
+    table = cast(DTensor, weight)
+    group = table.device_mesh.get_group()
+    rows_per_process = math.ceil(table.shape[0] / dist.get_world_size(group))
+    first = min(dist.get_rank(group) * rows_per_process, table.shape[0])
+    return table.to_local(), first, group
 
 
 def _chunk_gradients(
@@ -150,8 +162,5 @@ def sharded_head_cross_entropy(
             "the sharded head's chunked loss needs the output head split along its vocabulary rows (`Shard(0)`); got "
             f"{tuple(weight_tensor.placements)}"
         )
-    group = weight_tensor.device_mesh.get_group()
-    rows_per_process = math.ceil(weight.shape[0] / dist.get_world_size(group))
-    vocab_start = min(dist.get_rank(group) * rows_per_process, weight.shape[0])
-    local = weight_tensor.to_local()
+    local, vocab_start, group = row_shard(weight_tensor)
     return _ShardedHeadCrossEntropy.apply(hidden, local, labels, chunk_tokens, normalizer, vocab_start, group)
