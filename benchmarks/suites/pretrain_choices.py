@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.run_cache import ROOT, code_version, run_parallel
+from benchmarks.suites import pretrain_quality
 from benchmarks.suites.pretrain_quality import run_child
 
 STEPS = 800
@@ -56,9 +57,7 @@ def run_choice(argv: list[str], output_dir: Path) -> dict[str, Any]:
 
 def run(quick: bool = False, workers: int = 2) -> list[dict[str, Any]]:
     """One row per variant (`VARIANTS` order)."""
-    version = code_version(
-        [ROOT / "scripts" / "pretrain.py", Path(__file__), ROOT / "benchmarks" / "pretrain_quality.py"]
-    )
+    version = code_version([ROOT / "scripts" / "pretrain.py", Path(__file__), Path(pretrain_quality.__file__)])
     jobs = {name: partial(job_argv, flags, quick) for name, flags in VARIANTS.items()}
     results = run_parallel(jobs, run_choice, CACHE, version, workers)
     return [_row(name, result) for name, result in results.items()]
