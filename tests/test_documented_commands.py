@@ -10,23 +10,14 @@ that reason in the test's output (``-rA``) rather than dropped silently.
 from __future__ import annotations
 
 import re
-import shlex
 from functools import cache
 from pathlib import Path
 
 import pytest
+from documented_commands import PAGES, page_lines, script_calls
 from script_modules import ROOT, load_module
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
-# A script or an example of this repository, or the SLURM file that hands its arguments to scripts/pretrain.py.
-SCRIPT = re.compile(r"(?:^|/)((?:scripts|examples)/\w+)\.py$|(?:^|/)examples/cluster/slurm_pretrain\.sh$")
-# The installed command's subcommands, and the script each is (`poet_hf.recipes.commands`).
-POET_HF_COMMANDS = {
-    name: f"scripts/{name.replace('-', '_')}" for name in ("pretrain", "finetune", "plan-memory", "export")
-}
 PLACEHOLDER = re.compile(r"…|\$|<[^>]*>|\[--")
-SEPARATORS = {"&&", "||", ";", "|"}
 
 
 def _docstring_commands(path: Path) -> list[str]:
@@ -45,36 +36,16 @@ def _docstring_commands(path: Path) -> list[str]:
 def documented_commands() -> list[tuple[str, str]]:
     """(where, command line) for every line of a bash block of the pages, and of the scripts' and examples'
     docstrings."""
-    found = []
-    for page in PAGES:
-        for block in BASH_BLOCK.findall(page.read_text()):
-            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
-                if re.search(r"(scripts|examples)/[\w/]+\.(py|sh)|poet-hf |-m poet_hf ", line):
-                    found.append((str(page.relative_to(ROOT)), line.strip()))
+    found = [
+        (str(page.relative_to(ROOT)), line)
+        for page in PAGES
+        for line in page_lines(page)
+        if re.search(r"(scripts|examples)/[\w/]+\.(py|sh)|poet-hf |-m poet_hf ", line)
+    ]
     programs = [*(ROOT / "scripts").glob("*.py"), *(ROOT / "examples").glob("*.py")]
     for script in sorted([*programs, ROOT / "src" / "poet_hf" / "recipes" / "commands.py"]):
         found += [(str(script.relative_to(ROOT)), line) for line in _docstring_commands(script)]
     return found
-
-
-def script_calls(line: str) -> list[tuple[str, list[str]]]:
-    """Each call of a script on ``line``: (the script's name, its arguments); shell comments and chains split off."""
-    tokens = shlex.split(line, comments=True)
-    calls, command = [], []
-    for token in [*tokens, ";"]:
-        if token not in SEPARATORS:
-            command.append(token)
-            continue
-        for index, word in enumerate(command):
-            if match := SCRIPT.search(word):
-                calls.append((match.group(1) or "scripts/pretrain", command[index + 1 :]))
-                break
-            installed = word == "poet-hf" or (word == "poet_hf" and command[index - 1 : index] == ["-m"])
-            if installed and command[index + 1 : index + 2] and command[index + 1] in POET_HF_COMMANDS:
-                calls.append((POET_HF_COMMANDS[command[index + 1]], command[index + 2 :]))
-                break
-        command = []
-    return calls
 
 
 @cache

@@ -31,9 +31,12 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _run_script(script: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """The child: the environment, stdout/stderr into ``log``, then ``script`` as ``__main__``."""
+def _run_script(script: str, args: list[str], env: dict[str, str], log: str, cwd: str | None = None) -> None:
+    """The child: the environment and working folder, stdout/stderr into ``log``, then ``script`` as ``__main__``
+    (``-m name``: the module ``name``, as ``python -m name`` runs it)."""
     os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
     with open(log, "ab", buffering=0) as sink, open(os.devnull, "wb") as null:
         os.dup2(null.fileno(), 1)
         os.dup2(sink.fileno(), 2)
@@ -48,7 +51,10 @@ def _run_script(script: str, args: list[str], env: dict[str, str], log: str) -> 
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    if script.startswith("-m "):
+        runpy.run_module(script.removeprefix("-m "), run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(script, run_name="__main__")
 
 
 class Ranks:
@@ -97,10 +103,12 @@ def start(
     env: dict[str, str] | None = None,
     ranks: int = 1,
     torchrun: bool | None = None,
+    cwd: Path | None = None,
 ) -> Ranks:
-    """Start ``script args`` in ``ranks`` processes. With ``torchrun`` (the default for more than one) each gets
-    torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
-    ``init_process_group`` and accelerate find their rendezvous as under ``torchrun --nproc_per_node``."""
+    """Start ``script args`` in ``ranks`` processes, in the folder ``cwd`` (default: the server's). ``script`` is a
+    file or ``-m module``. With ``torchrun`` (the default for more than one) each gets torchrun's variables (RANK,
+    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so ``init_process_group`` and accelerate find
+    their rendezvous as under ``torchrun --nproc_per_node``."""
     context = _context()
     base = {"OMP_NUM_THREADS": "1", **(env or {})}
     torchrun = ranks > 1 if torchrun is None else torchrun
@@ -110,7 +118,8 @@ def start(
     processes = []
     for rank in range(ranks):
         rank_env = base | ({"RANK": str(rank), "LOCAL_RANK": str(rank)} if torchrun else {})
-        process = context.Process(target=_run_script, args=(str(script), [str(a) for a in args], rank_env, str(log)))
+        arguments = (str(script), [str(a) for a in args], rank_env, str(log), None if cwd is None else str(cwd))
+        process = context.Process(target=_run_script, args=arguments)
         process.start()
         processes.append(process)
     return Ranks(processes)
@@ -124,11 +133,12 @@ def run(
     ranks: int = 1,
     timeout: float = 600,
     torchrun: bool | None = None,
+    cwd: Path | None = None,
 ) -> None:
     """Run a launch (`start`'s arguments) to its end and fail the test, with the log's tail, unless every rank exits 0
     (a hung launch is killed after ``timeout`` seconds)."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    launch = start(script, args, log, env=env, ranks=ranks, torchrun=torchrun)
+    launch = start(script, args, log, env=env, ranks=ranks, torchrun=torchrun, cwd=cwd)
     try:
         code = launch.wait(timeout)
     except subprocess.TimeoutExpired:
