@@ -240,7 +240,7 @@ class MatrixExponential(OrthogonalMap):
     def product_count(self, block_size):
         return 8, 16
 
-    def generator_norms(self, vec, block_size, blocks=None, estimate=False):
+    def generator_norms(self, vec, block_size, blocks=None, estimate=False, capped=False):
         return torch.tan(torch.linalg.matrix_norm(skew_from_vector(vec, block_size), ord=2) / 2)
 
     def deviation_bound(self, generator_norm):

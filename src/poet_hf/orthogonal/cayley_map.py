@@ -90,9 +90,16 @@ class CayleyNeumann(OrthogonalMap):
         return neumann_product_count(self.terms)
 
     def generator_norms(
-        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+        self,
+        vec: torch.Tensor,
+        block_size: int,
+        blocks: torch.Tensor | None = None,
+        estimate: bool = False,
+        capped: bool = False,
     ) -> torch.Tensor:
         q = skew_from_vector(vec, block_size)
+        scale = skew_norm_scale(q, self.terms) if capped else None  # the factor the blocks are built with
+        q = q if scale is None else q * scale
         return skew_spectral_norm(q) if estimate else torch.linalg.matrix_norm(q, ord=2)
 
     def domain_radius(self) -> float:

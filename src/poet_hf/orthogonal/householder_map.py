@@ -114,7 +114,12 @@ class HouseholderProduct(OrthogonalMap):
         return forward, 2 * forward
 
     def generator_norms(
-        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+        self,
+        vec: torch.Tensor,
+        block_size: int,
+        blocks: torch.Tensor | None = None,
+        estimate: bool = False,
+        capped: bool = False,
     ) -> torch.Tensor:
         blocks = self.blocks(vec, block_size).detach() if blocks is None else blocks
         angles = torch.linalg.eigvals(blocks).angle().abs().amax(-1)

@@ -136,12 +136,17 @@ class OrthogonalMap(Protocol):
         ...
 
     def generator_norms(
-        self, vec: torch.Tensor, block_size: int, blocks: torch.Tensor | None = None, estimate: bool = False
+        self,
+        vec: torch.Tensor,
+        block_size: int,
+        blocks: torch.Tensor | None = None,
+        estimate: bool = False,
+        capped: bool = False,
     ) -> torch.Tensor:
         """Per block, the rotation's size as a Cayley generator norm ``||Q||_2``.
 
-        A Cayley map reports its own ``Q`` (before any norm cap); another map ``tan`` of half the block's largest
-        rotation angle, which is the same number for a Cayley block.
+        A Cayley map reports its own ``Q`` (before any norm cap, unless ``capped``); another map ``tan`` of half the
+        block's largest rotation angle, which is the same number for a Cayley block.
 
         Args:
             vec: parameters ``(..., num_params(b))``.
@@ -150,6 +155,8 @@ class OrthogonalMap(Protocol):
                 builds them otherwise).
             estimate: a cheap estimate suffices (a warning's threshold, not a logged figure): Cayley–Neumann then
                 skips the SVD per block (`skew_spectral_norm`, within 2 %).
+            capped: the norm of the generator the blocks are built from, after the map's norm cap (Cayley–Neumann
+                rescales a block past `MAX_SKEW_NORM` onto it); a map without a cap reports the same either way.
 
         Returns:
             The norms, shape ``vec.shape[:-1]``.

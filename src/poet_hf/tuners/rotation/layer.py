@@ -186,12 +186,15 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
     def float64_rotations(self, adapter_name: str) -> SideRotations:
         """Per side, ``(norms, blocks)``: the blocks' generator norms ``||Q||_2`` and the blocks, in float64.
 
+        The norms are those of the generators the blocks are built from: past Cayley–Neumann's norm cap, the
+        rescaled generator's, which the forward used and a merge folds.
+
         Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
         rotations, orthogonal_map = {}, self.rotation_settings[adapter_name].orthogonal_map
         for side, spec in self.sides(adapter_name).items():
             param = full_tensor(self.rotation_parameter(adapter_name, side)).double()
             blocks = side_blocks(param, spec, orthogonal_map)
-            rotations[side] = (orthogonal_map.generator_norms(param, spec.block, blocks), blocks)
+            rotations[side] = (orthogonal_map.generator_norms(param, spec.block, blocks, capped=True), blocks)
         return rotations
 
     def rotate_weight(
