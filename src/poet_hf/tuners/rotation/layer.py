@@ -184,10 +184,7 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
     @torch.no_grad()
     def float64_rotations(self, adapter_name: str) -> SideRotations:
-        """Per side, ``(norms, blocks)``: the blocks' generator norms ``||Q||_2`` and the blocks, in float64.
-
-        The norms are those of the generators the blocks are built from: past Cayley–Neumann's norm cap, the
-        rescaled generator's, which the forward used and a merge folds.
+        """Per side, ``(norms, blocks)`` in float64: the blocks, and ``||Q||_2`` of the generators they are built from.
 
         Every statistic of `poet_hf.diagnostics` is computed from these, evaluated once per logging step."""
         rotations, orthogonal_map = {}, self.rotation_settings[adapter_name].orthogonal_map
