@@ -133,3 +133,27 @@ def test_a_page_that_drops_an_allowed_typed_number_asks_for_the_count_to_fall(ch
     page.write_text(page.read_text() + "\nPOET-BS trains at 1.23× AdamW's speed here.\n")
     monkeypatch.setitem(typed_figures.LEFT, "docs/concepts.md", 2)
     assert check_figures(checkout) == ["docs/concepts.md: 1 typed figures left: lower LEFT['docs/concepts.md'] from 2"]
+
+
+def test_a_results_file_measured_on_uncommitted_changes_fails_unless_still_listed(checkout, monkeypatch):
+    """A results file whose commit carries ``+changes`` fails ``--check_figures``, naming it, unless
+    ``STILL_ON_CHANGES`` lists it; a listed file that was re-measured on a committed tree asks to come off the list."""
+    import json
+
+    from benchmarks.rendering import committed_sources
+
+    path = checkout / "benchmarks" / "results" / "fold.json"
+    record = json.loads(path.read_text())
+    assert not record["commit"].endswith("+changes")
+    path.write_text(json.dumps({**record, "commit": record["commit"] + "+changes"}))
+    render_figures(checkout)  # the pages name the commit: only the source's provenance is left to fail
+    assert check_figures(checkout) == [
+        "benchmarks/results/fold.json: measured on uncommitted changes: commit, then measure it again"
+    ]
+    monkeypatch.setitem(committed_sources.STILL_ON_CHANGES, "fold", "a reason")
+    assert check_figures(checkout) == []
+    path.write_text(json.dumps(record))
+    render_figures(checkout)
+    assert check_figures(checkout) == [
+        "benchmarks/results/fold.json: measured on a committed tree: take 'fold' off STILL_ON_CHANGES"
+    ]

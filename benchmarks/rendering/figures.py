@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.rendering.committed_sources import uncommitted_source_problems
 from benchmarks.rendering.finetune_figures import FINETUNE_FIGURES, FINETUNE_TABLES, finetune_headline
 from benchmarks.rendering.layer_figures import LAYER_FIGURES, LAYER_TABLES
 from benchmarks.rendering.pretrain_quality_figures import (
@@ -414,8 +415,9 @@ def render_figures(root: Path) -> list[Path]:
 
 
 def check_figures(root: Path) -> list[str]:
-    """Every marked piece under ``root`` whose text differs from its results file, and every page with more (or
-    fewer) typed measured numbers in its prose than `benchmarks.rendering.typed_figures.LEFT` allows; one line each."""
+    """Every marked piece under ``root`` whose text differs from its results file, every page with more (or fewer)
+    typed measured numbers in its prose than `benchmarks.rendering.typed_figures.LEFT` allows, and every results file
+    measured on uncommitted changes (`benchmarks.rendering.committed_sources`); one line each."""
     load, problems = _loader(root), []
     for page in pages(root):
         relative = page.relative_to(root)
@@ -433,7 +435,7 @@ def check_figures(root: Path) -> list[str]:
                         f"{relative}: {kind} {match['name']!r} differs from its results file: "
                         f"{_first_difference(written.strip(), expected.strip())}"
                     )
-    return problems + typed_figure_problems(root, pages(root))
+    return problems + typed_figure_problems(root, pages(root)) + uncommitted_source_problems(root)
 
 
 def _first_difference(written: str, expected: str) -> str:
