@@ -8,9 +8,9 @@ import torch
 from torch.autograd.functional import jacobian
 
 from poet_hf.vision.data import load_flat_dataset
-from poet_hf.vision.svd_experiment import ORTHOGONAL_MAPS, SvdExperimentArgs, SvdNetwork, run_svd_experiment
+from poet_hf.vision.svd_experiment import SVD_METHODS, SvdExperimentArgs, SvdNetwork, run_svd_experiment
 
-LINEAR_MAPS = [m for m in ORTHOGONAL_MAPS if m != "auxiliary"]
+LINEAR_MAPS = [m for m in SVD_METHODS if m != "auxiliary"]
 
 
 def build_float64(d, method, seed):

@@ -34,7 +34,8 @@ from .linalg import power_iteration, spectral_norm_estimate, taylor_exp
 
 __all__ = [
     "EcoConv2d",
-    "OrthogonalMap",
+    "EcoMap",
+    "ECO_MAPS",
     "construct_index_map",
     "num_frequency_blocks",
     "taylor_exp_error",
@@ -46,8 +47,8 @@ __all__ = [
     "as_pair",
 ]
 
-OrthogonalMap = Literal["taylor", "matrix_exp"]
-ORTHOGONAL_MAPS = ("taylor", "matrix_exp")
+EcoMap = Literal["taylor", "matrix_exp"]  # how an ECO kernel is made orthogonal: its only home
+ECO_MAPS: tuple[EcoMap, ...] = ("taylor", "matrix_exp")
 
 
 def as_pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
@@ -250,7 +251,7 @@ class EcoConv2d(nn.Module):
         *,
         input_size: int | tuple[int, int],
         bias: bool = True,
-        orthogonal_map: OrthogonalMap = "taylor",
+        orthogonal_map: EcoMap = "taylor",
         train_terms: int = 5,
         power_iterations: int = 1,
         baked: bool = False,
@@ -264,8 +265,8 @@ class EcoConv2d(nn.Module):
         self.stride = _check_int(stride, "stride", 1)
         self.train_terms = _check_int(train_terms, "train_terms", 1)
         self.power_iterations = _check_int(power_iterations, "power_iterations", 1)
-        if orthogonal_map not in ORTHOGONAL_MAPS:
-            raise ValueError(f"`orthogonal_map` must be one of {ORTHOGONAL_MAPS}, got {orthogonal_map!r}")
+        if orthogonal_map not in ECO_MAPS:
+            raise ValueError(f"`orthogonal_map` must be one of {ECO_MAPS}, got {orthogonal_map!r}")
         self.orthogonal_map = orthogonal_map
         self.input_size = as_pair(input_size, "input_size")
         nh, nw = self.input_size
@@ -337,7 +338,7 @@ class EcoConv2d(nn.Module):
             self.u.copy_(power_iteration(a, self.u, self.power_iterations))
         return normalize_skew(a, self.u)
 
-    def full_kernel(self, method: OrthogonalMap, update: bool = False) -> torch.Tensor:
+    def full_kernel(self, method: EcoMap, update: bool = False) -> torch.Tensor:
         """The ``[c, c, k, k]`` ECO kernel with the given orthogonal map (before channel folding).
 
         Args:

@@ -16,7 +16,7 @@ includes the ``1/min(std)`` factor.
 
 from __future__ import annotations
 
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForImageClassification, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import ImageClassifierOutputWithNoAttention
 
-from ..orthogonal.eco import EcoConv2d
+from ..orthogonal.eco import ECO_MAPS, EcoConv2d, EcoMap
 from ..orthogonal.lipschitz_layers import MaxMin, RowNormLinear, SocConv2d
 
 __all__ = ["LipConvNetConfig", "LipConvNetForImageClassification", "LIPCONVNET_DEPTHS"]
@@ -32,7 +32,6 @@ __all__ = ["LipConvNetConfig", "LipConvNetForImageClassification", "LIPCONVNET_D
 LIPCONVNET_DEPTHS = (5, 10, 15, 20, 25, 30, 35, 40)
 CONV_TYPES = ("eco", "soc")
 LAST_LAYERS = ("orthogonal", "lln")
-ECO_MAPS = ("taylor", "matrix_exp")
 
 
 class LipConvNetConfig(PretrainedConfig):
@@ -74,7 +73,7 @@ class LipConvNetConfig(PretrainedConfig):
         last_layer: str = "orthogonal",
         image_mean: list[float] | tuple[float, ...] = (0.4914, 0.4822, 0.4465),
         image_std: list[float] | tuple[float, ...] = (0.2507, 0.2507, 0.2507),
-        eco_orthogonal_map: Literal["taylor", "matrix_exp"] = "taylor",
+        eco_orthogonal_map: EcoMap = "taylor",
         eco_train_terms: int = 5,
         soc_train_terms: int = 5,
         soc_eval_terms: int = 10,

@@ -31,7 +31,7 @@ from ..orthogonal import AuxiliaryReflection, apply_householder_sequence
 from .data import load_flat_dataset
 
 __all__ = [
-    "ORTHOGONAL_MAPS",
+    "SVD_METHODS",
     "SvdLinear",
     "SvdNetwork",
     "SvdExperimentArgs",
@@ -40,11 +40,13 @@ __all__ = [
     "plot_svd_experiment",
 ]
 
-ORTHOGONAL_MAPS = ("auxiliary", "householder", "householder_wy", "matrix_exp", "cayley")
+# How each factor is kept orthogonal: ``matrix_exp`` and ``cayley`` are torch's `parametrizations.orthogonal` maps,
+# by torch's names (the exact Cayley transform; the package's own map is ``cayley_neumann``)
+SVD_METHODS = ("auxiliary", "householder", "householder_wy", "matrix_exp", "cayley")
 WY_BLOCK = 32
 
 
-class HouseholderProduct(nn.Module):
+class HouseholderSequence(nn.Module):
     """``x -> H(v_1) ... H(v_k) x`` with ``k = d`` trainable dense vectors (``block_size``: compact-WY blocks)."""
 
     def __init__(self, features: int, generator: torch.Generator, block_size: int | None = None) -> None:
@@ -63,13 +65,13 @@ def orthogonal_map(method: str, features: int, generator: torch.Generator) -> nn
             features, init="orthogonal", seed=int(torch.randint(0, 2**31, (), generator=generator))
         )
     if method in ("householder", "householder_wy"):
-        return HouseholderProduct(features, generator, WY_BLOCK if method == "householder_wy" else None)
+        return HouseholderSequence(features, generator, WY_BLOCK if method == "householder_wy" else None)
     if method in ("matrix_exp", "cayley"):
         linear = nn.Linear(features, features, bias=False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(features, features, generator=generator) / features**0.5)
         return parametrizations.orthogonal(linear, orthogonal_map=method)
-    raise ValueError(f"`method` must be one of {ORTHOGONAL_MAPS}, got {method!r}")
+    raise ValueError(f"`method` must be one of {SVD_METHODS}, got {method!r}")
 
 
 class SvdLinear(nn.Module):
@@ -117,8 +119,8 @@ class SvdExperimentArgs:
         },
     )
     methods: list[str] = field(
-        default_factory=lambda: list(ORTHOGONAL_MAPS),
-        metadata={"help": f"orthogonal maps to compare, from {ORTHOGONAL_MAPS}"},
+        default_factory=lambda: list(SVD_METHODS),
+        metadata={"help": f"orthogonal maps to compare, from {SVD_METHODS}"},
     )
     num_train_epochs: int = field(default=20, metadata={"help": "training epochs per method"})
     batch_size: int = field(default=64, metadata={"help": "examples per Adam step (the paper does not give it)"})
@@ -133,9 +135,9 @@ class SvdExperimentArgs:
     )
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in ORTHOGONAL_MAPS]
+        unknown = [m for m in self.methods if m not in SVD_METHODS]
         if unknown:
-            raise ValueError(f"`methods` must be drawn from {ORTHOGONAL_MAPS}, got {unknown}")
+            raise ValueError(f"`methods` must be drawn from {SVD_METHODS}, got {unknown}")
         for name in ("num_train_epochs", "batch_size", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1, got {getattr(self, name)}")
@@ -158,7 +160,7 @@ class SvdRun(_SvdRunMeasured, total=False):
     """One network's training (`train_svd_network`).
 
     Args:
-        method: the way its maps are kept orthogonal (`ORTHOGONAL_MAPS`).
+        method: the way its maps are kept orthogonal (`SVD_METHODS`).
         val_error: the validation error after each epoch, epoch 0 at initialisation.
         train_seconds: the cumulative training seconds after each epoch.
         seconds_per_epoch: the mean training seconds of an epoch.

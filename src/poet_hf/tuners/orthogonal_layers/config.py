@@ -7,13 +7,13 @@ from typing import Literal
 
 from peft.config import PeftConfig
 
+from ...orthogonal.eco import ECO_MAPS, EcoMap
 from ...orthogonal.maps import MAPS, map_from_config
 from ..config_utils import BIAS_CHOICES, check_choice, check_positive_int, normalize_peft_target_fields, peft_field
 from ..registry import peft_type_member
 
 ORTHOGONAL_PEFT_TYPE = "ORTHOGONAL"
 PARAMETERIZATIONS = (*sorted(MAPS), "reflection", "fgd")  # a registered orthogonal map, or one of two layers
-ECO_MAPS = ("matrix_exp", "taylor")
 
 
 @dataclass
@@ -64,7 +64,7 @@ class OrthogonalConfig(PeftConfig):
             "for all, or {module-name suffix: size}. Required when a Conv2d is targeted."
         },
     )
-    eco_orthogonal_map: Literal["matrix_exp", "taylor"] = field(
+    eco_orthogonal_map: EcoMap = field(
         default="matrix_exp",
         metadata={"help": "ECO's training map: 'matrix_exp' (exactly orthogonal) or 'taylor' (5 terms, the paper's)."},
     )
