@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -42,6 +43,24 @@ def time_call(fn: Callable[[], object], min_run_time: float = 1.0, num_threads: 
     fn()  # warm-up
     timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=num_threads)
     return timer.blocked_autorange(min_run_time=min_run_time).median
+
+
+def time_alternating(
+    fns: dict[str, Callable[[], object]], min_run_time: float = 1.0, num_threads: int = 1, rounds: int = 5
+) -> dict[str, float]:
+    """Median seconds per call of each of ``fns``, timed in turn for ``rounds`` rounds of ``min_run_time / rounds``
+    each (`time_call`'s timer), so that a slow spell of a shared machine falls on every one alike; the median of a
+    function's rounds is its time."""
+    for fn in fns.values():
+        fn()  # warm-up
+    timers = {
+        name: benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=num_threads) for name, fn in fns.items()
+    }
+    medians: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, timer in timers.items():
+            medians[name].append(timer.blocked_autorange(min_run_time=min_run_time / rounds).median)
+    return {name: statistics.median(times) for name, times in medians.items()}
 
 
 def device() -> torch.device:

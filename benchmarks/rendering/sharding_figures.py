@@ -18,6 +18,7 @@ ENGINES = {
     "zero2": "DeepSpeed ZeRO-2",
     "zero3": "DeepSpeed ZeRO-3",
     "zero3 sized": "DeepSpeed ZeRO-3, deepspeed_zero3.json's settings",
+    "zero3 sized, live": "DeepSpeed ZeRO-3, those and the live limits at hidden²",
 }
 PLANNER_PRESETS = ("llama-60m", "llama-130m")
 
@@ -155,12 +156,12 @@ def default_allocator_excess(load: Load) -> str:
     return f"{min(excess) * 100:.0f} to {max(excess) * 100:.0f} %"
 
 
-def zero_against_fsdp2(load: Load) -> str:
-    """ZeRO-3's steady-state peak per process against FSDP2's, per shape."""
+def zero_against_fsdp2(load: Load, engine: str = "zero3") -> str:
+    """ZeRO-3's steady-state peak per process (its ``engine`` row, an `ENGINES` key) against FSDP2's, per shape."""
     rows = engine_rows(load)
     by_engine = {(row["preset"], row["sharding"]): row["steady-state peak MB / process"] for row in rows}
     presets = list(dict.fromkeys(preset for preset, _ in by_engine))  # in the suite's order
-    return " and ".join(f"{ratio(by_engine[(p, 'zero3')] / by_engine[(p, 'fsdp2')])} at {p}" for p in presets)
+    return " and ".join(f"{ratio(by_engine[(p, engine)] / by_engine[(p, 'fsdp2')])} at {p}" for p in presets)
 
 
 def fsdp_plan_table(load: Load) -> str:
@@ -268,6 +269,8 @@ SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "fsdp_plan.source": lambda load: provenance(load("fsdp_plan")),
     "sharding.planner_gap": sharding_planner_gap,
     "sharding.zero3_vs_fsdp2": zero_against_fsdp2,
+    "sharding.zero3_sized_vs_fsdp2": lambda load: zero_against_fsdp2(load, "zero3 sized"),
+    "sharding.zero3_live_vs_fsdp2": lambda load: zero_against_fsdp2(load, "zero3 sized, live"),
     "sharding.accumulation_poet_vs_adamw": lambda load: ratio(accumulation_row(load, "poet-bs")["POET / AdamW"]),
     "sharding.accumulation_poet_time": lambda load: ratio(
         accumulation_row(load, "poet-bs")["step s"] / accumulation_row(load, "adamw")["step s"]

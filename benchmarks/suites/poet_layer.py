@@ -6,11 +6,13 @@ Both sides rotated (block-stochastic), the input requiring a gradient as inside 
 ``activation-recompute``), then ``forward="auto"``, which chooses by the multiply-add count
 (`poet_hf.orthogonal.strategy_costs.auto_strategy`). Each row records the pick, the fastest strategy, and the pick's
 counted multiply-adds against the plain layer's ``3·T·d_in·d_out`` (its flop ratio, beside the measured ratio).
-Timed on every thread torch uses (``torch.utils.benchmark`` would time one).
+Timed on every thread torch uses (``torch.utils.benchmark`` would time one), the plain layer and the three strategies
+in turn over several rounds (`benchmarks.common.time_alternating`), so that a slow spell of the machine falls on all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -23,7 +25,7 @@ from poet_hf.orthogonal.strategy_costs import polynomial_products, strategy_cost
 from poet_hf.tuners.config_utils import SIDE_INPUT, SIDE_OUTPUT
 from poet_hf.tuners.rotation.layer import rotation_layers
 
-from ..common import device, time_call
+from ..common import device, time_alternating
 
 SQUARE = ((512, 2048), (1024, 2048), (2048, 2048), (2048, 256))  # (width, tokens), blocks 64 and 256
 WIDE = ((4096, 4096), (4096, 14336))  # (d_in, d_out) at 2048 tokens, block 256: the 7B-class widths
@@ -68,15 +70,23 @@ def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
     x = torch.randn(tokens, d_in, device=dev, requires_grad=True)
     grad_y = torch.randn(tokens, d_out, device=dev)
     threads = torch.get_num_threads()  # the machine's, as a training run uses them
-    plain_time = time_call(step_fn(OneLinear(d_in, d_out).to(dev), x, grad_y), min_run, threads)
     config = PoetConfig(target_modules=["proj"], block_size=block, init_weights=False)
     model = get_peft_model(OneLinear(d_in, d_out).to(dev), config)
     layer = rotation_layers(model)[0][1]
     auto = layer.rotation_settings["default"]
-    times = {}
-    for strategy in rotated_linear.STRATEGIES:
-        layer.rotation_settings["default"] = replace(auto, forward=strategy)
-        times[strategy] = time_call(step_fn(model, x, grad_y), min_run, threads)
+    poet_step = step_fn(model, x, grad_y)
+
+    def with_strategy(strategy: str) -> Callable[[], None]:
+        def step() -> None:
+            layer.rotation_settings["default"] = replace(auto, forward=strategy)
+            poet_step()
+
+        return step
+
+    steps = {"plain": step_fn(OneLinear(d_in, d_out).to(dev), x, grad_y)}
+    steps |= {strategy: with_strategy(strategy) for strategy in rotated_linear.STRATEGIES}
+    times = time_alternating(steps, (1 + len(rotated_linear.STRATEGIES)) * min_run, threads)
+    plain_time = times.pop("plain")
     layer.rotation_settings["default"] = auto
     pick = layer.choose_strategy("default", tokens, training=True)
     sides = layer.sides("default")

@@ -98,7 +98,7 @@ def measure(
         report[f"{name}_peak_mb"] = report[f"{name}_whole_peak_mb"] - after_imports
 
     phase("build", lambda: materialize_model(model, seed=0, device="cpu"))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # before the head is chunked

@@ -122,7 +122,7 @@ def measure(
             merge_and_reinit(model)
     model.to(dev)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     groups = poet_param_groups(model, 1e-3, 1e-3, 0.0, [])
     optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW
     if optim == "adamw_8bit":

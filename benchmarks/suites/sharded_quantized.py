@@ -57,7 +57,7 @@ def _model(preset_name: str, sharding: str) -> torch.nn.Module:
         block_size=preset.block_size, base_init="normalized", base_quantization="nf4-shardable", requantize="nearest"
     )
     model = get_peft_model(build_llama(preset, "poet-bs", 32000, SEQ, seed=0, device="meta"), config)
-    model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    model.get_base_model().activation_checkpointing_enable({"use_reentrant": False})
     return shard_model(model, seed=0) if sharding == "fsdp2" else materialize_model(model, seed=0, device="cpu")
 
 

@@ -28,27 +28,34 @@ import torch
 from benchmarks.common import status_mb
 from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, training_rows
 
-# (stage, ZeRO's sizes from the model's width as examples/cluster/deepspeed_zero3.json sets them, or DeepSpeed's)
-ENGINES = {"zero2": (2, False), "zero3": (3, False), "zero3 sized": (3, True)}
+# (stage, ZeRO's sizes: DeepSpeed's defaults (None), those examples/cluster/deepspeed_zero3.json gets from the
+# model's width ("sized"), or those and the live-parameter limits sized the same way ("live"))
+ENGINES = {"zero2": (2, None), "zero3": (3, None), "zero3 sized": (3, "sized"), "zero3 sized, live": (3, "live")}
 
 
-def zero_sizes(hidden: int) -> dict[str, int]:
+def zero_sizes(hidden: int, live: bool = False) -> dict[str, int]:
     """ZeRO's bucket, prefetch and persistence sizes for a model ``hidden`` wide, as accelerate and transformers fill
     a DeepSpeed config's ``"auto"`` entries (``examples/cluster/deepspeed_zero3.json``): ``hidden²``, ``0.9·hidden²``
     and ``10·hidden`` entries, where DeepSpeed's defaults (5e8, 5e7, 1e5) hold a small model's every gradient in one
-    bucket and prefetch all of its parameters."""
-    return {
+    bucket and prefetch all of its parameters. ``live``: also ``stage3_max_live_parameters`` and
+    ``stage3_max_reuse_distance`` at ``hidden²`` (no ``"auto"`` fills them; DeepSpeed's 1e9 keeps a small model's
+    every gathered parameter alive)."""
+    sizes = {
         "reduce_bucket_size": hidden * hidden,
         "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
         "stage3_param_persistence_threshold": 10 * hidden,
     }
+    if live:
+        sizes |= {"stage3_max_live_parameters": hidden * hidden, "stage3_max_reuse_distance": hidden * hidden}
+    return sizes
 
 
-def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, sized: bool = False) -> None:
+def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, sizes: str | None = None) -> None:
     """Run under torchrun: build the model whole, wrap it in a DeepSpeed ZeRO engine, train, merge once; report.
 
-    ``sized``: ZeRO's bucket, prefetch and persistence sizes as `zero_sizes` sets them for the model's width (what
-    accelerate fills in for ``"auto"``); otherwise DeepSpeed's defaults."""
+    ``sizes``: ``"sized"``, ZeRO's bucket, prefetch and persistence sizes as `zero_sizes` sets them for the model's
+    width (what accelerate fills in for ``"auto"``); ``"live"``, those and the live-parameter limits; ``None``,
+    DeepSpeed's defaults."""
     import deepspeed
     import torch.distributed as dist
 
@@ -62,11 +69,12 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, 
     after_imports = status_mb("VmRSS")
     model, _ = _build(PRESETS[preset_name], "none")
     prepare_for_zero(model)
+    hidden = PRESETS[preset_name].hidden
     optimizer = torch.optim.AdamW(poet_param_groups(model, 1e-3, 1e-3, 0.0, []))
     config = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, **(zero_sizes(PRESETS[preset_name].hidden) if sized else {})},
+        "zero_optimization": {"stage": stage, **(zero_sizes(hidden, sizes == "live") if sizes else {})},
         "zero_allow_untested_optimizer": True,
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -98,8 +106,8 @@ def zero_worker(out: str, preset_name: str, batch: int, steps: int, stage: int, 
 def zero_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any]]:
     """2 processes under ZeRO-2 and ZeRO-3: the worst process's steady-state peak, step and merge time."""
     rows = []
-    for sharding, (stage, sized) in ENGINES.items():
-        call = f"zero_worker({preset!r}, {batch}, {steps}, {stage}, sized={sized})"
+    for sharding, (stage, sizes) in ENGINES.items():
+        call = f"zero_worker({preset!r}, {batch}, {steps}, {stage}, sizes={sizes!r})"
         reports = _torchrun(2, call, suite="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
         rows.append(
