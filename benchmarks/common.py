@@ -40,17 +40,15 @@ def reset_peak_rss() -> None:
 def time_call(fn: Callable[[], object], min_run_time: float = 1.0, num_threads: int = 1) -> float:
     """Median seconds per call of ``fn`` (``torch.utils.benchmark``, which synchronises CUDA), on ``num_threads``
     threads (``torch.utils.benchmark``'s default, 1; ``torch.get_num_threads()`` times it as a user's run)."""
-    fn()  # warm-up
-    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=num_threads)
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+    return time_alternating({"fn": fn}, min_run_time, num_threads, rounds=1)["fn"]
 
 
 def time_alternating(
     fns: dict[str, Callable[[], object]], min_run_time: float = 1.0, num_threads: int = 1, rounds: int = 5
 ) -> dict[str, float]:
     """Median seconds per call of each of ``fns``, timed in turn for ``rounds`` rounds of ``min_run_time / rounds``
-    each (`time_call`'s timer), so that a slow spell of a shared machine falls on every one alike; the median of a
-    function's rounds is its time."""
+    each (``torch.utils.benchmark``'s timer), so that a slow spell of a shared machine falls on every one alike; the
+    median of a function's rounds is its time."""
     for fn in fns.values():
         fn()  # warm-up
     timers = {

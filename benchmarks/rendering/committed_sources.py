@@ -8,8 +8,9 @@ name is taken off: the list only shrinks.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from benchmarks.results import load_results
 
 # Results files still measured on uncommitted changes, each left for its cost (a quality sweep of hours, or a timing
 # suite that needs the machine to itself); every one is re-measured by `python scripts/benchmark.py --suite <name>`
@@ -29,7 +30,7 @@ def uncommitted_source_problems(root: Path) -> list[str]:
     allow, and per allowed name whose file no longer is."""
     problems = []
     for path in sorted((root / "benchmarks" / "results").glob("*.json")):
-        on_changes = json.loads(path.read_text()).get("commit", "").endswith("+changes")
+        on_changes = load_results(path.stem, root).get("commit", "").endswith("+changes")
         relative = path.relative_to(root)
         if on_changes and path.stem not in STILL_ON_CHANGES:
             problems.append(f"{relative}: measured on uncommitted changes: commit, then measure it again")
