@@ -84,16 +84,16 @@ def test_a_fused_optimizer_resumes_from_its_state_dict_exactly():
 
 
 @pytest.mark.parametrize(
-    ("settings", "message"),
+    ("settings", "processes", "sharded", "message"),
     [
-        ({"gradient_accumulation_steps": 2}, "cannot accumulate gradients"),
-        ({"max_grad_norm": 0, "fp16": True}, r"cannot run with fp16 \(fp16=True\)"),
+        ({"max_grad_norm": 0, "fp16": True}, 1, False, r"cannot run with fp16 \(fp16=True\)"),
+        ({}, 2, True, r"not built for FSDP2 \(world size 2\)"),
     ],
 )
-def test_settings_a_fused_step_cannot_honour_are_refused(tmp_path, settings, message):
+def test_settings_a_fused_step_cannot_honour_are_refused(tmp_path, settings, processes, sharded, message):
     args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **settings)
     with pytest.raises(ValueError, match=message):
-        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
+        check_fused_step(args.fp16, processes, sharded)
 
 
 def reference_clipped_steps(model, batches, threshold: float, order: list[list[int]]) -> None:
@@ -172,18 +172,15 @@ def test_the_trainer_logs_the_fused_steps_gradient_norm_and_clips_with_the_recip
     assert logged[True] == pytest.approx(logged[False], rel=1e-5)
 
 
-def test_more_than_one_process_is_refused(tmp_path, monkeypatch):
-    args = PoetTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_grad_norm=0)
-    monkeypatch.setattr(PoetTrainingArguments, "world_size", property(lambda self: 2))
-    with pytest.raises(ValueError, match="runs on one process only"):
-        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
+def test_ddp_and_gradient_accumulation_are_allowed():
+    check_fused_step(False, 2, False)  # DDP: the communication hook steps each bucket (test_training.py)
 
 
 def test_poet_trainer_with_fused_steps_merges_checkpoints_and_resumes_identically(tmp_path):
     ids = torch.randint(0, 128, (24, 16), generator=torch.Generator().manual_seed(1))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
-    def run(output_dir, max_steps, resume=None, fused=True):
+    def run(output_dir, max_steps, resume=None, fused=True, accumulation=1):
         model = get_peft_model(tiny_llama(), PoetConfig(block_size=16))
         args = PoetTrainingArguments(
             output_dir=str(output_dir),
@@ -191,7 +188,8 @@ def test_poet_trainer_with_fused_steps_merges_checkpoints_and_resumes_identicall
             max_grad_norm=0,
             max_steps=max_steps,
             merge_every=2,
-            per_device_train_batch_size=4,
+            per_device_train_batch_size=4 // accumulation,
+            gradient_accumulation_steps=accumulation,
             learning_rate=1e-3,
             poet_learning_rate=2e-3,
             lr_scheduler_type="cosine",
@@ -216,6 +214,14 @@ def test_poet_trainer_with_fused_steps_merges_checkpoints_and_resumes_identicall
         assert torch.equal(a, b), name  # the resumed run continues the fused one identically
         # float32: the fused and the ordinary AdamW run the same single-tensor arithmetic per parameter
         assert torch.equal(a, c), name
+
+    # Two micro-batches of 2: the first backward only accumulates, the second steps the sum, as the ordinary step does
+    plain_accumulated = run(tmp_path / "plain2", 6, fused=False, accumulation=2)
+    fused_accumulated = run(tmp_path / "fused2", 6, accumulation=2)
+    for (name, a), b in zip(
+        plain_accumulated.model.named_parameters(), fused_accumulated.model.parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def test_the_pretraining_script_takes_fused_steps_and_names_what_it_needs(tmp_path, local_corpus):

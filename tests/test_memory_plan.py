@@ -97,6 +97,27 @@ def test_quantised_w0_8bit_states_and_fused_steps_are_the_bytes_a_real_model_hol
     assert fused.total_bytes <= unfused_end.total_bytes
 
 
+@pytest.mark.parametrize("vocab_weights_dtype", ["float32", "bfloat16"])
+def test_ddp_buckets_hold_the_gradients_ddp_reduces_with_fused_steps(vocab_weights_dtype):
+    """DDP's buckets copy every gradient it reduces: with fused steps, those of the parameters that still require one
+    once `FusedStepOptimizer` has chunked the head and embeddings by rows (DDP wraps the model after the optimizer
+    is built), at their dtype. The tiny head (32000 × 128) is below a row chunk, so float32 keeps it whole; bfloat16
+    chunks any size."""
+    from poet_hf.training import FusedStepOptimizer
+
+    model = _real_poet_model(32)
+    every = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    dtype = None if vocab_weights_dtype == "float32" else torch.bfloat16
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    FusedStepOptimizer(groups, torch.optim.AdamW, model=model, vocab_weights_dtype=dtype)
+    reduced = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    plan = {"method": "poet-bs", "block_size": 32, "batch_size": 2, "seq_len": 64, "processes": 2}
+    fused = plan_memory("tiny", **plan, fused_step=True, vocab_weights_dtype=vocab_weights_dtype)
+    assert fused.parts["DDP gradient buckets"] == reduced
+    assert plan_memory("tiny", **plan).parts["DDP gradient buckets"] == every
+    assert (reduced < every) == (vocab_weights_dtype == "bfloat16")
+
+
 def test_torchao_s_8bit_states_are_the_bytes_its_optimizer_allocates():
     """torchao's 8-bit AdamW quantizes the states of a tensor of 4096 entries or more that fills whole 256-entry
     blocks (the embeddings and the head among them: no 32-bit exception, unlike bitsandbytes') and keeps float32
@@ -204,8 +225,8 @@ def test_command_line_prints_parts_and_ends_with_the_total(capsys):
         (["--sharding", "fsdp2", "--processes", "2", "--optim", "adamw_bnb_8bit"], "with --optim adamw_torch_8bit"),
         (["--sharding", "fsdp2", "--processes", "2", "--base_quantization", "nf4"], "plan --base_quantization nf4-sh"),
         (
-            ["--processes", "2", "--fused_optimizer_step"],
-            "`fused_optimizer_step` runs on one process only (world size 2)",
+            ["--sharding", "fsdp2", "--processes", "2", "--fused_optimizer_step"],
+            "`fused_optimizer_step` is not built for FSDP2 (world size 2)",
         ),
     ],
 )
@@ -219,13 +240,13 @@ def test_an_argument_error_is_one_line_naming_the_flag_with_exit_status_2(capsys
 
 
 def test_a_refused_run_prints_no_total_and_what_the_refused_saving_would_be_worth(capsys):
-    """Fused steps on 2 DDP processes are refused before a step; the planner says so on one line, prints no total,
+    """Fused steps on 2 FSDP2 processes are refused before a step; the planner says so on one line, prints no total,
     and gives the library's plans of the run as asked and without fused steps. At this shape both peak at the
-    backward's start, where either holds only the head's gradient beside DDP's buckets: the saving is nil."""
+    backward's start, where either holds only the head's gradient shard: the saving is nil."""
     import json
 
     script = load_module(ROOT / "scripts" / "plan_memory.py")
-    flags = ["--preset", "llama-60m", "--processes", "2", "--per_device_train_batch_size", "4"]
+    flags = ["--preset", "llama-60m", "--sharding", "fsdp2", "--processes", "2", "--per_device_train_batch_size", "4"]
     flags += ["--gradient_accumulation_steps", "1", "--fused_optimizer_step"]
     assert script.main([*flags, "--json"]) == 2
     captured = capsys.readouterr()
@@ -235,7 +256,7 @@ def test_a_refused_run_prints_no_total_and_what_the_refused_saving_would_be_wort
     from poet_hf.recipes.presets import PRESETS, preset_config
 
     run_model = preset_config(PRESETS["llama-60m"], "poet-bs", len(load_tokenizer()), 256)
-    common = {"batch_size": 4, "processes": 2, "block_size": PRESETS["llama-60m"].block_size}
+    common = {"batch_size": 4, "processes": 2, "sharding": "fsdp2", "block_size": PRESETS["llama-60m"].block_size}
     fused = plan_memory(run_model, "poet-bs", fused_step=True, **common).total_bytes / 2**20
     unfused = plan_memory(run_model, "poet-bs", **common).total_bytes / 2**20
     assert summary["asked_mb"] == pytest.approx(fused) and summary["runnable_mb"] == pytest.approx(unfused)

@@ -220,6 +220,23 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quan
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.slow
+def test_fused_steps_under_ddp_step_every_rank_alike_and_match_one_process(tmp_path):
+    """Every DDP bucket steps after its all-reduce, in the backward of the last of two micro-batches a step (DDP's
+    communication hook fires only there); the head and embeddings, stored in bfloat16, train as row chunks DDP does not
+    hold, all-reduced by their own hooks. The reference: one process with the same 4 sequences a step."""
+    env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    worker = str(HERE / "workers" / "ddp_worker.py")
+    ddp = [tmp_path / "ddp", "1", "fused:bfloat16", "2"]  # 2 processes × 1 sequence × 2 micro-batches
+    prewarmed.run(worker, ddp, tmp_path / "ddp.log", env=env, ranks=2)
+    prewarmed.run(worker, [tmp_path / "single", "4", "fused:bfloat16"], tmp_path / "single.log", env=env)
+    ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    single = json.loads((tmp_path / "single" / "rank0.json").read_text())
+    assert ranks[0]["world"] == 2 and ranks[0]["merges"] == 3
+    assert ranks[0]["hash"] == ranks[1]["hash"]  # every process stepped the same reduced gradients
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-4)
+
+
 # --- the pretraining entry point -----------------------------------------------------------------------------------
 def small_args(tmp_path, method, corpus, **overrides):
     fields = {

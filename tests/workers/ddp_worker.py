@@ -1,6 +1,8 @@
 """Run under `accelerate launch`: a short POET run, then write losses and a hash of every parameter and buffer
 per rank to OUT/rank<k>.json. Without a quantised base the model is built on the meta device and PoetTrainer
-materializes it in each process. Usage: ddp_worker.py OUT PER_DEVICE_BATCH [BASE_QUANTIZATION]."""
+materializes it in each process. Usage: ddp_worker.py OUT PER_DEVICE_BATCH [BASE_QUANTIZATION | fused[:bfloat16]
+[ACCUMULATION]]: ``fused`` steps in the backward with the clip off (its running norm estimate depends on the order
+parameters finish, which DDP's buckets change), the head and embeddings stored as ``:bfloat16`` says."""
 
 import json
 import sys
@@ -12,11 +14,19 @@ from training_utils import state_hash, tiny_dataset, tiny_poet_model, tiny_train
 
 def main() -> None:
     out, batch = Path(sys.argv[1]), int(sys.argv[2])
-    quantization = sys.argv[3] if len(sys.argv) > 3 else None
+    option = sys.argv[3] if len(sys.argv) > 3 else None
+    fused = option is not None and option.startswith("fused")
+    quantization = None if fused else option
+    overrides = {}
+    if fused:
+        vocab = option.partition(":")[2] or "float32"
+        accumulation = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+        overrides = {"fused_optimizer_step": True, "max_grad_norm": 0.0, "vocab_weights_dtype": vocab}
+        overrides["gradient_accumulation_steps"] = accumulation
     dataset, tokenizer = tiny_dataset()
     # Built on the meta device where it can be (a quantised base needs real weights): PoetTrainer materializes it.
     model = tiny_poet_model(len(tokenizer), base_quantization=quantization, meta=quantization is None)
-    trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, max_steps=6)
+    trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=batch, max_steps=6, **overrides)
     trainer.train()
     rank = trainer.args.process_index
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]

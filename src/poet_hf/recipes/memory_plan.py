@@ -42,7 +42,7 @@ from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.storage_kinds import storage_kind
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
-from .plan_parts import after_backward, gathered_bytes, loss_bytes, shard_entries
+from .plan_parts import after_backward, ddp_unheld_bytes, gathered_bytes, loss_bytes, shard_entries
 from .plan_settings import METHODS, SHARDINGS, PlanSettings, check_adapter_sizes
 from .rotation_cache_plan import plan_rotation_caches
 
@@ -277,8 +277,8 @@ def plan_memory(
     all_gradients = parts["gradients"]
     if accumulation == 1:
         parts["gradients"] = largest["head gradients"]  # the backward's start: only the head's gradients exist yet
-    if sharding == "ddp" and processes > 1:
-        parts["DDP gradient buckets"] = parts["trainable parameters"]  # the reducer's flat copy of every gradient
+    if sharding == "ddp" and processes > 1:  # the reducer's flat copy of every gradient it reduces
+        parts["DDP gradient buckets"] = parts["trainable parameters"] - ddp_unheld_bytes(built, settings, entry_bytes)
     report: dict[str, object] = {**asdict(settings), "block_size": block_size, "budget": budget}  # then the plan's
     parts.update(_working_bytes(built, settings, blocks, largest["W0"], report))
     if sharding == "fsdp2" and processes > 1:

@@ -123,3 +123,14 @@ def looked_up_where_they_are(built: nn.Module, settings: PlanSettings) -> bool:
     if settings.loss_chunk_tokens is None or settings.sharding != "fsdp2":
         return False
     return looks_up_its_own_table(inputs, head) and shard_dim(inputs.weight.shape, settings.shards, True) == 0
+
+
+def ddp_unheld_bytes(built: nn.Module, settings: PlanSettings, entry_bytes: dict[int, int]) -> int:
+    """Bytes of the trainable weights DDP's buckets do not hold: with fused steps, the row-chunked head and input
+    embeddings (`poet_hf.training.row_gradients`), whose chunks all-reduce and step in their own hooks."""
+    from ..training.row_gradients import row_chunked_modules
+
+    if not settings.fused_step:
+        return 0
+    modules = row_chunked_modules(built, any_size=settings.vocab_weights_dtype == "bfloat16")
+    return sum(m.weight.numel() * entry_bytes[id(m.weight)] for m in modules)

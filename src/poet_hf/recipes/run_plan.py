@@ -129,7 +129,7 @@ def _check_runs(settings: PlanSettings, optim: str, fp16: bool) -> None:
         raise RefusedRun(message, settings, settings, f"--optim {optim} (as adamw_torch_8bit)")
     if settings.fused_step:  # what the trainer refuses, on the plan's process count
         try:
-            check_fused_step(settings.accumulation, fp16, settings.processes)
+            check_fused_step(fp16, settings.processes, settings.sharding == "fsdp2")
         except ValueError as error:
             runnable = replace(settings, fused_step=False, vocab_weights_dtype="float32")
             raise RefusedRun(str(error), settings, runnable, "--fused_optimizer_step") from None

@@ -63,7 +63,8 @@ class PoetTrainingArguments(TrainingArguments):
             "help": "Step each trainable parameter in the backward, as soon as its gradient is complete, and free "
             "the gradient at once (no gradient outlives its step). It clips by max_grad_norm against the global "
             "norm known so far (this step's norms of the parameters already stepped, the previous step's of the "
-            "rest). Needs gradient_accumulation_steps=1, no fp16 and one process."
+            "rest). With gradient accumulation the last micro-batch's backward steps; under DDP each bucket steps "
+            "after its all-reduce. Not with fp16, FSDP2 or DeepSpeed."
         },
     )
     max_consecutive_nonfinite_steps: int = field(

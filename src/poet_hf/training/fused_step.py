@@ -16,16 +16,22 @@ parameter's gradient is scaled by ``min(1, max_grad_norm / N)``, with ``N`` the 
 knows it, this step's norms of the parameters it has reached and the previous step's of the rest. The last parameter
 to step sees this step's exact global norm; the first sees its own new norm beside the others' previous ones.
 
-What it cannot do, by construction, and refuses (`check_fused_step`): accumulate gradients over micro-batches (a
-step would run at every backward), unscale fp16 gradients (the loss scaler acts after the backward), and run under
-DDP or FSDP2 (a hook sees the local gradient before it is reduced).
+Over several micro-batches (gradient accumulation) the backwards before the last only accumulate
+(`step_in_backward` off); the last one steps. Under DDP (`attach_to_ddp`) the parameters DDP reduces step in its
+communication hook, each bucket as soon as its all-reduce completes, and the row chunks, which DDP does not hold, are
+all-reduced by their own hooks before they step; every decision reads the reduced gradients, so every process steps
+alike.
+
+What it cannot do, by construction, and refuses (`check_fused_step`): unscale fp16 gradients (the loss scaler acts
+after the backward), and run under FSDP2 (not built: its clip would need every shard's norm inside the backward) or
+DeepSpeed (which owns the step).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +39,9 @@ from ..allocator import bound_allocator_slack
 from .bf16_storage import BFloat16Step, is_moment
 from .eight_bit import own_override_index, share_overrides
 from .row_gradients import RowGradients, steps_by_entry
+
+if TYPE_CHECKING:
+    from torch.distributed import GradBucket, ProcessGroup
 
 
 class FusedStepOptimizer(torch.optim.Optimizer):
@@ -91,11 +100,15 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._reached: set[torch.Tensor] = set()  # the parameters that stepped in this step's backward
         self._running_sq: torch.Tensor | None = None  # the sum of _norms_sq, updated as the backward goes
         self.skip_backward = False  # set before a backward whose loss is not finite: it steps nothing
+        self.step_in_backward = True  # off for a micro-batch before the last: its backward only accumulates
+        self._ddp_reduced: set[torch.Tensor] = set()  # the parameters DDP's communication hook steps (attach_to_ddp)
+        self._process_group: ProcessGroup | None = None  # set by attach_to_ddp: the processes to average over
         self.nonfinite: list[torch.Tensor] = []  # this step's parameters left unstepped for a non-finite gradient
         probe = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)  # the class's defaults, with kwargs
         super().__init__(groups, dict(probe.defaults))
         self._inner: list[torch.optim.Optimizer] = []
         self._handles = []
+        self._steps: dict[torch.Tensor, Callable[[torch.Tensor], None]] = {}  # each parameter's clip-and-step
         for index, group in enumerate(self.param_groups):
             for param in group["params"]:
                 if param in narrow:
@@ -104,7 +117,8 @@ class FusedStepOptimizer(torch.optim.Optimizer):
                     inner = optimizer_cls([param], **kwargs)
                     own_override_index(inner)
                 self._inner.append(inner)
-                self._handles.append(param.register_post_accumulate_grad_hook(self._hook(index, inner)))
+                self._steps[param] = self._step_of(index, inner)
+                self._handles.append(param.register_post_accumulate_grad_hook(self._hook))
         self._share_state()
 
     def _share_state(self) -> None:
@@ -117,24 +131,81 @@ class FusedStepOptimizer(torch.optim.Optimizer):
                     self.state[param] = {**state, **self.state.get(param, {})}
             inner.state = self.state
 
-    def _hook(self, index: int, inner: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+    def _step_of(self, index: int, inner: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
+        """The clip and step of a parameter of group ``index`` by ``inner``, reading its gradient; nothing steps after
+        a non-finite loss or for a non-finite gradient."""
         bounded: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         if any(c.__module__.startswith("bitsandbytes") for c in type(inner).__mro__):  # CPU kernel, bounded memory
             from .eight_bit import chunked_cpu_updates
 
             bounded = chunked_cpu_updates
 
-        def step_and_free(param: torch.Tensor) -> None:
+        def clip_and_step(param: torch.Tensor) -> None:
             if self.skip_backward or not self._clip(param):
-                param.grad = None  # nothing steps: its state, norm and value stay as they were
-                return
+                return  # nothing steps: its state, norm and value stay as they were
             group = self.param_groups[index]  # looked up now: a scheduler or a loaded state may have replaced it
             _copy_hyperparameters(group, inner.param_groups[0])
             with bounded():
                 inner.step()
-            param.grad = None
 
-        return step_and_free
+        return clip_and_step
+
+    def _hook(self, param: torch.Tensor) -> None:
+        """A parameter's post-accumulate-grad hook: step it and free its gradient, unless the backward only
+        accumulates or DDP's communication hook steps it; under DDP a row chunk is all-reduced here first."""
+        if not self.step_in_backward or param in self._ddp_reduced:
+            return
+        if self._process_group is not None:
+            _average_over_processes(cast(torch.Tensor, param.grad), self._process_group)  # a chunk DDP does not hold
+        self._steps[param](param)
+        param.grad = None
+
+    def before_backward(self, model: torch.nn.Module, last_micro_batch: bool) -> None:
+        """Ready the next backward: it steps only on a step's last micro-batch, and under DDP (``model`` wrapped in
+        ``DistributedDataParallel``) in DDP's communication hook (`attach_to_ddp`, done once here)."""
+        self.step_in_backward = last_micro_batch
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self.attached_to_ddp:
+            self.attach_to_ddp(model)
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """From a micro-batch whose loss is not finite on, the step's backwards step nothing (`skip_backward`); under
+        DDP the reduced gradients decide instead, alike on every process."""
+        if not self.attached_to_ddp and not bool(torch.isfinite(loss.detach()).all()):
+            self.skip_backward = True
+
+    def attach_to_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Step under DDP: each parameter DDP reduces as soon as its bucket's all-reduce completes (a communication
+        hook, `torch.nn.parallel.DistributedDataParallel.register_comm_hook`), each row chunk after its own all-reduce.
+
+        Call once, after DDP wraps the model and before its first backward. A bucket's gradients stay in the bucket
+        (the gradient of a stepped parameter is a view of it until ``zero_grad``), so no second copy outlives the
+        step; the all-reduce is waited for inside the backward, which trades DDP's overlap of the next bucket's
+        backward with this one's communication for steps that run in order on every process.
+
+        Args:
+            ddp: the DDP-wrapped model whose parameters this optimizer steps.
+        """
+        self._ddp_reduced = {p for p in ddp.module.parameters() if p.requires_grad}
+        self._process_group = ddp.process_group
+        # unannotated: DDP checks a hook's annotations against dist.GradBucket, which postponed annotations fail
+        ddp.register_comm_hook(None, lambda state, bucket: self._all_reduce_then_step(bucket))
+
+    @property
+    def attached_to_ddp(self) -> bool:
+        """Whether `attach_to_ddp` was called."""
+        return self._process_group is not None
+
+    def _all_reduce_then_step(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook: average the bucket over the processes, then step each of its parameters with
+        its reduced gradient."""
+        buffer = bucket.buffer()
+        _average_over_processes(buffer, cast("ProcessGroup", self._process_group))
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            param.grad = grad  # the reduced gradient; the local one is freed
+            self._steps[param](param)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer)
+        return future
 
     def _threshold(self) -> float | None:
         value = self.max_grad_norm() if callable(self.max_grad_norm) else self.max_grad_norm
@@ -208,7 +279,10 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         return None if closure is None else closure()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: every gradient was freed right after its step."""
+        """Drop the gradients DDP's buckets still lend the parameters; every other one was freed right after its
+        step."""
+        for param in self._ddp_reduced:
+            param.grad = None
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the parameters (the model trains with another optimizer afterwards), and train
@@ -218,6 +292,17 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         self._handles.clear()
         if self.row_gradients is not None:
             self.row_gradients.remove()
+
+
+def _average_over_processes(tensor: torch.Tensor, group: ProcessGroup) -> None:
+    """Average ``tensor`` over ``group``'s processes in place, as DDP's default hook does (divide, then sum); a 16-bit
+    tensor in float32 (summed once, rounded once; gloo reduces no bfloat16)."""
+    import torch.distributed as dist
+
+    summed = tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+    dist.all_reduce(summed.div_(dist.get_world_size(group)), group=group)
+    if summed is not tensor:
+        tensor.copy_(summed)
 
 
 def _keep_saved_dtypes(state: Any, params: list[torch.Tensor], saved: dict[int, dict[str, Any]]) -> None:
@@ -283,30 +368,27 @@ def _copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> Non
             target[key] = value
 
 
-def check_fused_step(accumulation: int, fp16: bool, processes: int) -> None:
+def check_fused_step(fp16: bool, processes: int, sharded: bool) -> None:
     """Refuse the settings a fused step cannot honour, naming each.
 
     Args:
-        accumulation: the run's ``gradient_accumulation_steps``.
         fp16: the run's ``fp16``.
         processes: how many processes train (``world_size``).
+        sharded: whether FSDP shards the model (`poet_hf.training.distributed.fsdp_requested`, or its parameters are
+            already ``DTensor`` shards).
 
     Raises:
-        ValueError: ``gradient_accumulation_steps`` > 1, ``fp16`` (its loss scaler), or more than one process.
+        ValueError: ``fp16`` (its loss scaler), or FSDP2 with more than one process.
     """
-    if accumulation > 1:
-        raise ValueError(
-            f"`fused_optimizer_step` steps each parameter in the backward, so it cannot accumulate gradients; got "
-            f"gradient_accumulation_steps={accumulation} (use 1, and a larger "
-            "per_device_train_batch_size)"
-        )
     if fp16:
         raise ValueError(
             "`fused_optimizer_step` cannot run with fp16 (fp16=True): the loss scaler unscales and checks the "
             "gradients after the backward, when they have already stepped; use bf16"
         )
-    if processes > 1:
+    if processes > 1 and sharded:
         raise ValueError(
-            f"`fused_optimizer_step` runs on one process only (world size {processes}): under DDP or FSDP2 a "
-            "parameter's hook sees its local gradient before the processes reduce it"
+            f"`fused_optimizer_step` is not built for FSDP2 (world size {processes}): FSDP2 hands each shard's "
+            "gradient to its hook after the reduce-scatter, but the fused clip needs the whole parameter's norm there "
+            "(a collective per parameter inside the backward), and its gradients are already 1/N each; use DDP for "
+            "fused steps across processes, or FSDP2 without them"
         )

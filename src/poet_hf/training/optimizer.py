@@ -215,15 +215,15 @@ def create_poet_optimizer(
     check_steps_shards(model, optimizer_cls)
     keep_32bit_states(model, optimizer_cls, kwargs)
     if fused_step if fused_step is not None else getattr(args, "fused_optimizer_step", False):
+        from .distributed import fsdp_requested
         from .fused_step import FusedStepOptimizer, check_fused_step
 
-        check_fused_step(args.gradient_accumulation_steps, args.fp16, args.world_size)
-        # Read at every step: MergeReinitCallback ramps args.max_grad_norm after each merge.
+        check_fused_step(args.fp16, args.world_size, is_sharded(model) or fsdp_requested())
         vocab_dtype = getattr(args, "vocab_weights_dtype", "float32")
         return FusedStepOptimizer(
             groups,
             optimizer_cls,
-            max_grad_norm=lambda: args.max_grad_norm,
+            max_grad_norm=lambda: args.max_grad_norm,  # read at every step: MergeReinitCallback ramps it after merges
             model=model,
             vocab_weights_dtype=None if vocab_dtype == "float32" else getattr(torch, vocab_dtype),
             **kwargs,

@@ -158,6 +158,8 @@ class PoetTrainer(CrashSafeTrainer):
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """Trainer's step of one micro-batch; its loss's finiteness is noted for the step's check (`nonfinite`)."""
+        if (fused := self._fused_optimizer()) is not None:
+            fused.before_backward(model, last_micro_batch=self.accelerator.sync_gradients)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.nonfinite.note_loss(loss)
         return loss
@@ -169,8 +171,7 @@ class PoetTrainer(CrashSafeTrainer):
         result = super().compute_loss(model, inputs, *args, **kwargs) if chunked is None else chunked
         fused = self._fused_optimizer()
         if fused is not None and model.training:
-            loss = result[0] if isinstance(result, tuple) else result
-            fused.skip_backward = not bool(torch.isfinite(loss.detach()).all())
+            fused.note_loss(result[0] if isinstance(result, tuple) else result)
         return result
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:

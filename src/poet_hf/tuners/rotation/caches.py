@@ -229,18 +229,26 @@ def _fresh_state(reference: bool, residual_folder: ResidualFolder) -> RotationSt
 
 
 def _register_step_hooks(state: weakref.ref[RotationStepState]) -> tuple[RemovableHandle, RemovableHandle]:
-    """Process-wide optimizer hooks that reach ``state`` while it lives (every optimizer steps the model's layers)."""
+    """Process-wide optimizer hooks that reach ``state`` while it lives (every optimizer steps the model's layers).
+
+    A step inside a backward (a parameter's own step, fused into it: `poet_hf.training.FusedStepOptimizer`) is let
+    pass: the layers the backward has not reached yet still owe their deferred gradients to it, and the fused
+    optimizer's ``step()`` after the backward flushes and drops as any step does."""
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     def before(optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        if (live := state()) is not None:
+        if (live := state()) is not None and not _inside_backward():
             live.before_step()
 
     def after(optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        if (live := state()) is not None:
+        if (live := state()) is not None and not _inside_backward():
             live.after_step()
 
     return register_optimizer_step_pre_hook(before), register_optimizer_step_post_hook(after)
+
+
+def _inside_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1  # the autograd engine is running a backward on this thread
 
 
 def _remove_hooks(hooks: tuple[RemovableHandle, RemovableHandle]) -> None:
