@@ -41,14 +41,16 @@ class OneLinear(nn.Module):
         return self.proj(x)
 
 
-def step_fn(model: nn.Module, x: torch.Tensor, grad_y: torch.Tensor):
+def step_fn(model: nn.Module, x: torch.Tensor, grad_y: torch.Tensor, autocast: torch.dtype | None = None):
     """One forward and backward; ``grad_y`` is the output's gradient, dense as a network's is (a ``.sum()`` loss
-    would hand the layer a broadcast one, which no network does)."""
+    would hand the layer a broadcast one, which no network does); the forward under ``autocast`` where given."""
 
     def step():
         model.zero_grad(set_to_none=True)
         x.grad = None
-        model(x).backward(grad_y)
+        with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            y = model(x)
+        y.backward(grad_y.to(y.dtype))
 
     return step
 
@@ -61,8 +63,8 @@ def shapes(quick: bool, wide_only: bool = False) -> list[tuple[int, int, int, in
     return square + [(d_in, d_out, 2048, 256) for d_in, d_out in WIDE]
 
 
-def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
-    """One row: each strategy's time and ``auto``'s against the plain layer's."""
+def measure(d_in: int, d_out: int, tokens: int, block: int, autocast: torch.dtype | None = None) -> dict:
+    """One row: each strategy's time and ``auto``'s against the plain layer's (both under ``autocast`` if given)."""
     from poet_hf.orthogonal import rotated_linear
 
     dev = device()
@@ -74,7 +76,7 @@ def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
     model = get_peft_model(OneLinear(d_in, d_out).to(dev), config)
     layer = rotation_layers(model)[0][1]
     auto = layer.rotation_settings["default"]
-    poet_step = step_fn(model, x, grad_y)
+    poet_step = step_fn(model, x, grad_y, autocast)
 
     def with_strategy(strategy: str) -> Callable[[], None]:
         def step() -> None:
@@ -83,7 +85,7 @@ def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
 
         return step
 
-    steps = {"plain": step_fn(OneLinear(d_in, d_out).to(dev), x, grad_y)}
+    steps = {"plain": step_fn(OneLinear(d_in, d_out).to(dev), x, grad_y, autocast)}
     steps |= {strategy: with_strategy(strategy) for strategy in rotated_linear.STRATEGIES}
     times = time_alternating(steps, (1 + len(rotated_linear.STRATEGIES)) * min_run, threads)
     plain_time = times.pop("plain")
@@ -94,6 +96,7 @@ def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
     costs = strategy_costs(tokens, d_in, d_out, sides[SIDE_INPUT], sides[SIDE_OUTPUT], True, polynomial=polynomial)
     fastest = min(times, key=times.get)
     return {
+        **({"autocast": str(autocast).removeprefix("torch.")} if autocast is not None else {}),
         "d_in": d_in,
         "d_out": d_out,
         "block": block,
@@ -108,6 +111,8 @@ def measure(d_in: int, d_out: int, tokens: int, block: int) -> dict:
     }
 
 
-def run(quick: bool = False, wide_only: bool = False) -> list[dict]:
-    """Every row (``wide_only``: the 7B-class ones, as the GPU check runs them)."""
-    return [measure(*shape) for shape in shapes(quick, wide_only)]
+def run(quick: bool = False, wide_only: bool = False, autocast: str | None = None) -> list[dict]:
+    """Every row (``wide_only``: the 7B-class ones, as the GPU check runs them; ``autocast``: ``"bfloat16"``, as
+    POET-X times its layer)."""
+    dtype = None if autocast is None else getattr(torch, autocast)
+    return [measure(*shape, autocast=dtype) for shape in shapes(quick, wide_only)]
