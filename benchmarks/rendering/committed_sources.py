@@ -19,9 +19,7 @@ STILL_ON_CHANGES: dict[str, str] = {
     "finetune_choice": "57 fine-tuning runs, about 3 hours",
     "finetune_report": "54 fine-tuning runs, about 3 hours",
     "finetune_sweep": "a fine-tuning sweep of hours",
-    "pretrain_8b": "an 8B step, needs the machine to itself",
     "pretrain_quality": "about 29 pretraining runs, about 2 hours",
-    "svd_network_mnist": "timing, needs a quiet machine, 25 minutes",
 }
 
 
