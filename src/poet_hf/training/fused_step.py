@@ -185,7 +185,7 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         Args:
             ddp: the DDP-wrapped model whose parameters this optimizer steps.
         """
-        self._ddp_reduced = {p for p in ddp.module.parameters() if p.requires_grad}
+        self._ddp_reduced = {p for p in ddp.module.parameters() if p in self._steps}  # this optimizer's, DDP's
         self._process_group = ddp.process_group
         # unannotated: DDP checks a hook's annotations against dist.GradBucket, which postponed annotations fail
         ddp.register_comm_hook(None, lambda state, bucket: self._all_reduce_then_step(bucket))
@@ -201,8 +201,9 @@ class FusedStepOptimizer(torch.optim.Optimizer):
         buffer = bucket.buffer()
         _average_over_processes(buffer, cast("ProcessGroup", self._process_group))
         for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            param.grad = grad  # the reduced gradient; the local one is freed
-            self._steps[param](param)
+            if param in self._ddp_reduced:  # a parameter outside this optimizer's groups keeps DDP's gradient
+                param.grad = grad  # the reduced gradient; the local one is freed
+                self._steps[param](param)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(buffer)
         return future
