@@ -159,7 +159,7 @@ def test_a_sharded_head_s_loss_and_embedding_lookup_in_two_processes_equal_the_d
 def test_the_plan_holds_one_chunk_of_logits():
     """At 4096 tokens and Llama-3's 128,256-entry vocabulary, in bfloat16, the loss holds one 512-token chunk of
     float32 logits with their bfloat16 copy, and the hidden states' gradient: under 600 MiB, where the whole logits'
-    gradient is 2004 MiB."""
+    backward holds two float32 gradients of them (4008 MiB; measured below)."""
     from transformers import LlamaConfig
 
     from poet_hf.recipes.memory_plan import plan_memory
@@ -170,7 +170,38 @@ def test_the_plan_holds_one_chunk_of_logits():
     common = {"method": "adamw", "batch_size": 1, "seq_len": 4096, "dtype": "bfloat16", "checkpointing": True}
     whole = plan_memory(config, **common).parts["loss working set"]
     chunked = plan_memory(config, **common, loss_chunk_tokens=512).parts["loss working set"]
-    assert whole == 4096 * 128256 * 4 and chunked == 512 * 128256 * (4 + 2) + 4096 * 512 * 2
+    assert whole == 2 * 4096 * 128256 * 4 and chunked == 512 * 128256 * (4 + 2) + 4096 * 512 * 2
     assert chunked <= 600 * 2**20 < whole
     with pytest.raises(ValueError, match="`loss_chunk_tokens` must be an integer >= 1, got 0"):
         plan_memory(config, **common, loss_chunk_tokens=0)
+
+
+def _rss_kib(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_the_whole_loss_working_set_is_what_its_backward_holds():
+    """The planner's working set of transformers' loss against the kernel's own count: the peak RSS (``VmHWM``,
+    restarted by ``clear_refs``) of its backward above the RSS it starts from, glibc's mmap threshold fixed so that
+    each gradient is its own mapping. One logits-sized gradient (the old count) is half of it."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from poet_hf.allocator import bound_allocator_slack
+    from poet_hf.recipes.plan_parts import loss_bytes
+    from poet_hf.recipes.plan_settings import PlanSettings
+
+    if not bound_allocator_slack():
+        pytest.skip("glibc's mmap threshold cannot be fixed here")
+    batch, seq, vocabulary = 1, 512, 32000
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch, seq, vocabulary, generator=generator, requires_grad=True)
+    labels = torch.randint(0, vocabulary, (batch, seq), generator=generator)
+    loss = ForCausalLMLoss(logits, labels, vocabulary)
+    Path("/proc/self/clear_refs").write_text("5")
+    start = _rss_kib("VmRSS")
+    loss.backward()
+    measured = (_rss_kib("VmHWM") - start) * 1024
+    planned = loss_bytes(PlanSettings(method="adamw"), vocabulary, 64, batch * seq, 4)
+    assert abs(measured - planned) <= 0.05 * planned, (measured, planned)

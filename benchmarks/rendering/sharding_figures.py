@@ -232,8 +232,29 @@ def sharded_quantized_table(load: Load) -> str:
     return markdown_table([*header, "step s"], rows)
 
 
+def ddp_fused_table(load: Load) -> str:
+    """Fused optimizer steps under DDP against one process and unfused DDP, beside the planner (docs/distributed.md)."""
+    rows = [
+        [
+            r["preset"],
+            ENGINES[r["sharding"]],
+            str(r["processes"]),
+            "fused" if r["fused steps"] else "unfused",
+            r["head and embeddings"],
+            f"{r['steady-state peak MB / process']:,.0f}",
+            ratio(r["steady / unfused DDP steady"]),
+            f"{r['planned MB / process']:,.0f}",
+            ratio(r["steady / planned"]),
+        ]
+        for r in load("ddp_fused")["rows"]
+    ]
+    header = ["model", "engine", "processes", "steps", "head and embeddings", "steady peak above imports MB"]
+    return markdown_table([*header, "against unfused DDP", "planned MB", "steady / planned"], rows)
+
+
 SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
     "chaos": chaos_table,
+    "ddp_fused": ddp_fused_table,
     "sharded_quantized": sharded_quantized_table,
     "sharding": sharding_table,
     "sharding_detail": sharding_detail_table,
@@ -243,6 +264,10 @@ SHARDING_TABLES: dict[str, Callable[[Load], str]] = {
 }
 SHARDING_FIGURES: dict[str, Callable[[Load], str]] = {
     "chaos.source": lambda load: provenance(load("chaos")),
+    "ddp_fused.source": lambda load: provenance(load("ddp_fused")),
+    "ddp_fused.planner_gap": lambda load: "{:.0f} %".format(
+        100 * max(abs(r["steady / planned"] - 1) for r in load("ddp_fused")["rows"])
+    ),
     "sharded_quantized.source": lambda load: provenance(load("sharded_quantized")),
     "sharded_quantized.ratio": lambda load: ratio(load("sharded_quantized")["rows"][1]["whole peak / 1 process"]),
     "sharded_quantized.planner_gap_one": lambda load: (

@@ -9,8 +9,9 @@ gathered), 1 × 256 tokens per process, float32. The model is built on
 ``meta``: one process materializes it whole (each layer quantised as it is made), two FSDP2 processes shard it first
 (`shard_model`) and materialize their shards. Each launch is ``torchrun`` with gloo, as a user starts it, glibc's mmap
 threshold fixed as in `benchmarks.suites.fsdp`. Per process: the whole peak RSS (``VmHWM``, imports included), the
-steady-state peak above the imports (sampled every millisecond after the first optimizer step) and the median step
-time; beside them `poet_hf.plan_memory`'s total for the same run, which counts tensors. What the process holds
+steady-state peak above the imports (sampled every millisecond after the first optimizer step; the imports are
+those of a user's run, transformers' ``Trainer`` among them, which `create_poet_optimizer` imports) and the median
+step time; beside them `poet_hf.plan_memory`'s total for the same run, which counts tensors. What the process holds
 beyond its tensors (the kernels' code pages, torch.compile's kernels for torchao's step, the allocator's arenas) is
 measured after the steps: its RSS above the imports less the bytes of every parameter shard, buffer, gradient and
 optimizer state it holds. Merges are left to the tests (`tests/test_fsdp.py`
@@ -67,6 +68,7 @@ def worker(out: str, preset_name: str, steps: int, sharding: str) -> None:
 
     import torch.distributed as dist
     from torchao.optim import AdamW8bit
+    from transformers import Trainer  # noqa: F401  (an import of a user's run: create_poet_optimizer's, lazily)
 
     from poet_hf.training import create_poet_optimizer
     from poet_hf.training.chunked_loss import causal_lm_loss

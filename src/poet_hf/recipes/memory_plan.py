@@ -11,14 +11,16 @@ every figure off it:
 - activations are the tensors autograd saves in one forward, traced on the meta device with
   ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages, parameters left out); with ``checkpointing``
   each block keeps its input instead, and the one block being recomputed keeps its own;
-- the loss's working set is the gradient of the logits (``batch·seq·vocab`` floats) that exists beside the saved
-  log-softmax while the backward starts.
+- the loss's working set is the two gradients the cross-entropy's backward holds at once beside the saved
+  log-softmax, of the log-probabilities and of the logits (``batch·seq·vocab`` floats each), as the backward starts.
 
 The total is the memory alive at the training peak, after the first optimizer step (the *steady state*): the
-backward's first step, where every saved activation is still alive. Gradients count there in full only when they
-persist across the backward's start (gradient accumulation, where the previous micro-batches' sum is held);
-otherwise only those of the output head, which the backward produces first. DDP adds its buckets, a flat copy of
-every gradient; FSDP2 what it holds gathered at the head's backward (`poet_hf.recipes.plan_parts.gathered_bytes`).
+backward's first steps, where every saved activation is still alive, the cross-entropy's and then the head's
+(`poet_hf.recipes.plan_parts.loss_backward`), or the backward's end or the optimizer step where they hold more.
+Gradients count there in full only when they persist across the backward's start (gradient accumulation, where the
+previous micro-batches' sum is held); otherwise only those of the output head, which the backward produces first.
+DDP adds its buckets, a flat copy of every gradient; FSDP2 what it holds gathered at the head's backward
+(`poet_hf.recipes.plan_parts.gathered_bytes`).
 
 Paper correspondence (POET, Table 1, one ``m × n`` weight and Adam): AdamW ``3mn`` entries (weight and two
 states), POET-BS ``mn + 3/2·(m+n)(b−1)``, POET-FS ``mn + 3·b(b−1)``, GaLore ``mn + mr + 2nr``: the planner's ``W0``,
@@ -42,7 +44,7 @@ from ..tuners.rotation.quantized_rows import ROW_BLOCK_ENTRIES
 from ..tuners.rotation.storage_kinds import storage_kind
 from ..tuners.tuner_base import base_model_of
 from .activation_trace import trace_activations
-from .plan_parts import after_backward, ddp_unheld_bytes, gathered_bytes, loss_bytes, shard_entries
+from .plan_parts import after_backward, ddp_unheld_bytes, gathered_bytes, loss_backward, loss_bytes, shard_entries
 from .plan_settings import METHODS, SHARDINGS, PlanSettings, check_adapter_sizes
 from .rotation_cache_plan import plan_rotation_caches
 
@@ -274,9 +276,8 @@ def plan_memory(
     built = _model_to_plan(model, settings, block_size, budget)
     blocks = _block_classes(built)
     parts, counts, largest, entry_bytes = _parameter_bytes(built, settings, blocks)
-    all_gradients = parts["gradients"]
-    if accumulation == 1:
-        parts["gradients"] = largest["head gradients"]  # the backward's start: only the head's gradients exist yet
+    all_gradients = parts["gradients"]  # the backward's start holds only the head's, unless accumulation holds all
+    parts["gradients"] = largest["head gradients"] if accumulation == 1 else all_gradients
     if sharding == "ddp" and processes > 1:  # the reducer's flat copy of every gradient it reduces
         parts["DDP gradient buckets"] = parts["trainable parameters"] - ddp_unheld_bytes(built, settings, entry_bytes)
     report: dict[str, object] = {**asdict(settings), "block_size": block_size, "budget": budget}  # then the plan's
@@ -284,7 +285,8 @@ def plan_memory(
     if sharding == "fsdp2" and processes > 1:
         parts["gathered layers"] = gathered_bytes(built, blocks, entry_bytes, settings)
     gradients = largest["gradient"] if fused_step else all_gradients  # after the backward
-    candidates = {"backward start": parts, **after_backward(built, settings, parts, gradients, largest, entry_bytes)}
+    candidates = loss_backward(built, settings, parts, largest["head gradients"], entry_bytes)
+    candidates.update(after_backward(built, settings, parts, gradients, largest, entry_bytes))
     report["peak"] = peak = max(candidates, key=lambda moment: sum(candidates[moment].values()))
     return MemoryPlan(method, candidates[peak], report, counts, _residual_off_memory(built, settings))
 

@@ -37,19 +37,39 @@ def gradients_twice(parameters: Iterable[nn.Parameter], entry_bytes: dict[int, i
 
 
 def loss_bytes(settings: PlanSettings, vocabulary: int, hidden: int, tokens: int, value_size: int) -> int:
-    """The loss's working set: transformers' ``∂L/∂logits`` in float32, or the chunked loss's
-    (`poet_hf.training.chunked_loss`): one step's float32 logits (their gradient in place, and a copy in the model's
-    dtype when narrower) and ``∂L/∂hidden``, held to the backward (the head's gradient, accumulated in its own
-    dtype, is the one the gradients count). Under FSDP2 the head stays split by vocabulary rows
-    (`poet_hf.training.sharded_head_loss`): a step's logits are this process's vocabulary rows of every process's
-    chunk of tokens, beside those tokens' gathered hidden states and partial ``∂L/∂hidden``."""
+    """The loss's working set: for transformers' loss, what the cross-entropy's backward holds beside the saved
+    log-probabilities (counted with the activations), ``∂L/∂log-probabilities`` and ``∂L/∂logits`` in float32
+    (`loss_backward` places it); or the chunked loss's (`poet_hf.training.chunked_loss`): one step's float32 logits
+    (their gradient in place, and a copy in the model's dtype when narrower) and ``∂L/∂hidden``, held to the backward
+    (the head's gradient, accumulated in its own dtype, is the one the gradients count). Under FSDP2 the head stays
+    split by vocabulary rows (`poet_hf.training.sharded_head_loss`): a step's logits are this process's vocabulary
+    rows of every process's chunk of tokens, beside those tokens' gathered hidden states and partial
+    ``∂L/∂hidden``."""
     if settings.loss_chunk_tokens is None:
-        return tokens * vocabulary * 4
+        return 2 * tokens * vocabulary * 4
     shards, narrow_copy = settings.shards, value_size if value_size < 4 else 0
     rows = min(shards * math.ceil(settings.loss_chunk_tokens / shards), shards * tokens)
     logits = rows * math.ceil(vocabulary / shards) * (4 + narrow_copy)
     gathered = 2 * rows * hidden * value_size if shards > 1 else 0
     return logits + gathered + tokens * hidden * value_size
+
+
+def loss_backward(
+    built: nn.Module, settings: PlanSettings, parts: dict[str, int], head_gradients: int, entry_bytes: dict[int, int]
+) -> dict[str, dict[str, int]]:
+    """The backward's first two moments with transformers' loss (``parts`` being the head's backward, every
+    activation alive): first the cross-entropy's backward, with the loss's working set (`loss_bytes`) and no
+    gradient of the head yet (nor, under FSDP2, its two unsharded copies); then the head's, where ``∂L/∂logits``
+    stands in for the freed log-probabilities, so the loss adds nothing. ``head_gradients``: the bytes ``parts``
+    counts of the head's gradients. The chunked loss forms both in one moment: ``parts`` as it is."""
+    if settings.loss_chunk_tokens is not None:
+        return {"backward start": parts}
+    head_gradient = dict(parts, **{"loss working set": 0})
+    cross_entropy = dict(parts, gradients=parts["gradients"] - (head_gradients if settings.accumulation == 1 else 0))
+    head = base_model_of(built).get_output_embeddings()
+    if settings.sharding == "fsdp2" and settings.shards > 1 and head is not None:
+        cross_entropy["gathered layers"] -= gradients_twice(head.parameters(), entry_bytes)
+    return {"cross-entropy backward": cross_entropy, "backward start": head_gradient}
 
 
 def gathered_bytes(
