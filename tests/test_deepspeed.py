@@ -70,12 +70,14 @@ def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, met
     float32 master partitions of the skews alone would rotate by the old skews again from step 5 on); the ranks end
     bit-identical; a run resumed from the step-4 checkpoint continues the same losses to the same state; and that
     checkpoint exports the weights the one-process run's exports. ``poet-nf4``: ZeRO-3 partitions and gathers an
-    ``nf4-shardable`` W0's codes and scales like any frozen parameter, and a merge requantises the gathered whole."""
+    ``nf4-shardable`` W0's codes and scales like any frozen parameter, and a merge requantises the gathered whole;
+    its blocks recompute their activations in the backward (activation checkpointing), gathering again."""
     reference = single_process(method, tmp_path / "single")
     ranks = launch(stage, method, tmp_path / "zero", 6)
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == ranks[1]["merges"] == reference["merges"] == 2
     assert ranks[0]["hash"] == ranks[1]["hash"]
     assert ranks[0]["skews"] == 0.0  # zeroed by the last merge, in the gathered parameters
+    assert ranks[0]["checkpointing"] == reference["checkpointing"] == (method == "poet-nf4")
     steps = sorted(reference["losses"], key=int)
     assert sorted(ranks[0]["losses"], key=int) == steps
     for step in steps:  # two processes sum the gradient in another order: float32 rounding, carried by 6 steps

@@ -181,8 +181,9 @@ class StopAt(TrainerCallback):
 
 
 @pytest.mark.slow
-# int8: W0 requantised at every merge, on every rank; nf4-shardable: the codes as plain parameters, DDP-replicated
-@pytest.mark.parametrize("quantization", [None, "int8", "nf4-shardable"])
+# int8: W0 requantised at every merge, on every rank; nf4-shardable: the codes as plain parameters, DDP-replicated,
+# with the other savings DDP takes (bitsandbytes' 8-bit states, activation checkpointing, the chunked loss)
+@pytest.mark.parametrize("quantization", [None, "int8", "nf4-shardable+savings"])
 def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quantization):
     env = {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     worker = str(HERE / "workers" / "ddp_worker.py")
@@ -218,6 +219,8 @@ def test_two_process_ddp_ranks_identical_and_match_single_process(tmp_path, quan
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == 3
     assert ranks[0]["hash"] == ranks[1]["hash"]
     assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=1e-4, abs=1e-4)
+    if quantization and "+savings" in quantization:  # 8-bit states, checkpointing and the chunked loss were on
+        assert ranks[0]["savings"] == single["savings"] == [True, True, 16]
 
 
 @pytest.mark.slow

@@ -38,10 +38,10 @@ def tiny_dataset(seq_len: int = 32, chars: int = 40_000):
     return pack_sequences(Dataset.from_dict({"text": [text]}), tokenizer, seq_len), tokenizer
 
 
-def tiny_poet_model(vocab: int, seed: int = 0, meta: bool = False, **poet_kwargs):
-    """A tiny POET LLaMA; with ``meta`` built on the meta device, for PoetTrainer to materialize."""
+def tiny_poet_model(vocab: int, seed: int = 0, meta: bool = False, hidden: int = 32, **poet_kwargs):
+    """A tiny POET LLaMA ``hidden`` wide; with ``meta`` built on the meta device, for PoetTrainer to materialize."""
     fields = {"block_size": 8, "merge_every": 2, "base_init": "normalized", **poet_kwargs}
-    base = tiny_llama(seed, meta, hidden=32, intermediate=64, vocab=vocab, heads=2, max_position_embeddings=64)
+    base = tiny_llama(seed, meta, hidden=hidden, intermediate=64, vocab=vocab, heads=2, max_position_embeddings=64)
     return get_peft_model(base.train(), PoetConfig(**fields))
 
 

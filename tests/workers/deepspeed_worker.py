@@ -1,7 +1,8 @@
 """Run under `accelerate launch` with a DeepSpeed ZeRO config: a short POET run with merges every 3 steps and a
 checkpoint at step 4, then write the logged losses, a hash of the whole (gathered) state and its merge count per
 rank to OUT/rank<k>.json. Without a launcher it is the single-process reference. METHOD: poet, poet-nf4 (its W0
-stored as ``nf4-shardable``, folded to nearest), or oft (OFT with a merge every 3 steps too). PER_DEVICE_BATCH is
+stored as ``nf4-shardable``, folded to nearest, with activation checkpointing), or oft (OFT with a merge every 3 steps
+too). PER_DEVICE_BATCH is
 ``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations cached across them
 (``cache_rotations=True``: every micro-batch but the last defers its rotation gradients).
 Usage: deepspeed_worker.py OUT MAX_STEPS PER_DEVICE_BATCH METHOD [CHECKPOINT_TO_RESUME]."""
@@ -34,6 +35,7 @@ def main() -> None:
         model = tiny_poet_model(len(tokenizer), merge_every=3, **cache, **quantized)
     schedule = {"max_steps": steps, "save_strategy": "steps", "save_steps": 4}
     schedule["gradient_accumulation_steps"] = accumulation
+    schedule["activation_checkpointing"] = method == "poet-nf4"
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=int(batch), **schedule)
     trainer.train(resume_from_checkpoint=resume)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}
@@ -43,7 +45,14 @@ def main() -> None:
     merges = int(next(m for m in model.modules() if hasattr(m, "merge_counts")).merge_counts["default"])
     (out / f"rank{trainer.args.process_index}.json").write_text(
         json.dumps(
-            {"hash": digest, "losses": losses, "merges": merges, "skews": skews, "world": trainer.args.world_size}
+            {
+                "hash": digest,
+                "losses": losses,
+                "merges": merges,
+                "skews": skews,
+                "world": trainer.args.world_size,
+                "checkpointing": model.is_activation_checkpointing,
+            }
         )
     )
 

@@ -60,11 +60,14 @@ def loss_backward(
     """The backward's first two moments with transformers' loss (``parts`` being the head's backward, every
     activation alive): first the cross-entropy's backward, with the loss's working set (`loss_bytes`) and no
     gradient of the head yet (nor, under FSDP2, its two unsharded copies); then the head's, where ``∂L/∂logits``
-    stands in for the freed log-probabilities, so the loss adds nothing. ``head_gradients``: the bytes ``parts``
-    counts of the head's gradients. The chunked loss forms both in one moment: ``parts`` as it is."""
+    stands in for the freed log-probabilities, so the loss adds nothing, and under accumulation the head's fresh
+    gradient exists beside the held sum it is added to. ``head_gradients``: the bytes of the head's gradients as
+    ``parts`` counts them without accumulation. The chunked loss forms both in one moment: ``parts`` as it is."""
     if settings.loss_chunk_tokens is not None:
         return {"backward start": parts}
     head_gradient = dict(parts, **{"loss working set": 0})
+    if settings.accumulation > 1:
+        head_gradient["gradients"] += head_gradients
     cross_entropy = dict(parts, gradients=parts["gradients"] - (head_gradients if settings.accumulation == 1 else 0))
     head = base_model_of(built).get_output_embeddings()
     if settings.sharding == "fsdp2" and settings.shards > 1 and head is not None:
