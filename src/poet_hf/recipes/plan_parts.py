@@ -69,6 +69,7 @@ def loss_backward(
     if settings.accumulation > 1:
         head_gradient["gradients"] += head_gradients
     cross_entropy = dict(parts, gradients=parts["gradients"] - (head_gradients if settings.accumulation == 1 else 0))
+    cross_entropy["bfloat16 steps"] = 0  # no step runs before the head's gradient exists
     head = base_model_of(built).get_output_embeddings()
     if settings.sharding == "fsdp2" and settings.shards > 1 and head is not None:
         cross_entropy["gathered layers"] -= gradients_twice(head.parameters(), entry_bytes)
