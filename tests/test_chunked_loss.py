@@ -176,11 +176,6 @@ def test_the_plan_holds_one_chunk_of_logits():
         plan_memory(config, **common, loss_chunk_tokens=0)
 
 
-def _rss_kib(field: str) -> int:
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
-    return int(line.split()[1])
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
 def test_the_whole_loss_working_set_is_what_its_backward_holds():
     """The planner's working set of transformers' loss against the kernel's own count: the peak RSS (``VmHWM``,
@@ -188,6 +183,7 @@ def test_the_whole_loss_working_set_is_what_its_backward_holds():
     each gradient is its own mapping. One logits-sized gradient (the old count) is half of it."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
+    from benchmarks.common import reset_peak_rss, status_mb
     from poet_hf.allocator import bound_allocator_slack
     from poet_hf.recipes.plan_parts import loss_bytes
     from poet_hf.recipes.plan_settings import PlanSettings
@@ -199,9 +195,9 @@ def test_the_whole_loss_working_set_is_what_its_backward_holds():
     logits = torch.randn(batch, seq, vocabulary, generator=generator, requires_grad=True)
     labels = torch.randint(0, vocabulary, (batch, seq), generator=generator)
     loss = ForCausalLMLoss(logits, labels, vocabulary)
-    Path("/proc/self/clear_refs").write_text("5")
-    start = _rss_kib("VmRSS")
+    reset_peak_rss()
+    start = status_mb("VmRSS")
     loss.backward()
-    measured = (_rss_kib("VmHWM") - start) * 1024
+    measured = (status_mb("VmHWM") - start) * 2**20
     planned = loss_bytes(PlanSettings(method="adamw"), vocabulary, 64, batch * seq, 4)
     assert abs(measured - planned) <= 0.05 * planned, (measured, planned)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.common import status_mb
-from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun
+from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, planned_mb
 
 BATCH, STEPS = 2, 3
 # (processes, fused steps, the head's and embeddings' dtype)
@@ -74,24 +74,6 @@ def worker(out: str, preset_name: str, steps: int, fused: bool, vocab_dtype: str
     dist.destroy_process_group()
 
 
-def _planned_mb(preset_name: str, processes: int, fused: bool, vocab_dtype: str) -> float:
-    from poet_hf import plan_memory
-    from poet_hf.recipes.presets import PRESETS
-
-    plan = plan_memory(
-        preset_name,
-        "poet-bs",
-        block_size=PRESETS[preset_name].block_size,
-        batch_size=BATCH,
-        seq_len=SEQ,
-        processes=processes,
-        sharding="ddp",
-        fused_step=fused,
-        vocab_weights_dtype=vocab_dtype,
-    )
-    return plan.total_bytes / 2**20
-
-
 def rows_for(preset: str, steps: int) -> list[dict]:
     """One row per launch of `LAUNCHES`, the worst process of each."""
     rows = []
@@ -99,7 +81,14 @@ def rows_for(preset: str, steps: int) -> list[dict]:
         call = f"worker({preset!r}, {steps}, {fused!r}, {vocab_dtype!r})"
         reports = _torchrun(processes, call, suite="ddp_fused")
         worst = max(reports, key=lambda report: report["steady_peak_mb"])
-        planned = _planned_mb(preset, processes, fused, vocab_dtype)
+        planned = planned_mb(
+            preset,
+            batch_size=BATCH,
+            processes=processes,
+            sharding="ddp",
+            fused_step=fused,
+            vocab_weights_dtype=vocab_dtype,
+        )
         rows.append(
             {
                 "preset": preset,

@@ -43,6 +43,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,6 +92,16 @@ def _build(preset, sharding: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         return shard_model(model, seed=0), model
     model = _poet(build_llama(preset, "poet-bs", VOCAB, SEQ, seed=0), block_size=preset.block_size)
     return model, torch.nn.parallel.DistributedDataParallel(model) if sharding == "ddp" else model
+
+
+def planned_mb(preset: str, method: str = "poet-bs", **settings: Any) -> float:
+    """`poet_hf.plan_memory`'s total in MiB for ``method`` on ``preset`` (its block size), `SEQ` tokens a sequence
+    unless ``settings`` say otherwise, with ``settings``: what every suite's rows print beside their measurement."""
+    from poet_hf import plan_memory
+    from poet_hf.recipes.presets import PRESETS
+
+    settings = {"block_size": PRESETS[preset].block_size, "seq_len": SEQ, **settings}
+    return plan_memory(preset, method, **settings).total_bytes / 2**20
 
 
 def _full_copies_mb(model: torch.nn.Module) -> dict[str, float]:
@@ -277,21 +288,12 @@ RUNS = [(1, "none"), (2, "ddp"), (2, "fsdp2")]
 def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
     """1 process, 2 under DDP, 2 under FSDP2: memory (steady state, from start, at construction) against the plan
     and against one full copy of the model, step and merge costs."""
-    from poet_hf import plan_memory
-    from poet_hf.recipes.presets import PRESETS
-
     rows = []
     for processes, sharding in RUNS:
         reports = _torchrun(processes, f"worker({preset!r}, {batch}, {steps}, {sharding!r})")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
-        planned = plan_memory(
-            preset,
-            "poet-bs",
-            block_size=PRESETS[preset].block_size,
-            batch_size=batch,
-            seq_len=SEQ,
-            processes=processes,
-            sharding="fsdp2" if sharding == "fsdp2" else "ddp",
+        planned = planned_mb(
+            preset, batch_size=batch, processes=processes, sharding="fsdp2" if sharding == "fsdp2" else "ddp"
         )
         rows.append(
             {
@@ -305,8 +307,8 @@ def training_rows(preset: str, batch: int, steps: int) -> list[dict]:
                 "construction peak MB / process": max(r["construction_peak_mb"] for r in reports),
                 "one full copy: parameters MB": worst["params_mb"],
                 "one full copy: training state MB": worst["state_mb"],
-                "planned MB / process": planned.total_bytes / 2**20,
-                "steady / planned": worst["steady_peak_mb"] / (planned.total_bytes / 2**20),
+                "planned MB / process": planned,
+                "steady / planned": worst["steady_peak_mb"] / planned,
                 "step s": worst["step_s"],
                 "merge s": max(r["merge_s"] for r in reports),
                 "merge extra RSS MB": max(r["merge_extra_mb"] for r in reports),

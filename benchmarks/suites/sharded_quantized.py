@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import status_mb
-from benchmarks.suites.fsdp import _RssSampler, _torchrun
+from benchmarks.suites.fsdp import _RssSampler, _torchrun, planned_mb
 
 PRESET, BATCH, SEQ, STEPS, LOSS_CHUNK = "llama-2-7b", 1, 256, 1, 1024
 SETTINGS = {
@@ -129,13 +129,9 @@ def _live_tensor_mb(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def _planned_mb(preset_name: str, processes: int) -> float:
-    from poet_hf import plan_memory
-    from poet_hf.recipes.presets import PRESETS
-
-    plan = plan_memory(
+    """The plan of this suite's run: every saving of `SETTINGS`."""
+    return planned_mb(
         preset_name,
-        "poet-bs",
-        block_size=PRESETS[preset_name].block_size,
         batch_size=BATCH,
         seq_len=SEQ,
         processes=processes,
@@ -146,7 +142,6 @@ def _planned_mb(preset_name: str, processes: int) -> float:
         eight_bit_library="torchao",
         loss_chunk_tokens=LOSS_CHUNK,
     )
-    return plan.total_bytes / 2**20
 
 
 def run(quick: bool = False) -> list[dict]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import status_mb
-from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, training_rows
+from benchmarks.suites.fsdp import SEQ, VOCAB, _build, _RssSampler, _torchrun, planned_mb, training_rows
 
 # (stage, ZeRO's sizes: DeepSpeed's defaults (None), those examples/cluster/deepspeed_zero3.json gets from the
 # model's width ("sized"), or those and the live-parameter limits sized the same way ("live"))
@@ -176,28 +176,12 @@ ACCUMULATION = 4  # micro-batches per optimizer step in the accumulation rows
 def accumulation_rows(preset: str, batch: int, steps: int) -> list[dict[str, Any]]:
     """POET-BS and AdamW under FSDP2 in 2 processes with accumulation: the worst process's steady-state peak, and
     the plan."""
-    from poet_hf import plan_memory
-    from poet_hf.recipes.presets import PRESETS
-
     rows = []
     for method in ("poet-bs", "adamw"):
         call = f"accumulation_worker({preset!r}, {batch}, {steps}, {ACCUMULATION}, {method!r})"
         reports = _torchrun(2, call, suite="sharding")
         worst = max(reports, key=lambda r: r["steady_peak_mb"])
-        block_size = PRESETS[preset].block_size
-        planned = (
-            plan_memory(
-                preset,
-                method,
-                block_size=block_size,
-                batch_size=batch,
-                seq_len=SEQ,
-                processes=2,
-                sharding="fsdp2",
-                accumulation=ACCUMULATION,
-            ).total_bytes
-            / 2**20
-        )
+        planned = planned_mb(preset, method, batch_size=batch, processes=2, sharding="fsdp2", accumulation=ACCUMULATION)
         rows.append(
             {
                 "measurement": "accumulate",
