@@ -3,7 +3,8 @@ no recompilation at a merge.
 
 The equality tests compile with the ``aot_eager`` backend (Dynamo's graph and AOTAutograd's joint forward and
 backward, run by eager kernels), which is what decides graph breaks and recompiles; Inductor's code generation
-takes minutes on this CPU and is timed by ``scripts/benchmark.py --suite compile`` instead.
+takes minutes on this CPU and is timed by ``scripts/benchmark.py --suite compile`` instead. The models have one
+block: every target shape of a LLaMA block is there, and Dynamo's trace time grows with each block it inlines.
 """
 
 from __future__ import annotations
@@ -20,6 +21,13 @@ import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def one_block_llama():
+    """`tiny_llama` with one block (its seven projections, each shape of the block)."""
+    return tiny_llama(layers=1)
+
+
 CONFIGS = [PoetConfig(block_size=16, init_weights=False), OftConfig(block_size=16, init_weights=False)]
 
 
@@ -32,9 +40,9 @@ def _fresh_dynamo():
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["poet", "oft"])
 def test_the_adapter_layers_add_no_graph_break(config):
-    plain = tiny_llama().train()
+    plain = one_block_llama().train()
     baseline = torch._dynamo.explain(plain)(input_ids=IDS, labels=IDS)
-    model = get_peft_model(tiny_llama(), copy.deepcopy(config)).train()
+    model = get_peft_model(one_block_llama(), copy.deepcopy(config)).train()
     explained = torch._dynamo.explain(model)(input_ids=IDS, labels=IDS)
     reasons = [b.reason.splitlines()[0] for b in explained.break_reasons]
     assert explained.graph_break_count == baseline.graph_break_count == 0, reasons
@@ -42,7 +50,7 @@ def test_the_adapter_layers_add_no_graph_break(config):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["poet", "oft"])
 def test_a_compiled_model_gives_the_eager_loss_and_gradients(config):
-    eager = get_peft_model(tiny_llama(), copy.deepcopy(config)).train()
+    eager = get_peft_model(one_block_llama(), copy.deepcopy(config)).train()
     twin = copy.deepcopy(eager)
     compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
     results = []
@@ -62,7 +70,7 @@ def test_a_compiled_model_gives_the_eager_loss_and_gradients(config):
 def test_a_merge_does_not_recompile():
     """Merge-then-reinitialize changes values (W0, the zeroed skews, the permutations), never shapes or Python
     state the graph depends on, so the compiled step runs on without a new trace."""
-    model = get_peft_model(tiny_llama(), PoetConfig(block_size=16, init_weights=False)).train()
+    model = get_peft_model(one_block_llama(), PoetConfig(block_size=16, init_weights=False)).train()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     compiled(input_ids=IDS, labels=IDS).loss.backward()
     before = {n: b.clone() for n, b in model.named_buffers() if "_index." in n}
@@ -78,7 +86,8 @@ def test_a_merge_does_not_recompile():
 def test_trainer_torch_compile_with_accumulation_and_merges_fine_tunes_like_eager(testbed, tmp_path):
     """``--torch_compile`` through ``run_finetuning`` (PoetTrainer): two micro-batches per step, a merge every 3 steps.
     The rotation cache is an eager-only saving, so each compiled micro-batch computes its own rotation gradient: the
-    same sum, in the same order."""
+    same sum, in the same order. POET on one attention and one MLP projection per block (a square and a wide
+    weight): Dynamo's trace time grows with every rotated layer."""
     from testbed_runs import run_on_testbed
 
     runs = {}
@@ -91,6 +100,7 @@ def test_trainer_torch_compile_with_accumulation_and_merges_fine_tunes_like_eage
             max_steps=6,
             gradient_accumulation_steps=2,
             merge_every=3,
+            target_modules="q_proj,down_proj",
             **flags,
         )
     eager, compiled_run = runs[False], runs[True]

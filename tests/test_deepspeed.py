@@ -63,16 +63,26 @@ def single_process(method: str, out: Path) -> dict:
     return json.loads((out / "rank0.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def one_process_poet(tmp_path_factory) -> tuple[dict, Path]:
+    """`single_process` for ``poet``, run once for the tests that compare with it: its report and its folder."""
+    out = tmp_path_factory.mktemp("single-poet")
+    return single_process("poet", out), out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage, method", [(2, "poet"), (3, "poet"), (2, "oft"), (3, "poet-nf4")])
-def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, method):
+def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, one_process_poet, stage, method):
     """Six steps with merges after steps 3 and 6: the losses are the one-process run's (a merge that left ZeRO's
     float32 master partitions of the skews alone would rotate by the old skews again from step 5 on); the ranks end
     bit-identical; a run resumed from the step-4 checkpoint continues the same losses to the same state; and that
     checkpoint exports the weights the one-process run's exports. ``poet-nf4``: ZeRO-3 partitions and gathers an
     ``nf4-shardable`` W0's codes and scales like any frozen parameter, and a merge requantises the gathered whole;
     its blocks recompute their activations in the backward (activation checkpointing), gathering again."""
-    reference = single_process(method, tmp_path / "single")
+    if method == "poet":
+        reference, single = one_process_poet
+    else:
+        reference, single = single_process(method, tmp_path / "single"), tmp_path / "single"
     ranks = launch(stage, method, tmp_path / "zero", 6)
     assert ranks[0]["world"] == 2 and ranks[0]["merges"] == ranks[1]["merges"] == reference["merges"] == 2
     assert ranks[0]["hash"] == ranks[1]["hash"]
@@ -104,7 +114,7 @@ def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, met
     if method == "oft":  # an OFT checkpoint is an adapter: its export reads the base model from the Hub
         return
     exports = {}
-    for name, run in (("zero", tmp_path / "zero"), ("single", tmp_path / "single")):
+    for name, run in (("zero", tmp_path / "zero"), ("single", single)):
         exports[name] = load_file(export_merged(run / "run" / "checkpoint-4", tmp_path / f"export-{name}") / SAFE)
     assert exports["zero"].keys() == exports["single"].keys()
     for key, weight in exports["single"].items():  # the merged W0 the checkpoint holds, folded with live factors
@@ -113,12 +123,12 @@ def test_zero_trains_merges_and_resumes_as_one_process_does(tmp_path, stage, met
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_accumulation_with_cached_rotations_trains_as_one_process_does(tmp_path, stage):
+def test_zero_accumulation_with_cached_rotations_trains_as_one_process_does(tmp_path, one_process_poet, stage):
     """Two micro-batches of one sequence per process and optimizer step, the first deferring its rotation gradients
     into the rotation cache (accelerate's ``sync_gradients`` is off), against one process stepping the same four
     sequences at once without accumulation or cache: the same losses through two merges. A deferred gradient that
     ZeRO's partitioned reduction missed, or counted twice, moves the loss from step 2 on by far more than rounding."""
-    reference = single_process("poet", tmp_path / "single")
+    reference, _ = one_process_poet
     ranks = launch(stage, "poet", tmp_path / "zero", 6, batch="1x2")
     assert ranks[0]["merges"] == reference["merges"] == 2 and ranks[0]["hash"] == ranks[1]["hash"]
     steps = sorted(reference["losses"], key=int)

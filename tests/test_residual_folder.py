@@ -208,7 +208,7 @@ def test_only_the_folders_of_dead_processes_are_removed(parent):
 
 
 def _run_until_files_and_a_checkpoint(out: Path, parent: Path, resume: bool) -> subprocess.Popen:
-    args = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--base_quantization", "nf4", "--max_steps", "40"]
+    args = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--base_quantization", "nf4", "--max_steps", "16"]
     args += ["--merge_every", "2", "--save_steps", "2", "--output_dir", str(out), "--residual_folder", str(parent)]
     args += ["--max_eval_samples", "8", "--logging_steps", "1000"]
     args += ["--resume_from_checkpoint", "auto"] if resume else []
