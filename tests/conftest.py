@@ -29,11 +29,21 @@ def _seed(request):
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """The tests on the pretrained testbed run first, all on one xdist worker (group "testbed"): the first builds the
-    testbed (about 5½ minutes of one core on a clean clone) while the other worker runs the rest of the suite."""
+    testbed (about 5½ minutes of one core on a clean clone) while the other worker runs the rest of the suite. Then
+    the other long units (the xdist groups and the tests marked ``slow``), then the short tests: xdist hands out its
+    units in this order, so the short ones fill the end of the run instead of one worker idling while the other
+    finishes a long one."""
     for item in items:
         if item.get_closest_marker("testbed") is not None:
             item.add_marker(pytest.mark.xdist_group("testbed"))
-    items.sort(key=lambda item: item.get_closest_marker("testbed") is None)
+
+    def long_first(item) -> int:
+        if item.get_closest_marker("testbed") is not None:
+            return 0
+        long = item.get_closest_marker("xdist_group") or item.get_closest_marker("slow")
+        return 1 if long else 2
+
+    items.sort(key=long_first)
 
 
 @pytest.hookimpl(trylast=True)  # after xdist's worker hook has suffixed each grouped test's id with "@group"

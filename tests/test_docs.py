@@ -263,3 +263,22 @@ def test_every_page_of_the_site_is_in_its_navigation():
     listed = set(pages(config["nav"]))
     on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert on_disk == listed
+
+
+def test_every_test_the_engine_table_names_exists_and_no_cell_is_untested():
+    """docs/distributed.md's table of savings against engines: each cell tested by a test that exists (its file, its
+    function and the parameter id it names) or refused; none left "untested"."""
+    page = (DOCS / "distributed.md").read_text()
+    section = page.split("## Which saving runs on which engine", 1)[1]
+    table = next(block for block in section.split("\n\n") if block.startswith("| "))
+    rows = [line for line in table.splitlines() if not line.startswith("| ---")][1:]
+    cells = [cell.strip() for row in rows for cell in row.strip("|").split(" | ")[1:]]
+    assert len(rows) >= 8 and len(cells) == 4 * len(rows)
+    assert all(re.match(r"(\S+ )?(tested|refused)", cell) for cell in cells), cells
+    named = re.findall(r"`(test_\w+\.py)::(test_\w+)(?:\[([^\]]+)\])?`", table)
+    assert len(named) >= 10
+    for module, function, parameters in named:
+        source = (ROOT / "tests" / module).read_text()
+        assert f"def {function}(" in source, (module, function)
+        for part in filter(None, re.split(r"[-+]", parameters or "")):
+            assert part in source, (module, function, part)

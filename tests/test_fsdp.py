@@ -244,6 +244,12 @@ def accelerate_launch(out: Path, *args: str) -> list[dict]:
         ("fsdp1", "fsdp_version: 2", {}),
         ("fsdp2", None, {}),
         ("deepspeed", "`fused_optimizer_step` is not supported under DeepSpeed ZeRO", {"fused_optimizer_step": True}),
+        (
+            "deepspeed",
+            r"optim='adamw_bnb_8bit' \(8-bit optimizer states\) .*universal checkpoint",
+            {"optim": "adamw_bnb_8bit"},
+        ),
+        ("deepspeed", r"optim='adamw_torch_8bit' \(8-bit optimizer states\)", {"optim": "adamw_torch_8bit"}),
     ],
 )
 def test_poet_trainer_takes_fsdp2_and_refuses_fsdp1_and_what_zero_cannot_take(

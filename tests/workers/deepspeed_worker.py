@@ -1,9 +1,9 @@
 """Run under `accelerate launch` with a DeepSpeed ZeRO config: a short POET run with merges every 3 steps and a
 checkpoint at step 4, then write the logged losses, a hash of the whole (gathered) state and its merge count per
 rank to OUT/rank<k>.json. Without a launcher it is the single-process reference. METHOD: poet, poet-nf4 (its W0
-stored as ``nf4-shardable``, folded to nearest, with activation checkpointing), or oft (OFT with a merge every 3 steps
-too). PER_DEVICE_BATCH is
-``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations cached across them
+stored as ``nf4-shardable``, folded to nearest, with activation checkpointing), poet-nf4-chunked (the same with the
+loss computed 8 tokens at a time, ``loss_chunk_tokens``), or oft (OFT with a merge every 3 steps too).
+PER_DEVICE_BATCH is ``B`` or ``BxK``: K micro-batches of B per optimizer step, the rotations cached across them
 (``cache_rotations=True``: every micro-batch but the last defers its rotation gradients).
 Usage: deepspeed_worker.py OUT MAX_STEPS PER_DEVICE_BATCH METHOD [CHECKPOINT_TO_RESUME]."""
 
@@ -31,11 +31,14 @@ def main() -> None:
         base = tiny_llama(0, hidden=32, intermediate=64, vocab=len(tokenizer), heads=2, max_position_embeddings=64)
         model = get_peft_model(base.train(), OftConfig(block_size=8, merge_every=3, **cache))
     else:
-        quantized = {"base_quantization": "nf4-shardable", "requantize": "nearest"} if method == "poet-nf4" else {}
+        savings = method.startswith("poet-nf4")
+        quantized = {"base_quantization": "nf4-shardable", "requantize": "nearest"} if savings else {}
         model = tiny_poet_model(len(tokenizer), merge_every=3, **cache, **quantized)
     schedule = {"max_steps": steps, "save_strategy": "steps", "save_steps": 4}
     schedule["gradient_accumulation_steps"] = accumulation
-    schedule["activation_checkpointing"] = method == "poet-nf4"
+    schedule["activation_checkpointing"] = method.startswith("poet-nf4")
+    if method == "poet-nf4-chunked":
+        schedule["loss_chunk_tokens"] = 8
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=int(batch), **schedule)
     trainer.train(resume_from_checkpoint=resume)
     losses = {log["step"]: log["loss"] for log in trainer.state.log_history if "loss" in log}

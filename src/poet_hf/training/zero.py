@@ -32,6 +32,10 @@ UNSUPPORTED_WITH_ZERO = {
     "base_quantization": "ZeRO partitions and casts every parameter, which a bitsandbytes W0 cannot follow (its "
     "quantisation state rides on the parameter); store W0 as 'nf4-shardable' or 'int8-shardable', which ZeRO-3 "
     "partitions like any frozen parameter",
+    "optim": "DeepSpeed's universal checkpoint, its way to resume a run on another process count, carries an "
+    "optimizer's float32 Adam moments (`exp_avg`, `exp_avg_sq`) and not an 8-bit optimizer's codes and scales, and "
+    "its flat partitions put the quantisation blocks across parameters at places that move with the process count "
+    "(ZeRO already divides float32 states by the process count; FSDP2 steps 8-bit ones, optim='adamw_torch_8bit')",
 }
 
 
@@ -72,11 +76,15 @@ def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
         layer.base_quantization and not storage_kind(layer.base_quantization).shardable
         for _, layer in rotation_layers(model)
     )
+    optim = getattr(args, "optim", "")
+    optim = str(getattr(optim, "value", optim))  # Trainer's `OptimizerNames`, or a plain string
     settings = {"fused_optimizer_step": getattr(args, "fused_optimizer_step", False), "base_quantization": quantized}
+    settings["optim"] = "8bit" in optim
     for field, why in UNSUPPORTED_WITH_ZERO.items():
         if settings[field]:
+            setting = f"optim='{optim}' (8-bit optimizer states)" if field == "optim" else f"`{field}`"
             raise ValueError(
-                f"`{field}` is not supported under DeepSpeed ZeRO: {why}; unset it, or train with DDP or FSDP2"
+                f"{setting} is not supported under DeepSpeed ZeRO: {why}; unset it, or train with DDP or FSDP2"
             )
     if stage == 3 and any(isinstance(c, OftConfig) for c in getattr(model, "peft_config", {}).values()):
         raise ValueError(
