@@ -27,16 +27,16 @@ def main() -> None:
     cache = {"cache_rotations": True} if accumulation > 1 else {}
     resume = sys.argv[5] if len(sys.argv) > 5 else None
     dataset, tokenizer = tiny_dataset()
+    savings = method.startswith("poet-nf4")
     if method == "oft":
         base = tiny_llama(0, hidden=32, intermediate=64, vocab=len(tokenizer), heads=2, max_position_embeddings=64)
         model = get_peft_model(base.train(), OftConfig(block_size=8, merge_every=3, **cache))
     else:
-        savings = method.startswith("poet-nf4")
         quantized = {"base_quantization": "nf4-shardable", "requantize": "nearest"} if savings else {}
         model = tiny_poet_model(len(tokenizer), merge_every=3, **cache, **quantized)
     schedule = {"max_steps": steps, "save_strategy": "steps", "save_steps": 4}
     schedule["gradient_accumulation_steps"] = accumulation
-    schedule["activation_checkpointing"] = method.startswith("poet-nf4")
+    schedule["activation_checkpointing"] = savings
     if method == "poet-nf4-chunked":
         schedule["loss_chunk_tokens"] = 8
     trainer = tiny_trainer(out / "run", model, dataset, per_device_train_batch_size=int(batch), **schedule)
