@@ -13,6 +13,7 @@ from torch import nn
 
 from ..training.arguments import PoetTrainingArguments
 from ..training.fused_step import check_fused_step
+from ..training.optimizer import optim_name
 from ..tuners.rotation.storage_kinds import storage_kind
 from .memory_plan import MemoryPlan, plan_memory
 from .plan_settings import PlanSettings
@@ -93,7 +94,7 @@ def _settings_of(
 ) -> PlanSettings:
     """The run's `PlanSettings`; `RefusedRun` where the run itself would refuse them."""
     rotation = recipe.rotation
-    optim = str(getattr(training.optim, "value", training.optim))
+    optim = optim_name(training)
     settings = PlanSettings(
         method=args.method,
         dtype=dtype,

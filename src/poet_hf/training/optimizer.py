@@ -233,6 +233,19 @@ def create_poet_optimizer(
     return optimizer
 
 
+def optim_name(args: object) -> str:
+    """``args.optim`` as the command line spells it (Trainer keeps an ``OptimizerNames``); ``""`` without one.
+
+    Args:
+        args: training arguments (`PoetTrainingArguments`, ``transformers.TrainingArguments``) or any object.
+
+    Returns:
+        The optimizer's name, e.g. ``"adamw_bnb_8bit"``.
+    """
+    optim = getattr(args, "optim", "")
+    return str(getattr(optim, "value", optim))
+
+
 def check_steps_shards(model: nn.Module, optimizer_cls: type) -> None:
     """Refuse a bitsandbytes optimizer for a model whose parameters FSDP2 has sharded.
 

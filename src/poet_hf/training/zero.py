@@ -25,7 +25,7 @@ from torch import nn
 from ..tuners.oft import OftConfig
 from ..tuners.rotation.layer import RotationLayer, rotation_layers
 from ..tuners.rotation.storage_kinds import storage_kind
-from .optimizer import reset_optimizer_state
+from .optimizer import optim_name, reset_optimizer_state
 
 UNSUPPORTED_WITH_ZERO = {
     "fused_optimizer_step": "DeepSpeed owns the optimizer step, which fused steps would take inside the backward",
@@ -76,8 +76,7 @@ def check_zero_run(args: Any, model: nn.Module, stage: int | None) -> None:
         layer.base_quantization and not storage_kind(layer.base_quantization).shardable
         for _, layer in rotation_layers(model)
     )
-    optim = getattr(args, "optim", "")
-    optim = str(getattr(optim, "value", optim))  # Trainer's `OptimizerNames`, or a plain string
+    optim = optim_name(args)
     settings = {"fused_optimizer_step": getattr(args, "fused_optimizer_step", False), "base_quantization": quantized}
     settings["optim"] = "8bit" in optim
     for field, why in UNSUPPORTED_WITH_ZERO.items():
