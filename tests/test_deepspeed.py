@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 from safetensors.torch import load_file
 from training_utils import free_port
@@ -25,14 +26,11 @@ SAFE = "model.safetensors"
 EXPORT_TOLERANCE = 1e-5
 
 
-def accelerate_launch(stage: int, processes: int = 2) -> list[str]:
-    """``examples/cluster/deepspeed_zero<stage>.yaml`` in ``processes`` processes, as a user launches it without
-    GPUs."""
+def launch_flags(stage: int, processes: int = 2) -> list[str]:
+    """``accelerate launch``'s flags for ``examples/cluster/deepspeed_zero<stage>.yaml`` in ``processes`` processes,
+    as a user launches it without GPUs."""
     config = str(CLUSTER / f"deepspeed_zero{stage}.yaml")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
-    return [*launcher, "--num_processes", str(processes)] + [
-        "--mixed_precision",
-        "no",
+    return ["--config_file", config, "--num_processes", str(processes), "--mixed_precision", "no"] + [
         "--main_process_port",
         str(free_port()),
     ]
@@ -41,25 +39,18 @@ def accelerate_launch(stage: int, processes: int = 2) -> list[str]:
 def launch(
     stage: int, method: str, out: Path, steps: int, resume: Path | None = None, batch: str = "2", processes: int = 2
 ) -> list[dict]:
-    """The worker under `accelerate_launch` (``batch`` per process; ``BxK``: K micro-batches); each rank's report."""
-    command = [
-        *accelerate_launch(stage, processes),
-        WORKER,
-        str(out),
-        str(steps),
-        batch,
-        method,
-        *([str(resume)] if resume else []),
-    ]
-    done = subprocess.run(command, env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
+    """The worker launched with `launch_flags` (``batch`` per process; ``BxK``: K micro-batches); each rank's report.
+    accelerate's launcher prepares the ranks' environment from the config file and the ranks are forked from a server
+    that has done the imports (tests/helpers/prewarmed.py); `test_pretrain_script_runs_under_the_zero3_config` runs
+    the launcher whole, torchrun included."""
+    arguments = [WORKER, out, steps, batch, method, *([resume] if resume else [])]
+    prewarmed.accelerate_launch([*launch_flags(stage, processes), *arguments], out / "launch.log", ENV, 900)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 
 def single_process(method: str, out: Path) -> dict:
     """The same run without DeepSpeed in one process, with the two processes' global batch."""
-    command = [sys.executable, WORKER, str(out), "6", "4", method]
-    subprocess.run(command, env={**os.environ, **ENV}, check=True, timeout=600)
+    prewarmed.run(WORKER, [out, 6, 4, method], out / "single.log", env=ENV)
     return json.loads((out / "rank0.json").read_text())
 
 
@@ -144,7 +135,10 @@ def test_pretrain_script_runs_under_the_zero3_config(tmp_path):
     """`accelerate launch --config_file examples/cluster/deepspeed_zero3.yaml scripts/pretrain.py`, as the docs give
     it, on two CPU processes: two steps, a merge after each, evaluated and written."""
     command = [
-        *accelerate_launch(3),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *launch_flags(3),
         str(HERE.parent / "scripts" / "pretrain.py"),
         *"--max_steps 2 --per_device_train_batch_size 2 --global_batch_size 4 --seq_len 64 --merge_every 1".split(),
         *"--max_eval_samples 4 --logging_steps 1 --output_dir".split(),

@@ -9,17 +9,15 @@ is still parsed by its script's own parser in tests/test_documented_commands.py.
 
 Python scripts and ``poet-hf`` run forked from a server that has already imported torch, transformers and PEFT
 (tests/helpers/prewarmed.py): the script runs as ``__main__`` with the line's arguments, in the working folder, as
-``python scripts/...`` would, without 14 s of imports each. ``accelerate launch`` lines run through accelerate's
-own launcher, with a free ``--main_process_port`` added so that two launches on one machine do not collide. Pushes
-go to a stand-in for the Hub on 127.0.0.1 (tests/helpers/hub_stand_in.py), which records what each commits.
+``python scripts/...`` would, without 14 s of imports each. ``accelerate launch`` lines go through accelerate's
+own launcher, which reads their config files and flags and prepares the ranks' environment (a free
+``--main_process_port`` added), and their ranks are forked from the same server. Pushes go to a stand-in for the Hub
+on 127.0.0.1 (tests/helpers/hub_stand_in.py), which records what each commits.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import prewarmed
@@ -31,8 +29,8 @@ from training_utils import free_port
 
 # The flags that shorten a run, per script: each page that has a line of that script says them to its reader.
 QUICK = {
-    "scripts/pretrain": "--max_steps 2 --per_device_train_batch_size 2 --gradient_accumulation_steps 1 "
-    "--max_eval_samples 8",
+    "scripts/pretrain": "--max_steps 2 --per_device_train_batch_size 1 --gradient_accumulation_steps 1 "
+    "--max_eval_samples 2",
     "scripts/train_vision": "--max_steps 2 --per_device_train_batch_size 8 --max_eval_samples 32",
     "scripts/train_svd_network": "--num_train_epochs 1",
     "examples/sft_trl": "--max_steps 2",
@@ -92,20 +90,12 @@ def _quick(script: str, page: Path) -> list[str]:
     return flags.split()
 
 
-def _launch(command: list[str], script: str, page: Path, folder: Path, env: dict[str, str]) -> None:
-    """``accelerate launch ...`` through accelerate's launcher, with a free port and the quick flags."""
+def _launch(command: list[str], script: str, page: Path, folder: Path, env: dict[str, str], log: Path) -> None:
+    """``accelerate launch ...`` with a free port and the quick flags: accelerate's launcher prepares the ranks, which
+    are forked from the server (tests/helpers/prewarmed.py)."""
     index = command.index("launch") + 1
-    arguments = [*command[index:], *_quick(script, page)]
-    launched = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
-    done = subprocess.run(
-        [*launched, *arguments],
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, f"{' '.join(command)}: exit {done.returncode}\n{done.stderr[-3000:]}"
+    arguments = ["--main_process_port", str(free_port()), *command[index:], *_quick(script, page)]
+    prewarmed.accelerate_launch(arguments, log, env={**env, "OMP_NUM_THREADS": "1"}, cwd=folder)
 
 
 def _run(command: list[str], page: Path, folder: Path, env: dict[str, str], log: Path) -> None:
@@ -113,7 +103,7 @@ def _run(command: list[str], page: Path, folder: Path, env: dict[str, str], log:
     assert call is not None, f"{page.name}: {' '.join(command)} calls no script of this repository"
     script, first = call
     if command[:2] == ["accelerate", "launch"]:
-        return _launch(command, script, page, folder, env)
+        return _launch(command, script, page, folder, env, log)
     program = "-m poet_hf" if command[0] == "poet-hf" or "-m" in command[:first] else str(ROOT / f"{script}.py")
     arguments = command[first - 1 :] if program == "-m poet_hf" else command[first:]
     prewarmed.run(program, [*arguments, *_quick(script, page)], log, env=env, cwd=folder)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from peft import PeftModel
 from tolerances import tiny_model_tolerance
+from training_utils import free_port
 from transformers import AutoModelForCausalLM
 
 import poet_hf  # noqa: F401
@@ -227,14 +228,9 @@ def test_the_chunked_loss_keeps_the_head_split_and_trains_as_the_whole_logits_un
 def accelerate_launch(out: Path, *args: str) -> list[dict]:
     """tests/workers/fsdp_worker.py under ``accelerate launch --multi_gpu --num_processes 2`` (gloo on a CPU), as a
     user launches a script of their own that shards with `shard_model` (Accelerate's FSDP plugin needs an
-    accelerator)."""
-    from training_utils import free_port
-
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
-    launcher += ["--main_process_port", str(free_port()), WORKER, str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    accelerator): accelerate's launcher prepares the ranks, forked from the server of tests/helpers/prewarmed.py."""
+    launch = ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()), WORKER, out, *args]
+    prewarmed.accelerate_launch(launch, out.parent / f"{out.name}.log", env={"OMP_NUM_THREADS": "1"})
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import bitsandbytes  # noqa: F401  (the `quant` extra, part of `dev`)
+import prewarmed
 import pytest
 import torch
 from peft import get_peft_model
@@ -32,6 +33,7 @@ from poet_hf.tuners.rotation.model import set_residual_folder
 from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError
 
 ROOT = Path(__file__).resolve().parent.parent
+PRETRAIN = ROOT / "scripts" / "pretrain.py"
 SHAPES = {"up": (128, 256), "down": (256, 128)}  # (in, out) of each target
 
 
@@ -207,13 +209,17 @@ def test_only_the_folders_of_dead_processes_are_removed(parent):
             holder.wait()
 
 
-def _run_until_files_and_a_checkpoint(out: Path, parent: Path, resume: bool) -> subprocess.Popen:
-    args = [sys.executable, str(ROOT / "scripts" / "pretrain.py"), "--base_quantization", "nf4", "--max_steps", "16"]
-    args += ["--merge_every", "2", "--save_steps", "2", "--output_dir", str(out), "--residual_folder", str(parent)]
-    args += ["--max_eval_samples", "8", "--logging_steps", "1000"]
-    args += ["--resume_from_checkpoint", "auto"] if resume else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _pretrain_args(out: Path, parent: Path, resume: bool) -> list[str]:
+    args = ["--base_quantization", "nf4", "--max_steps", "16", "--merge_every", "2", "--save_steps", "2"]
+    args += ["--output_dir", str(out), "--residual_folder", str(parent), "--max_eval_samples", "8"]
+    return [*args, "--logging_steps", "1000", *(["--resume_from_checkpoint", "auto"] if resume else [])]
+
+
+def _run_to_be_killed(out: Path, parent: Path, resume: bool) -> prewarmed.Ranks:
+    """``scripts/pretrain.py`` with an nf4 ``W0``, forked from the imports-only server (tests/helpers/prewarmed.py): a
+    process of its own, whose pid names its residual folder, that a SIGKILL ends as it ends any process."""
+    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return prewarmed.start(PRETRAIN, _pretrain_args(out, parent, resume), out.parent / "killed.log", env=env)
 
 
 @pytest.mark.slow
@@ -223,20 +229,22 @@ def test_a_run_killed_three_times_and_resumed_leaves_no_residual_folder_behind(t
     leaves its folder, the next start removes it, and once the last run ends no folder is left."""
     parent, out = tmp_path / "residuals", tmp_path / "run"
     for life in range(3):
-        run = _run_until_files_and_a_checkpoint(out, parent, resume=life > 0)
+        run = _run_to_be_killed(out, parent, resume=life > 0)
+        pid = run.processes[0].pid
         deadline = time.monotonic() + 300
         mine = None
         while time.monotonic() < deadline and run.poll() is None:
-            mine = next(iter(parent.glob(f"{PREFIX}{run.pid}-*")), None)
+            mine = next(iter(parent.glob(f"{PREFIX}{pid}-*")), None)
             checkpoints = list(out.glob("checkpoint-*"))
             if mine is not None and any(mine.glob("residual-*")) and checkpoints:
                 break
             time.sleep(0.2)
         assert run.poll() is None, "the run ended before it could be killed"
-        run.send_signal(signal.SIGKILL)
-        run.wait()
+        run.kill()
         assert mine is not None and mine.exists()  # a killed process leaves its folder
         assert len(list(parent.glob(f"{PREFIX}*"))) == 1  # the previous killed run's is gone
-    last = _run_until_files_and_a_checkpoint(out, parent, resume=True)
-    assert last.wait(timeout=600) == 0
+    # The last run ends as an interpreter ends (its exit handlers run): a fresh one, started as a user starts it.
+    last = [sys.executable, str(PRETRAIN), *_pretrain_args(out, parent, resume=True)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    assert subprocess.run(last, env=env, capture_output=True, timeout=600).returncode == 0
     assert list(parent.glob(f"{PREFIX}*")) == []

@@ -1,5 +1,5 @@
-"""Start worker scripts, one process or torchrun-style ranks, forked from a server that has already imported torch,
-transformers, PEFT and poet_hf.
+"""Start worker scripts (one process, torchrun-style ranks, or the ranks of an ``accelerate launch``) forked from a
+server that has already imported torch, transformers, PEFT and poet_hf.
 
 A fresh interpreter spends about 14 s of CPU on those imports (PEFT's pulls in torch._dynamo and torch._inductor), and
 the multi-process tests start dozens of processes. A child forked from the server (multiprocessing's forkserver, which
@@ -146,3 +146,36 @@ def run(
         code = None
     tail = log.read_text()[-3000:] if log.exists() else ""
     assert code == 0, f"{Path(script).name} {' '.join(map(str, args))}: exit code {code}; its log:\n{tail}"
+
+
+def accelerate_launch(
+    launch_args: list, log: Path, env: dict[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+) -> None:
+    """``accelerate launch <launch_args>`` (its flags, then the script or ``-m module`` and the script's arguments),
+    run to its end in the folder ``cwd`` as `run` runs a launch. accelerate's own ``launch_command`` runs (its parser
+    reads the config file and the flags, its launcher prepares the processes' environment) up to where it would start
+    torchrun, or the one process of a launch without it; those processes are then forked from the server, with that
+    environment, instead of started as fresh interpreters."""
+    from unittest import mock
+
+    import accelerate.commands.launch as launch
+
+    before = dict(os.environ)
+    seen: dict = {}
+
+    def changed(environment) -> dict[str, str]:
+        return {key: value for key, value in environment.items() if before.get(key) != value}
+
+    def torchrun(args) -> None:  # the launcher calls it inside `patch_environment(**the ranks' environment)`
+        seen.update(ranks=int(args.nproc_per_node), env=changed(os.environ), torchrun=True)
+
+    def one_process(command, environment, quiet) -> None:
+        seen.update(ranks=1, env=changed(environment), torchrun=False)
+
+    args = launch.launch_command_parser().parse_args([str(argument) for argument in launch_args])
+    script = f"-m {args.training_script}" if args.module else args.training_script
+    with mock.patch.object(launch, "_run_torchrun", torchrun):
+        with mock.patch.object(launch, "_run_subprocess", one_process):
+            launch.launch_command(args)
+    environment = {**seen["env"], **(env or {})}
+    run(script, args.training_script_args, log, environment, seen["ranks"], timeout, seen["torchrun"], cwd)
