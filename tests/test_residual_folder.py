@@ -34,6 +34,7 @@ from poet_hf.tuners.rotation.residual_folder import PREFIX, ResidualSpaceError
 
 ROOT = Path(__file__).resolve().parent.parent
 PRETRAIN = ROOT / "scripts" / "pretrain.py"
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}  # of every scripts/pretrain.py run here
 SHAPES = {"up": (128, 256), "down": (256, 128)}  # (in, out) of each target
 
 
@@ -218,8 +219,7 @@ def _pretrain_args(out: Path, parent: Path, resume: bool) -> list[str]:
 def _run_to_be_killed(out: Path, parent: Path, resume: bool) -> prewarmed.Ranks:
     """``scripts/pretrain.py`` with an nf4 ``W0``, forked from the imports-only server (tests/helpers/prewarmed.py): a
     process of its own, whose pid names its residual folder, that a SIGKILL ends as it ends any process."""
-    env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    return prewarmed.start(PRETRAIN, _pretrain_args(out, parent, resume), out.parent / "killed.log", env=env)
+    return prewarmed.start(PRETRAIN, _pretrain_args(out, parent, resume), out.parent / "killed.log", env=RUN_ENV)
 
 
 @pytest.mark.slow
@@ -245,6 +245,5 @@ def test_a_run_killed_three_times_and_resumed_leaves_no_residual_folder_behind(t
         assert len(list(parent.glob(f"{PREFIX}*"))) == 1  # the previous killed run's is gone
     # The last run ends as an interpreter ends (its exit handlers run): a fresh one, started as a user starts it.
     last = [sys.executable, str(PRETRAIN), *_pretrain_args(out, parent, resume=True)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    assert subprocess.run(last, env=env, capture_output=True, timeout=600).returncode == 0
+    assert subprocess.run(last, env={**os.environ, **RUN_ENV}, capture_output=True, timeout=600).returncode == 0
     assert list(parent.glob(f"{PREFIX}*")) == []
