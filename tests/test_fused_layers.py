@@ -27,7 +27,7 @@ from poet_hf.diagnostics import rotation_stats
 from poet_hf.orthogonal import CayleyNeumann, HouseholderProduct, num_skew_params, orthogonal_from_vector
 from poet_hf.orthogonal.base_ops import Conv2dOp
 from poet_hf.orthogonal.norm_cap import MAX_SKEW_NORM
-from poet_hf.orthogonal.rotated_linear import STRATEGIES, SideRotation, rotated_forward
+from poet_hf.orthogonal.rotated_linear import STRATEGIES, RotatedPass, SideRotation
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.orthogonal.strategy_costs import auto_strategy, strategy_costs
 from poet_hf.tuners.rotation.layer import rotation_layers
@@ -77,32 +77,59 @@ def dense_rotation(side: SideRotation, vec: torch.Tensor) -> torch.Tensor:
 CASES = list(
     itertools.product(["block", "contiguous", "full"], STRATEGIES, ["both", "input", "output"], [0, 5, HOUSEHOLDER])
 )
+# W0 stored in its block coordinates: every strategy, each side alone and both, a block side beside a full one.
+STORED_CASES = list(itertools.product(STRATEGIES, [("block", "block"), ("block", None), (None, "block"), ("full", "block")]))
+
+
+def _case(kinds, terms, d_in=12, d_out=8):
+    """Sides (``None`` where a kind is ``None``), an input, ``W0`` and a bias in float64."""
+    blocks = {"full": (5, 3)}
+    r_kind, p_kind = kinds
+    r_side, r_vec = make_side(r_kind, d_in, blocks.get(r_kind, (4, 4))[0], terms, 1) if r_kind else (None, None)
+    p_side, p_vec = make_side(p_kind, d_out, blocks.get(p_kind, (4, 4))[1], terms, 2) if p_kind else (None, None)
+    x = torch.randn(2, 3, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    weight = torch.randn(d_out, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(d_out, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    return (r_side, r_vec), (p_side, p_vec), x, weight, bias
+
+
+def _check_against_dense(strategy, sides, x, weight, bias, stored=None):
+    """The fused pass equals ``x R W0ᵀ P + b`` from dense float64 rotations, and passes gradcheck; ``stored`` is
+    ``W0`` as the layer stores it (in block coordinates), ``weight`` the natural one the reference uses."""
+    (r_side, r_vec), (p_side, p_vec) = sides
+    rotated = RotatedPass(strategy, r_side, p_side, block_coordinates=stored is not None)
+    given = weight if stored is None else stored
+    y = rotated(x, given, bias, r_vec, p_vec)
+    r = dense_rotation(r_side, r_vec) if r_side else torch.eye(weight.shape[1], dtype=torch.float64)
+    p = dense_rotation(p_side, p_vec) if p_side else torch.eye(weight.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p + bias.detach(), rtol=0, atol=1e-12)
+    inputs = tuple(t for t in (x, bias, r_vec, p_vec) if t is not None)
+
+    def f(*args):
+        return rotated(args[0], given, args[1], args[2] if r_side else None, args[-1] if p_side else None)
+
+    assert torch.autograd.gradcheck(f, inputs)
 
 
 @pytest.mark.parametrize("kind,strategy,sides,terms", CASES)
 def test_fused_function_matches_dense_reference_and_passes_gradcheck(kind, strategy, sides, terms):
-    d_in, d_out = 12, 8
-    blocks = (4, 4) if kind != "full" else (5, 3)
-    r_side, r_vec = make_side(kind, d_in, blocks[0], terms, 1) if sides in ("both", "input") else (None, None)
-    p_side, p_vec = make_side(kind, d_out, blocks[1], terms, 2) if sides in ("both", "output") else (None, None)
-    x = torch.randn(2, 3, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
-    weight = torch.randn(d_out, d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    bias = torch.randn(d_out, dtype=torch.float64, generator=torch.Generator().manual_seed(5)).requires_grad_()
+    kinds = (kind if sides in ("both", "input") else None, kind if sides in ("both", "output") else None)
+    r, p, x, weight, bias = _case(kinds, terms)
+    _check_against_dense(strategy, (r, p), x, weight, bias)
 
-    y = rotated_forward(strategy, x, weight, bias, r_side, r_vec, p_side, p_vec)
-    r = dense_rotation(r_side, r_vec) if r_side else torch.eye(d_in, dtype=torch.float64)
-    p = dense_rotation(p_side, p_vec) if p_side else torch.eye(d_out, dtype=torch.float64)
-    torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p + bias.detach(), rtol=0, atol=1e-12)
 
-    inputs = tuple(t for t in (x, bias, r_vec, p_vec) if t is not None)
-
-    def f(*args):
-        x_, b_ = args[0], args[1]
-        rv = args[2] if r_side else None
-        pv = args[-1] if p_side else None
-        return rotated_forward(strategy, x_, weight, b_, r_side, rv, p_side, pv)
-
-    assert torch.autograd.gradcheck(f, inputs)
+@pytest.mark.parametrize("strategy,kinds", STORED_CASES)
+def test_a_w0_stored_in_block_coordinates_gives_the_natural_layers_function_and_gradients(strategy, kinds):
+    """``Ψ_P · W0 · Ψ_Rᵀ`` (rows by the output permutation, columns by the input one; a full side's dimension as it
+    is) with ``block_coordinates``: the layer of the natural ``W0``, against dense rotations."""
+    r, p, x, weight, bias = _case(kinds, 5)
+    stored = weight
+    if p[0] is not None and p[0].spec.kind == "block":
+        stored = stored[p[0].index]
+    if r[0] is not None and r[0].spec.kind == "block":
+        stored = stored[:, r[0].index]
+    assert not torch.equal(stored, weight)
+    _check_against_dense(strategy, (r, p), x, weight, bias, stored=stored)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -113,13 +140,13 @@ def test_shared_and_dropped_blocks_have_exact_gradients(strategy):
     x = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(6, 12, dtype=torch.float64)
     for s, v in ((side, vec), (side_masked, vec_masked)):
-        y = rotated_forward(strategy, x, weight, None, s, v, None, None)
+        y = RotatedPass(strategy, s)(x, weight, None, v)
         torch.testing.assert_close(y, x.detach() @ dense_rotation(s, v) @ weight.T, rtol=0, atol=1e-12)
         assert torch.autograd.gradcheck(
-            lambda x_, v_, s=s: rotated_forward(strategy, x_, weight, None, s, v_, None, None), (x, v)
+            lambda x_, v_, s=s: RotatedPass(strategy, s)(x_, weight, None, v_), (x, v)
         )
     # A dropped block's parameters get no gradient.
-    y = rotated_forward(strategy, x, weight, None, side_masked, vec_masked, None, None)
+    y = RotatedPass(strategy, side_masked)(x, weight, None, vec_masked)
     (grad,) = torch.autograd.grad(y.square().sum(), vec_masked)
     assert grad[1].abs().max() == 0 and grad[0].abs().max() > 0
 
@@ -134,13 +161,13 @@ def test_conv2d_weight_strategy_matches_conv_with_dense_rotated_weight(kind):
     p_side, p_vec = make_side(kind, 6, 3 if kind == "block" else 4, 5, 10)
     op = Conv2dOp(tuple(conv.weight.shape), conv.stride, conv.padding, conv.dilation, conv.groups)
     x = torch.randn(2, 4, 7, 7, dtype=torch.float64, requires_grad=True)
-    y = rotated_forward("weight", x, flat, conv.bias, r_side, r_vec, p_side, p_vec, op=op)
+    y = RotatedPass("weight", r_side, p_side, op)(x, flat, conv.bias, r_vec, p_vec)
     dense = dense_rotation(p_side, p_vec).T @ flat @ dense_rotation(r_side, r_vec).T
     torch.testing.assert_close(
         y, F.conv2d(x.detach(), dense.reshape(conv.weight.shape), conv.bias.detach(), 2, 1), rtol=0, atol=1e-12
     )
     assert torch.autograd.gradcheck(
-        lambda x_, rv, pv: rotated_forward("weight", x_, flat, conv.bias.detach(), r_side, rv, p_side, pv, op=op),
+        lambda x_, rv, pv: RotatedPass("weight", r_side, p_side, op)(x_, flat, conv.bias.detach(), rv, pv),
         (x, r_vec, p_vec),
     )
 

@@ -25,7 +25,7 @@ from torch import nn
 import poet_hf  # noqa: F401
 from poet_hf import OftConfig, PoetConfig, merge_and_reinit
 from poet_hf.orthogonal import CayleyNeumann
-from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
+from poet_hf.orthogonal.rotated_linear import RotatedPass, SideRotation
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners.rotation import layer as rotation_layer_module
 from poet_hf.tuners.rotation import quantization as quant
@@ -133,7 +133,7 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     ]
     x = torch.randn(3, 12, dtype=torch.float64, generator=gen, requires_grad=True)
     source = CountingWeight(weight)
-    y = rotated_forward(strategy, x, source, None, sides[0], vecs[0], sides[1], vecs[1])
+    y = RotatedPass(strategy, *sides)(x, source, None, *vecs)
     assert source.calls == 1
     saved = [t for t in y.grad_fn.saved_tensors if t is not None]
     assert not [t for t in saved if t.shape == weight.shape]  # the dense W0 is not kept for the backward
@@ -142,7 +142,7 @@ def test_a_dequantising_weight_gives_the_tensor_weights_function_and_gradients(s
     y.sum().backward()
     assert source.calls == 2  # rebuilt in the backward, never kept
     assert torch.autograd.gradcheck(
-        lambda x_, r_, p_: rotated_forward(strategy, x_, CountingWeight(weight), None, sides[0], r_, sides[1], p_),
+        lambda x_, r_, p_: RotatedPass(strategy, *sides)(x_, CountingWeight(weight), None, r_, p_),
         (x.detach().requires_grad_(), *vecs),
     )
 

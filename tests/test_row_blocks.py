@@ -12,7 +12,7 @@ from reference import block_rotation_dense, neumann_series, skew_dense
 from torch import nn
 
 from poet_hf.orthogonal import CayleyNeumann
-from poet_hf.orthogonal.rotated_linear import SideRotation, rotated_forward
+from poet_hf.orthogonal.rotated_linear import RotatedPass, SideRotation
 from poet_hf.orthogonal.spo import SideSpec
 from poet_hf.tuners.rotation import quantization as quant
 from poet_hf.tuners.rotation import quantized_rows as bnb_rows
@@ -59,14 +59,14 @@ def test_a_weight_read_by_row_blocks_gives_the_dense_function_and_gradients(stra
     source = RowBlockWeight(weight, 3)
     for output_side in (sides[1], None):  # with the bias added after P, and fused into the product without P
         p_vec = vecs[1] if output_side is not None else None
-        y = rotated_forward(strategy, x, source, bias, sides[0], vecs[0], output_side, p_vec)
+        y = RotatedPass(strategy, sides[0], output_side)(x, source, bias, vecs[0], p_vec)
         r = dense_rotation_of(sides[0], vecs[0])
         p = dense_rotation_of(sides[1], vecs[1]) if output_side is not None else torch.eye(8, dtype=torch.float64)
         torch.testing.assert_close(y, x.detach() @ r @ weight.T @ p + bias, rtol=0, atol=1e-12)
         y.sum().backward()
         assert torch.autograd.gradcheck(
-            lambda x_, r_, p_, side=output_side: rotated_forward(
-                strategy, x_, RowBlockWeight(weight, 3), bias, sides[0], r_, side, p_ if side is not None else None
+            lambda x_, r_, p_, side=output_side: RotatedPass(strategy, sides[0], side)(
+                x_, RowBlockWeight(weight, 3), bias, r_, p_ if side is not None else None
             ),
             (x.detach().requires_grad_(), vecs[0], vecs[1]),
         )

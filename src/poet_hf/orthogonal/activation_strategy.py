@@ -4,11 +4,16 @@ The block permutations act on the activations (``T × d`` gathers) rather than o
 and a `DenseWeight` is read a block of its rows at a time: a quantised ``W0`` is never dense whole. Kept for the
 backward: the input and, for `ACTIVATION` with an output side, the pre-rotation output ``h``; without it
 (`ACTIVATION_RECOMPUTE`) the backward recomputes ``h``.
+
+A ``W0`` in natural coordinates takes its products in natural order, so each rotated activation is gathered back and
+forth around them (four ``T × d`` gathers in the forward, up to nine in the backward); a ``W0`` stored in its block
+coordinates (``RotatedPass.block_coordinates``) takes them in the sides' coordinates: the input is gathered once
+and the output scattered once.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -28,6 +33,9 @@ from .rotation_sides import (
 )
 from .spo import BLOCK, inverse_permutation, select_last
 
+if TYPE_CHECKING:
+    from .rotated_linear import ComputeDtypes, RotatedPass
+
 __all__ = ["ActivationStrategy"]
 
 
@@ -38,18 +46,12 @@ def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> 
     return right_product(x, side, blocks)
 
 
-def _natural_input(
-    x2: torch.Tensor,
-    input_side: SideRotation | None,
-    r_blocks: torch.Tensor | None,
-    rotation_dtype: torch.dtype,
-    base_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``u Ψ_R = x R Ψ_R``: the rotated input in natural order, as ``W0``'s columns are stored."""
-    if input_side is None:
-        return x2.to(base_dtype)
-    u = _rotate_input(x2.to(rotation_dtype), input_side, given_blocks(r_blocks).to(rotation_dtype)).to(base_dtype)
-    return _natural_columns(u, input_side)
+def _base_input(x2: torch.Tensor, spec: RotatedPass, r_blocks: torch.Tensor | None, dtypes: ComputeDtypes):
+    """``x R`` in the coordinates of ``W0``'s columns: ``x R Ψ_R`` (natural) or ``x Ψ_Rᵀ Diag(R)`` (block)."""
+    if spec.input_side is None:
+        return x2.to(dtypes.base)
+    u = _rotate_input(x2.to(dtypes.rotation), spec.input_side, given_blocks(r_blocks).to(dtypes.rotation))
+    return _base_columns(u.to(dtypes.base), spec, spec.input_side)
 
 
 def _products(
@@ -77,6 +79,16 @@ def _products(
     return output, grad
 
 
+def _base_columns(t: torch.Tensor, spec: RotatedPass, side: SideRotation | None) -> torch.Tensor:
+    """A side's coordinates to those ``W0`` is stored in (the same with ``block_coordinates``)."""
+    return t if spec.block_coordinates else _natural_columns(t, side)
+
+
+def _coordinates_of_side(t: torch.Tensor, spec: RotatedPass, side: SideRotation | None) -> torch.Tensor:
+    """The coordinates ``W0`` is stored in to a side's (the same with ``block_coordinates``)."""
+    return t if spec.block_coordinates else _side_columns(t, side)
+
+
 def _natural_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
     """``t Ψ``: last-dimension entries from a block side's coordinates back to natural order."""
     index = side_permutation(side)
@@ -91,86 +103,77 @@ def _side_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
 
 class ActivationStrategy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output
-    ):
+    def forward(ctx, x, weight, bias, r_vec, p_vec, spec: RotatedPass, dtypes: ComputeDtypes):
+        input_side, output_side = spec.input_side, spec.output_side
         with autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
-            u = _natural_input(x.reshape(-1, x.shape[-1]), input_side, r_blocks, rotation_dtype, base_dtype)
-            h_natural = _products(u, None, weight, op, bias if output_side is None else None, base_dtype)[0]
-            h = _side_columns(cast(torch.Tensor, h_natural), output_side)  # in P's coordinates
+            u = _base_input(x.reshape(-1, x.shape[-1]), spec, r_blocks, dtypes)
+            h_base = _products(u, None, weight, spec.op, bias if output_side is None else None, dtypes.base)[0]
+            h = _coordinates_of_side(cast(torch.Tensor, h_base), spec, output_side)  # in P's coordinates
             y = h
             if output_side is not None:
-                y = right_product(
-                    h.to(rotation_dtype), output_side, output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
-                )
-                if output_side.spec.kind == BLOCK:
-                    y = select_last(y, inverse_permutation(output_side.index))
-                y = y.to(base_dtype)
+                p_blocks = output_side.blocks(p_vec, store=True)[0].to(dtypes.rotation)
+                y = right_product(h.to(dtypes.rotation), output_side, p_blocks)
+                y = _natural_columns(y, output_side).to(dtypes.base)
                 if bias is not None:
-                    y = y + bias.to(base_dtype)
-        ctx.save_for_backward(
-            x, save_weight(ctx, weight), bias, r_vec, p_vec, h if output_side is not None and keep_output else None
-        )
-        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
+                    y = y + bias.to(dtypes.base)
+        kept_h = h if output_side is not None and spec.keeps_output else None
+        ctx.save_for_backward(x, save_weight(ctx, weight), bias, r_vec, p_vec, kept_h)
+        ctx.spec, ctx.dtypes = spec, dtypes
         # row-major, as a Linear's output: the next op may view it, or keep it (a column-major gather leaves it not)
         return y.contiguous().reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, bias, r_vec, p_vec, h = ctx.saved_tensors
-        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
-        grads: list[Any] = [None] * 11
+        spec, dtypes = ctx.spec, ctx.dtypes
+        input_side, output_side = spec.input_side, spec.output_side
+        grads: list[Any] = [None] * 7
         with autocast_off(grad_y.device.type):
             weight = weight_source(weight, ctx)
             x2 = x.reshape(-1, x.shape[-1])
             g = grad_y.reshape(-1, grad_y.shape[-1])
             r_blocks = r_eval = None
             if bias is not None and ctx.needs_input_grad[2]:
-                grads[2] = op.bias_grad(g.to(base_dtype)).to(bias.dtype)
+                grads[2] = spec.op.bias_grad(g.to(dtypes.base)).to(bias.dtype)
             g_h, need_h = g, False  # dL/dh, in P's coordinates; whether h must be recomputed
             if output_side is not None:  # y = (h Diag(P)) Ψ_P, h = H Ψ_Pᵀ
                 p_blocks, p_eval = output_side.blocks(p_vec)
-                g = g.to(rotation_dtype)
-                if output_side.spec.kind == BLOCK:
-                    g = select_last(g, output_side.index)
-                g_h = right_product(g, output_side, transpose_blocks(p_blocks.to(rotation_dtype)))
+                g = _side_columns(g.to(dtypes.rotation), output_side)
+                g_h = right_product(g, output_side, transpose_blocks(p_blocks.to(dtypes.rotation)))
                 need_h = ctx.needs_input_grad[4] and h is None
             if input_side is not None and need_h:  # R's blocks are built when first needed: here for h, else after W0
                 r_blocks, r_eval = input_side.blocks(r_vec)
             # One pass over W0: h recomputed where needed, and dL/du = g_h Ψ_P W0 Ψ_Rᵀ (in R's coordinates).
-            u = _natural_input(x2, input_side, r_blocks, rotation_dtype, base_dtype) if need_h else None
-            g_natural = _natural_columns(g_h.to(base_dtype), output_side)
+            u = _base_input(x2, spec, r_blocks, dtypes) if need_h else None
+            g_base = _base_columns(g_h.to(dtypes.base), spec, output_side)
             del g_h
-            h_natural, grad_natural = _products(u, g_natural, weight, op, None, base_dtype)
-            del u, g_natural
-            grad_u = _side_columns(cast(torch.Tensor, grad_natural), input_side)
+            h_base, grad_base = _products(u, g_base, weight, spec.op, None, dtypes.base)
+            del u, g_base
+            grad_u = _coordinates_of_side(cast(torch.Tensor, grad_base), spec, input_side)
             # Each activation-sized operand is freed once used: the rotations' VJPs below set the backward's peak.
-            del grad_natural
+            del grad_base
             if output_side is not None and ctx.needs_input_grad[4]:
-                h = h if h_natural is None else _side_columns(h_natural, output_side)
-                h_natural = None
-                grad_blocks = grad_right(h.to(rotation_dtype), g, output_side)
+                h = h if h_base is None else _coordinates_of_side(h_base, spec, output_side)
+                h_base = None
+                grad_blocks = grad_right(h.to(dtypes.rotation), g, output_side)
                 h = g = None
                 grads[4] = output_side.vector_grad(p_eval, grad_blocks, p_vec)
                 del grad_blocks
-            del h, h_natural
+            del h, h_base
             if input_side is not None:
                 if r_blocks is None:
                     r_blocks, r_eval = input_side.blocks(r_vec)
-                grad_u = grad_u.to(rotation_dtype)
+                grad_u = grad_u.to(dtypes.rotation)
                 if ctx.needs_input_grad[3]:
-                    x_r = x2.to(rotation_dtype)
-                    if input_side.spec.kind == BLOCK:
-                        x_r = select_last(x_r, input_side.index)
+                    x_r = _side_columns(x2.to(dtypes.rotation), input_side)
                     grad_blocks = grad_right(x_r, grad_u, input_side)
                     del x_r
                     grads[3] = input_side.vector_grad(r_eval, grad_blocks, r_vec)
                     del grad_blocks
-                grad_u = right_product(grad_u, input_side, transpose_blocks(r_blocks.to(rotation_dtype)))
-                if input_side.spec.kind == BLOCK:
-                    grad_u = select_last(grad_u, inverse_permutation(input_side.index))
+                grad_u = right_product(grad_u, input_side, transpose_blocks(r_blocks.to(dtypes.rotation)))
+                grad_u = _natural_columns(grad_u, input_side)
             if ctx.needs_input_grad[0]:
                 grads[0] = grad_u.contiguous().reshape(x.shape).to(x.dtype)
         return tuple(grads)

@@ -23,13 +23,18 @@ dequantises itself), or a block of its rows at a time. A callable is called in t
 and never saved, so at most one layer's dense ``W0`` (under the activation strategies, one block of its rows) exists
 at a time and the backward keeps only the layer input, as for a tensor ``W0``.
 
-These functions are the fast path of the POET and OFT layers; the plain autograd composition of
-`spo` and `cayley` is the reference they are tested against.
+With ``block_coordinates`` the layer stores ``W0`` as ``Ψ_P · W0 · Ψ_Rᵀ`` (its block sides' permutations applied
+once per merge interval, as POET-X does), and no pass gathers ``W0`` or its products: only the input and output.
+
+A `RotatedPass` holds what one call computes (the strategy, the sides, the base operation, the coordinates ``W0``
+is stored in); calling it with the tensors runs the fused function. These functions are the fast path of the POET
+and OFT layers; the plain autograd composition of `spo` and `cayley` is the reference they are tested against.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -59,7 +64,8 @@ __all__ = [
     "LinearOp",
     "Conv2dOp",
     "DenseWeight",
-    "rotated_forward",
+    "RotatedPass",
+    "ComputeDtypes",
     "compute_dtypes",
 ]
 
@@ -68,17 +74,75 @@ ACTIVATION_RECOMPUTE = "activation-recompute"  # the activation strategy recompu
 STRATEGIES = (WEIGHT, ACTIVATION, ACTIVATION_RECOMPUTE)
 
 
+class ComputeDtypes(NamedTuple):
+    """The dtypes of one call (`compute_dtypes`): the rotations' and the base operation's."""
+
+    rotation: torch.dtype
+    base: torch.dtype
+
+
+@dataclass(frozen=True)
+class RotatedPass:
+    """One call of a rotated layer: ``op(x, Pᵀ · W0 · Rᵀ, bias)`` by one fused strategy (POET eq. 3, torch
+    orientation).
+
+    Args:
+        strategy: one of `STRATEGIES`.
+        input_side: the rotation ``R`` of the input (in × in), or ``None``.
+        output_side: the rotation ``P`` of the output (out × out), or ``None``.
+        op: the base operation: `LinearOp`, or `Conv2dOp` (the weight strategy only).
+        block_coordinates: ``W0`` is given as ``Ψ_P · W0 · Ψ_Rᵀ``, its rows and columns in the block sides'
+            coordinates (a side that is not block-stochastic leaves its dimension as it is).
+    """
+
+    strategy: str
+    input_side: SideRotation | None = None
+    output_side: SideRotation | None = None
+    op: LinearOp | Conv2dOp = field(default_factory=LinearOp)
+    block_coordinates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.strategy != WEIGHT and not isinstance(self.op, LinearOp):
+            raise ValueError(f"the {self.strategy} strategy needs a linear base op, got {type(self.op).__name__}")
+
+    @property
+    def keeps_output(self) -> bool:
+        """Whether the backward keeps the pre-rotation output ``h`` (`ACTIVATION`) instead of recomputing it."""
+        return self.strategy == ACTIVATION
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: WeightSource,
+        bias: torch.Tensor | None = None,
+        r_vec: torch.Tensor | None = None,
+        p_vec: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layer's output.
+
+        Args:
+            x: the input (the last dimension ``in``; ``N × C × H × W`` for `Conv2dOp`).
+            weight: the ``out × in`` matrix, or a `DenseWeight` that returns it (a quantised base, dequantised in
+                the forward and again in the backward, never kept), in the coordinates ``block_coordinates`` says.
+            bias: added to the output, never rotated.
+            r_vec: the input side's parameters (``None`` with the side).
+            p_vec: the output side's parameters (``None`` with the side).
+        """
+        function = _WeightStrategy if self.strategy == WEIGHT else ActivationStrategy
+        return function.apply(x, weight, bias, r_vec, p_vec, self, compute_dtypes(x, weight))
+
+
 def _effective_weight(
-    weight: torch.Tensor,
-    input_side: SideRotation | None,
-    r_blocks: torch.Tensor | None,
-    output_side: SideRotation | None,
-    p_blocks: torch.Tensor | None,
+    weight: torch.Tensor, spec: RotatedPass, r_blocks: torch.Tensor | None, p_blocks: torch.Tensor | None
 ) -> tuple:
     """``Pᵀ W Rᵀ`` and the intermediates its backward needs.
 
-    ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` and ``A' = W' Diag(R)ᵀ`` (FS sides stay in natural coordinates)."""
-    gathered = weight_in_block_coordinates(weight, input_side, output_side)
+    ``(W_eff, W', A')`` with ``W' = Ψ_P W Ψ_Rᵀ`` (as given, with ``block_coordinates``) and ``A' = W' Diag(R)ᵀ``
+    (FS sides stay in natural coordinates)."""
+    input_side, output_side = spec.input_side, spec.output_side
+    gathered = weight if spec.block_coordinates else weight_in_block_coordinates(weight, input_side, output_side)
     rotated_in = (
         gathered
         if input_side is None
@@ -94,25 +158,24 @@ def _effective_weight(
 
 class _WeightStrategy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, keep_output=False
-    ):
+    def forward(ctx, x, weight, bias, r_vec, p_vec, spec: RotatedPass, dtypes: ComputeDtypes):
+        input_side, output_side = spec.input_side, spec.output_side
         with autocast_off(x.device.type):
-            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0].to(rotation_dtype)
-            p_blocks = None if output_side is None else output_side.blocks(p_vec, store=True)[0].to(rotation_dtype)
-            effective = _effective_weight(
-                dense_weight(weight).to(rotation_dtype), input_side, r_blocks, output_side, p_blocks
-            )[0]
-            y = op.forward(x.to(base_dtype), effective.to(base_dtype), None if bias is None else bias.to(base_dtype))
+            r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0].to(dtypes.rotation)
+            p_blocks = None if output_side is None else output_side.blocks(p_vec, store=True)[0].to(dtypes.rotation)
+            effective = _effective_weight(dense_weight(weight).to(dtypes.rotation), spec, r_blocks, p_blocks)[0]
+            base_bias = None if bias is None else bias.to(dtypes.base)
+            y = spec.op.forward(x.to(dtypes.base), effective.to(dtypes.base), base_bias)
         ctx.save_for_backward(x, save_weight(ctx, weight), bias, r_vec, p_vec)
-        ctx.sides, ctx.op, ctx.dtypes = (input_side, output_side), op, (rotation_dtype, base_dtype)
+        ctx.spec, ctx.dtypes = spec, dtypes
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight, bias, r_vec, p_vec = ctx.saved_tensors
-        (input_side, output_side), op, (rotation_dtype, base_dtype) = ctx.sides, ctx.op, ctx.dtypes
-        grads: list[Any] = [None] * 11
+        spec, (rotation_dtype, base_dtype) = ctx.spec, ctx.dtypes
+        input_side, output_side, op = spec.input_side, spec.output_side, spec.op
+        grads: list[Any] = [None] * 7
         with autocast_off(grad_y.device.type):
             r_blocks = r_eval = p_blocks = p_eval = None
             if input_side is not None:
@@ -124,7 +187,7 @@ class _WeightStrategy(torch.autograd.Function):
                 return None if t is None else t.to(rotation_dtype)
 
             effective, gathered, rotated_in = _effective_weight(
-                dense_weight(weight, ctx).to(rotation_dtype), input_side, cast(r_blocks), output_side, cast(p_blocks)
+                dense_weight(weight, ctx).to(rotation_dtype), spec, cast(r_blocks), cast(p_blocks)
             )
             need_skew = r_vec is not None and ctx.needs_input_grad[3] or p_vec is not None and ctx.needs_input_grad[4]
             grad_y = grad_y.to(base_dtype)
@@ -148,44 +211,13 @@ class _WeightStrategy(torch.autograd.Function):
         return tuple(grads)
 
 
-# --- entry points -----------------------------------------------------------------------------------------------------
-def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> tuple[torch.dtype, torch.dtype]:
-    """``(rotation_dtype, base_dtype)`` of one call.
+def compute_dtypes(x: torch.Tensor, weight: WeightSource) -> ComputeDtypes:
+    """The rotations' and the base operation's dtypes for one call.
 
     Under ``torch.autocast`` both are the autocast dtype; otherwise the base op runs in the weight's dtype and the
     rotations in at least float32 (CPU half-precision kernels are slow or absent)."""
     device_type = x.device.type
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        return dtype, dtype
-    return torch.promote_types(weight.dtype, torch.float32), weight.dtype
-
-
-def rotated_forward(
-    strategy: str,
-    x: torch.Tensor,
-    weight: WeightSource,
-    bias: torch.Tensor | None,
-    input_side: SideRotation | None,
-    r_vec: torch.Tensor | None,
-    output_side: SideRotation | None,
-    p_vec: torch.Tensor | None,
-    op: Any = None,
-) -> torch.Tensor:
-    """``op(x, Pᵀ W Rᵀ, bias)`` by the fused ``strategy``: one of `STRATEGIES`.
-
-    ``weight`` is the ``out × in`` matrix (a view of the base layer's weight) or a `DenseWeight` that returns
-    it (a quantised base: dequantised in the forward and again in the backward, never kept); ``r_vec`` / ``p_vec``
-    are the skew vectors of the input / output side (``None`` with the side). ``op`` defaults to `LinearOp`; the
-    activation strategies support it only.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"`strategy` must be one of {STRATEGIES}, got {strategy!r}")
-    op = op or LinearOp()
-    if strategy != WEIGHT and not isinstance(op, LinearOp):
-        raise ValueError(f"the {strategy} strategy needs a linear base op, got {type(op).__name__}")
-    rotation_dtype, base_dtype = compute_dtypes(x, weight)
-    function = _WeightStrategy if strategy == WEIGHT else ActivationStrategy
-    return function.apply(
-        x, weight, bias, r_vec, p_vec, input_side, output_side, op, rotation_dtype, base_dtype, strategy == ACTIVATION
-    )
+        return ComputeDtypes(dtype, dtype)
+    return ComputeDtypes(torch.promote_types(weight.dtype, torch.float32), weight.dtype)

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from ...orthogonal.map_protocol import OrthogonalMap
-from ...orthogonal.rotated_linear import WEIGHT, RotationCache, SideRotation, compute_dtypes, rotated_forward
+from ...orthogonal.rotated_linear import WEIGHT, RotatedPass, RotationCache, SideRotation, compute_dtypes
 from ...orthogonal.spo import SideSpec
 from ...orthogonal.strategy_costs import (
     CacheChoice,
@@ -103,7 +103,7 @@ class FusedForward:
         weight = layer.dense_weight()
         # no cache under torch.compile: it lives outside the graph (`cache_for`)
         deferring = training and not torch.compiler.is_compiling() and caches.deferring()
-        rotation_dtype = compute_dtypes(x, weight)[0] if deferring else None  # what a new cache keeps its blocks in
+        rotation_dtype = compute_dtypes(x, weight).rotation if deferring else None  # what a new cache keeps its blocks in
         caching = deferring and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
             vec = layer.rotation_parameter(adapter_name, side)
@@ -115,17 +115,8 @@ class FusedForward:
         strategy = self.choose_strategy(layer, adapter_name, tokens, training, phase)
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
-        return rotated_forward(
-            strategy,
-            layer.pad_input(x),
-            weight,
-            layer.base_bias(),
-            r_side,
-            r_vec,
-            p_side,
-            p_vec,
-            op=layer.base_operation(),
-        )
+        rotated = RotatedPass(strategy, r_side, p_side, layer.base_operation())
+        return rotated(layer.pad_input(x), weight, layer.base_bias(), r_vec, p_vec)
 
     def caching(
         self, layer: RotatedLayerView, adapter_name: str, tokens: int, rotation_dtype: torch.dtype | None

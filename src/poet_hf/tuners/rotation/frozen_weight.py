@@ -50,7 +50,7 @@ class FrozenWeight(ABC):
 
     @abstractmethod
     def dense(self) -> WeightSource:
-        """``W0`` as the fused forward takes it (`rotated_forward`)."""
+        """``W0`` as the fused forward takes it (`RotatedPass`)."""
 
     @abstractmethod
     def full_matrix(self) -> torch.Tensor:
