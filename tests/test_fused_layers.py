@@ -78,7 +78,9 @@ CASES = list(
     itertools.product(["block", "contiguous", "full"], STRATEGIES, ["both", "input", "output"], [0, 5, HOUSEHOLDER])
 )
 # W0 stored in its block coordinates: every strategy, each side alone and both, a block side beside a full one.
-STORED_CASES = list(itertools.product(STRATEGIES, [("block", "block"), ("block", None), (None, "block"), ("full", "block")]))
+STORED_CASES = list(
+    itertools.product(STRATEGIES, [("block", "block"), ("block", None), (None, "block"), ("full", "block")])
+)
 
 
 def _case(kinds, terms, d_in=12, d_out=8):
@@ -142,9 +144,7 @@ def test_shared_and_dropped_blocks_have_exact_gradients(strategy):
     for s, v in ((side, vec), (side_masked, vec_masked)):
         y = RotatedPass(strategy, s)(x, weight, None, v)
         torch.testing.assert_close(y, x.detach() @ dense_rotation(s, v) @ weight.T, rtol=0, atol=1e-12)
-        assert torch.autograd.gradcheck(
-            lambda x_, v_, s=s: RotatedPass(strategy, s)(x_, weight, None, v_), (x, v)
-        )
+        assert torch.autograd.gradcheck(lambda x_, v_, s=s: RotatedPass(strategy, s)(x_, weight, None, v_), (x, v))
     # A dropped block's parameters get no gradient.
     y = RotatedPass(strategy, side_masked)(x, weight, None, vec_masked)
     (grad,) = torch.autograd.grad(y.square().sum(), vec_masked)

@@ -109,7 +109,8 @@ class ActivationStrategy(torch.autograd.Function):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
             u = _base_input(x.reshape(-1, x.shape[-1]), spec, r_blocks, dtypes)
-            h_base = _products(u, None, weight, spec.op, bias if output_side is None else None, dtypes.base)[0]
+            op = cast(LinearOp, spec.op)  # what `RotatedPass` allows the activation strategies
+            h_base = _products(u, None, weight, op, bias if output_side is None else None, dtypes.base)[0]
             h = _coordinates_of_side(cast(torch.Tensor, h_base), spec, output_side)  # in P's coordinates
             y = h
             if output_side is not None:

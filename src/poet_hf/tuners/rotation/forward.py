@@ -100,10 +100,12 @@ class FusedForward:
         training = torch.is_grad_enabled() and trainable
         tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
         rotations, phases = {}, set()
-        weight = layer.dense_weight()
+        weight, block_coordinates = layer.coordinates.weight_for_pass(layer, adapter_name)
         # no cache under torch.compile: it lives outside the graph (`cache_for`)
         deferring = training and not torch.compiler.is_compiling() and caches.deferring()
-        rotation_dtype = compute_dtypes(x, weight).rotation if deferring else None  # what a new cache keeps its blocks in
+        rotation_dtype = (
+            compute_dtypes(x, weight).rotation if deferring else None
+        )  # what a new cache keeps its blocks in
         caching = deferring and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
             vec = layer.rotation_parameter(adapter_name, side)
@@ -115,7 +117,7 @@ class FusedForward:
         strategy = self.choose_strategy(layer, adapter_name, tokens, training, phase)
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
-        rotated = RotatedPass(strategy, r_side, p_side, layer.base_operation())
+        rotated = RotatedPass(strategy, r_side, p_side, layer.base_operation(), block_coordinates)
         return rotated(layer.pad_input(x), weight, layer.base_bias(), r_vec, p_vec)
 
     def caching(
