@@ -1,4 +1,5 @@
-"""A rotation layer's base: its frozen weight (`frozen_weight`, one class per storage kind) and its operation.
+"""A rotation layer's base: its frozen weight (`frozen_weight`, one class per storage kind), its operation, and
+PEFT's merge / unmerge, which fold the adapters into it.
 
 The bias is never rotated.
 """
@@ -44,7 +45,8 @@ class BaseWeightMixin:
     """The layer's face over its frozen weight (`frozen_weight`) and its base operation (the host is a PEFT layer).
 
     What depends on how ``W0`` is stored is the frozen weight's; here are what the adapter's settings add to it (the
-    residual store, the rounding mode of a fold, the requantisation warning) and the base operation."""
+    residual store, the rounding mode of a fold, the requantisation warning), PEFT's merge / unmerge and the base
+    operation."""
 
     get_base_layer: Callable[[], nn.Module]
     base_layer: nn.Module

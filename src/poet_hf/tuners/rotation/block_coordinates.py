@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BlockCoordinates"]
 
-ROWS_PER_COPY = 256  # rows whose columns are permuted at once, beside the one whole copy of W0 a permutation needs
+ROWS_PER_COPY = 256  # rows whose columns are permuted at once (the one copy a permutation makes)
 
 
 class BlockCoordinates:
@@ -66,13 +66,13 @@ class BlockCoordinates:
         """Put the natural ``W0`` back (in place) if it is stored in block coordinates."""
         if self.adapter is None:
             return
-        adapter_name, self.adapter = self.adapter, None
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "a POET layer's W0 is stored in block coordinates and something under torch.compile read it; "
                 "restore it first with poet_hf.tuners.rotation.layer.restore_natural_coordinates(model)"
             )
-        self._permute(layer, adapter_name, inverse=True)
+        self._permute(layer, self.adapter, inverse=True)
+        self.adapter = None
 
     @torch.no_grad()
     def _permute(self, layer: RotationLayer, adapter_name: str, inverse: bool) -> None:
@@ -89,14 +89,28 @@ class BlockCoordinates:
         if inverse:
             rows = None if rows is None else inverse_permutation(rows)
             cols = None if cols is None else inverse_permutation(cols)
-        # One weight-sized copy at a time: the rows gathered whole, then their columns a group of rows at a time.
-        source = weight.clone() if rows is None else weight.index_select(0, rows)
-        if cols is None:
-            weight.copy_(source)
-            return
-        for start in range(0, weight.shape[0], ROWS_PER_COPY):
-            stop = start + ROWS_PER_COPY
-            weight[start:stop].copy_(select_last(source[start:stop], cols))
+        # No weight-sized copy: a forward stores W0 while activations are alive (one row, then a group of rows, at a time).
+        if rows is not None:
+            _permute_rows(weight, rows.tolist())
+        if cols is not None:
+            for start in range(0, weight.shape[0], ROWS_PER_COPY):
+                stop = start + ROWS_PER_COPY
+                weight[start:stop].copy_(select_last(weight[start:stop], cols))
+
+
+def _permute_rows(weight: torch.Tensor, order: list[int]) -> None:
+    """``weight ← weight[order]`` in place, one cycle of the permutation at a time with one row held aside."""
+    done = bytearray(len(order))
+    for start, source in enumerate(order):
+        if done[start] or source == start:
+            continue
+        held, row = weight[start].clone(), start
+        while order[row] != start:
+            done[row] = 1
+            weight[row].copy_(weight[order[row]])
+            row = order[row]
+        done[row] = 1
+        weight[row].copy_(held)
 
 
 def _permutation(layer: RotationLayer, adapter_name: str, side: str) -> torch.Tensor | None:

@@ -103,9 +103,8 @@ class FusedForward:
         weight, block_coordinates = layer.coordinates.weight_for_pass(layer, adapter_name)
         # no cache under torch.compile: it lives outside the graph (`cache_for`)
         deferring = training and not torch.compiler.is_compiling() and caches.deferring()
-        rotation_dtype = (
-            compute_dtypes(x, weight).rotation if deferring else None
-        )  # what a new cache keeps its blocks in
+        # what a new cache keeps its blocks in
+        rotation_dtype = compute_dtypes(x, weight).rotation if deferring else None
         caching = deferring and self.caching(layer, adapter_name, tokens, rotation_dtype)
         for side in sides:
             vec = layer.rotation_parameter(adapter_name, side)

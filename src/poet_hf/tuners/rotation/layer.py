@@ -6,9 +6,10 @@ up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × o
 ``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation), with ``W_t0`` the base weight as an out × in matrix
 (`base_weight.py`).
 
-Here: the adapter state, its construction, merge / unmerge and merge-then-reinitialize. The forward paths are in
-`forward.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT) declare
-where their tensors live, how a config becomes sides, and their forward options.
+Here: the adapter state, its construction and merge-then-reinitialize (PEFT's merge / unmerge are in
+`base_weight.py`). The forward paths are in `forward.py`, the coordinates ``W0`` is stored in are in
+`block_coordinates.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT)
+declare where their tensors live, how a config becomes sides, and their forward options.
 """
 
 from __future__ import annotations
