@@ -89,7 +89,7 @@ class BlockCoordinates:
         if inverse:
             rows = None if rows is None else inverse_permutation(rows)
             cols = None if cols is None else inverse_permutation(cols)
-        # No weight-sized copy: a forward stores W0 while activations are alive (one row, then a group of rows, at a time).
+        # No weight-sized copy: a forward stores W0 while activations are alive (a row, then a group of rows, at once).
         if rows is not None:
             _permute_rows(weight, rows.tolist())
         if cols is not None:
