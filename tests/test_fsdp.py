@@ -149,12 +149,10 @@ def test_export_and_save_pretrained_from_fsdp2_are_plain_and_reproduce_the_logit
     reloaded = PeftModel.from_pretrained(base, directory / "adapter").eval()
     with torch.no_grad():
         # The export's folded float32 weights and the live adapter associate the same products differently (the
-        # folds add two ≤ 32-term sums per weight, inside the tiny model's count); so does the reloaded adapter,
-        # whose single process keeps W0 in block coordinates where FSDP2 keeps it natural (the block-diagonal
-        # products' sums taken in the permuted order).
+        # folds add two ≤ 32-term sums per weight, inside the tiny model's count).
         tolerance = tiny_model_tolerance(torch.float32) * float(expected.abs().max())
         assert (plain(input_ids=ids).logits - expected).abs().max() <= tolerance
-        assert (reloaded(input_ids=ids).logits - expected).abs().max() <= tolerance
+        assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-6
     assert sorted(p.name for p in (directory / "export").iterdir() if p.suffix == ".safetensors") == [
         "model.safetensors"
     ]  # written once, by rank 0

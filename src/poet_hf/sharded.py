@@ -151,21 +151,6 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def fsdp_managed(model: nn.Module) -> bool:
-    """Whether FSDP2's ``fully_shard`` manages ``model`` or one of its modules (inside a unit's forward its
-    parameters are whole, yet FSDP2 keeps only their shards).
-
-    Args:
-        model: the model to inspect.
-
-    Returns:
-        ``True`` when one of its modules is an ``FSDPModule``.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
-
-
 def shard_count(model: nn.Module) -> int:
     """How many processes share ``model``'s parameters: FSDP2's ``DTensor`` shards or DeepSpeed ZeRO-3 partitions.
 

@@ -29,7 +29,6 @@ from ..sharded import (
     save_pretrained_unsharded,
     unsharded_replica,
 )
-from ..tuners.rotation.layer import restore_natural_coordinates
 from ..tuners.tuner_base import base_model_of
 
 __all__ = [
@@ -193,7 +192,6 @@ def shard_model(
     from ..initialization import has_meta_tensors, materialize_model
 
     refuse_quantized_bases(model)
-    restore_natural_coordinates(model, keep=True)  # each process keeps its shard of the natural W0
     _quantize_shardable_bases(model, checkpoint)
     if mesh is None:
         mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (dist.get_world_size(),))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..tuners.oft import OftConfig
-from ..tuners.rotation.layer import RotationLayer, restore_natural_coordinates, rotation_layers
+from ..tuners.rotation.layer import RotationLayer, rotation_layers
 from ..tuners.rotation.storage_kinds import storage_kind
 from .optimizer import optim_name, reset_optimizer_state
 
@@ -113,7 +113,6 @@ def prepare_for_zero(model: nn.Module) -> int:
     layers = rotation_layers(model)
     if not layers:
         return 0
-    restore_natural_coordinates(model, keep=True)  # DeepSpeed takes W0 as it is stored: keep it natural
     for _, layer in layers:
         layer.step_state.engine_takes_gradients = True
     return len(set_z3_leaf_modules(model, [RotationLayer]))

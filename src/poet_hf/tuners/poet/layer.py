@@ -36,11 +36,8 @@ def index_set_size(dim: int, budget: float | int) -> int:
 
 
 class PoetLayer(RotationLayer):
-    """POET state of one wrapped module: skew parameters ``poet_R`` (input side) and ``poet_P`` (output side).
+    """POET state of one wrapped module: skew parameters ``poet_R`` (input side) and ``poet_P`` (output side)."""
 
-    A float ``W0`` is kept in its block coordinates between merges (`block_coordinates`)."""
-
-    stores_block_coordinates = True
     adapter_layer_names = ("poet_R", "poet_P")
     other_param_names = ("poet_R_index", "poet_P_index", "poet_merge_count", "rotation_specs", "rotation_settings")
 

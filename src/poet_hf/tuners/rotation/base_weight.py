@@ -1,40 +1,28 @@
-"""A rotation layer's base: its frozen weight (`frozen_weight`, one class per storage kind), its operation, and
-PEFT's merge / unmerge, which fold the adapters into it.
+"""A rotation layer's base: its frozen weight (`frozen_weight`, one class per storage kind) and its operation.
 
 The bias is never rotated.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ...orthogonal import spo_generator
 from ...orthogonal.base_ops import Conv2dOp, LinearOp
 from ...orthogonal.rotation_sides import WeightSource
 from . import quantization, residual_store
-from .block_coordinates import BlockCoordinates
 from .caches import RotationStepState
 from .frozen_weight import FrozenWeight, frozen_weight
 from .quantization import HoldsBaseLayer
 from .shardable_quantized import ShardableQuantizedLinear, ShardableQuantizedWeight, stored_quantization
 from .storage_kinds import storage_kind
-
-if TYPE_CHECKING:
-    from ...orthogonal.spo import SideSpec
-    from .layer import RotationLayer
-
-
-logger = logging.getLogger(__name__)
-
-PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEFT's merge / unmerge
 
 
 class QuantizedMergeWarning(UserWarning):
@@ -45,8 +33,7 @@ class BaseWeightMixin:
     """The layer's face over its frozen weight (`frozen_weight`) and its base operation (the host is a PEFT layer).
 
     What depends on how ``W0`` is stored is the frozen weight's; here are what the adapter's settings add to it (the
-    residual store, the rounding mode of a fold, the requantisation warning), PEFT's merge / unmerge and the base
-    operation."""
+    residual store, the rounding mode of a fold, the requantisation warning) and the base operation."""
 
     get_base_layer: Callable[[], nn.Module]
     base_layer: nn.Module
@@ -54,12 +41,6 @@ class BaseWeightMixin:
     step_state: RotationStepState
     requantization_error: float | None
     pending_quantization: str | None
-    coordinates: BlockCoordinates
-    rotation_specs: dict[str, dict[str, SideSpec]]
-    merged_adapters: list[str]
-    unmerge_report: dict[str, dict[str, object]]
-    rotate_weight: Callable[..., torch.Tensor]
-    flush_rotation_caches: Callable[[], None]
 
     def _init_weight_access(self, base_layer: nn.Module) -> None:
         inner = base_layer.get_base_layer() if isinstance(base_layer, BaseTunerLayer) else base_layer
@@ -69,9 +50,7 @@ class BaseWeightMixin:
 
     @property
     def frozen(self) -> FrozenWeight:
-        """The frozen ``W0``, as the class of the way its base stores it now (a cast or a quantisation changes it),
-        in natural coordinates (restored where the fused forward keeps it in block coordinates)."""
-        self.coordinates.restore(cast("RotationLayer", self))
+        """The frozen ``W0``, as the class of the way its base stores it now (a cast or a quantisation changes it)."""
         base = self.get_base_layer()
         if isinstance(base, ShardableQuantizedLinear):
             return ShardableQuantizedWeight(base)
@@ -216,47 +195,6 @@ class BaseWeightMixin:
         generator = spo_generator(settings.seed, merge_count, settings.layer_name, "requantize", adapter_name)
         self.attach_residual_store(adapter_name)
         self.set_weight_matrix(matrix, settings.requantize, generator)
-
-    @torch.no_grad()
-    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
-        """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
-        adapter_names = check_adapters_to_merge(cast(BaseTunerLayer, self), adapter_names)
-        self.flush_rotation_caches()
-        for adapter_name in adapter_names:
-            if adapter_name not in self.rotation_specs:
-                continue
-            merged = self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name)
-            if safe_merge and not torch.isfinite(merged).all():
-                raise ValueError(f"NaNs or infs found while merging adapter '{adapter_name}'; it is broken")
-            self._fold_into_base(merged, adapter_name, PEFT_MERGE)
-            self.merged_adapters.append(adapter_name)
-            self.warn_requantized("merging", adapter_name)
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        """Restore the base weight, newest merged adapter first.
-
-        Each rotation is undone by its transpose where it is orthogonal to the weight's working precision, and by
-        an exact blockwise inverse otherwise (a truncated Cayley–Neumann rotation with a large ``||Q||``).
-        ``self.unmerge_report[adapter]`` records, per side, the method, the orthogonality error and the estimated
-        relative error of the restored weight; a solve is also logged.
-        """
-        while self.merged_adapters:
-            adapter_name = self.merged_adapters.pop()
-            report: dict[str, Any] = {}
-            restored = self.rotate_weight(
-                self._weight_for_folding(adapter_name, torch.float64), adapter_name, inverse=True, report=report
-            )
-            self._fold_into_base(restored, adapter_name, PEFT_MERGE)
-            self.warn_requantized("unmerging", adapter_name)
-            report["error_bound"] = sum(r["error_bound"] for r in report.values())
-            self.unmerge_report[adapter_name] = report
-            if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
-                logger.info(
-                    "unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
-                    adapter_name,
-                    report,
-                )
 
     def warn_requantized(self, action: str, adapter_name: str) -> None:
         """A fold into a quantised base changes the weight by a requantisation: say by how much (measured)."""

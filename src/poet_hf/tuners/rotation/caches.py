@@ -33,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 from ...orthogonal.norm_cap import NormCap
 from ...orthogonal.rotated_linear import RotationCache
 from ...orthogonal.strategy_costs import CacheChoice
-from ...sharded import fsdp_managed, shard_count
+from ...sharded import shard_count
 from .residual_folder import ResidualFolder
 
 logger = logging.getLogger(__name__)
@@ -153,11 +153,6 @@ class RotationStepState:
         """Processes the model's parameters are sharded over (FSDP2, ZeRO-3), 1 when replicated or unknown."""
         root = None if self._root is None else self._root()
         return 1 if root is None else shard_count(root)
-
-    def whole_on_this_process(self) -> bool:
-        """Whether the model is known and no FSDP2 unit manages it: its parameters stay whole on this process."""
-        root = None if self._root is None else self._root()
-        return root is not None and not fsdp_managed(root)
 
     def note_cache_choice(self, layer_name: str, choice: CacheChoice) -> None:
         """Record what ``cache_rotations="auto"`` chose for one layer (logged at the next optimizer step)."""

@@ -100,7 +100,7 @@ class FusedForward:
         training = torch.is_grad_enabled() and trainable
         tokens = x.numel() // x.shape[-1] if not layer.is_conv2d else 0
         rotations, phases = {}, set()
-        weight, block_coordinates = layer.coordinates.weight_for_pass(layer, adapter_name)
+        weight = layer.dense_weight()
         # no cache under torch.compile: it lives outside the graph (`cache_for`)
         deferring = training and not torch.compiler.is_compiling() and caches.deferring()
         # what a new cache keeps its blocks in
@@ -116,7 +116,7 @@ class FusedForward:
         strategy = self.choose_strategy(layer, adapter_name, tokens, training, phase)
         r_side, r_vec = rotations.get(SIDE_INPUT, (None, None))
         p_side, p_vec = rotations.get(SIDE_OUTPUT, (None, None))
-        rotated = RotatedPass(strategy, r_side, p_side, layer.base_operation(), block_coordinates)
+        rotated = RotatedPass(strategy, r_side, p_side, layer.base_operation())
         return rotated(layer.pad_input(x), weight, layer.base_bias(), r_vec, p_vec)
 
     def caching(

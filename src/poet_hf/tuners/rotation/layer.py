@@ -6,19 +6,19 @@ up to two sides: ``"input"`` (``R``, in × in) and ``"output"`` (``P``, out × o
 ``Pᵀ · W_t0 · Rᵀ`` (POET eq. 3 in torch orientation), with ``W_t0`` the base weight as an out × in matrix
 (`base_weight.py`).
 
-Here: the adapter state, its construction and merge-then-reinitialize (PEFT's merge / unmerge are in
-`base_weight.py`). The forward paths are in `forward.py`, the coordinates ``W0`` is stored in are in
-`block_coordinates.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT)
-declare where their tensors live, how a config becomes sides, and their forward options.
+Here: the adapter state, its construction, merge / unmerge and merge-then-reinitialize. The forward paths are in
+`forward.py` and the statistics in [`poet_hf.diagnostics`][poet_hf.diagnostics]. Subclasses (POET, OFT) declare
+where their tensors live, how a config becomes sides, and their forward options.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from peft.tuners._buffer_dict import BufferDict
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from torch import nn
 
 from ...orthogonal import spo_generator
@@ -31,7 +31,6 @@ from ...sharded import full_tensor, write_full
 from ..config_utils import SIDE_INPUT
 from ..tuner_base import ModuleMixin
 from .base_weight import BaseWeightMixin, QuantizedMergeWarning
-from .block_coordinates import BlockCoordinates
 from .caches import RotationStepState
 from .config import RotationConfig
 from .forward import FusedForward, reference_forward
@@ -42,14 +41,11 @@ from .state_checks import check_loaded_state
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = [
-    "RotationLayer",
-    "RotationSettings",
-    "QuantizedMergeWarning",
-    "rotation_layers",
-    "flush_rotation_caches",
-    "restore_natural_coordinates",
-]
+logger = logging.getLogger(__name__)
+
+__all__ = ["RotationLayer", "RotationSettings", "QuantizedMergeWarning", "rotation_layers", "flush_rotation_caches"]
+
+PEFT_MERGE = -2  # the merge count that seeds a stochastic requantisation in PEFT's merge / unmerge
 
 # Per side, ``(generator norms, blocks)`` in float64 (`RotationLayer.float64_rotations`).
 SideRotations = dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -60,15 +56,11 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
 
     A subclass sets ``adapter_layer_names`` / ``other_param_names`` (PEFT's contract), creates its containers in
     `_init_containers`, maps a side to them in `side_containers`, and adds adapters with
-    `add_rotation_adapter`. A subclass whose layers keep ``W0`` in block coordinates between merges sets
-    ``stores_block_coordinates`` (`block_coordinates`).
+    `add_rotation_adapter`.
     """
-
-    stores_block_coordinates = False
 
     def __init__(self, base_layer: nn.Module, **kwargs: Any) -> None:
         self.base_layer = base_layer
-        self.coordinates = BlockCoordinates()  # before anything reads W0
         self.rotation_specs: dict[str, dict[str, SideSpec]] = {}
         self.rotation_settings: dict[str, RotationSettings] = {}
         self.unmerge_report: dict[str, dict[str, Any]] = {}
@@ -85,7 +77,6 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         self.register_load_state_dict_pre_hook(check_loaded_state)
         self.register_load_state_dict_pre_hook(RotationLayer._load_base_state)
         self.register_load_state_dict_pre_hook(_drop_caches_on_load)
-        self.register_state_dict_pre_hook(_natural_coordinates_for_state_dict)
 
     def _init_containers(self) -> None:
         raise NotImplementedError
@@ -119,12 +110,6 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
     def sides(self, adapter_name: str) -> dict[str, SideSpec]:
         return self.rotation_specs.get(adapter_name, {})
 
-    def delete_adapter(self, adapter_name: str) -> None:
-        """PEFT's delete, after restoring a ``W0`` stored in the adapter's block coordinates."""
-        if self.coordinates.adapter == adapter_name:
-            self.coordinates.restore(self)
-        super().delete_adapter(adapter_name)
-
     def add_rotation_adapter(
         self, adapter_name: str, settings: RotationSettings, specs: dict[str, SideSpec], rows: dict[str, int]
     ) -> None:
@@ -153,7 +138,6 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         The draws come from generators keyed by (seed, adapter, layer, side), so they are the same on every process
         and on every way of building the layer; sharded (FSDP2) tensors keep their own shard of each. With
         ``init_weights=False`` the rotations are random instead of the identity."""
-        self.coordinates.restore(self)  # W0 is in the coordinates of the permutations about to be redrawn
         settings = self.rotation_settings[adapter_name]
         self.merge_counts[adapter_name].zero_()
         for side in self.sides(adapter_name):
@@ -282,18 +266,57 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         return reference_forward(self, x, adapter_names, activation=activation, keep=keep)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        active = [a for a in self.active_adapters if a in self.rotation_specs]
-        if self.disable_adapters or self.merged or not active:
-            self.coordinates.restore(self)  # the base layer computes with W0 as it stores it
         if self.disable_adapters:
             if self.merged:
                 self.unmerge()
             return self.base_layer(x, *args, **kwargs)
         if self.merged:
             return self.base_layer(x, *args, **kwargs)
+        active = [a for a in self.active_adapters if a in self.rotation_specs]
         if not active:
             return self.base_layer(x, *args, **kwargs)
         return self.adapter_forward(x, active)
+
+    @torch.no_grad()
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Fold the adapters into the base weight (``W_t ← P^T W_t R^T``) without changing them."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        self.flush_rotation_caches()
+        for adapter_name in adapter_names:
+            if adapter_name not in self.rotation_specs:
+                continue
+            merged = self.rotate_weight(self._weight_for_folding(adapter_name), adapter_name)
+            if safe_merge and not torch.isfinite(merged).all():
+                raise ValueError(f"NaNs or infs found while merging adapter '{adapter_name}'; it is broken")
+            self._fold_into_base(merged, adapter_name, PEFT_MERGE)
+            self.merged_adapters.append(adapter_name)
+            self.warn_requantized("merging", adapter_name)
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Restore the base weight, newest merged adapter first.
+
+        Each rotation is undone by its transpose where it is orthogonal to the weight's working precision, and by
+        an exact blockwise inverse otherwise (a truncated Cayley–Neumann rotation with a large ``||Q||``).
+        ``self.unmerge_report[adapter]`` records, per side, the method, the orthogonality error and the estimated
+        relative error of the restored weight; a solve is also logged.
+        """
+        while self.merged_adapters:
+            adapter_name = self.merged_adapters.pop()
+            report: dict[str, Any] = {}
+            restored = self.rotate_weight(
+                self._weight_for_folding(adapter_name, torch.float64), adapter_name, inverse=True, report=report
+            )
+            self._fold_into_base(restored, adapter_name, PEFT_MERGE)
+            self.warn_requantized("unmerging", adapter_name)
+            report["error_bound"] = sum(r["error_bound"] for r in report.values())
+            self.unmerge_report[adapter_name] = report
+            if any(r["method"] == "solve" for r in report.values() if isinstance(r, dict)):
+                logger.info(
+                    "unmerged adapter '%s' by an exact solve (rotation not orthogonal to working precision): %s",
+                    adapter_name,
+                    report,
+                )
 
     @torch.no_grad()
     def merge_and_reinit(self, adapter_name: str, stats: dict[str, float] | None = None) -> dict[str, float]:
@@ -308,7 +331,6 @@ class RotationLayer(BaseWeightMixin, BaseTunerLayer, ModuleMixin):
         if self.merged:
             raise RuntimeError("merge_and_reinit needs an unmerged layer; call unmerge() first")
         self.flush_rotation_caches()  # deferred gradients belong to the rotations about to be folded
-        self.coordinates.restore(self)  # the fold reads the natural W0, and the permutations are redrawn
         if stats is None:
             stats = block_statistics(
                 self.float64_rotations(adapter_name), self.rotation_settings[adapter_name].orthogonal_map
@@ -355,27 +377,6 @@ def _reset_to_identity(layer: RotationLayer, adapter_name: str, side: str, merge
 
 def _drop_caches_on_load(layer: RotationLayer, *args: Any) -> None:
     layer.fused.drop()
-
-
-def _natural_coordinates_for_state_dict(layer: RotationLayer, *args: Any) -> None:
-    layer.coordinates.restore(layer)
-
-
-def restore_natural_coordinates(model: nn.Module, keep: bool = False) -> None:
-    """Put every rotation layer's natural ``W0`` back where it is stored in block coordinates (`block_coordinates`).
-
-    Every public path that reads ``W0`` does it itself; call it before code that reads ``base_layer.weight``
-    directly.
-
-    Args:
-        model: the model whose layers to restore.
-        keep: keep ``W0`` natural from now on (before ``fully_shard`` or DeepSpeed shards or partitions it).
-    """
-    for _, layer in rotation_layers(model):
-        if keep:
-            layer.coordinates.keep_natural(layer)
-        else:
-            layer.coordinates.restore(layer)
 
 
 def flush_rotation_caches(model: nn.Module) -> None:

@@ -21,7 +21,7 @@ from .block_sizes import record_adjusted_block_sizes
 from .caches import RotationStepState
 from .config import RotationConfig
 from .fold_checks import check_finite_rotations, check_foldable_blocks
-from .layer import RotationLayer, restore_natural_coordinates, rotation_layers
+from .layer import RotationLayer, rotation_layers
 from .low_precision import drop_rounding_residual
 from .quantization import adopt_base, drop_residual, quantization_of
 from .shardable_quantized import ShardableQuantizedLinear
@@ -199,7 +199,6 @@ class RotationModel(LayerReplacingTuner):
         """PEFT's unload, which leaves a quantised or 16-bit base without its rounding residual.
 
         Only the next fold of an adapter would use it."""
-        restore_natural_coordinates(self.model)  # the unloaded bases leave with the natural W0
         bases = [layer.get_base_layer() for _, layer in rotation_layers(self.model)]
         model = cast(nn.Module, super()._unload_and_optionally_merge(*args, **kwargs))
         for base in bases:

@@ -20,16 +20,12 @@ if TYPE_CHECKING:
     from ...orthogonal.base_ops import Conv2dOp, LinearOp
     from ...orthogonal.rotation_sides import WeightSource
     from ...orthogonal.spo import SideSpec
-    from .block_coordinates import BlockCoordinates
     from .caches import RotationStepState
     from .settings import RotationSettings
 
 
 class RotatedLayerView(CachingLayer, Protocol):
     """The rotation layer as its forward and folds read it: sides, rotation parameters, blocks and the frozen weight."""
-
-    stores_block_coordinates: bool
-    coordinates: BlockCoordinates
 
     @property
     def rotation_settings(self) -> dict[str, RotationSettings]: ...
