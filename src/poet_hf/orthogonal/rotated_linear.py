@@ -23,8 +23,9 @@ dequantises itself), or a block of its rows at a time. A callable is called in t
 and never saved, so at most one layer's dense ``W0`` (under the activation strategies, one block of its rows) exists
 at a time and the backward keeps only the layer input, as for a tensor ``W0``.
 
-With ``block_coordinates`` the layer stores ``W0`` as ``Ψ_P · W0 · Ψ_Rᵀ`` (its block sides' permutations applied
-once per merge interval, as POET-X does), and no pass gathers ``W0`` or its products: only the input and output.
+With ``block_coordinates`` the caller hands ``W0`` as ``Ψ_P · W0 · Ψ_Rᵀ`` (its block sides' permutations applied
+once, as POET-X does once per merge interval), and no pass gathers ``W0`` or its products: only the input and
+output. The rotation layers pass ``W0`` in natural coordinates.
 
 A `RotatedPass` holds what one call computes (the strategy, the sides, the base operation, the coordinates ``W0``
 is stored in); calling it with the tensors runs the fused function. These functions are the fast path of the POET
