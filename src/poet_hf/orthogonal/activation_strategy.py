@@ -31,7 +31,7 @@ from .rotation_sides import (
     transpose_blocks,
     weight_source,
 )
-from .spo import BLOCK, inverse_permutation, select_last
+from .spo import inverse_permutation, select_last
 
 if TYPE_CHECKING:
     from .rotated_linear import ComputeDtypes, RotatedPass
@@ -41,9 +41,7 @@ __all__ = ["ActivationStrategy"]
 
 def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
     """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
-    if side.spec.kind == BLOCK:
-        x = select_last(x, side.index)
-    return right_product(x, side, blocks)
+    return right_product(_side_columns(x, side), side, blocks)
 
 
 def _base_input(x2: torch.Tensor, spec: RotatedPass, r_blocks: torch.Tensor | None, dtypes: ComputeDtypes):
