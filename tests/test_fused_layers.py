@@ -120,6 +120,13 @@ def test_fused_function_matches_dense_reference_and_passes_gradcheck(kind, strat
     _check_against_dense(strategy, (r, p), x, weight, bias)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_square_layer_whose_passes_reuse_their_buffers_matches_dense_reference(strategy):
+    """In × in: each activation-sized result of a pass can take the memory of one that died (`Scratch`)."""
+    r, p, x, weight, bias = _case(("block", "block"), 5, d_in=8, d_out=8)
+    _check_against_dense(strategy, (r, p), x, weight, bias)
+
+
 @pytest.mark.parametrize("strategy,kinds", STORED_CASES)
 def test_a_w0_stored_in_block_coordinates_gives_the_natural_layers_function_and_gradients(strategy, kinds):
     """``Ψ_P · W0 · Ψ_Rᵀ`` (rows by the output permutation, columns by the input one; a full side's dimension as it

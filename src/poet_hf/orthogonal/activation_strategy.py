@@ -8,7 +8,8 @@ backward: the input and, for `ACTIVATION` with an output side, the pre-rotation 
 A ``W0`` in natural coordinates takes its products in natural order, so each rotated activation is gathered back and
 forth around them (four ``T × d`` gathers in the forward, up to nine in the backward); a ``W0`` stored in its block
 coordinates (``RotatedPass.block_coordinates``) takes them in the sides' coordinates: the input is gathered once
-and the output scattered once.
+and the output scattered once. Each activation-sized result takes the memory of an operand that died just before it
+(`Scratch`), and the last rotation of each direction writes row-major, as the layer's output and input gradient are.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .rotation_sides import (
     transpose_blocks,
     weight_source,
 )
+from .scratch import Scratch
 from .spo import inverse_permutation, select_last
 
 if TYPE_CHECKING:
@@ -39,17 +41,19 @@ if TYPE_CHECKING:
 __all__ = ["ActivationStrategy"]
 
 
-def _rotate_input(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
-    """``x Ψ_Rᵀ Diag(R)`` (block), ``x Diag(R)`` (contiguous) or ``x G_R`` (full): ``x`` in R's coordinates."""
-    return right_product(_side_columns(x, side), side, blocks)
-
-
-def _base_input(x2: torch.Tensor, spec: RotatedPass, r_blocks: torch.Tensor | None, dtypes: ComputeDtypes):
+def _base_input(
+    x2: torch.Tensor, spec: RotatedPass, r_blocks: torch.Tensor | None, dtypes: ComputeDtypes, scratch: Scratch
+) -> torch.Tensor:
     """``x R`` in the coordinates of ``W0``'s columns: ``x R Ψ_R`` (natural) or ``x Ψ_Rᵀ Diag(R)`` (block)."""
-    if spec.input_side is None:
+    side = spec.input_side
+    if side is None:
         return x2.to(dtypes.base)
-    u = _rotate_input(x2.to(dtypes.rotation), spec.input_side, given_blocks(r_blocks).to(dtypes.rotation))
-    return _base_columns(u.to(dtypes.base), spec, spec.input_side)
+    gathered = _side_columns(x2.to(dtypes.rotation), side, scratch)  # x in R's coordinates
+    u = right_product(gathered, side, given_blocks(r_blocks).to(dtypes.rotation), empty=scratch.allocate)
+    scratch.release(gathered, u)
+    u_base = u.to(dtypes.base)
+    scratch.release(u, u_base)
+    return _base_columns(u_base, spec, side, scratch)  # u_base is freed, not released: the base products come next
 
 
 def _products(
@@ -77,46 +81,52 @@ def _products(
     return output, grad
 
 
-def _base_columns(t: torch.Tensor, spec: RotatedPass, side: SideRotation | None) -> torch.Tensor:
+def _base_columns(t: torch.Tensor, spec: RotatedPass, side: SideRotation | None, scratch: Scratch) -> torch.Tensor:
     """A side's coordinates to those ``W0`` is stored in (the same with ``block_coordinates``)."""
-    return t if spec.block_coordinates else _natural_columns(t, side)
+    return t if spec.block_coordinates else _natural_columns(t, side, scratch)
 
 
-def _coordinates_of_side(t: torch.Tensor, spec: RotatedPass, side: SideRotation | None) -> torch.Tensor:
+def _coordinates_of_side(
+    t: torch.Tensor, spec: RotatedPass, side: SideRotation | None, scratch: Scratch
+) -> torch.Tensor:
     """The coordinates ``W0`` is stored in to a side's (the same with ``block_coordinates``)."""
-    return t if spec.block_coordinates else _side_columns(t, side)
+    return t if spec.block_coordinates else _side_columns(t, side, scratch)
 
 
-def _natural_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
+def _natural_columns(t: torch.Tensor, side: SideRotation | None, scratch: Scratch) -> torch.Tensor:
     """``t Ψ``: last-dimension entries from a block side's coordinates back to natural order."""
     index = side_permutation(side)
-    return t if index is None else select_last(t, inverse_permutation(index))
+    return t if index is None else select_last(t, inverse_permutation(index), scratch.allocate)
 
 
-def _side_columns(t: torch.Tensor, side: SideRotation | None) -> torch.Tensor:
+def _side_columns(t: torch.Tensor, side: SideRotation | None, scratch: Scratch) -> torch.Tensor:
     """``t Ψᵀ``: last-dimension entries from natural order to a block side's coordinates."""
     index = side_permutation(side)
-    return t if index is None else select_last(t, index)
+    return t if index is None else select_last(t, index, scratch.allocate)
 
 
 class ActivationStrategy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, r_vec, p_vec, spec: RotatedPass, dtypes: ComputeDtypes):
         input_side, output_side = spec.input_side, spec.output_side
+        scratch = Scratch()  # each T × d result takes the memory of one that died before it
         with autocast_off(x.device.type):
             r_blocks = None if input_side is None else input_side.blocks(r_vec, store=True)[0]
             # Without an output side the bias is fused into the base op (one addmm); with one it is added last.
-            u = _base_input(x.reshape(-1, x.shape[-1]), spec, r_blocks, dtypes)
+            u = _base_input(x.reshape(-1, x.shape[-1]), spec, r_blocks, dtypes, scratch)
             op = cast(LinearOp, spec.op)  # what `RotatedPass` allows the activation strategies
             h_base = _products(u, None, weight, op, bias if output_side is None else None, dtypes.base)[0]
-            h = _coordinates_of_side(cast(torch.Tensor, h_base), spec, output_side)  # in P's coordinates
+            scratch.release(u)
+            h = _coordinates_of_side(cast(torch.Tensor, h_base), spec, output_side, scratch)  # in P's coordinates
             y = h
             if output_side is not None:
                 p_blocks = output_side.blocks(p_vec, store=True)[0].to(dtypes.rotation)
-                y = right_product(h.to(dtypes.rotation), output_side, p_blocks)
-                y = _natural_columns(y, output_side).to(dtypes.base)
+                y = right_product(h.to(dtypes.rotation), output_side, p_blocks, row_major=True, empty=scratch.allocate)
+                if not spec.keeps_output:
+                    scratch.release(h, y)
+                y = _natural_columns(y, output_side, scratch).to(dtypes.base)
                 if bias is not None:
-                    y = y + bias.to(dtypes.base)
+                    y = y.add_(bias.to(dtypes.base))  # y is this call's own
         kept_h = h if output_side is not None and spec.keeps_output else None
         ctx.save_for_backward(x, save_weight(ctx, weight), bias, r_vec, p_vec, kept_h)
         ctx.spec, ctx.dtypes = spec, dtypes
@@ -129,6 +139,7 @@ class ActivationStrategy(torch.autograd.Function):
         spec, dtypes = ctx.spec, ctx.dtypes
         input_side, output_side = spec.input_side, spec.output_side
         grads: list[Any] = [None] * 7
+        scratch = Scratch()
         with autocast_off(grad_y.device.type):
             weight = weight_source(weight, ctx)
             x2 = x.reshape(-1, x.shape[-1])
@@ -139,25 +150,29 @@ class ActivationStrategy(torch.autograd.Function):
             g_h, need_h = g, False  # dL/dh, in P's coordinates; whether h must be recomputed
             if output_side is not None:  # y = (h Diag(P)) Ψ_P, h = H Ψ_Pᵀ
                 p_blocks, p_eval = output_side.blocks(p_vec)
-                g = _side_columns(g.to(dtypes.rotation), output_side)
-                g_h = right_product(g, output_side, transpose_blocks(p_blocks.to(dtypes.rotation)))
+                g = _side_columns(g.to(dtypes.rotation), output_side, scratch)
+                g_h = right_product(
+                    g, output_side, transpose_blocks(p_blocks.to(dtypes.rotation)), empty=scratch.allocate
+                )
                 need_h = ctx.needs_input_grad[4] and h is None
             if input_side is not None and need_h:  # R's blocks are built when first needed: here for h, else after W0
                 r_blocks, r_eval = input_side.blocks(r_vec)
             # One pass over W0: h recomputed where needed, and dL/du = g_h Ψ_P W0 Ψ_Rᵀ (in R's coordinates).
-            u = _base_input(x2, spec, r_blocks, dtypes) if need_h else None
-            g_base = _base_columns(g_h.to(dtypes.base), spec, output_side)
-            del g_h
+            u = _base_input(x2, spec, r_blocks, dtypes, scratch) if need_h else None
+            g_base = _base_columns(g_h.to(dtypes.base), spec, output_side, scratch)
+            del g_h  # freed before the products allocate theirs
             h_base, grad_base = _products(u, g_base, weight, spec.op, None, dtypes.base)
+            scratch.release(u)
+            scratch.release(g_base)
             del u, g_base
-            grad_u = _coordinates_of_side(cast(torch.Tensor, grad_base), spec, input_side)
+            grad_u = _coordinates_of_side(cast(torch.Tensor, grad_base), spec, input_side, scratch)
             # Each activation-sized operand is freed once used: the rotations' VJPs below set the backward's peak.
             del grad_base
             if output_side is not None and ctx.needs_input_grad[4]:
-                h = h if h_base is None else _coordinates_of_side(h_base, spec, output_side)
+                h = h if h_base is None else _coordinates_of_side(h_base, spec, output_side, scratch)
                 h_base = None
                 grad_blocks = grad_right(h.to(dtypes.rotation), g, output_side)
-                h = g = None
+                h = g = None  # freed, not released: the map's VJP allocates next
                 grads[4] = output_side.vector_grad(p_eval, grad_blocks, p_vec)
                 del grad_blocks
             del h, h_base
@@ -166,13 +181,17 @@ class ActivationStrategy(torch.autograd.Function):
                     r_blocks, r_eval = input_side.blocks(r_vec)
                 grad_u = grad_u.to(dtypes.rotation)
                 if ctx.needs_input_grad[3]:
-                    x_r = _side_columns(x2.to(dtypes.rotation), input_side)
+                    x_r = _side_columns(x2.to(dtypes.rotation), input_side, scratch)
                     grad_blocks = grad_right(x_r, grad_u, input_side)
+                    scratch.release(x_r)
                     del x_r
                     grads[3] = input_side.vector_grad(r_eval, grad_blocks, r_vec)
                     del grad_blocks
-                grad_u = right_product(grad_u, input_side, transpose_blocks(r_blocks.to(dtypes.rotation)))
-                grad_u = _natural_columns(grad_u, input_side)
+                r_transposed = transpose_blocks(r_blocks.to(dtypes.rotation))
+                rotated = right_product(grad_u, input_side, r_transposed, row_major=True, empty=scratch.allocate)
+                scratch.release(grad_u, rotated)
+                grad_u = _natural_columns(rotated, input_side, scratch)
+                del rotated
             if ctx.needs_input_grad[0]:
                 grads[0] = grad_u.contiguous().reshape(x.shape).to(x.dtype)
         return tuple(grads)

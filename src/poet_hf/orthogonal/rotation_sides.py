@@ -21,6 +21,7 @@ from .norm_cap import NormCap
 from .spo import (
     BLOCK,
     FULL,
+    Allocate,
     SideSpec,
     blockdiag_grad_left,
     blockdiag_grad_right,
@@ -229,11 +230,14 @@ def weight_from_block_coordinates(
     return weight
 
 
-def right_product(x: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:
-    """``x @ G`` on the last dimension, ``x`` in the side's coordinates (natural ones for FS)."""
+def right_product(
+    x: torch.Tensor, side: SideRotation, blocks: torch.Tensor, row_major: bool = False, empty: Allocate | None = None
+) -> torch.Tensor:
+    """``x @ G`` on the last dimension, ``x`` in the side's coordinates (natural ones for FS); ``row_major`` and
+    ``empty`` as in `blockdiag_right` (block sides)."""
     if side.spec.kind == FULL:
         return x.index_copy(-1, side.index, select_last(x, side.index) @ blocks[0])
-    return blockdiag_right(x, blocks)
+    return blockdiag_right(x, blocks, row_major, empty)
 
 
 def left_product(m: torch.Tensor, side: SideRotation, blocks: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -287,26 +288,56 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
 # tokens as the long (N) dimension of every block product.
 
 
-def select_last(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+Allocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Returns an uninitialised tensor of a shape, dtype and device (`torch.empty`, or a `poet_hf.orthogonal.scratch`)."""
+
+
+def select_last(x: torch.Tensor, index: torch.Tensor, empty: Allocate | None = None) -> torch.Tensor:
     """``x.index_select(-1, index)``, by ``torch.gather`` on the rows of ``x``, or on the rows of ``xᵀ``.
 
     The same values, up to twice as fast on a CPU for wide rows (``index_select`` along the last dimension copies
     element by element). A column-major matrix (what `blockdiag_right` returns) is gathered as whole rows of its
     transpose and stays column-major (a matrix product takes it as it is), four times faster than ``index_select``,
-    which copies it contiguous first."""
+    which copies it contiguous first. ``empty`` (outside autograd) gives the result's memory."""
     if x.dim() == 2 and x.shape[0] > 1 and x.T.is_contiguous():
-        return x.T.index_select(0, index).T
+        if empty is None:
+            return x.T.index_select(0, index).T
+        return torch.index_select(x.T, 0, index, out=empty((index.shape[0], x.shape[0]), x.dtype, x.device)).T
     if x.dim() < 2 or not x.is_contiguous():
         return x.index_select(-1, index)
     rows = x.reshape(-1, x.shape[-1])
-    return torch.gather(rows, 1, index.expand(rows.shape[0], -1)).reshape(*x.shape[:-1], index.shape[0])
+    rows_index = index.expand(rows.shape[0], -1)
+    if empty is None:
+        gathered = torch.gather(rows, 1, rows_index)
+    else:
+        gathered = torch.gather(rows, 1, rows_index, out=empty(tuple(rows_index.shape), x.dtype, x.device))
+    return gathered.reshape(*x.shape[:-1], index.shape[0])
 
 
-def blockdiag_right(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``x @ Diag(blocks)`` on the last dimension of ``x`` (``(..., nb·b)``)."""
+def blockdiag_right(
+    x: torch.Tensor, blocks: torch.Tensor, row_major: bool = False, empty: Allocate | None = None
+) -> torch.Tensor:
+    """``x @ Diag(blocks)`` on the last dimension of ``x`` (``(..., nb·b)``).
+
+    One batched product, whose result is column-major (a matrix product takes it as it is). ``empty`` (outside
+    autograd and compilation) gives the result's memory, and with ``row_major`` the product is one per block, each
+    written into its columns of a row-major result: that saves the transposing copy a row-major consumer would
+    make (as slow as the product itself on a CPU)."""
     num_blocks, b, _ = blocks.shape
+    if row_major and empty is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        out = empty(tuple(rows.shape), x.dtype, x.device)
+        for n in range(num_blocks):
+            columns = slice(n * b, (n + 1) * b)
+            torch.mm(rows[:, columns], blocks[n], out=out[:, columns])
+        return out.reshape(x.shape)
     z = x.reshape(-1, num_blocks, b)
-    y = torch.bmm(blocks.transpose(1, 2), z.permute(1, 2, 0))  # (nb, b, T): y[n, c, t] = Σ_j z[t, n, j] D[n, j, c]
+    batch = blocks.transpose(1, 2), z.permute(1, 2, 0)
+    if empty is None:
+        y = torch.bmm(*batch)
+    else:
+        y = torch.bmm(*batch, out=empty((num_blocks, b, z.shape[0]), x.dtype, x.device))
+    # (nb, b, T): y[n, c, t] = Σ_j z[t, n, j] D[n, j, c]
     return y.permute(2, 0, 1).reshape(x.shape)
 
 
