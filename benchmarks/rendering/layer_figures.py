@@ -118,6 +118,15 @@ def poet_layer_picks(load: Load) -> str:
     return f"{good} of the {len(rows)}"
 
 
+def poet_layer_bounded_picks(load: Load) -> str:
+    """How many of the rows ``auto`` picked within 10 % of the fastest strategy its memory bound allows."""
+    from benchmarks.suites.poet_layer import bounded_pick
+
+    rows = load("poet_layer")["rows"]
+    good = sum(bounded_pick(r)["pick within 10% of that"] for r in rows)
+    return f"{good} of the {len(rows)}"
+
+
 def fold_row(load: Load, way: str) -> dict[str, Any]:
     return next(r for r in load("fold")["rows"] if r["way"] == way)
 
@@ -255,6 +264,7 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "reflection.vs_linear": lambda load: span([r["aux_reflection/linear"] for r in load("reflection")["rows"]], 2),
     "poet_layer.source": lambda load: provenance(load("poet_layer")),
     "poet_layer.picks": poet_layer_picks,
+    "poet_layer.bounded_picks": poet_layer_bounded_picks,
     **{
         f"poet_layer.{d_in}x{d_out}.{key}": lambda load, i=d_in, o=d_out, c=column: ratio(poet_layer_row(load, i, o)[c])
         for d_in, d_out in ((4096, 4096), (4096, 14336))

@@ -15,7 +15,14 @@ from .map_protocol import OrthogonalMap
 from .rotated_linear import ACTIVATION, ACTIVATION_RECOMPUTE, WEIGHT
 from .spo import SideSpec
 
-__all__ = ["CacheChoice", "auto_strategy", "polynomial_products", "rotation_cache_choice", "strategy_costs"]
+__all__ = [
+    "CacheChoice",
+    "admissible_strategies",
+    "auto_strategy",
+    "polynomial_products",
+    "rotation_cache_choice",
+    "strategy_costs",
+]
 
 CACHE_MIN_SAVING = 0.10  # a deferred micro-batch must skip at least this share of the layer's multiply-adds
 CACHE_MAX_HOLD = 2.0  # and the cache may hold at most this multiple of the rotations' state on the process
@@ -88,16 +95,33 @@ def strategy_costs(
     }
 
 
+def admissible_strategies(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> list[str]:
+    """The strategies ``forward="auto"`` may take by what they keep: `auto_strategy`'s memory bound.
+
+    Those that keep nothing but the layer input, and, where both widths are at least `KEEP_MIN_WIDTH`, those that
+    keep at most half as many floats as ``W0`` has entries (``T ≤ d_in / 2`` for ``activation``, which keeps ``h``,
+    ``T × d_out``: the layer then holds at most 1.5 ``W0``'s worth, against the four of an AdamW-trained layer's
+    weight, gradient and two moments).
+
+    Args:
+        costs: `strategy_costs` of the call.
+        d_in: the layer's input width.
+        d_out: the layer's output width.
+
+    Returns:
+        Their names, in the order of ``costs``.
+    """
+    limit = d_in * d_out / 2 if min(d_in, d_out) >= KEEP_MIN_WIDTH else 0.0
+    return [name for name, cost in costs.items() if cost["kept"] <= limit]
+
+
 def auto_strategy(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> str:
     """``forward="auto"``'s strategy from `strategy_costs`: the fewest multiply-adds, memory kept bounded.
 
-    The cheapest strategy that keeps only the layer input, unless one that keeps more (``activation``, which keeps
-    ``h``, ``T × d_out``) needs at least `KEEP_MIN_SAVING` fewer multiply-adds, keeps at most half as many floats as
-    ``W0`` has entries (``T ≤ d_in / 2``: the layer then holds at most 1.5 ``W0``'s worth, against the four of an
-    AdamW-trained layer's weight, gradient and two moments), and both widths are at least `KEEP_MIN_WIDTH`.
-    Narrower, the activation strategy's gathers and small block products eat its counted saving (measured: at 1024
-    wide it is no faster than the weight strategy), so there it keeps nothing. On a tie the strategy listed first
-    wins.
+    The cheapest strategy that keeps only the layer input, unless one that keeps more (`admissible_strategies`)
+    needs at least `KEEP_MIN_SAVING` fewer multiply-adds. Narrower than `KEEP_MIN_WIDTH`, the activation strategy's
+    gathers and small block products eat its counted saving, so there it keeps nothing. On a tie the strategy
+    listed first wins.
 
     Args:
         costs: `strategy_costs` of the call.
@@ -105,12 +129,10 @@ def auto_strategy(costs: dict[str, dict[str, float]], d_in: int, d_out: int) -> 
         d_out: the layer's output width.
     """
     # (macs, order, name) lists and plain mins, which Dynamo traces
-    frugal = min([(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] == 0])
-    if min(d_in, d_out) < KEEP_MIN_WIDTH:
-        return frugal[2]
-    bounded = min(
-        [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if cost["kept"] <= d_in * d_out / 2]
-    )
+    allowed = admissible_strategies(costs, d_in, d_out)
+    ranked = [(cost["macs"], i, name) for i, (name, cost) in enumerate(costs.items()) if name in allowed]
+    frugal = min([entry for entry in ranked if costs[entry[2]]["kept"] == 0])
+    bounded = min(ranked)
     return bounded[2] if bounded[0] <= (1 - KEEP_MIN_SAVING) * frugal[0] else frugal[2]
 
 
