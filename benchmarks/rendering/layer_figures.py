@@ -127,6 +127,27 @@ def poet_layer_bounded_picks(load: Load) -> str:
     return f"{good} of the {len(rows)}"
 
 
+LAYER_PROFILE_PARTS = ("base products", "block products", "polynomial", "gathers", "other")
+
+
+def layer_profile_table(load: Load) -> str:
+    """Milliseconds per forward+backward by part (`layer_profile`), beside the plain layer's and the flop floor."""
+    rows = [
+        [
+            f"{r['d_in']} × {r['d_out']}",
+            str(r["block"]),
+            r["strategy"],
+            f"{r['plain_ms']:,.0f}",
+            f"{r['flop floor ms']:,.0f}",
+            f"**{r['poet_ms']:,.0f}**",
+            *(f"{r[f'{part} ms']:,.0f}" for part in LAYER_PROFILE_PARTS),
+        ]
+        for r in load("layer_profile")["rows"]
+    ]
+    header = ["d_in × d_out", "block", "`auto`", "plain", "flop floor", "POET", *LAYER_PROFILE_PARTS]
+    return markdown_table(header, rows)
+
+
 def fold_row(load: Load, way: str) -> dict[str, Any]:
     return next(r for r in load("fold")["rows"] if r["way"] == way)
 
@@ -244,6 +265,7 @@ LAYER_TABLES: dict[str, Callable[[Load], str]] = {
     "eco": eco_table,
     "reflection": reflection_table,
     "poet_layer": poet_layer_table,
+    "layer_profile": layer_profile_table,
     "oft_layer": oft_layer_table,
     "import_time": import_time_table,
     "nonfinite_check": nonfinite_check_table,
@@ -263,6 +285,7 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "reflection.vs_matrix_exp": lambda load: reflection_speedup(load, "param_matrix_exp"),
     "reflection.vs_linear": lambda load: span([r["aux_reflection/linear"] for r in load("reflection")["rows"]], 2),
     "poet_layer.source": lambda load: provenance(load("poet_layer")),
+    "layer_profile.source": lambda load: provenance(load("layer_profile")),
     "poet_layer.picks": poet_layer_picks,
     "poet_layer.bounded_picks": poet_layer_bounded_picks,
     **{
