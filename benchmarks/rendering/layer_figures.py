@@ -131,20 +131,20 @@ LAYER_PROFILE_PARTS = ("base products", "block products", "polynomial", "gathers
 
 
 def layer_profile_table(load: Load) -> str:
-    """Milliseconds per forward+backward by part (`layer_profile`), beside the plain layer's and the flop floor."""
+    """Milliseconds per forward+backward by part (`layer_profile`), beside the plain layer's and at the flop ratio."""
     rows = [
         [
             f"{r['d_in']} × {r['d_out']}",
             str(r["block"]),
             r["strategy"],
             f"{r['plain_ms']:,.0f}",
-            f"{r['flop floor ms']:,.0f}",
+            f"{r['at flop ratio ms']:,.0f}",
             f"**{r['poet_ms']:,.0f}**",
             *(f"{r[f'{part} ms']:,.0f}" for part in LAYER_PROFILE_PARTS),
         ]
         for r in load("layer_profile")["rows"]
     ]
-    header = ["d_in × d_out", "block", "`auto`", "plain", "flop floor", "POET", *LAYER_PROFILE_PARTS]
+    header = ["d_in × d_out", "block", "`auto`", "plain", "at its flop ratio", "POET", *LAYER_PROFILE_PARTS]
     return markdown_table(header, rows)
 
 
