@@ -164,3 +164,18 @@ def test_the_path_check_sees_what_the_suites_name():
     """The check reads the chains it is meant to: the 7B suite's config and the quality suite's script."""
     assert "configs/models/llama-2-7b.json" in _root_paths(ROOT / "benchmarks" / "suites" / "pretrain_7b.py")
     assert "scripts/pretrain.py" in _root_paths(ROOT / "benchmarks" / "suites" / "pretrain_quality.py")
+
+
+def test_the_layer_profile_puts_each_product_in_its_part_by_its_operands():
+    """`layer_profile.part_of`: a product of the layer's own size, a block product (a ``b``-wide face beside a token
+    or width dimension), the map's polynomial (``b × b`` faces only), a gather, and the rest."""
+    from benchmarks.suites.layer_profile import part_of
+
+    tokens, d_in, d_out, b = 2048, 1024, 4096, 64
+    assert part_of("aten::mm", [[tokens, d_in], [d_in, d_out]], b) == "base products"
+    assert part_of("aten::linear", [[tokens, d_in], [d_out, d_in], []], b) == "base products"
+    assert part_of("aten::bmm", [[d_in // b, b, b], [d_in // b, b, tokens]], b) == "block products"
+    assert part_of("aten::mm", [[tokens, b], [b, b]], b) == "block products"
+    assert part_of("aten::baddbmm", [[16, b, b], [16, b, b], [16, b, b]], b) == "polynomial"
+    assert part_of("aten::gather", [[tokens, d_in], [tokens, d_in]], b) == "gathers"
+    assert part_of("aten::add_", [[tokens, d_in], [tokens, d_in]], b) == "other"
