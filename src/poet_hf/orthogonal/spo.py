@@ -289,7 +289,7 @@ def make_side_spec(spo: str, dim: int, block_size: int, subset: int, layer_name:
 
 
 Allocate = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
-"""Returns an uninitialised tensor of a shape, dtype and device (`torch.empty`, or a `poet_hf.orthogonal.scratch`)."""
+"""Called with a shape, dtype and device, returns an uninitialised tensor (`poet_hf.orthogonal.scratch.Scratch`)."""
 
 
 def select_last(x: torch.Tensor, index: torch.Tensor, empty: Allocate | None = None) -> torch.Tensor:
