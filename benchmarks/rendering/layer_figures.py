@@ -111,18 +111,18 @@ def poet_layer_row(load: Load, d_in: int, d_out: int) -> dict[str, Any]:
     return next(r for r in rows if (r["d_in"], r["d_out"], r["block"], r["tokens"]) == (d_in, d_out, 256, 2048))
 
 
-def poet_layer_picks(load: Load) -> str:
+def poet_layer_picks(load: Load, suite: str = "poet_layer") -> str:
     """How many of the rows ``auto`` picked within 10 % of the fastest strategy."""
-    rows = load("poet_layer")["rows"]
+    rows = load(suite)["rows"]
     good = sum(r["pick within 10% of it"] for r in rows)
     return f"{good} of the {len(rows)}"
 
 
-def poet_layer_bounded_picks(load: Load) -> str:
+def poet_layer_bounded_picks(load: Load, suite: str = "poet_layer") -> str:
     """How many of the rows ``auto`` picked within 10 % of the fastest strategy its memory bound allows."""
     from benchmarks.suites.poet_layer import bounded_pick
 
-    rows = load("poet_layer")["rows"]
+    rows = load(suite)["rows"]
     good = sum(bounded_pick(r)["pick within 10% of that"] for r in rows)
     return f"{good} of the {len(rows)}"
 
@@ -288,6 +288,9 @@ LAYER_FIGURES: dict[str, Callable[[Load], str]] = {
     "layer_profile.source": lambda load: provenance(load("layer_profile")),
     "poet_layer.picks": poet_layer_picks,
     "poet_layer.bounded_picks": poet_layer_bounded_picks,
+    "poet_layer_bf16.source": lambda load: provenance(load("poet_layer_bf16")),
+    "poet_layer_bf16.picks": lambda load: poet_layer_picks(load, "poet_layer_bf16"),
+    "poet_layer_bf16.bounded_picks": lambda load: poet_layer_bounded_picks(load, "poet_layer_bf16"),
     **{
         f"poet_layer.{d_in}x{d_out}.{key}": lambda load, i=d_in, o=d_out, c=column: ratio(poet_layer_row(load, i, o)[c])
         for d_in, d_out in ((4096, 4096), (4096, 14336))
